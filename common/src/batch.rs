@@ -1,0 +1,824 @@
+//! The batch plan: `micro x grad_accum x world = global`.
+//!
+//! `[batch]` in the config names any two of `global`, `micro` and `grad_accum` (or all three);
+//! with the world size (number of data-parallel processes) known, [`BatchSpec::resolve`] derives
+//! the missing one. Integer division that would lose samples is an error, never a silent
+//! truncation, and every such error carries valid alternatives both as text and as
+//! [`BatchPlan`]s ([`BatchError::suggestions`]).
+//!
+//! All arithmetic is checked: values that overflow `u64` are errors, not panics.
+
+use std::fmt;
+
+/// The `[batch]` section as written: any two of the three values, or all three.
+///
+/// Every field is a count of samples (or of micro-batches for `grad_accum`); a missing field is
+/// derived by [`BatchSpec::resolve`] once the world size is known.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchSpec {
+    /// Samples per optimizer step, summed over all workers. Default: unset (derived). Must be >= 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global: Option<u64>,
+    /// Samples per forward/backward pass on one worker. Default: unset (derived). Must be >= 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro: Option<u64>,
+    /// Micro-batches accumulated per optimizer step on each worker. Default: unset (derived;
+    /// 1 when only `global` or only `micro` is given). Must be >= 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_accum: Option<u64>,
+}
+
+/// A resolved batch plan; `micro * grad_accum * world_size == global` holds for every plan this
+/// module returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BatchPlan {
+    /// Samples per optimizer step, summed over all workers.
+    pub global: u64,
+    /// Samples per forward/backward pass on one worker.
+    pub micro: u64,
+    /// Micro-batches accumulated per optimizer step on each worker.
+    pub grad_accum: u64,
+    /// Number of data-parallel worker processes.
+    pub world_size: u64,
+}
+
+/// Why a `[batch]` section cannot be turned into a [`BatchPlan`]. Every message is one line.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchError {
+    /// The world size was 0.
+    #[error("batch: world size must be >= 1 (got 0)")]
+    ZeroWorld,
+    /// A given value was 0; `key` is `global`, `micro` or `grad_accum`.
+    #[error("`batch.{key}` must be >= 1 (got 0)")]
+    Zero {
+        /// The offending key inside `[batch]`.
+        key: &'static str,
+    },
+    /// Neither `global` nor `micro` was given.
+    #[error("[batch] needs two of global, micro, grad_accum ({})", given_text(*.grad_accum))]
+    Underdetermined {
+        /// `grad_accum` when it was the only value given.
+        grad_accum: Option<u64>,
+    },
+    /// A division did not come out exact (`global` is not a multiple of what divides it).
+    #[error("batch: {detail}")]
+    NotDivisible {
+        /// The values as written.
+        spec: BatchSpec,
+        /// The world size the spec was resolved for.
+        world_size: u64,
+        /// The arithmetic and the suggestions, as one line.
+        detail: String,
+        /// Valid plans near the request (each satisfies the invariant).
+        suggestions: Vec<BatchPlan>,
+    },
+    /// All three values were given and `micro * grad_accum * world != global`.
+    #[error("batch: {detail}")]
+    Mismatch {
+        /// The values as written.
+        spec: BatchSpec,
+        /// The world size the spec was resolved for.
+        world_size: u64,
+        /// The arithmetic and the suggestions, as one line.
+        detail: String,
+        /// Valid plans near the request (each satisfies the invariant).
+        suggestions: Vec<BatchPlan>,
+    },
+    /// A product does not fit in a `u64`.
+    #[error("batch: {expression} does not fit in 64 bits")]
+    Overflow {
+        /// The product that overflowed, e.g. `micro 4294967296 x world 4294967296`.
+        expression: String,
+    },
+}
+
+fn given_text(grad_accum: Option<u64>) -> String {
+    match grad_accum {
+        Some(a) => format!("only grad_accum {a} given"),
+        None => "none given".to_string(),
+    }
+}
+
+impl BatchError {
+    /// The dotted config key the error is about (`batch.micro`, or `batch` for the section).
+    pub fn key_path(&self) -> String {
+        match self {
+            BatchError::Zero { key } => format!("batch.{key}"),
+            _ => "batch".to_string(),
+        }
+    }
+
+    /// Valid plans suggested by the error (empty for errors without suggestions).
+    pub fn suggestions(&self) -> &[BatchPlan] {
+        match self {
+            BatchError::NotDivisible { suggestions, .. }
+            | BatchError::Mismatch { suggestions, .. } => suggestions,
+            _ => &[],
+        }
+    }
+}
+
+/// Above this quotient (`global / world`), divisor searches for suggestions are skipped
+/// (they cost O(sqrt(quotient))).
+const SUGGESTION_SEARCH_LIMIT: u64 = 1 << 40;
+
+fn mul(parts: &[(&str, u64)]) -> Result<u64, BatchError> {
+    let mut product: u64 = 1;
+    for (_, v) in parts {
+        product = match product.checked_mul(*v) {
+            Some(p) => p,
+            None => {
+                let expression = parts
+                    .iter()
+                    .map(|(name, v)| format!("{name} {v}"))
+                    .collect::<Vec<_>>()
+                    .join(" x ");
+                return Err(BatchError::Overflow { expression });
+            }
+        };
+    }
+    Ok(product)
+}
+
+fn ratio(n: u64, d: u64) -> String {
+    format!("{:.2}", n as f64 / d as f64)
+}
+
+/// Multiples of `d` just below (if >= d) and just above `n`, which is not a multiple of `d`.
+fn neighbour_multiples(n: u64, d: u64) -> Vec<u64> {
+    let k = n / d;
+    let mut out = Vec::with_capacity(2);
+    if k >= 1 {
+        out.push(k * d);
+    }
+    if let Some(up) = (k + 1).checked_mul(d) {
+        out.push(up);
+    }
+    out
+}
+
+/// All divisors of `n` (n >= 1), ascending. O(sqrt(n)).
+fn divisors(n: u64) -> Vec<u64> {
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut i: u64 = 1;
+    while i <= n / i {
+        if n % i == 0 {
+            small.push(i);
+            if i != n / i {
+                large.push(n / i);
+            }
+        }
+        i += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small
+}
+
+/// The divisors of `n` nearest to `target` from below and from above (excluding `target`).
+/// Empty when `n` is too large to search.
+fn nearest_divisors(n: u64, target: u64) -> Vec<u64> {
+    if n == 0 || n > SUGGESTION_SEARCH_LIMIT {
+        return Vec::new();
+    }
+    let divs = divisors(n);
+    let below = divs.iter().copied().filter(|&d| d < target).max();
+    let above = divs.iter().copied().filter(|&d| d > target).min();
+    below.into_iter().chain(above).collect()
+}
+
+fn join_or(items: &[String]) -> String {
+    items.join(" or ")
+}
+
+fn impossible_keep(global: u64, world: u64) -> String {
+    format!("or keep global {global} with world {world}: impossible ({global} is not a multiple of {world})")
+}
+
+impl BatchSpec {
+    /// World-independent checks: no value is 0, and `global` or `micro` is given.
+    ///
+    /// [`BatchSpec::resolve`] runs these first; `Config::validate` runs them without a world size.
+    pub fn check(&self) -> Result<(), BatchError> {
+        for (key, value) in [
+            ("global", self.global),
+            ("micro", self.micro),
+            ("grad_accum", self.grad_accum),
+        ] {
+            if value == Some(0) {
+                return Err(BatchError::Zero { key });
+            }
+        }
+        if self.global.is_none() && self.micro.is_none() {
+            return Err(BatchError::Underdetermined {
+                grad_accum: self.grad_accum,
+            });
+        }
+        Ok(())
+    }
+
+    /// Derives the full plan for `world_size` data-parallel processes.
+    ///
+    /// Rules: all three given -> they must satisfy the invariant; global + micro -> grad_accum =
+    /// global / (micro x world); global + grad_accum -> micro = global / (grad_accum x world);
+    /// micro + grad_accum -> global = micro x grad_accum x world; global only -> grad_accum 1,
+    /// micro = global / world; micro only -> grad_accum 1, global = micro x world. A division
+    /// that is not exact is an error with suggestions.
+    pub fn resolve(&self, world_size: u64) -> Result<BatchPlan, BatchError> {
+        let w = world_size;
+        if w == 0 {
+            return Err(BatchError::ZeroWorld);
+        }
+        self.check()?;
+        let plan = |global, micro, grad_accum| BatchPlan {
+            global,
+            micro,
+            grad_accum,
+            world_size: w,
+        };
+        match (self.global, self.micro, self.grad_accum) {
+            (Some(g), Some(m), Some(a)) => {
+                let p = mul(&[("micro", m), ("grad_accum", a), ("world", w)])?;
+                if p == g {
+                    return Ok(plan(g, m, a));
+                }
+                let mut suggestions = vec![plan(p, m, a)];
+                let mut keep = Vec::new();
+                if g % w == 0 {
+                    let q = g / w;
+                    if q % m == 0 {
+                        keep.push(plan(g, m, q / m));
+                    }
+                    if q % a == 0 {
+                        keep.push(plan(g, q / a, a));
+                    }
+                    if keep.is_empty() {
+                        keep.extend(
+                            nearest_divisors(q, m)
+                                .into_iter()
+                                .map(|d| plan(g, d, q / d)),
+                        );
+                    }
+                }
+                let mut detail = format!(
+                    "global {g} != micro {m} x grad_accum {a} x world {w} = {p}; nearest valid: global {p}"
+                );
+                if g % w != 0 {
+                    detail.push_str(", ");
+                    detail.push_str(&impossible_keep(g, w));
+                } else if !keep.is_empty() {
+                    let texts: Vec<String> = keep
+                        .iter()
+                        .map(|k| format!("micro {} x grad_accum {}", k.micro, k.grad_accum))
+                        .collect();
+                    detail.push_str(&format!(", or keep global {g} with {}", join_or(&texts)));
+                }
+                suggestions.extend(keep);
+                Err(BatchError::Mismatch {
+                    spec: self.clone(),
+                    world_size: w,
+                    detail,
+                    suggestions,
+                })
+            }
+            (Some(g), Some(m), None) => {
+                let d = mul(&[("micro", m), ("world", w)])?;
+                if g % d == 0 {
+                    return Ok(plan(g, m, g / d));
+                }
+                let near: Vec<BatchPlan> = neighbour_multiples(g, d)
+                    .into_iter()
+                    .map(|n| plan(n, m, n / d))
+                    .collect();
+                let near_text: Vec<String> = near
+                    .iter()
+                    .map(|p| format!("{} (grad_accum {})", p.global, p.grad_accum))
+                    .collect();
+                let mut detail = format!(
+                    "global {g} is not divisible by micro {m} x world {w} = {d} ({g} / {d} = {}); nearest valid: global {}",
+                    ratio(g, d),
+                    join_or(&near_text)
+                );
+                let keep = self.keep_global_text(g, w, m, true, &mut detail);
+                self.not_divisible(w, detail, near.into_iter().chain(keep).collect())
+            }
+            (Some(g), None, Some(a)) => {
+                let d = mul(&[("grad_accum", a), ("world", w)])?;
+                if g % d == 0 {
+                    return Ok(plan(g, g / d, a));
+                }
+                let near: Vec<BatchPlan> = neighbour_multiples(g, d)
+                    .into_iter()
+                    .map(|n| plan(n, n / d, a))
+                    .collect();
+                let near_text: Vec<String> = near
+                    .iter()
+                    .map(|p| format!("{} (micro {})", p.global, p.micro))
+                    .collect();
+                let mut detail = format!(
+                    "global {g} is not divisible by grad_accum {a} x world {w} = {d} ({g} / {d} = {}); nearest valid: global {}",
+                    ratio(g, d),
+                    join_or(&near_text)
+                );
+                let keep = self.keep_global_text(g, w, a, false, &mut detail);
+                self.not_divisible(w, detail, near.into_iter().chain(keep).collect())
+            }
+            (Some(g), None, None) => {
+                if g % w == 0 {
+                    return Ok(plan(g, g / w, 1));
+                }
+                let near: Vec<BatchPlan> = neighbour_multiples(g, w)
+                    .into_iter()
+                    .map(|n| plan(n, n / w, 1))
+                    .collect();
+                let near_text: Vec<String> = near
+                    .iter()
+                    .map(|p| format!("{} (micro {})", p.global, p.micro))
+                    .collect();
+                let detail = format!(
+                    "global {g} is not divisible by world {w} ({g} / {w} = {}); nearest valid: global {}",
+                    ratio(g, w),
+                    join_or(&near_text)
+                );
+                self.not_divisible(w, detail, near)
+            }
+            (None, Some(m), Some(a)) => {
+                let g = mul(&[("micro", m), ("grad_accum", a), ("world", w)])?;
+                Ok(plan(g, m, a))
+            }
+            (None, Some(m), None) => {
+                let g = mul(&[("micro", m), ("world", w)])?;
+                Ok(plan(g, m, 1))
+            }
+            // `check` rejected these above; kept total without panicking.
+            (None, None, a) => Err(BatchError::Underdetermined { grad_accum: a }),
+        }
+    }
+
+    fn not_divisible(
+        &self,
+        world_size: u64,
+        detail: String,
+        suggestions: Vec<BatchPlan>,
+    ) -> Result<BatchPlan, BatchError> {
+        Err(BatchError::NotDivisible {
+            spec: self.clone(),
+            world_size,
+            detail,
+            suggestions,
+        })
+    }
+
+    /// Appends "or keep global ..." to `detail` and returns the plans it names. `given` is the
+    /// requested micro (`given_is_micro`) or grad_accum.
+    fn keep_global_text(
+        &self,
+        g: u64,
+        w: u64,
+        given: u64,
+        given_is_micro: bool,
+        detail: &mut String,
+    ) -> Vec<BatchPlan> {
+        if g % w != 0 {
+            detail.push_str(", ");
+            detail.push_str(&impossible_keep(g, w));
+            return Vec::new();
+        }
+        let q = g / w;
+        let plans: Vec<BatchPlan> = nearest_divisors(q, given)
+            .into_iter()
+            .map(|d| {
+                let (micro, grad_accum) = if given_is_micro {
+                    (d, q / d)
+                } else {
+                    (q / d, d)
+                };
+                BatchPlan {
+                    global: g,
+                    micro,
+                    grad_accum,
+                    world_size: w,
+                }
+            })
+            .collect();
+        if !plans.is_empty() {
+            let texts: Vec<String> = plans
+                .iter()
+                .map(|p| {
+                    if given_is_micro {
+                        format!("{} (grad_accum {})", p.micro, p.grad_accum)
+                    } else {
+                        format!("{} (micro {})", p.grad_accum, p.micro)
+                    }
+                })
+                .collect();
+            let key = if given_is_micro {
+                "micro"
+            } else {
+                "grad_accum"
+            };
+            detail.push_str(&format!(
+                ", or keep global {g} with {key} {}",
+                join_or(&texts)
+            ));
+        }
+        plans
+    }
+}
+
+impl BatchPlan {
+    /// Whether `micro * grad_accum * world_size == global` (without overflow) and all are >= 1.
+    pub fn is_consistent(&self) -> bool {
+        self.micro >= 1
+            && self.grad_accum >= 1
+            && self.world_size >= 1
+            && self
+                .micro
+                .checked_mul(self.grad_accum)
+                .and_then(|p| p.checked_mul(self.world_size))
+                == Some(self.global)
+    }
+
+    /// The arithmetic as one line, e.g. `micro 4 x grad_accum 2 x world 2 = global 16`.
+    pub fn derivation(&self) -> String {
+        format!(
+            "micro {} x grad_accum {} x world {} = global {}",
+            self.micro, self.grad_accum, self.world_size, self.global
+        )
+    }
+
+    /// All plans with `micro * grad_accum * world_size == global`, largest `micro` first.
+    /// Empty when `global` or `world_size` is 0 or `global` is not a multiple of `world_size`.
+    /// Costs O(sqrt(global / world_size)).
+    pub fn plans_keeping_global(global: u64, world_size: u64) -> Vec<BatchPlan> {
+        if global == 0 || world_size == 0 || global % world_size != 0 {
+            return Vec::new();
+        }
+        let q = global / world_size;
+        divisors(q)
+            .into_iter()
+            .rev()
+            .map(|micro| BatchPlan {
+                global,
+                micro,
+                grad_accum: q / micro,
+                world_size,
+            })
+            .collect()
+    }
+}
+
+impl fmt::Display for BatchPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.derivation())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn spec(g: Option<u64>, m: Option<u64>, a: Option<u64>) -> BatchSpec {
+        BatchSpec {
+            global: g,
+            micro: m,
+            grad_accum: a,
+        }
+    }
+
+    fn plan(global: u64, micro: u64, grad_accum: u64, world_size: u64) -> BatchPlan {
+        BatchPlan {
+            global,
+            micro,
+            grad_accum,
+            world_size,
+        }
+    }
+
+    #[test]
+    fn all_three_consistent() {
+        let p = spec(Some(16), Some(4), Some(2)).resolve(2).unwrap();
+        assert_eq!(p, plan(16, 4, 2, 2));
+    }
+
+    #[test]
+    fn global_and_micro_derive_grad_accum() {
+        assert_eq!(
+            spec(Some(64), Some(16), None).resolve(2).unwrap(),
+            plan(64, 16, 2, 2)
+        );
+        assert_eq!(
+            spec(Some(64), Some(16), None).resolve(1).unwrap(),
+            plan(64, 16, 4, 1)
+        );
+    }
+
+    #[test]
+    fn global_and_grad_accum_derive_micro() {
+        assert_eq!(
+            spec(Some(64), None, Some(4)).resolve(2).unwrap(),
+            plan(64, 8, 4, 2)
+        );
+    }
+
+    #[test]
+    fn micro_and_grad_accum_derive_global() {
+        assert_eq!(
+            spec(None, Some(8), Some(3)).resolve(5).unwrap(),
+            plan(120, 8, 3, 5)
+        );
+    }
+
+    #[test]
+    fn global_only() {
+        assert_eq!(
+            spec(Some(96), None, None).resolve(3).unwrap(),
+            plan(96, 32, 1, 3)
+        );
+    }
+
+    #[test]
+    fn micro_only() {
+        assert_eq!(
+            spec(None, Some(12), None).resolve(4).unwrap(),
+            plan(48, 12, 1, 4)
+        );
+    }
+
+    #[test]
+    fn grad_accum_only_or_nothing_is_an_error() {
+        let e = spec(None, None, Some(4)).resolve(2).unwrap_err();
+        assert_eq!(
+            e,
+            BatchError::Underdetermined {
+                grad_accum: Some(4)
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "[batch] needs two of global, micro, grad_accum (only grad_accum 4 given)"
+        );
+        let e = BatchSpec::default().resolve(2).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "[batch] needs two of global, micro, grad_accum (none given)"
+        );
+        assert_eq!(e.key_path(), "batch");
+    }
+
+    #[test]
+    fn world_zero_is_an_error() {
+        let e = spec(Some(8), Some(4), None).resolve(0).unwrap_err();
+        assert_eq!(e, BatchError::ZeroWorld);
+        assert_eq!(e.to_string(), "batch: world size must be >= 1 (got 0)");
+    }
+
+    #[test]
+    fn zero_values_name_the_key() {
+        for (s, key) in [
+            (spec(Some(0), Some(4), None), "global"),
+            (spec(Some(8), Some(0), None), "micro"),
+            (spec(Some(8), None, Some(0)), "grad_accum"),
+        ] {
+            let e = s.resolve(1).unwrap_err();
+            assert_eq!(e, BatchError::Zero { key });
+            assert_eq!(e.to_string(), format!("`batch.{key}` must be >= 1 (got 0)"));
+            assert_eq!(e.key_path(), format!("batch.{key}"));
+        }
+    }
+
+    #[test]
+    fn global_micro_not_divisible_world_does_not_divide_global() {
+        let e = spec(Some(100), Some(8), None).resolve(3).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch: global 100 is not divisible by micro 8 x world 3 = 24 (100 / 24 = 4.17); \
+             nearest valid: global 96 (grad_accum 4) or 120 (grad_accum 5), \
+             or keep global 100 with world 3: impossible (100 is not a multiple of 3)"
+        );
+        assert_eq!(e.suggestions(), &[plan(96, 8, 4, 3), plan(120, 8, 5, 3)]);
+        assert!(matches!(e, BatchError::NotDivisible { world_size: 3, .. }));
+    }
+
+    #[test]
+    fn global_micro_not_divisible_suggests_micro_keeping_global() {
+        let e = spec(Some(96), Some(10), None).resolve(4).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch: global 96 is not divisible by micro 10 x world 4 = 40 (96 / 40 = 2.40); \
+             nearest valid: global 80 (grad_accum 2) or 120 (grad_accum 3), \
+             or keep global 96 with micro 8 (grad_accum 3) or 12 (grad_accum 2)"
+        );
+        assert_eq!(
+            e.suggestions(),
+            &[
+                plan(80, 10, 2, 4),
+                plan(120, 10, 3, 4),
+                plan(96, 8, 3, 4),
+                plan(96, 12, 2, 4)
+            ]
+        );
+    }
+
+    #[test]
+    fn global_smaller_than_micro_times_world() {
+        let e = spec(Some(10), Some(8), None).resolve(2).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch: global 10 is not divisible by micro 8 x world 2 = 16 (10 / 16 = 0.62); \
+             nearest valid: global 16 (grad_accum 1), \
+             or keep global 10 with micro 5 (grad_accum 1)"
+        );
+    }
+
+    #[test]
+    fn global_grad_accum_not_divisible() {
+        let e = spec(Some(100), None, Some(4)).resolve(3).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch: global 100 is not divisible by grad_accum 4 x world 3 = 12 (100 / 12 = 8.33); \
+             nearest valid: global 96 (micro 8) or 108 (micro 9), \
+             or keep global 100 with world 3: impossible (100 is not a multiple of 3)"
+        );
+        let e = spec(Some(96), None, Some(5)).resolve(2).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch: global 96 is not divisible by grad_accum 5 x world 2 = 10 (96 / 10 = 9.60); \
+             nearest valid: global 90 (micro 9) or 100 (micro 10), \
+             or keep global 96 with grad_accum 4 (micro 12) or 6 (micro 8)"
+        );
+    }
+
+    #[test]
+    fn global_only_not_divisible() {
+        let e = spec(Some(100), None, None).resolve(3).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch: global 100 is not divisible by world 3 (100 / 3 = 33.33); \
+             nearest valid: global 99 (micro 33) or 102 (micro 34)"
+        );
+        assert_eq!(e.suggestions(), &[plan(99, 33, 1, 3), plan(102, 34, 1, 3)]);
+    }
+
+    #[test]
+    fn all_three_mismatch() {
+        let e = spec(Some(64), Some(8), Some(2)).resolve(3).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch: global 64 != micro 8 x grad_accum 2 x world 3 = 48; nearest valid: global 48, \
+             or keep global 64 with world 3: impossible (64 is not a multiple of 3)"
+        );
+        assert!(matches!(e, BatchError::Mismatch { .. }));
+        let e = spec(Some(64), Some(8), Some(2)).resolve(2).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch: global 64 != micro 8 x grad_accum 2 x world 2 = 32; nearest valid: global 32, \
+             or keep global 64 with micro 8 x grad_accum 4 or micro 16 x grad_accum 2"
+        );
+        // Neither micro nor grad_accum can be kept: nearest micro values instead.
+        let e = spec(Some(36), Some(5), Some(5)).resolve(1).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "batch: global 36 != micro 5 x grad_accum 5 x world 1 = 25; nearest valid: global 25, \
+             or keep global 36 with micro 4 x grad_accum 9 or micro 6 x grad_accum 6"
+        );
+    }
+
+    #[test]
+    fn overflow_is_an_error() {
+        let big = 1u64 << 40;
+        let e = spec(None, Some(big), Some(big)).resolve(2).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("batch: micro {big} x grad_accum {big} x world 2 does not fit in 64 bits")
+        );
+        let e = spec(Some(8), Some(u64::MAX), None).resolve(2).unwrap_err();
+        assert!(matches!(e, BatchError::Overflow { .. }));
+        let e = spec(None, Some(u64::MAX), None).resolve(2).unwrap_err();
+        assert!(matches!(e, BatchError::Overflow { .. }));
+        let e = spec(Some(8), None, Some(u64::MAX)).resolve(3).unwrap_err();
+        assert!(matches!(e, BatchError::Overflow { .. }));
+        let e = spec(Some(8), Some(u64::MAX), Some(2))
+            .resolve(1)
+            .unwrap_err();
+        assert!(matches!(e, BatchError::Overflow { .. }));
+    }
+
+    #[test]
+    fn huge_values_do_not_hang_or_panic() {
+        // Suggestion searches are skipped above the limit; the error still has neighbours.
+        let e = spec(Some(u64::MAX - 1), Some(3), None)
+            .resolve(1)
+            .unwrap_err();
+        assert!(e.suggestions().iter().all(BatchPlan::is_consistent));
+        let e = spec(Some(u64::MAX), Some(2), None).resolve(1).unwrap_err();
+        assert!(!e.suggestions().is_empty());
+        assert!(e.suggestions().iter().all(BatchPlan::is_consistent));
+    }
+
+    #[test]
+    fn derivation_text() {
+        assert_eq!(
+            plan(16, 4, 2, 2).derivation(),
+            "micro 4 x grad_accum 2 x world 2 = global 16"
+        );
+        assert_eq!(
+            plan(16, 4, 2, 2).to_string(),
+            plan(16, 4, 2, 2).derivation()
+        );
+    }
+
+    #[test]
+    fn plans_keeping_global_examples() {
+        let plans = BatchPlan::plans_keeping_global(24, 2);
+        let micros: Vec<u64> = plans.iter().map(|p| p.micro).collect();
+        assert_eq!(micros, vec![12, 6, 4, 3, 2, 1]);
+        assert!(plans.iter().all(BatchPlan::is_consistent));
+        assert!(BatchPlan::plans_keeping_global(25, 2).is_empty());
+        assert!(BatchPlan::plans_keeping_global(0, 2).is_empty());
+        assert!(BatchPlan::plans_keeping_global(8, 0).is_empty());
+        assert_eq!(
+            BatchPlan::plans_keeping_global(7, 7),
+            vec![plan(7, 1, 1, 7)]
+        );
+    }
+
+    #[test]
+    fn messages_are_one_line() {
+        for s in [
+            spec(Some(100), Some(8), None),
+            spec(Some(64), Some(8), Some(2)),
+            spec(None, None, None),
+        ] {
+            let e = s.resolve(3).unwrap_err();
+            assert!(!e.to_string().contains('\n'));
+        }
+    }
+
+    fn opt_value() -> impl Strategy<Value = Option<u64>> {
+        prop::option::of(1u64..=4096)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn resolve_upholds_invariant(g in opt_value(), m in opt_value(), a in opt_value(), w in 1u64..=64) {
+            let s = spec(g, m, a);
+            match s.resolve(w) {
+                Ok(p) => {
+                    prop_assert!(p.is_consistent(), "{p:?}");
+                    prop_assert_eq!(p.world_size, w);
+                    if let Some(g) = g { prop_assert_eq!(p.global, g); }
+                    if let Some(m) = m { prop_assert_eq!(p.micro, m); }
+                    if let Some(a) = a { prop_assert_eq!(p.grad_accum, a); }
+                    if (g.is_none() || m.is_none()) && a.is_none() {
+                        prop_assert_eq!(p.grad_accum, 1);
+                    }
+                }
+                Err(e) => {
+                    prop_assert!(!e.to_string().contains('\n'));
+                    for sug in e.suggestions() {
+                        prop_assert!(sug.is_consistent(), "{sug:?} from {e}");
+                        prop_assert_eq!(sug.world_size, w);
+                    }
+                    match &e {
+                        BatchError::NotDivisible { suggestions, .. }
+                        | BatchError::Mismatch { suggestions, .. } => {
+                            prop_assert!(!suggestions.is_empty());
+                        }
+                        BatchError::Underdetermined { .. } => {
+                            prop_assert!(g.is_none() && m.is_none());
+                        }
+                        other => prop_assert!(false, "unexpected error {other:?}"),
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn resolve_accepts_every_consistent_triple(m in 1u64..=4096, a in 1u64..=64, w in 1u64..=64) {
+            let g = m * a * w;
+            prop_assert_eq!(spec(Some(g), Some(m), Some(a)).resolve(w), Ok(plan(g, m, a, w)));
+            prop_assert_eq!(spec(Some(g), Some(m), None).resolve(w), Ok(plan(g, m, a, w)));
+            prop_assert_eq!(spec(Some(g), None, Some(a)).resolve(w), Ok(plan(g, m, a, w)));
+            prop_assert_eq!(spec(None, Some(m), Some(a)).resolve(w), Ok(plan(g, m, a, w)));
+        }
+
+        #[test]
+        fn plans_keeping_global_matches_brute_force(g in 1u64..=4096, w in 1u64..=64) {
+            let got = BatchPlan::plans_keeping_global(g, w);
+            let mut expected = Vec::new();
+            for micro in (1..=g).rev() {
+                for grad_accum in 1..=(g / micro) {
+                    if micro * grad_accum * w == g {
+                        expected.push(plan(g, micro, grad_accum, w));
+                    }
+                }
+            }
+            prop_assert_eq!(got, expected);
+        }
+    }
+}

@@ -1,0 +1,1658 @@
+//! The config schema, its defaults, loading with `--set` overrides, and validation.
+//!
+//! A config is a TOML file with the sections `[run]`, `[data]`, `[model]`, `[train]`, `[batch]`
+//! and `[dist]`; every key is optional and falls back to the default documented on its field.
+//! Unknown keys are errors. [`Config::load`] reads a file, applies `--set key.path=value`
+//! overrides in order, deserialises and runs [`Config::validate`], the one place where field
+//! values are checked. Every [`ConfigError`] is a single line naming where the problem is:
+//! `file:line:column` for what the file says, `--set ...` for an override.
+//!
+//! Batch arithmetic that needs the world size lives in [`crate::batch`];
+//! [`Config::batch_plan`] ties the two together.
+
+use std::fmt;
+use std::io;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use toml::de::{DeTable, DeValue};
+
+use crate::batch::{BatchError, BatchPlan, BatchSpec};
+
+/// A whole config file. Every section is optional (defaults below).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `[run]`: naming, output location, seed.
+    pub run: RunConfig,
+    /// `[data]`: where the interactions come from.
+    pub data: DataConfig,
+    /// `[model]`: which recommender and its size.
+    pub model: ModelConfig,
+    /// `[train]`: optimisation.
+    pub train: TrainConfig,
+    /// `[batch]`: any two of global / micro / grad_accum (default: none given, which is an error:
+    /// a config must say at least `global` or `micro`).
+    pub batch: BatchSpec,
+    /// `[dist]`: collectives between workers.
+    pub dist: DistConfig,
+}
+
+/// `[run]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Run name; the run's files go to `<output_dir>/<name>/`. A plain directory name (no `/`,
+    /// `\`, not `.` or `..`). Default: `"default"`.
+    pub name: String,
+    /// Directory holding all runs (relative paths are relative to the working directory).
+    /// Default: `"runs"`.
+    pub output_dir: PathBuf,
+    /// Seed for model initialisation, synthetic data and sampling (a number, no unit).
+    /// Default: `42`.
+    pub seed: u64,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            name: "default".to_string(),
+            output_dir: PathBuf::from("runs"),
+            seed: 42,
+        }
+    }
+}
+
+/// Size of the generated data set used when `data.dir` is not set.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyntheticSize {
+    /// A few hundred users and items: seconds on a CPU (the default).
+    #[default]
+    Tiny,
+    /// Thousands of users and items.
+    Small,
+    /// About the size of MovieLens-1M.
+    Full,
+}
+
+/// `[data]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Directory with the MovieLens-1M files (`ratings.dat`, `users.dat`, `movies.dat`).
+    /// Default: unset, meaning synthetic data is generated into the run's directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
+    /// Size of the synthetic data set when `dir` is unset. Default: `"tiny"`.
+    pub synthetic: SyntheticSize,
+    /// Lowest rating (stars, 1..=5) kept as a positive interaction. Default: `3`.
+    pub min_rating: u8,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            dir: None,
+            synthetic: SyntheticSize::Tiny,
+            min_rating: 3,
+        }
+    }
+}
+
+/// Which recommender to train.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// GPT-2 text features fused with ID embeddings (the default).
+    #[default]
+    Gpt2rec,
+    /// Matrix factorisation trained with the BPR loss.
+    Bpr,
+    /// Most-popular baseline (nothing to train).
+    Pop,
+}
+
+/// Size of the GPT-2 text encoder.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Gpt2Preset {
+    /// A small randomly initialised GPT-2 for tests and CPU runs (the default).
+    #[default]
+    Tiny,
+    /// The 124M-parameter `gpt2` architecture (768-d hidden state).
+    Gpt2,
+}
+
+/// How item and user text reaches the model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TextMode {
+    /// Text encoded once by a frozen GPT-2 and cached (the default).
+    #[default]
+    Cached,
+    /// Text re-encoded in every forward pass, so GPT-2 trains too.
+    Dynamic,
+}
+
+/// `[model]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Recommender: `"gpt2rec"`, `"bpr"` or `"pop"`. Default: `"gpt2rec"`.
+    pub kind: ModelKind,
+    /// GPT-2 size: `"tiny"` or `"gpt2"`. Default: `"tiny"`.
+    pub preset: Gpt2Preset,
+    /// Size of the user/item ID embeddings (dimensions, >= 1). Default: `64`.
+    pub embedding_dim: usize,
+    /// `"cached"` (frozen GPT-2, features computed once) or `"dynamic"`. Default: `"cached"`.
+    pub text_mode: TextMode,
+    /// Hugging Face GPT-2 `model.safetensors` to load. Default: unset (random initialisation).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpt2_weights: Option<PathBuf>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            kind: ModelKind::Gpt2rec,
+            preset: Gpt2Preset::Tiny,
+            embedding_dim: 64,
+            text_mode: TextMode::Cached,
+            gpt2_weights: None,
+        }
+    }
+}
+
+/// `[train]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Passes over the training interactions (>= 1). Default: `1`.
+    pub epochs: u32,
+    /// Peak learning rate of AdamW (per optimizer step, > 0, finite). Default: `1e-3`.
+    pub lr: f64,
+    /// AdamW decoupled weight decay (>= 0, finite; 0 disables). Default: `0.0`.
+    pub weight_decay: f64,
+    /// Optimizer steps of linear learning-rate warm-up (0 = none). Default: `0`.
+    pub warmup_steps: u64,
+    /// Clip gradients to this global L2 norm (> 0, finite). Default: `1.0`.
+    pub max_grad_norm: f64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            epochs: 1,
+            lr: 1e-3,
+            weight_decay: 0.0,
+            warmup_steps: 0,
+            max_grad_norm: 1.0,
+        }
+    }
+}
+
+/// Collective backend between workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// NCCL when the worker's device is CUDA, TCP otherwise (the default).
+    #[default]
+    Auto,
+    /// CPU tensors over a TCP ring.
+    Tcp,
+    /// CUDA tensors through NCCL.
+    Nccl,
+}
+
+/// `[dist]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// `"auto"`, `"tcp"` or `"nccl"`. Default: `"auto"`.
+    pub backend: Backend,
+    /// Time limit for rendezvous and for each collective (seconds, >= 1). Default: `300`.
+    pub timeout_s: u64,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        DistConfig {
+            backend: Backend::Auto,
+            timeout_s: 300,
+        }
+    }
+}
+
+/// Where a config problem is. Displays as `file`, `file:line`, `file:line:column` or
+/// `--set key=value`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Location {
+    /// Not known (for example [`Config::validate`] on a config built in code).
+    #[default]
+    Unknown,
+    /// In (or, without a line, missing from) the config file.
+    File {
+        /// The file as named by the caller.
+        file: String,
+        /// 1-based line.
+        line: Option<u32>,
+        /// 1-based column in characters (only with a line).
+        column: Option<u32>,
+    },
+    /// A `--set` override, exactly as given.
+    Override {
+        /// The override text after `--set `.
+        set: String,
+    },
+}
+
+impl Location {
+    /// `"<location>: "`, or nothing when unknown.
+    fn prefix(&self) -> String {
+        match self {
+            Location::Unknown => String::new(),
+            other => format!("{other}: "),
+        }
+    }
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Unknown => Ok(()),
+            Location::File { file, line, column } => {
+                write!(f, "{file}")?;
+                if let Some(line) = line {
+                    write!(f, ":{line}")?;
+                    if let Some(column) = column {
+                        write!(f, ":{column}")?;
+                    }
+                }
+                Ok(())
+            }
+            Location::Override { set } => write!(f, "--set {set}"),
+        }
+    }
+}
+
+/// Everything that can be wrong with a config. Every message is one line.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The path as given.
+        path: String,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// The file is not valid TOML.
+    #[error("{}invalid TOML: {message}", .at.prefix())]
+    Syntax {
+        /// Where.
+        at: Location,
+        /// The parser's short message.
+        message: String,
+    },
+    /// A key the schema does not know.
+    #[error("{}unknown key `{key}` {} ({})", .at.prefix(), section_text(.section), expected_text(.expected))]
+    UnknownKey {
+        /// Where.
+        at: Location,
+        /// The unknown key.
+        key: String,
+        /// Dotted path of the enclosing table; empty for the top level.
+        section: String,
+        /// The keys allowed there.
+        expected: Vec<String>,
+    },
+    /// A value of the wrong type, or not one of an enum's names.
+    #[error("{}{}{message}", .at.prefix(), key_text(.key))]
+    WrongValue {
+        /// Where.
+        at: Location,
+        /// Dotted key (`model.kind`), when known.
+        key: Option<String>,
+        /// What serde says, e.g. ``unknown variant `gpt3`, expected one of ...``.
+        message: String,
+    },
+    /// A value that deserialised but breaks a rule of [`Config::validate`].
+    #[error("{}`{key}` {problem}", .at.prefix())]
+    Invalid {
+        /// Where.
+        at: Location,
+        /// Dotted key, e.g. `train.lr`.
+        key: String,
+        /// The rule and the value, e.g. `must be > 0 (got -1)`.
+        problem: String,
+    },
+    /// `[batch]` breaks a rule that needs no world size.
+    #[error("{}{source}", .at.prefix())]
+    Batch {
+        /// Where.
+        at: Location,
+        /// The batch problem.
+        source: Box<BatchError>,
+    },
+    /// A `--set` argument that cannot be applied.
+    #[error("--set {set}: {problem}")]
+    Override {
+        /// The override text after `--set `.
+        set: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// The config could not be written as TOML.
+    #[error("cannot write the config as TOML: {message}")]
+    Serialize {
+        /// The serialiser's message.
+        message: String,
+    },
+}
+
+fn section_text(section: &str) -> String {
+    if section.is_empty() {
+        "at the top level".to_string()
+    } else {
+        format!("in [{section}]")
+    }
+}
+
+fn expected_text(expected: &[String]) -> String {
+    if expected.is_empty() {
+        "this table takes no keys".to_string()
+    } else {
+        format!("expected one of: {}", expected.join(", "))
+    }
+}
+
+fn key_text(key: &Option<String>) -> String {
+    match key {
+        Some(key) if !key.is_empty() => format!("`{key}`: "),
+        _ => String::new(),
+    }
+}
+
+/// Collapses any line breaks so every message stays on one line.
+fn one_line(message: &str) -> String {
+    message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl ConfigError {
+    /// The location this error points at, for errors that carry one.
+    pub fn location(&self) -> Option<&Location> {
+        match self {
+            ConfigError::Syntax { at, .. }
+            | ConfigError::UnknownKey { at, .. }
+            | ConfigError::WrongValue { at, .. }
+            | ConfigError::Invalid { at, .. }
+            | ConfigError::Batch { at, .. } => Some(at),
+            _ => None,
+        }
+    }
+
+    fn invalid(key: &str, problem: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            at: Location::Unknown,
+            key: key.to_string(),
+            problem: problem.into(),
+        }
+    }
+
+    /// Dotted key of a validation error (`train.lr`, `batch`).
+    fn semantic_key(&self) -> Option<String> {
+        match self {
+            ConfigError::Invalid { key, .. } => Some(key.clone()),
+            ConfigError::Batch { source, .. } => Some(source.key_path()),
+            _ => None,
+        }
+    }
+
+    fn with_location(mut self, new: Location) -> Self {
+        match &mut self {
+            ConfigError::Syntax { at, .. }
+            | ConfigError::UnknownKey { at, .. }
+            | ConfigError::WrongValue { at, .. }
+            | ConfigError::Invalid { at, .. }
+            | ConfigError::Batch { at, .. } => *at = new,
+            _ => {}
+        }
+        self
+    }
+}
+
+impl Config {
+    /// Reads `path`, applies `--set key.path=value` overrides in order, deserialises, validates.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: origin.clone(),
+            source,
+        })?;
+        Config::parse(&text, &origin, overrides)
+    }
+
+    /// Same as [`Config::load`] from text; `origin` names the file in messages.
+    ///
+    /// The file alone must be a valid config (so that errors point into it); overrides are
+    /// then applied as TOML values (`8`, `1e-3`, `true`, `"x"`, `[1, 2]`), or as plain strings
+    /// when the value is not TOML or the key wants a string (`--set run.name=exp1`). Overrides
+    /// create missing tables. Keys in overrides are dotted bare keys (no quoting).
+    pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Config, ConfigError> {
+        let file = Source::parse(text, origin)?;
+        let mut overrides = overrides
+            .iter()
+            .map(|o| Override::parse(o))
+            .collect::<Result<Vec<_>, _>>()?;
+
+        // Pass 1: the file alone, so spans point into the user's text.
+        let from_file: Config = toml::from_str(text)
+            .map_err(|e| classify(e, &file, |_, span| file.location(span)).error)?;
+        if overrides.is_empty() {
+            from_file
+                .validate()
+                .map_err(|e| locate_semantic(e, &file, &[]))?;
+            return Ok(from_file);
+        }
+
+        // Pass 2: overrides applied to the file's table; errors blamed on the override that
+        // touched the key.
+        let config = loop {
+            match apply_overrides(&file, &overrides) {
+                Ok(config) => break config,
+                Err(failure) => {
+                    let Some(i) = failure.retry_as_string else {
+                        return Err(*failure.error);
+                    };
+                    let mut trial = overrides.clone();
+                    trial[i].use_raw_string();
+                    match apply_overrides(&file, &trial) {
+                        Ok(config) => break config,
+                        Err(second) if second.blamed == Some(i) => return Err(*failure.error),
+                        Err(_) => overrides = trial,
+                    }
+                }
+            }
+        };
+        config
+            .validate()
+            .map_err(|e| locate_semantic(e, &file, &overrides))?;
+        Ok(config)
+    }
+
+    /// Semantic checks that need no world size: the one place where field values are checked.
+    ///
+    /// Errors carry [`Location::Unknown`]; [`Config::parse`] fills in where the value came from.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let run = &self.run;
+        if run.name.is_empty() {
+            return Err(ConfigError::invalid("run.name", "must not be empty"));
+        }
+        if run.name == "."
+            || run.name == ".."
+            || run.name.contains(['/', '\\', '\0'])
+            || run.name.trim() != run.name
+        {
+            return Err(ConfigError::invalid(
+                "run.name",
+                format!(
+                    "must be a plain directory name (no `/`, `\\`, surrounding spaces, not `.` or `..`) (got {:?})",
+                    run.name
+                ),
+            ));
+        }
+        if run.output_dir.as_os_str().is_empty() {
+            return Err(ConfigError::invalid("run.output_dir", "must not be empty"));
+        }
+
+        let data = &self.data;
+        if data.dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
+            return Err(ConfigError::invalid(
+                "data.dir",
+                "must not be empty (leave it out to generate synthetic data)",
+            ));
+        }
+        if !(1..=5).contains(&data.min_rating) {
+            return Err(ConfigError::invalid(
+                "data.min_rating",
+                format!("must be between 1 and 5 (got {})", data.min_rating),
+            ));
+        }
+
+        let model = &self.model;
+        if model.embedding_dim < 1 {
+            return Err(ConfigError::invalid(
+                "model.embedding_dim",
+                format!("must be >= 1 (got {})", model.embedding_dim),
+            ));
+        }
+        if model
+            .gpt2_weights
+            .as_ref()
+            .is_some_and(|p| p.as_os_str().is_empty())
+        {
+            return Err(ConfigError::invalid(
+                "model.gpt2_weights",
+                "must not be empty (leave it out for random initialisation)",
+            ));
+        }
+
+        let train = &self.train;
+        if train.epochs < 1 {
+            return Err(ConfigError::invalid(
+                "train.epochs",
+                format!("must be >= 1 (got {})", train.epochs),
+            ));
+        }
+        check_positive("train.lr", train.lr)?;
+        if !train.weight_decay.is_finite() || train.weight_decay < 0.0 {
+            return Err(ConfigError::invalid(
+                "train.weight_decay",
+                format!("must be >= 0 and finite (got {})", train.weight_decay),
+            ));
+        }
+        check_positive("train.max_grad_norm", train.max_grad_norm)?;
+
+        self.batch.check().map_err(|source| ConfigError::Batch {
+            at: Location::Unknown,
+            source: Box::new(source),
+        })?;
+
+        if self.dist.timeout_s < 1 {
+            return Err(ConfigError::invalid(
+                "dist.timeout_s",
+                format!("must be >= 1 (got {})", self.dist.timeout_s),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The config as TOML text (for `config.resolved.toml`); `parse(to_toml())` gives it back.
+    /// Fails only for values TOML cannot hold (a path that is not UTF-8).
+    pub fn to_toml(&self) -> Result<String, ConfigError> {
+        let fail = |message: String| ConfigError::Serialize {
+            message: one_line(&message),
+        };
+        let text = toml::to_string(self).map_err(|e| fail(e.to_string()))?;
+        // Guarantee the promise: what is written reads back the same.
+        let back: Config = toml::from_str(&text).map_err(|e| {
+            let line = e
+                .span()
+                .and_then(|s| text.get(..s.start))
+                .map(|before| before.lines().count().max(1))
+                .and_then(|n| text.lines().nth(n - 1))
+                .unwrap_or("")
+                .trim();
+            fail(format!("`{line}` does not read back ({})", e.message()))
+        })?;
+        match toml::to_string(&back) {
+            Ok(again) if again == text => Ok(text),
+            _ => Err(fail(
+                "the written config does not read back the same".to_string(),
+            )),
+        }
+    }
+
+    /// The batch plan for `world_size` data-parallel workers.
+    pub fn batch_plan(&self, world_size: u64) -> Result<BatchPlan, BatchError> {
+        self.batch.resolve(world_size)
+    }
+}
+
+fn check_positive(key: &str, value: f64) -> Result<(), ConfigError> {
+    if !value.is_finite() {
+        return Err(ConfigError::invalid(
+            key,
+            format!("must be a finite number > 0 (got {value})"),
+        ));
+    }
+    if value <= 0.0 {
+        return Err(ConfigError::invalid(
+            key,
+            format!("must be > 0 (got {value})"),
+        ));
+    }
+    Ok(())
+}
+
+/// A parsed TOML document with spans.
+struct Source<'a> {
+    origin: &'a str,
+    text: &'a str,
+    root: DeTable<'a>,
+}
+
+impl<'a> Source<'a> {
+    fn parse(text: &'a str, origin: &'a str) -> Result<Self, ConfigError> {
+        match DeTable::parse(text) {
+            Ok(root) => Ok(Source {
+                origin,
+                text,
+                root: root.into_inner(),
+            }),
+            Err(e) => {
+                let at = Source {
+                    origin,
+                    text,
+                    root: DeTable::default(),
+                }
+                .location(e.span());
+                Err(ConfigError::Syntax {
+                    at,
+                    message: one_line(e.message()),
+                })
+            }
+        }
+    }
+
+    /// 1-based line and column (in characters) of a byte offset.
+    fn position(&self, offset: usize) -> (u32, u32) {
+        let mut offset = offset.min(self.text.len());
+        while !self.text.is_char_boundary(offset) {
+            offset -= 1;
+        }
+        let before = &self.text[..offset];
+        let line = before.matches('\n').count() + 1;
+        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+        let column = before[line_start..].chars().count() + 1;
+        let clamp = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        (clamp(line), clamp(column))
+    }
+
+    /// `file:line:column` of a span's start, or just `file`.
+    fn location(&self, span: Option<Range<usize>>) -> Location {
+        let (line, column) = match span {
+            Some(span) => {
+                let (l, c) = self.position(span.start);
+                (Some(l), Some(c))
+            }
+            None => (None, None),
+        };
+        Location::File {
+            file: self.origin.to_string(),
+            line,
+            column,
+        }
+    }
+
+    /// `file:line` of the key at `path`, or just `file` when the file does not have it.
+    fn key_location(&self, path: &[String]) -> Location {
+        Location::File {
+            file: self.origin.to_string(),
+            line: key_span(&self.root, path).map(|s| self.position(s.start).0),
+            column: None,
+        }
+    }
+
+    /// Name of the `[section]` header above `offset` (fallback when spans do not resolve).
+    fn section_above(&self, offset: usize) -> String {
+        let end = offset.min(self.text.len());
+        let before = self.text.get(..end).unwrap_or(self.text);
+        for line in before.lines().rev() {
+            let line = line.trim();
+            if let Some(rest) = line.strip_prefix('[') {
+                let rest = rest.trim_start_matches('[');
+                if let Some(close) = rest.find(']') {
+                    return rest[..close].trim().to_string();
+                }
+            }
+        }
+        String::new()
+    }
+}
+
+fn span_contains(span: &Range<usize>, offset: usize) -> bool {
+    span.contains(&offset) || (span.is_empty() && span.start == offset)
+}
+
+/// The dotted key path of whatever covers `offset`.
+fn path_at(table: &DeTable<'_>, offset: usize) -> Option<Vec<String>> {
+    for (key, value) in table.iter() {
+        let name = key.get_ref().to_string();
+        if span_contains(&key.span(), offset) {
+            return Some(vec![name]);
+        }
+        let inner = match value.get_ref() {
+            DeValue::Table(t) => path_at(t, offset),
+            DeValue::Array(items) => items.iter().find_map(|item| match item.get_ref() {
+                DeValue::Table(t) => path_at(t, offset),
+                _ => None,
+            }),
+            _ => None,
+        };
+        if let Some(mut path) = inner {
+            path.insert(0, name);
+            return Some(path);
+        }
+        if span_contains(&value.span(), offset) {
+            return Some(vec![name]);
+        }
+    }
+    None
+}
+
+/// The span of the key at `path`.
+fn key_span(table: &DeTable<'_>, path: &[String]) -> Option<Range<usize>> {
+    let (first, rest) = path.split_first()?;
+    let (key, value) = table.iter().find(|(k, _)| k.get_ref().as_ref() == first)?;
+    if rest.is_empty() {
+        return Some(key.span());
+    }
+    match value.get_ref() {
+        DeValue::Table(t) => key_span(t, rest),
+        _ => None,
+    }
+}
+
+/// Splits serde's ``unknown field `x`, expected one of `a`, `b` `` into `x` and `[a, b]`.
+fn parse_unknown_field(message: &str) -> Option<(String, Vec<String>)> {
+    let rest = message.strip_prefix("unknown field `")?;
+    let (key, rest) = rest.split_once('`')?;
+    let expected = match rest.strip_prefix(", expected ") {
+        Some(list) => list
+            .strip_prefix("one of ")
+            .unwrap_or(list)
+            .split(", ")
+            .flat_map(|s| s.split(" or "))
+            .map(|s| s.trim().trim_matches('`').to_string())
+            .filter(|s| !s.is_empty())
+            .collect(),
+        None => Vec::new(),
+    };
+    Some((key.to_string(), expected))
+}
+
+/// A deserialisation error turned into a [`ConfigError`], with the key path it concerns.
+struct Classified {
+    error: ConfigError,
+    path: Option<Vec<String>>,
+}
+
+/// Turns a deserialisation error about `src` into a [`ConfigError`]; `locate` picks the location
+/// from the key path and span.
+fn classify(
+    e: toml::de::Error,
+    src: &Source<'_>,
+    locate: impl FnOnce(Option<&[String]>, Option<Range<usize>>) -> Location,
+) -> Classified {
+    let span = e.span();
+    let message = one_line(e.message());
+    let found = span.as_ref().and_then(|s| path_at(&src.root, s.start));
+    if let Some((key, expected)) = parse_unknown_field(&message) {
+        let section = match &found {
+            Some(path) if path.last() == Some(&key) => path[..path.len() - 1].join("."),
+            _ => span
+                .as_ref()
+                .map(|s| src.section_above(s.start))
+                .unwrap_or_default(),
+        };
+        let mut path: Vec<String> = if section.is_empty() {
+            Vec::new()
+        } else {
+            section.split('.').map(str::to_string).collect()
+        };
+        path.push(key.clone());
+        let at = locate(Some(&path), span);
+        return Classified {
+            error: ConfigError::UnknownKey {
+                at,
+                key,
+                section,
+                expected,
+            },
+            path: Some(path),
+        };
+    }
+    let at = locate(found.as_deref(), span);
+    Classified {
+        error: ConfigError::WrongValue {
+            at,
+            key: found.as_ref().map(|p| p.join(".")),
+            message,
+        },
+        path: found,
+    }
+}
+
+/// One `--set key.path=value`.
+#[derive(Debug, Clone)]
+struct Override {
+    /// As given.
+    set: String,
+    path: Vec<String>,
+    /// The text after `=`.
+    raw_value: String,
+    value: toml::Value,
+    /// The value parsed as a non-string TOML value, so it may be retried as a plain string.
+    may_be_string: bool,
+}
+
+impl Override {
+    fn parse(set: &str) -> Result<Override, ConfigError> {
+        let syntax = || ConfigError::Override {
+            set: set.to_string(),
+            problem: "expected key.path=value".to_string(),
+        };
+        let (key, raw) = set.split_once('=').ok_or_else(syntax)?;
+        let path: Vec<String> = key
+            .trim()
+            .split('.')
+            .map(|s| s.trim().to_string())
+            .collect();
+        if path.iter().any(String::is_empty) {
+            return Err(syntax());
+        }
+        let raw_value = raw.trim().to_string();
+        let (value, may_be_string) = match raw_value.parse::<toml::Value>() {
+            Ok(toml::Value::String(s)) => (toml::Value::String(s), false),
+            Ok(v) => (v, true),
+            Err(_) => (toml::Value::String(raw_value.clone()), false),
+        };
+        Ok(Override {
+            set: set.to_string(),
+            path,
+            raw_value,
+            value,
+            may_be_string,
+        })
+    }
+
+    fn use_raw_string(&mut self) {
+        self.value = toml::Value::String(self.raw_value.clone());
+        self.may_be_string = false;
+    }
+
+    /// Whether this override set `path` or something inside or around it.
+    fn touches(&self, path: &[String]) -> bool {
+        let n = self.path.len().min(path.len());
+        self.path[..n] == path[..n]
+    }
+
+    fn apply(&self, table: &mut toml::Table) -> Result<(), ConfigError> {
+        let Some((last, parents)) = self.path.split_last() else {
+            return Err(ConfigError::Override {
+                set: self.set.clone(),
+                problem: "expected key.path=value".to_string(),
+            });
+        };
+        let mut current = table;
+        for (depth, segment) in parents.iter().enumerate() {
+            let entry = current
+                .entry(segment.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            current = match entry {
+                toml::Value::Table(t) => t,
+                other => {
+                    return Err(ConfigError::Override {
+                        set: self.set.clone(),
+                        problem: format!(
+                            "`{}` is {}, not a table",
+                            self.path[..=depth].join("."),
+                            with_article(other.type_str())
+                        ),
+                    })
+                }
+            };
+        }
+        current.insert(last.clone(), self.value.clone());
+        Ok(())
+    }
+}
+
+fn with_article(noun: &str) -> String {
+    let article = if noun.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    };
+    format!("{article} {noun}")
+}
+
+/// Why applying overrides failed.
+struct Failure {
+    error: Box<ConfigError>,
+    /// Index of the override blamed.
+    blamed: Option<usize>,
+    /// Index of an override whose value could be retried as a plain string.
+    retry_as_string: Option<usize>,
+}
+
+fn blame(overrides: &[Override], path: Option<&[String]>) -> Option<usize> {
+    let path = path?;
+    overrides.iter().rposition(|o| o.touches(path))
+}
+
+/// Applies `overrides` to the file's table and deserialises the result.
+fn apply_overrides(file: &Source<'_>, overrides: &[Override]) -> Result<Config, Failure> {
+    let plain = |error| Failure {
+        error: Box::new(error),
+        blamed: None,
+        retry_as_string: None,
+    };
+    let mut table: toml::Table = toml::from_str(file.text).map_err(|e| {
+        plain(ConfigError::Syntax {
+            at: file.location(e.span()),
+            message: one_line(e.message()),
+        })
+    })?;
+    for (i, o) in overrides.iter().enumerate() {
+        o.apply(&mut table).map_err(|error| Failure {
+            error: Box::new(error),
+            blamed: Some(i),
+            retry_as_string: None,
+        })?;
+    }
+    let serialize_error = |message: String| {
+        plain(ConfigError::Serialize {
+            message: one_line(&message),
+        })
+    };
+    let merged_text = toml::to_string(&table).map_err(|e| serialize_error(e.to_string()))?;
+    let merged =
+        Source::parse(&merged_text, file.origin).map_err(|e| serialize_error(e.to_string()))?;
+    toml::from_str::<Config>(&merged_text).map_err(|e| {
+        let mut blamed = None;
+        let classified = classify(e, &merged, |path, _| {
+            blamed = blame(overrides, path);
+            match (blamed, path) {
+                (Some(i), _) => Location::Override {
+                    set: overrides[i].set.clone(),
+                },
+                (None, Some(path)) => file.key_location(path),
+                (None, None) => file.location(None),
+            }
+        });
+        let retry_as_string = blamed.filter(|&i| {
+            overrides[i].may_be_string && classified.path.as_deref() == Some(&overrides[i].path[..])
+        });
+        Failure {
+            error: Box::new(classified.error),
+            blamed,
+            retry_as_string,
+        }
+    })
+}
+
+/// Gives a validation error its location: the override that set the key, else the key's line in
+/// the file, else the file.
+fn locate_semantic(e: ConfigError, file: &Source<'_>, overrides: &[Override]) -> ConfigError {
+    let Some(key) = e.semantic_key() else {
+        return e;
+    };
+    let path: Vec<String> = key.split('.').map(str::to_string).collect();
+    let at = match blame(overrides, Some(&path)) {
+        Some(i) => Location::Override {
+            set: overrides[i].set.clone(),
+        },
+        None => file.key_location(&path),
+    };
+    e.with_location(at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const ORIGIN: &str = "configs/x.toml";
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, ORIGIN, &[])
+    }
+
+    fn parse_with(text: &str, sets: &[&str]) -> Result<Config, ConfigError> {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        Config::parse(text, ORIGIN, &sets)
+    }
+
+    fn err(text: &str) -> String {
+        let e = parse(text).expect_err("should fail");
+        let s = e.to_string();
+        assert!(!s.contains('\n'), "multi-line message: {s:?}");
+        s
+    }
+
+    fn err_with(text: &str, sets: &[&str]) -> String {
+        let e = parse_with(text, sets).expect_err("should fail");
+        let s = e.to_string();
+        assert!(!s.contains('\n'), "multi-line message: {s:?}");
+        s
+    }
+
+    const MINIMAL: &str = "[batch]\nglobal = 64\nmicro = 16\n";
+
+    fn valid() -> Config {
+        let mut c = Config::default();
+        c.batch.global = Some(64);
+        c.batch.micro = Some(16);
+        c
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::default();
+        assert_eq!(c.run.name, "default");
+        assert_eq!(c.run.output_dir, PathBuf::from("runs"));
+        assert_eq!(c.run.seed, 42);
+        assert_eq!(c.data.dir, None);
+        assert_eq!(c.data.synthetic, SyntheticSize::Tiny);
+        assert_eq!(c.data.min_rating, 3);
+        assert_eq!(c.model.kind, ModelKind::Gpt2rec);
+        assert_eq!(c.model.preset, Gpt2Preset::Tiny);
+        assert_eq!(c.model.embedding_dim, 64);
+        assert_eq!(c.model.text_mode, TextMode::Cached);
+        assert_eq!(c.model.gpt2_weights, None);
+        assert_eq!(c.train.epochs, 1);
+        assert_eq!(c.train.lr, 1e-3);
+        assert_eq!(c.train.weight_decay, 0.0);
+        assert_eq!(c.train.warmup_steps, 0);
+        assert_eq!(c.train.max_grad_norm, 1.0);
+        assert_eq!(c.batch, BatchSpec::default());
+        assert_eq!(c.dist.backend, Backend::Auto);
+        assert_eq!(c.dist.timeout_s, 300);
+        // Only [batch] is needed; everything else falls back to the defaults above.
+        assert_eq!(parse(MINIMAL).unwrap(), valid());
+    }
+
+    #[test]
+    fn empty_batch_is_reported_against_the_file() {
+        assert_eq!(
+            err(""),
+            "configs/x.toml: [batch] needs two of global, micro, grad_accum (none given)"
+        );
+        assert_eq!(
+            err("[run]\nseed = 1\n\n[batch]\ngrad_accum = 2\n"),
+            "configs/x.toml:4: [batch] needs two of global, micro, grad_accum (only grad_accum 2 given)"
+        );
+    }
+
+    #[test]
+    fn full_file_parses() {
+        let text = r#"
+[run]
+name = "exp"
+output_dir = "/tmp/out"
+seed = 7
+
+[data]
+dir = "data/ml-1m"
+synthetic = "full"
+min_rating = 4
+
+[model]
+kind = "bpr"
+preset = "gpt2"
+embedding_dim = 32
+text_mode = "dynamic"
+gpt2_weights = "w/model.safetensors"
+
+[train]
+epochs = 3
+lr = 3e-4
+weight_decay = 0.01
+warmup_steps = 100
+max_grad_norm = 0.5
+
+[batch]
+global = 48
+micro = 8
+grad_accum = 3
+
+[dist]
+backend = "nccl"
+timeout_s = 60
+"#;
+        let c = parse(text).unwrap();
+        assert_eq!(c.run.name, "exp");
+        assert_eq!(c.run.output_dir, PathBuf::from("/tmp/out"));
+        assert_eq!(c.data.dir, Some(PathBuf::from("data/ml-1m")));
+        assert_eq!(c.data.synthetic, SyntheticSize::Full);
+        assert_eq!(c.data.min_rating, 4);
+        assert_eq!(c.model.kind, ModelKind::Bpr);
+        assert_eq!(c.model.preset, Gpt2Preset::Gpt2);
+        assert_eq!(c.model.text_mode, TextMode::Dynamic);
+        assert_eq!(
+            c.model.gpt2_weights,
+            Some(PathBuf::from("w/model.safetensors"))
+        );
+        assert_eq!(c.train.lr, 3e-4);
+        assert_eq!(c.train.warmup_steps, 100);
+        assert_eq!(c.batch.grad_accum, Some(3));
+        assert_eq!(c.dist.backend, Backend::Nccl);
+        assert_eq!(c.dist.timeout_s, 60);
+        assert_eq!(c.batch_plan(2).unwrap().grad_accum, 3);
+        assert_eq!(c.batch_plan(1).unwrap_err().key_path(), "batch");
+        assert_eq!(c.batch_plan(1).unwrap_err().suggestions().len(), 3);
+    }
+
+    #[test]
+    fn unreadable_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.toml");
+        let e = Config::load(&path, &[]).unwrap_err();
+        assert!(matches!(e, ConfigError::Read { .. }));
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "cannot read {}: No such file or directory (os error 2)",
+                path.display()
+            )
+        );
+    }
+
+    #[test]
+    fn load_reads_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.toml");
+        std::fs::write(&path, "[batch]\nmicro = 4\n\n[train]\nlr = -1\n").unwrap();
+        let e = Config::load(&path, &[]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("{}:5: `train.lr` must be > 0 (got -1)", path.display())
+        );
+        let c = Config::load(&path, &["train.lr=0.5".to_string()]).unwrap();
+        assert_eq!(c.train.lr, 0.5);
+    }
+
+    #[test]
+    fn syntax_error_has_line_and_column() {
+        let e = parse("[run]\nname = \"x\"\nseed = = 3\n").unwrap_err();
+        assert!(matches!(e, ConfigError::Syntax { .. }));
+        let s = e.to_string();
+        assert!(s.starts_with("configs/x.toml:3:8: invalid TOML: "), "{s}");
+        assert!(!s.contains('\n'));
+        // Unterminated string on line 2.
+        let s = err("[run]\nname = \"x\n");
+        assert!(s.starts_with("configs/x.toml:2:"), "{s}");
+        assert!(s.contains("invalid TOML: "), "{s}");
+        // Duplicate key.
+        let s = err("[batch]\nmicro = 1\nmicro = 2\n");
+        assert!(s.starts_with("configs/x.toml:3:1: invalid TOML: "), "{s}");
+    }
+
+    #[test]
+    fn unknown_key_names_section_and_expected_keys() {
+        let text = "[run]\nname = \"x\"\n\n[batch]\nglobal = 64\nmicr = 8\n";
+        let e = parse(text).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "configs/x.toml:6:1: unknown key `micr` in [batch] (expected one of: global, micro, grad_accum)"
+        );
+        match e {
+            ConfigError::UnknownKey {
+                key,
+                section,
+                expected,
+                at,
+            } => {
+                assert_eq!(key, "micr");
+                assert_eq!(section, "batch");
+                assert_eq!(expected, vec!["global", "micro", "grad_accum"]);
+                assert_eq!(
+                    at,
+                    Location::File {
+                        file: ORIGIN.into(),
+                        line: Some(6),
+                        column: Some(1)
+                    }
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_key_variants() {
+        assert_eq!(
+            err("[batch]\nmicro = 4\n\n[dist]\n  backnd = \"tcp\"\n"),
+            "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s)"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[optim]\nlr = 1\n"),
+            "configs/x.toml:3:2: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist)"
+        );
+        assert_eq!(
+            err("epochs = 3\n[batch]\nmicro = 4\n"),
+            "configs/x.toml:1:1: unknown key `epochs` at the top level (expected one of: run, data, model, train, batch, dist)"
+        );
+        // Dotted keys and inline tables.
+        assert_eq!(
+            err("batch.micr = 4\n"),
+            "configs/x.toml:1:7: unknown key `micr` in [batch] (expected one of: global, micro, grad_accum)"
+        );
+        assert_eq!(
+            err("batch = { micro = 4 }\ntrain = { lrr = 1 }\n"),
+            "configs/x.toml:2:11: unknown key `lrr` in [train] (expected one of: epochs, lr, weight_decay, warmup_steps, max_grad_norm)"
+        );
+    }
+
+    #[test]
+    fn wrong_type_and_bad_enum() {
+        let text = "[batch]\nmicro = 4\n\n[model]\nkind = \"gpt3\"\n";
+        let e = parse(text).unwrap_err();
+        assert!(matches!(e, ConfigError::WrongValue { .. }));
+        assert_eq!(
+            e.to_string(),
+            "configs/x.toml:5:8: `model.kind`: unknown variant `gpt3`, expected one of `gpt2rec`, `bpr`, `pop`"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = \"8\"\n"),
+            "configs/x.toml:2:9: `batch.micro`: invalid type: string \"8\", expected u64"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[train]\nepochs = -2\n"),
+            "configs/x.toml:4:10: `train.epochs`: invalid value: integer `-2`, expected u32"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[data]\nmin_rating = 300\n"),
+            "configs/x.toml:4:14: `data.min_rating`: invalid value: integer `300`, expected u8"
+        );
+        assert_eq!(
+            err("batch = 5\n"),
+            "configs/x.toml:1:9: `batch`: invalid type: integer `5`, expected struct BatchSpec"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[model]\npreset = \"large\"\n"),
+            "configs/x.toml:4:10: `model.preset`: unknown variant `large`, expected `tiny` or `gpt2`"
+        );
+    }
+
+    #[test]
+    fn semantic_errors_point_at_the_key_line() {
+        let text = "[batch]\nmicro = 4\n\n[train]\nepochs = 2\nlr = -1\n";
+        let e = parse(text).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "configs/x.toml:6: `train.lr` must be > 0 (got -1)"
+        );
+        assert!(matches!(
+            e,
+            ConfigError::Invalid {
+                at: Location::File {
+                    line: Some(6),
+                    column: None,
+                    ..
+                },
+                ..
+            }
+        ));
+        assert_eq!(
+            err("[batch]\nglobal = 8\nmicro = 0\n"),
+            "configs/x.toml:3: `batch.micro` must be >= 1 (got 0)"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[data]\nmin_rating = 0\n"),
+            "configs/x.toml:4: `data.min_rating` must be between 1 and 5 (got 0)"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[train]\nlr = inf\n"),
+            "configs/x.toml:4: `train.lr` must be a finite number > 0 (got inf)"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[train]\nweight_decay = -0.1\n"),
+            "configs/x.toml:4: `train.weight_decay` must be >= 0 and finite (got -0.1)"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[train]\nmax_grad_norm = 0.0\n"),
+            "configs/x.toml:4: `train.max_grad_norm` must be > 0 (got 0)"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[train]\nepochs = 0\n"),
+            "configs/x.toml:4: `train.epochs` must be >= 1 (got 0)"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[model]\nembedding_dim = 0\n"),
+            "configs/x.toml:4: `model.embedding_dim` must be >= 1 (got 0)"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[dist]\ntimeout_s = 0\n"),
+            "configs/x.toml:4: `dist.timeout_s` must be >= 1 (got 0)"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[run]\nname = \"a/b\"\n"),
+            "configs/x.toml:4: `run.name` must be a plain directory name (no `/`, `\\`, surrounding spaces, not `.` or `..`) (got \"a/b\")"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[run]\nname = \"\"\n"),
+            "configs/x.toml:4: `run.name` must not be empty"
+        );
+        assert_eq!(
+            err("[batch]\nmicro = 4\n[data]\ndir = \"\"\n"),
+            "configs/x.toml:4: `data.dir` must not be empty (leave it out to generate synthetic data)"
+        );
+    }
+
+    #[test]
+    fn validate_without_source_has_no_location() {
+        let mut c = valid();
+        c.train.lr = -1.0;
+        let e = c.validate().unwrap_err();
+        assert_eq!(e.location(), Some(&Location::Unknown));
+        assert_eq!(e.to_string(), "`train.lr` must be > 0 (got -1)");
+        c.train.lr = f64::NAN;
+        assert_eq!(
+            c.validate().unwrap_err().to_string(),
+            "`train.lr` must be a finite number > 0 (got NaN)"
+        );
+        assert!(valid().validate().is_ok());
+    }
+
+    #[test]
+    fn override_of_each_type() {
+        let c = parse_with(
+            MINIMAL,
+            &[
+                "batch.micro=8",
+                "train.lr=1e-4",
+                "train.weight_decay=0",
+                "run.name=exp1",
+                "run.output_dir=\"out dir\"",
+                "model.kind=bpr",
+                "data.dir=/data/ml-1m",
+                "dist.backend = tcp",
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.batch.micro, Some(8));
+        assert_eq!(c.train.lr, 1e-4);
+        assert_eq!(c.train.weight_decay, 0.0);
+        assert_eq!(c.run.name, "exp1");
+        assert_eq!(c.run.output_dir, PathBuf::from("out dir"));
+        assert_eq!(c.model.kind, ModelKind::Bpr);
+        assert_eq!(c.data.dir, Some(PathBuf::from("/data/ml-1m")));
+        assert_eq!(c.dist.backend, Backend::Tcp);
+        // A whole table as an inline table, and the last override wins.
+        let c = parse_with(
+            MINIMAL,
+            &["batch={ micro = 2, grad_accum = 4 }", "batch.micro=1"],
+        )
+        .unwrap();
+        assert_eq!(
+            c.batch,
+            BatchSpec {
+                global: None,
+                micro: Some(1),
+                grad_accum: Some(4)
+            }
+        );
+    }
+
+    #[test]
+    fn override_values_that_look_like_other_types_fall_back_to_strings() {
+        let c = parse_with(
+            MINIMAL,
+            &["run.name=2024", "data.dir=123", "run.output_dir=true"],
+        )
+        .unwrap();
+        assert_eq!(c.run.name, "2024");
+        assert_eq!(c.data.dir, Some(PathBuf::from("123")));
+        assert_eq!(c.run.output_dir, PathBuf::from("true"));
+        let c = parse_with(MINIMAL, &["run.name=2024-01-01"]).unwrap();
+        assert_eq!(c.run.name, "2024-01-01");
+    }
+
+    #[test]
+    fn override_creates_missing_section() {
+        let c = parse_with(MINIMAL, &["dist.timeout_s=5"]).unwrap();
+        assert_eq!(c.dist.timeout_s, 5);
+        let c = parse_with("", &["batch.global=32", "batch.micro=4"]).unwrap();
+        assert_eq!(c.batch_plan(2).unwrap().grad_accum, 4);
+    }
+
+    #[test]
+    fn override_syntax_errors() {
+        assert_eq!(
+            err_with(MINIMAL, &["batchmicro"]),
+            "--set batchmicro: expected key.path=value"
+        );
+        assert_eq!(
+            err_with(MINIMAL, &["batch..micro=4"]),
+            "--set batch..micro=4: expected key.path=value"
+        );
+        assert_eq!(
+            err_with(MINIMAL, &["=4"]),
+            "--set =4: expected key.path=value"
+        );
+        assert_eq!(
+            err_with(MINIMAL, &["batch.micro.x=4"]),
+            "--set batch.micro.x=4: `batch.micro` is an integer, not a table"
+        );
+    }
+
+    #[test]
+    fn override_unknown_key() {
+        let e = parse_with(MINIMAL, &["train.lr=0.1", "batch.micr=4"]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--set batch.micr=4: unknown key `micr` in [batch] (expected one of: global, micro, grad_accum)"
+        );
+        assert!(matches!(
+            e,
+            ConfigError::UnknownKey {
+                at: Location::Override { .. },
+                ..
+            }
+        ));
+        assert_eq!(
+            err_with(MINIMAL, &["optim.lr=4"]),
+            "--set optim.lr=4: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist)"
+        );
+    }
+
+    #[test]
+    fn override_type_mismatch() {
+        assert_eq!(
+            err_with(MINIMAL, &["batch.micro=abc"]),
+            "--set batch.micro=abc: `batch.micro`: invalid type: string \"abc\", expected u64"
+        );
+        assert_eq!(
+            err_with(MINIMAL, &["batch.micro=1.5"]),
+            "--set batch.micro=1.5: `batch.micro`: invalid type: floating point `1.5`, expected u64"
+        );
+        assert_eq!(
+            err_with(MINIMAL, &["model.kind=gpt3"]),
+            "--set model.kind=gpt3: `model.kind`: unknown variant `gpt3`, expected one of `gpt2rec`, `bpr`, `pop`"
+        );
+        assert_eq!(
+            err_with(MINIMAL, &["batch={ micro = \"x\" }"]),
+            "--set batch={ micro = \"x\" }: `batch.micro`: invalid type: string \"x\", expected u64"
+        );
+    }
+
+    #[test]
+    fn override_semantic_errors_are_blamed_on_the_override() {
+        assert_eq!(
+            err_with(MINIMAL, &["train.lr=-1"]),
+            "--set train.lr=-1: `train.lr` must be > 0 (got -1)"
+        );
+        assert_eq!(
+            err_with(MINIMAL, &["batch.micro=0"]),
+            "--set batch.micro=0: `batch.micro` must be >= 1 (got 0)"
+        );
+        // A bad value in the file stays the file's fault when overrides touch other keys.
+        let text = "[batch]\nmicro = 4\n[train]\nlr = -1\n";
+        assert_eq!(
+            err_with(text, &["train.epochs=3"]),
+            "configs/x.toml:4: `train.lr` must be > 0 (got -1)"
+        );
+        // ...and an override can fix it.
+        assert_eq!(parse_with(text, &["train.lr=0.1"]).unwrap().train.lr, 0.1);
+        // A default that is invalid only because of the file is reported against the file.
+        assert_eq!(
+            err_with("[run]\nseed = 1\n", &["run.seed=2"]),
+            "configs/x.toml: [batch] needs two of global, micro, grad_accum (none given)"
+        );
+    }
+
+    #[test]
+    fn file_errors_come_before_overrides() {
+        assert_eq!(
+            err_with("[batch]\nmicr = 4\n", &["batch.micro=4"]),
+            "configs/x.toml:2:1: unknown key `micr` in [batch] (expected one of: global, micro, grad_accum)"
+        );
+    }
+
+    #[test]
+    fn to_toml_round_trips() {
+        let mut c = valid();
+        c.data.dir = Some(PathBuf::from("data/ml-1m"));
+        c.model.gpt2_weights = Some(PathBuf::from("gpt2/model.safetensors"));
+        c.train.lr = 3e-4;
+        c.train.weight_decay = 0.1;
+        c.batch.grad_accum = Some(2);
+        c.dist.backend = Backend::Nccl;
+        let text = c.to_toml().unwrap();
+        assert_eq!(Config::parse(&text, "resolved", &[]).unwrap(), c);
+
+        let text = valid().to_toml().unwrap();
+        assert!(!text.contains("\ndir ="), "{text}");
+        assert!(!text.contains("gpt2_weights"), "{text}");
+        assert!(!text.contains("grad_accum"), "{text}");
+        assert_eq!(Config::parse(&text, "resolved", &[]).unwrap(), valid());
+    }
+
+    #[test]
+    fn to_toml_reports_unrepresentable_values() {
+        let mut c = valid();
+        // toml reads back what it writes, even integers above 2^63 - 1.
+        c.run.seed = u64::MAX;
+        assert_eq!(Config::parse(&c.to_toml().unwrap(), "x", &[]).unwrap(), c);
+        c.run.output_dir = non_utf8_path();
+        let e = c.to_toml().unwrap_err();
+        assert!(matches!(e, ConfigError::Serialize { .. }));
+        assert!(!e.to_string().contains('\n'));
+    }
+
+    #[cfg(unix)]
+    fn non_utf8_path() -> PathBuf {
+        use std::os::unix::ffi::OsStrExt;
+        PathBuf::from(std::ffi::OsStr::from_bytes(b"runs-\xff"))
+    }
+
+    #[cfg(not(unix))]
+    fn non_utf8_path() -> PathBuf {
+        PathBuf::from("runs")
+    }
+
+    #[test]
+    fn default_toml_file_loads() {
+        let path = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../configs/default.toml"
+        ));
+        let c = Config::load(path, &[]).unwrap();
+        assert_eq!(c.run.name, "default");
+        assert_eq!(c.run.output_dir, PathBuf::from("runs"));
+        assert_eq!(c.run.seed, 42);
+        assert_eq!(c.data.dir, None);
+        assert_eq!(c.data.synthetic, SyntheticSize::Tiny);
+        assert_eq!(c.model.kind, ModelKind::Gpt2rec);
+        assert_eq!(c.model.preset, Gpt2Preset::Tiny);
+        assert_eq!(c.model.text_mode, TextMode::Cached);
+        assert_eq!(c.model.embedding_dim, 64);
+        assert_eq!(c.train.epochs, 2);
+        assert_eq!(c.train.lr, 1e-3);
+        assert_eq!(c.dist.backend, Backend::Auto);
+        assert_eq!(c.dist.timeout_s, 120);
+        assert_eq!(c.batch_plan(2).unwrap().grad_accum, 2);
+        assert_eq!(c.batch_plan(1).unwrap().grad_accum, 4);
+        assert_eq!(
+            c.batch_plan(2).unwrap().derivation(),
+            "micro 16 x grad_accum 2 x world 2 = global 64"
+        );
+        let again = Config::parse(&c.to_toml().unwrap(), "resolved", &[]).unwrap();
+        assert_eq!(again, c);
+    }
+
+    #[test]
+    fn position_counts_characters() {
+        let text = "# é\n[batch]\nmicro = 4\n[run]\nnam = \"é\"\n";
+        assert_eq!(
+            err(text),
+            "configs/x.toml:5:1: unknown key `nam` in [run] (expected one of: name, output_dir, seed)"
+        );
+        let text = "[batch]\nmicro = 4\n[run]\nname = \"é\" x\n";
+        assert!(err(text).starts_with("configs/x.toml:4:12: invalid TOML"));
+    }
+
+    fn path_strategy() -> impl Strategy<Value = PathBuf> {
+        "[a-zA-Z0-9_./ -]{1,24}".prop_map(PathBuf::from)
+    }
+
+    fn finite_positive() -> impl Strategy<Value = f64> {
+        prop_oneof![
+            1e-12f64..1e6,
+            Just(1e-3),
+            Just(f64::MIN_POSITIVE),
+            Just(1e300)
+        ]
+    }
+
+    prop_compose! {
+        fn arb_config()(
+            name in "[a-zA-Z0-9_-][a-zA-Z0-9_.-]{0,15}",
+            output_dir in path_strategy(),
+            seed in any::<u64>(),
+            dir in prop::option::of(path_strategy()),
+            synthetic in prop_oneof![Just(SyntheticSize::Tiny), Just(SyntheticSize::Small), Just(SyntheticSize::Full)],
+            min_rating in 1u8..=5,
+            kind in prop_oneof![Just(ModelKind::Gpt2rec), Just(ModelKind::Bpr), Just(ModelKind::Pop)],
+            preset in prop_oneof![Just(Gpt2Preset::Tiny), Just(Gpt2Preset::Gpt2)],
+            embedding_dim in 1usize..=4096,
+            text_mode in prop_oneof![Just(TextMode::Cached), Just(TextMode::Dynamic)],
+            gpt2_weights in prop::option::of(path_strategy()),
+            epochs in 1u32..=1000,
+            lr in finite_positive(),
+            weight_decay in prop_oneof![Just(0.0f64), 0.0f64..10.0],
+            warmup_steps in any::<u64>(),
+            max_grad_norm in finite_positive(),
+            global in prop::option::of(1u64..=u64::MAX),
+            micro in prop::option::of(1u64..=u64::MAX),
+            grad_accum in prop::option::of(1u64..=4096),
+            backend in prop_oneof![Just(Backend::Auto), Just(Backend::Tcp), Just(Backend::Nccl)],
+            timeout_s in 1u64..=u64::MAX,
+        ) -> Config {
+            let micro = if global.is_none() && micro.is_none() { Some(1) } else { micro };
+            Config {
+                run: RunConfig { name, output_dir, seed },
+                data: DataConfig { dir, synthetic, min_rating },
+                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights },
+                train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm },
+                batch: BatchSpec { global, micro, grad_accum },
+                dist: DistConfig { backend, timeout_s },
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn to_toml_parse_round_trips(c in arb_config()) {
+            prop_assume!(c.run.name != "." && c.run.name != "..");
+            prop_assert!(c.validate().is_ok(), "{:?}", c.validate());
+            let text = c.to_toml().unwrap();
+            let back = Config::parse(&text, "resolved", &[]);
+            prop_assert!(back.is_ok(), "{:?}\n{}", back, text);
+            prop_assert_eq!(back.unwrap(), c);
+        }
+
+        #[test]
+        fn arbitrary_text_never_panics(text in "\\PC{0,200}") {
+            let _ = Config::parse(&text, ORIGIN, &[]);
+        }
+
+        #[test]
+        fn arbitrary_overrides_never_panic(set in "[a-z_.=\\[\\]{}\" 0-9-]{0,40}") {
+            let r = Config::parse(MINIMAL, ORIGIN, &[set]);
+            if let Err(e) = r {
+                prop_assert!(!e.to_string().contains('\n'));
+            }
+        }
+    }
+}

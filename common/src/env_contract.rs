@@ -1,0 +1,239 @@
+//! The worker environment contract: the torchrun-compatible variables `launch` sets for every
+//! worker and the worker reads back. It owns the variable names and their meaning; it must not
+//! decide policy (how many processes, which port) — that is the launcher's plan.
+
+use std::collections::BTreeMap;
+
+/// What one worker process is told about its place in the job (torchrun's names).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerEnv {
+    /// `RANK`: global rank, `node_rank * local_world_size + local_rank`.
+    pub rank: u32,
+    /// `LOCAL_RANK`: rank on this node; also the CUDA device index among the visible ones.
+    pub local_rank: u32,
+    /// `WORLD_SIZE`: processes in the whole job.
+    pub world_size: u32,
+    /// `LOCAL_WORLD_SIZE`: processes on this node.
+    pub local_world_size: u32,
+    /// `GROUP_RANK`: this node's rank (torchrun's agent group rank).
+    pub group_rank: u32,
+    /// `GROUP_WORLD_SIZE`: number of nodes.
+    pub group_world_size: u32,
+    /// `MASTER_ADDR`: host of rank 0's rendezvous store.
+    pub master_addr: String,
+    /// `MASTER_PORT`: port of rank 0's rendezvous store.
+    pub master_port: u16,
+    /// `TORCHELASTIC_RESTART_COUNT`: how many times the group has been restarted so far.
+    pub restart_count: u32,
+    /// `TORCHELASTIC_MAX_RESTARTS`: the restart budget.
+    pub max_restarts: u32,
+    /// `TORCHELASTIC_RUN_ID`: shared by every worker of one job; the store checks it.
+    pub run_id: String,
+}
+
+/// `ROLE_NAME` value; we have one role, as torchrun does by default.
+pub const ROLE_NAME: &str = "default";
+
+/// Every variable of the contract, in the order they are documented and printed.
+pub const VARIABLES: [&str; 14] = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+];
+
+/// A variable of the contract that is missing or unusable.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EnvError {
+    #[error(
+        "environment variable {name} is not set (run the worker through `launch` or torchrun)"
+    )]
+    Missing { name: &'static str },
+    #[error("environment variable {name}={value:?} is not {expected}")]
+    Invalid {
+        name: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("inconsistent environment: {0}")]
+    Inconsistent(String),
+}
+
+impl WorkerEnv {
+    /// The variables as (name, value) pairs, in [`VARIABLES`] order.
+    pub fn to_vars(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("RANK", self.rank.to_string()),
+            ("LOCAL_RANK", self.local_rank.to_string()),
+            ("WORLD_SIZE", self.world_size.to_string()),
+            ("LOCAL_WORLD_SIZE", self.local_world_size.to_string()),
+            ("GROUP_RANK", self.group_rank.to_string()),
+            ("GROUP_WORLD_SIZE", self.group_world_size.to_string()),
+            // One role: role ranks are the global ranks.
+            ("ROLE_RANK", self.rank.to_string()),
+            ("ROLE_WORLD_SIZE", self.world_size.to_string()),
+            ("ROLE_NAME", ROLE_NAME.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", self.master_port.to_string()),
+            ("TORCHELASTIC_RESTART_COUNT", self.restart_count.to_string()),
+            ("TORCHELASTIC_MAX_RESTARTS", self.max_restarts.to_string()),
+            ("TORCHELASTIC_RUN_ID", self.run_id.clone()),
+        ]
+    }
+
+    /// Reads the contract from the process environment.
+    pub fn from_env() -> Result<Self, EnvError> {
+        let vars: BTreeMap<String, String> = std::env::vars().collect();
+        Self::from_map(&vars)
+    }
+
+    /// Reads the contract from a map of variables (testable without touching the process env).
+    /// Only the variables the worker needs are required; torchrun sets them all too.
+    pub fn from_map(vars: &BTreeMap<String, String>) -> Result<Self, EnvError> {
+        let get = |name: &'static str| vars.get(name).ok_or(EnvError::Missing { name });
+        let num = |name: &'static str| -> Result<u32, EnvError> {
+            let value = get(name)?;
+            value.trim().parse().map_err(|_| EnvError::Invalid {
+                name,
+                value: value.clone(),
+                expected: "a non-negative integer",
+            })
+        };
+        let opt_num = |name: &'static str, default: u32| -> Result<u32, EnvError> {
+            if vars.contains_key(name) {
+                num(name)
+            } else {
+                Ok(default)
+            }
+        };
+        let rank = num("RANK")?;
+        let world_size = num("WORLD_SIZE")?;
+        let local_rank = num("LOCAL_RANK")?;
+        let local_world_size = opt_num("LOCAL_WORLD_SIZE", world_size)?;
+        let master_port_text = get("MASTER_PORT")?;
+        let master_port = master_port_text
+            .trim()
+            .parse()
+            .map_err(|_| EnvError::Invalid {
+                name: "MASTER_PORT",
+                value: master_port_text.clone(),
+                expected: "a port number (0-65535)",
+            })?;
+        let env = WorkerEnv {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            group_rank: opt_num("GROUP_RANK", 0)?,
+            group_world_size: opt_num("GROUP_WORLD_SIZE", 1)?,
+            master_addr: get("MASTER_ADDR")?.clone(),
+            master_port,
+            restart_count: opt_num("TORCHELASTIC_RESTART_COUNT", 0)?,
+            max_restarts: opt_num("TORCHELASTIC_MAX_RESTARTS", 0)?,
+            run_id: vars
+                .get("TORCHELASTIC_RUN_ID")
+                .cloned()
+                .unwrap_or_else(|| "none".to_string()),
+        };
+        env.check()?;
+        Ok(env)
+    }
+
+    fn check(&self) -> Result<(), EnvError> {
+        if self.world_size == 0 {
+            return Err(EnvError::Inconsistent("WORLD_SIZE is 0".into()));
+        }
+        if self.rank >= self.world_size {
+            return Err(EnvError::Inconsistent(format!(
+                "RANK {} is not below WORLD_SIZE {}",
+                self.rank, self.world_size
+            )));
+        }
+        if self.local_rank >= self.local_world_size {
+            return Err(EnvError::Inconsistent(format!(
+                "LOCAL_RANK {} is not below LOCAL_WORLD_SIZE {}",
+                self.local_rank, self.local_world_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> WorkerEnv {
+        WorkerEnv {
+            rank: 3,
+            local_rank: 1,
+            world_size: 4,
+            local_world_size: 2,
+            group_rank: 1,
+            group_world_size: 2,
+            master_addr: "10.0.0.1".into(),
+            master_port: 29500,
+            restart_count: 1,
+            max_restarts: 2,
+            run_id: "job7".into(),
+        }
+    }
+
+    fn as_map(env: &WorkerEnv) -> BTreeMap<String, String> {
+        env.to_vars()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
+    }
+
+    #[test]
+    fn round_trips_through_variables() {
+        let env = sample();
+        let vars = env.to_vars();
+        assert_eq!(
+            vars.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+            VARIABLES.to_vec()
+        );
+        assert_eq!(WorkerEnv::from_map(&as_map(&env)), Ok(env));
+    }
+
+    #[test]
+    fn role_variables_follow_global_ranks() {
+        let map = as_map(&sample());
+        assert_eq!(map["ROLE_RANK"], "3");
+        assert_eq!(map["ROLE_WORLD_SIZE"], "4");
+        assert_eq!(map["ROLE_NAME"], "default");
+    }
+
+    #[test]
+    fn missing_and_invalid_variables_are_named() {
+        let mut map = as_map(&sample());
+        map.remove("RANK");
+        assert_eq!(
+            WorkerEnv::from_map(&map),
+            Err(EnvError::Missing { name: "RANK" })
+        );
+        let mut map = as_map(&sample());
+        map.insert("MASTER_PORT".into(), "http".into());
+        let err = WorkerEnv::from_map(&map).unwrap_err().to_string();
+        assert!(err.contains("MASTER_PORT=\"http\""), "{err}");
+    }
+
+    #[test]
+    fn rank_outside_world_is_rejected() {
+        let mut map = as_map(&sample());
+        map.insert("RANK".into(), "4".into());
+        let err = WorkerEnv::from_map(&map).unwrap_err().to_string();
+        assert!(err.contains("RANK 4 is not below WORLD_SIZE 4"), "{err}");
+    }
+}

@@ -1,0 +1,17 @@
+//! `gptrec-common`: what the launcher and the worker must agree on, without libtorch.
+//!
+//! This crate owns:
+//! - the config schema and its validation ([`config`]): every field, its default, and the one
+//!   place where field values are checked, with errors that name the file, line and key;
+//! - the batch plan ([`batch`]): `micro x grad_accum x world = global`, derived and checked
+//!   without ever truncating;
+//! - the worker environment contract (torchrun-compatible variables), and later the memory
+//!   estimate arithmetic and shared error types.
+//!
+//! It must not depend on libtorch (`tch`) or anything heavy: the launcher links it and must build
+//! and start fast. It does no I/O beyond reading a config file, spawns nothing, touches no
+//! devices, never prints, and never panics on user-influenced input (errors are returned).
+
+pub mod batch;
+pub mod config;
+pub mod env_contract;

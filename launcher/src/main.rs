@@ -1,0 +1,153 @@
+//! `launch`: starts one worker per GPU (or CPU slot) with torchrun's environment and supervises
+//! them as one group. Split as torchrun's elastic agent is, but smaller: `plan` (what to start),
+//! `supervisor` (keep them alive, notice failure, tear down, restart), `report` and `output`
+//! (what the user reads). It never links libtorch, so it starts in milliseconds.
+
+mod cli;
+mod gpu;
+mod output;
+mod plan;
+mod report;
+mod supervisor;
+mod watchdog;
+
+use std::fmt;
+
+use clap::Parser;
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use tracing::{info, warn, Event, Level, Subscriber};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
+
+use crate::cli::Cli;
+use crate::plan::{Plan, PlanError};
+use crate::watchdog::Watchdog;
+
+/// Exit code for bad input (command line, config, environment), as clap uses for usage errors.
+const EXIT_BAD_INPUT: i32 = 2;
+
+fn main() {
+    let cli = Cli::parse();
+    init_logging();
+    std::process::exit(launch(&cli));
+}
+
+fn launch(cli: &Cli) -> i32 {
+    if cli.dry_run {
+        return match Plan::from_cli(cli) {
+            Ok(plan) => {
+                print!("{}", plan.describe());
+                0
+            }
+            Err(e) => bad_input(&e),
+        };
+    }
+    // Workers' orphaned children are re-parented to us, not to init: we can find and reap them.
+    // SAFETY: prctl with an integer argument.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
+    // The orphan guard is forked first, while this process still has a single thread.
+    let watchdog = match Watchdog::start() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("launch: error: cannot start the orphan guard process: {e}");
+            return 1;
+        }
+    };
+    let mut plan = match Plan::from_cli(cli) {
+        Ok(plan) => plan,
+        Err(e) => {
+            watchdog.disarm();
+            return bad_input(&e);
+        }
+    };
+    match plan.resolve_port() {
+        Ok(Some(notice)) => warn!("{notice}"),
+        Ok(None) => {}
+        Err(e) => {
+            watchdog.disarm();
+            return bad_input(&e);
+        }
+    }
+    for notice in &plan.notices {
+        info!("{notice}");
+    }
+    if let Some((threads, cores)) = plan.omp_threads {
+        if plan.nproc > 1 {
+            info!(
+                "OMP_NUM_THREADS not set: using {threads} per worker ({cores} cores / {} processes)",
+                plan.nproc
+            );
+        }
+    }
+    if let Some(wc) = &plan.config {
+        info!("{}: {}", wc.path.display(), wc.batch.derivation());
+    }
+
+    let events = crossbeam_channel::unbounded();
+    let mut signals = match signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) {
+        Ok(s) => s,
+        Err(e) => {
+            watchdog.disarm();
+            eprintln!("launch: error: cannot install signal handlers: {e}");
+            return 1;
+        }
+    };
+    let tx = events.0.clone();
+    let spawned = std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for sig in signals.forever() {
+                if tx.send(supervisor::Event::Signal(sig)).is_err() {
+                    break;
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        watchdog.disarm();
+        eprintln!("launch: error: cannot start the signal thread: {e}");
+        return 1;
+    }
+    supervisor::run(&plan, watchdog, events)
+}
+
+fn bad_input(e: &PlanError) -> i32 {
+    eprintln!("launch: error: {e}");
+    EXIT_BAD_INPUT
+}
+
+/// Launcher messages: `launch: message` / `launch: warning: message`, on stderr, so they stand
+/// apart from the workers' `[rank N]` lines. `RUST_LOG` filters them.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .event_format(LaunchFormat)
+        .init();
+}
+
+struct LaunchFormat;
+
+impl<S, N> FormatEvent<S, N> for LaunchFormat
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        let level = match *event.metadata().level() {
+            Level::ERROR => "error: ",
+            Level::WARN => "warning: ",
+            _ => "",
+        };
+        write!(writer, "launch: {level}")?;
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
+}

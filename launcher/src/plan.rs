@@ -1,0 +1,511 @@
+//! The plan: what to start, resolved from the command line, the config and the machine — world
+//! size, ranks, the rendezvous address and port, each worker's command and environment, and the
+//! batch derivation. Building a plan starts no process; only `resolve_port` binds (briefly), and
+//! a dry run never calls it.
+
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::batch::BatchPlan;
+use common::config::Config;
+use common::env_contract::WorkerEnv;
+
+use crate::cli::{Cli, NumProcesses};
+use crate::gpu::{self, Gpu};
+
+/// A bad command line, config or environment: reported in one line, exit code 2.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("{0}")]
+    Config(#[from] common::config::ConfigError),
+    #[error("{config}: {source}")]
+    Batch {
+        config: String,
+        source: Box<common::batch::BatchError>,
+    },
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// The config the workers will run, as the launcher checked it.
+#[derive(Debug)]
+pub struct WorkerConfig {
+    pub path: PathBuf,
+    pub config: Config,
+    /// `micro x grad_accum x world = global` for this world size.
+    pub batch: BatchPlan,
+}
+
+/// Everything needed to start (or describe) the worker group on this node.
+#[derive(Debug)]
+pub struct Plan {
+    pub nnodes: u32,
+    pub node_rank: u32,
+    /// Workers on this node.
+    pub nproc: u32,
+    pub world_size: u32,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub run_id: String,
+    pub max_restarts: u32,
+    pub grace_period: Duration,
+    pub log_dir: Option<PathBuf>,
+    /// Program and arguments every worker runs.
+    pub command: Vec<OsString>,
+    /// `OMP_NUM_THREADS` we set because the user did not (value, cores it was derived from).
+    pub omp_threads: Option<(usize, usize)>,
+    /// The config and its batch derivation, when running the worker on a config.
+    pub config: Option<WorkerConfig>,
+    /// Visible GPUs, when they were looked up (`auto` or a dry run).
+    pub gpus: Option<Vec<Gpu>>,
+    /// One-line notices to show before starting (e.g. "no GPU found, using 1 process").
+    pub notices: Vec<String>,
+}
+
+impl Plan {
+    /// Resolves the command line into a plan. `probe_gpus` forces the NVML lookup (dry run).
+    pub fn from_cli(cli: &Cli) -> Result<Plan, PlanError> {
+        let mut notices = Vec::new();
+        let nnodes = if cli.standalone { 1 } else { cli.nnodes };
+        if cli.standalone && cli.nnodes > 1 {
+            return Err(PlanError::Usage(
+                "--standalone is a single-node run; it cannot be combined with --nnodes > 1".into(),
+            ));
+        }
+        if cli.node_rank >= nnodes {
+            return Err(PlanError::Usage(format!(
+                "--node-rank {} is out of range for --nnodes {nnodes} (ranks are 0..{})",
+                cli.node_rank,
+                nnodes - 1
+            )));
+        }
+        if nnodes > 1 && is_loopback_name(&cli.master_addr) {
+            notices.push(format!(
+                "--master-addr {} is a loopback address but --nnodes is {nnodes}: other nodes cannot reach it",
+                cli.master_addr
+            ));
+        }
+
+        let want_gpus = cli.dry_run || cli.num_processes == NumProcesses::Auto;
+        let gpus = if want_gpus {
+            match gpu::visible_gpus() {
+                Ok(gpus) => Some(gpus),
+                Err(why) => {
+                    if cli.num_processes == NumProcesses::Auto {
+                        notices.push(format!("no GPU found ({why})"));
+                    }
+                    Some(Vec::new())
+                }
+            }
+        } else {
+            None
+        };
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let nproc = match cli.num_processes {
+            NumProcesses::Count(n) => n,
+            NumProcesses::Cpu => cores as u32,
+            NumProcesses::Auto => {
+                let n = gpus.as_ref().map_or(0, Vec::len) as u32;
+                if n == 0 {
+                    notices.push("--num-processes auto: no visible GPU, starting 1 process".into());
+                    1
+                } else {
+                    notices.push(format!(
+                        "--num-processes auto: {n} visible GPU(s), starting {n} process(es)"
+                    ));
+                    n
+                }
+            }
+        };
+        let world_size = nnodes.checked_mul(nproc).ok_or_else(|| {
+            PlanError::Usage(format!("{nnodes} nodes x {nproc} processes is too many"))
+        })?;
+
+        let (command, config) = command_and_config(cli, world_size)?;
+
+        let omp_threads = if std::env::var_os("OMP_NUM_THREADS").is_none() {
+            Some(((cores / nproc as usize).max(1), cores))
+        } else {
+            None
+        };
+        let run_id = match &cli.run_id {
+            Some(id) if id.trim().is_empty() => {
+                return Err(PlanError::Usage("--run-id must not be empty".into()))
+            }
+            Some(id) => id.clone(),
+            // Every node must agree without talking first: derive it from what they share.
+            None if nnodes > 1 => format!("run-{}-{}", cli.master_addr, cli.master_port),
+            None => fresh_run_id(),
+        };
+        Ok(Plan {
+            nnodes,
+            node_rank: cli.node_rank,
+            nproc,
+            world_size,
+            master_addr: cli.master_addr.clone(),
+            master_port: if cli.standalone { 0 } else { cli.master_port },
+            run_id,
+            max_restarts: cli.max_restarts,
+            grace_period: cli.grace_period,
+            log_dir: cli.log_dir.clone(),
+            command,
+            omp_threads,
+            config,
+            gpus,
+            notices,
+        })
+    }
+
+    /// The contract variables of local rank `local_rank` in restart round `restart_count`.
+    pub fn worker_env(&self, local_rank: u32, restart_count: u32) -> WorkerEnv {
+        WorkerEnv {
+            rank: self.node_rank * self.nproc + local_rank,
+            local_rank,
+            world_size: self.world_size,
+            local_world_size: self.nproc,
+            group_rank: self.node_rank,
+            group_world_size: self.nnodes,
+            master_addr: self.master_addr.clone(),
+            master_port: self.master_port,
+            restart_count,
+            max_restarts: self.max_restarts,
+            run_id: self.run_id.clone(),
+        }
+    }
+
+    /// Variables beyond the contract that every worker gets.
+    pub fn extra_env(&self) -> Vec<(&'static str, String)> {
+        let mut vars = Vec::new();
+        if let Some((threads, _)) = self.omp_threads {
+            vars.push(("OMP_NUM_THREADS", threads.to_string()));
+        }
+        // Workers write into pipes; without this Python block-buffers and lines arrive late.
+        if std::env::var_os("PYTHONUNBUFFERED").is_none() {
+            vars.push(("PYTHONUNBUFFERED", "1".to_string()));
+        }
+        vars
+    }
+
+    /// Makes sure the rendezvous port can be used, on the node that hosts it. On a single-node
+    /// run a taken port is replaced by a free one (returned as a notice); port 0 always picks one.
+    pub fn resolve_port(&mut self) -> Result<Option<String>, PlanError> {
+        if self.node_rank != 0 {
+            return Ok(None); // the store lives on node 0; nothing here to check
+        }
+        let ip = resolve_ip(&self.master_addr)?;
+        let requested = self.master_port;
+        match TcpListener::bind(SocketAddr::new(ip, requested)) {
+            Ok(listener) if requested != 0 => {
+                drop(listener);
+                Ok(None)
+            }
+            Ok(listener) => {
+                self.master_port = bound_port(&listener)?;
+                Ok(Some(format!("using free port {} for the rendezvous", self.master_port)))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && self.nnodes == 1 => {
+                let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
+                    PlanError::Usage(format!("cannot find a free port on {ip}: {e}"))
+                })?;
+                self.master_port = bound_port(&listener)?;
+                Ok(Some(format!(
+                    "port {requested} on {} is in use; using free port {} instead",
+                    self.master_addr, self.master_port
+                )))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(PlanError::Usage(format!(
+                "--master-port {requested} on {} is in use; the other nodes expect it, so pick a free port for all of them (or stop what holds it)",
+                self.master_addr
+            ))),
+            Err(e) => Err(PlanError::Usage(format!(
+                "cannot listen on --master-addr {}:{requested} from this node ({e}); node 0 must own that address",
+                self.master_addr
+            ))),
+        }
+    }
+
+    /// The dry-run description: world, nodes, batch derivation, each local rank's device and
+    /// environment.
+    pub fn describe(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "launch plan (dry run: nothing was started)");
+        let _ = writeln!(
+            out,
+            "  world size:   {} = {} node(s) x {} process(es); this node: rank {} of {}",
+            self.world_size, self.nnodes, self.nproc, self.node_rank, self.nnodes
+        );
+        let port = if self.master_port == 0 {
+            "a free port chosen at launch".to_string()
+        } else {
+            self.master_port.to_string()
+        };
+        let _ = writeln!(
+            out,
+            "  rendezvous:   {}:{port} (run id {})",
+            self.master_addr, self.run_id
+        );
+        let _ = writeln!(
+            out,
+            "  failures:     tear down with SIGTERM, SIGKILL after {:.1} s; up to {} restart(s)",
+            self.grace_period.as_secs_f64(),
+            self.max_restarts
+        );
+        let _ = writeln!(out, "  command:      {}", shell_words(&self.command));
+        if let Some(wc) = &self.config {
+            let _ = writeln!(
+                out,
+                "  config:       {} (run {:?})",
+                wc.path.display(),
+                wc.config.run.name
+            );
+            let _ = writeln!(out, "  batch:        {}", wc.batch.derivation());
+        }
+        if let Some((threads, cores)) = self.omp_threads {
+            let _ = writeln!(
+                out,
+                "  threads:      OMP_NUM_THREADS={threads} (not set: {cores} core(s) / {} process(es))",
+                self.nproc
+            );
+        }
+        if let Some(dir) = &self.log_dir {
+            let _ = writeln!(out, "  logs:         {}/rank-N.log", dir.display());
+        }
+        for notice in &self.notices {
+            let _ = writeln!(out, "  note:         {notice}");
+        }
+        for local_rank in 0..self.nproc {
+            let env = self.worker_env(local_rank, 0);
+            let _ = writeln!(
+                out,
+                "  local rank {local_rank}: device {}",
+                self.device_of(local_rank)
+            );
+            let vars: Vec<String> = env
+                .to_vars()
+                .into_iter()
+                .chain(self.extra_env())
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            let _ = writeln!(out, "    {}", vars.join(" "));
+        }
+        out
+    }
+
+    fn device_of(&self, local_rank: u32) -> String {
+        match &self.gpus {
+            Some(gpus) if !gpus.is_empty() => match gpus.get(local_rank as usize) {
+                Some(gpu) => format!(
+                    "cuda:{} ({}, {:.1} GiB total, {:.1} GiB free)",
+                    gpu.cuda_index,
+                    gpu.name,
+                    gpu.total_bytes as f64 / GIB,
+                    gpu.free_bytes as f64 / GIB
+                ),
+                None => format!(
+                    "none: only {} GPU(s) visible for {} processes (cuda:{local_rank} does not exist)",
+                    gpus.len(),
+                    self.nproc
+                ),
+            },
+            _ => "cpu (no visible GPU)".to_string(),
+        }
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn command_and_config(
+    cli: &Cli,
+    world_size: u32,
+) -> Result<(Vec<OsString>, Option<WorkerConfig>), PlanError> {
+    match (&cli.config, cli.program.is_empty()) {
+        (Some(_), false) => Err(PlanError::Usage(
+            "give either CONFIG (runs the worker) or `-- PROGRAM ARGS...`, not both".into(),
+        )),
+        (None, true) => Err(PlanError::Usage(
+            "nothing to run: give a CONFIG (e.g. configs/default.toml) or `-- PROGRAM ARGS...`"
+                .into(),
+        )),
+        (None, false) => {
+            if !cli.overrides.is_empty() {
+                return Err(PlanError::Usage(
+                    "--set overrides a CONFIG value, but no CONFIG was given (the program after `--` gets no config)".into(),
+                ));
+            }
+            if cli.worker.is_some() {
+                return Err(PlanError::Usage(
+                    "--worker has no effect with `-- PROGRAM`; drop one of them".into(),
+                ));
+            }
+            Ok((cli.program.clone(), None))
+        }
+        (Some(path), true) => {
+            let config = Config::load(path, &cli.overrides)?;
+            let batch = config
+                .batch
+                .resolve(u64::from(world_size))
+                .map_err(|source| PlanError::Batch {
+                    config: path.display().to_string(),
+                    source: Box::new(source),
+                })?;
+            let worker = match &cli.worker {
+                Some(worker) => worker.clone(),
+                None => default_worker()?,
+            };
+            let mut command = vec![worker.into_os_string()];
+            for set in &cli.overrides {
+                command.push("--set".into());
+                command.push(set.into());
+            }
+            command.push(path.clone().into_os_string());
+            Ok((
+                command,
+                Some(WorkerConfig {
+                    path: path.clone(),
+                    config,
+                    batch,
+                }),
+            ))
+        }
+    }
+}
+
+/// `worker` next to the `launch` binary.
+fn default_worker() -> Result<PathBuf, PlanError> {
+    let exe = std::env::current_exe()
+        .map_err(|e| PlanError::Usage(format!("cannot locate the launch binary: {e}")))?;
+    let worker = exe
+        .parent()
+        .unwrap_or_else(|| Path::new("."))
+        .join("worker");
+    if worker.is_file() {
+        Ok(worker)
+    } else {
+        Err(PlanError::Usage(format!(
+            "worker binary not found at {} (build it with `cargo build --release`, or pass --worker PATH)",
+            worker.display()
+        )))
+    }
+}
+
+fn resolve_ip(addr: &str) -> Result<IpAddr, PlanError> {
+    if let Ok(ip) = addr.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    (addr, 0)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .map(|a| a.ip())
+        .ok_or_else(|| PlanError::Usage(format!("--master-addr {addr:?} does not resolve")))
+}
+
+fn bound_port(listener: &TcpListener) -> Result<u16, PlanError> {
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| PlanError::Usage(format!("cannot read the chosen port: {e}")))
+}
+
+fn is_loopback_name(addr: &str) -> bool {
+    addr == "localhost" || addr.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// A job id unique enough for one machine: time and pid, no randomness source needed.
+fn fresh_run_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("launch-{:x}{:05x}", std::process::id(), nanos & 0xf_ffff)
+}
+
+/// The command as a shell would need it typed (for display only).
+pub fn shell_words(words: &[OsString]) -> String {
+    words
+        .iter()
+        .map(|w| {
+            let w = w.to_string_lossy();
+            if !w.is_empty()
+                && w.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+            {
+                w.into_owned()
+            } else {
+                format!("'{}'", w.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn plan(args: &[&str]) -> Result<Plan, PlanError> {
+        let cli = Cli::try_parse_from(std::iter::once("launch").chain(args.iter().copied()))
+            .expect("valid CLI");
+        Plan::from_cli(&cli)
+    }
+
+    #[test]
+    fn ranks_follow_node_rank() {
+        let p = plan(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--num-processes",
+            "3",
+            "--master-addr",
+            "10.0.0.1",
+            "--",
+            "true",
+        ])
+        .unwrap();
+        assert_eq!(p.world_size, 6);
+        let env = p.worker_env(2, 0);
+        assert_eq!((env.rank, env.local_rank, env.group_rank), (5, 2, 1));
+        assert_eq!(p.run_id, "run-10.0.0.1-29500");
+    }
+
+    #[test]
+    fn usage_errors() {
+        for (args, needle) in [
+            (
+                &["--nnodes", "2", "--node-rank", "2", "--", "true"][..],
+                "out of range",
+            ),
+            (&["--set", "a.b=1", "--", "true"], "no CONFIG"),
+            (&[][..], "nothing to run"),
+            (&["c.toml", "--", "true"], "not both"),
+            (&["--run-id", " ", "--", "true"], "must not be empty"),
+        ] {
+            let err = plan(args).unwrap_err().to_string();
+            assert!(err.contains(needle), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn taken_port_is_replaced_on_a_single_node() {
+        let holder = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = holder.local_addr().unwrap().port().to_string();
+        let mut p = plan(&["--master-port", &port, "--", "true"]).unwrap();
+        let notice = p.resolve_port().unwrap().expect("a notice");
+        assert!(notice.contains("in use"), "{notice}");
+        assert_ne!(p.master_port.to_string(), port);
+        // Multi-node, node 0: the others expect that port, so it is an error.
+        let mut p = plan(&["--master-port", &port, "--nnodes", "2", "--", "true"]).unwrap();
+        assert!(p.resolve_port().unwrap_err().to_string().contains("in use"));
+    }
+
+    #[test]
+    fn shell_words_quotes_what_needs_it() {
+        let words: Vec<OsString> = vec!["python".into(), "a b.py".into(), "it's".into()];
+        assert_eq!(shell_words(&words), r"python 'a b.py' 'it'\''s'");
+    }
+}

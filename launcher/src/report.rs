@@ -1,0 +1,164 @@
+//! What the user reads when a group ends badly: the failure summary (root cause first, with its
+//! last stderr lines) and the exit code that goes with it. It formats; it decides nothing.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+/// How one worker ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Code(i32),
+    Signal(i32),
+}
+
+impl Ending {
+    /// The shell convention: the exit code, or 128 + signal number.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            Ending::Code(code) => code,
+            Ending::Signal(sig) => 128 + sig,
+        }
+    }
+
+    pub fn is_success(self) -> bool {
+        self == Ending::Code(0)
+    }
+}
+
+impl std::fmt::Display for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Ending::Code(code) => write!(f, "exit code {code}"),
+            Ending::Signal(sig) => write!(f, "killed by {}", signal_name(*sig)),
+        }
+    }
+}
+
+/// `SIGKILL`, `SIGSEGV`, ... or `signal 42`.
+pub fn signal_name(sig: i32) -> String {
+    Signal::try_from(sig).map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_string())
+}
+
+/// One worker's record at the end of a group run.
+#[derive(Debug, Clone)]
+pub struct WorkerRecord {
+    pub rank: u32,
+    pub local_rank: u32,
+    pub pid: i32,
+    pub ending: Ending,
+    /// Time from the group's start to this worker's exit.
+    pub after: Duration,
+    /// The signal the launcher sent it during teardown, if any.
+    pub sent_by_launcher: Option<Signal>,
+    pub stderr_tail: Vec<String>,
+}
+
+/// The multi-line summary after a failure. `root` indexes `records`.
+pub fn failure_summary(records: &[WorkerRecord], root: usize, attempts: u32) -> String {
+    let mut out = String::new();
+    let r = &records[root];
+    let _ = writeln!(out, "launch: worker group failed");
+    let _ = writeln!(
+        out,
+        "  root cause: rank {} (local_rank {}, pid {}): {} after {:.2} s",
+        r.rank,
+        r.local_rank,
+        r.pid,
+        r.ending,
+        r.after.as_secs_f64()
+    );
+    if r.stderr_tail.is_empty() {
+        let _ = writeln!(out, "  rank {} wrote nothing to stderr", r.rank);
+    } else {
+        let _ = writeln!(out, "  last stderr lines of rank {}:", r.rank);
+        for line in &r.stderr_tail {
+            let _ = writeln!(out, "    | {line}");
+        }
+    }
+    let others: Vec<&WorkerRecord> = records
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != root)
+        .map(|(_, w)| w)
+        .collect();
+    if !others.is_empty() {
+        let _ = writeln!(out, "  other ranks:");
+        for w in others {
+            let how = match (w.sent_by_launcher, w.ending) {
+                (Some(Signal::SIGKILL), _) => {
+                    format!("{} (SIGKILL from launch after the grace period)", w.ending)
+                }
+                (Some(sent), _) => format!("{} (after {} from launch)", w.ending, sent.as_str()),
+                (None, ending) if !ending.is_success() => format!("{ending} (also failed)"),
+                (None, ending) => ending.to_string(),
+            };
+            let _ = writeln!(
+                out,
+                "    rank {} (local_rank {}, pid {}): {how} at {:.2} s",
+                w.rank,
+                w.local_rank,
+                w.pid,
+                w.after.as_secs_f64()
+            );
+        }
+    }
+    if attempts > 1 {
+        let _ = writeln!(
+            out,
+            "  the group was started {attempts} times; this was the last"
+        );
+    }
+    let _ = write!(out, "  launch exits with {}", r.ending.exit_code());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(rank: u32, ending: Ending, sent: Option<Signal>) -> WorkerRecord {
+        WorkerRecord {
+            rank,
+            local_rank: rank,
+            pid: 100 + rank as i32,
+            ending,
+            after: Duration::from_millis(1500),
+            sent_by_launcher: sent,
+            stderr_tail: if rank == 1 {
+                vec!["Traceback".into(), "ValueError: boom".into()]
+            } else {
+                vec![]
+            },
+        }
+    }
+
+    #[test]
+    fn exit_codes_follow_the_shell_convention() {
+        assert_eq!(Ending::Code(3).exit_code(), 3);
+        assert_eq!(Ending::Signal(9).exit_code(), 137);
+        assert_eq!(Ending::Signal(9).to_string(), "killed by SIGKILL");
+    }
+
+    #[test]
+    fn summary_names_the_root_cause_first() {
+        let records = vec![
+            record(0, Ending::Signal(15), Some(Signal::SIGTERM)),
+            record(1, Ending::Code(3), None),
+            record(2, Ending::Signal(9), Some(Signal::SIGKILL)),
+        ];
+        let text = failure_summary(&records, 1, 1);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[1],
+            "  root cause: rank 1 (local_rank 1, pid 101): exit code 3 after 1.50 s"
+        );
+        assert!(text.contains("    | ValueError: boom"));
+        assert!(text.contains(
+            "rank 0 (local_rank 0, pid 100): killed by SIGTERM (after SIGTERM from launch)"
+        ));
+        assert!(text.contains("SIGKILL from launch after the grace period"));
+        assert!(text.ends_with("launch exits with 3"));
+    }
+}

@@ -1,0 +1,117 @@
+//! The orphan guard. Workers die with the launcher through PR_SET_PDEATHSIG, but their own
+//! children would not: this small process, forked before any thread exists, holds the set of
+//! worker process groups and, if the launcher vanishes without saying goodbye (e.g. SIGKILL),
+//! kills every one of those groups. It must stay tiny: no allocation-heavy work, no threads.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use nix::sys::signal::{killpg, SigHandler, Signal};
+use nix::unistd::{fork, ForkResult, Pid};
+
+/// The launcher's end of the pipe to the guard.
+pub struct Watchdog {
+    pipe: std::fs::File,
+    pid: Pid,
+}
+
+impl Watchdog {
+    /// Forks the guard.
+    ///
+    /// # Safety contract
+    /// Must be called while the process has a single thread (before the signal thread, output
+    /// threads or any worker exist), because the child keeps running Rust code after `fork`.
+    pub fn start() -> std::io::Result<Watchdog> {
+        let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        // SAFETY: called before any other thread exists (see above); the child only reads the
+        // pipe, calls killpg and _exit.
+        match unsafe { fork() }? {
+            ForkResult::Parent { child } => {
+                drop(read_end);
+                Ok(Watchdog {
+                    pipe: std::fs::File::from(write_end),
+                    pid: child,
+                })
+            }
+            ForkResult::Child => {
+                drop(write_end);
+                guard(read_end)
+            }
+        }
+    }
+
+    /// From now on, kill group `pgid` if the launcher dies.
+    pub fn watch(&mut self, pgid: i32) {
+        let _ = writeln!(self.pipe, "+{pgid}");
+    }
+
+    /// The group is gone (torn down and reaped); stop watching it.
+    pub fn forget(&mut self, pgid: i32) {
+        let _ = writeln!(self.pipe, "-{pgid}");
+    }
+
+    /// Normal exit: the guard leaves without killing anything.
+    pub fn disarm(mut self) {
+        let _ = writeln!(self.pipe, "x");
+        // It exits as soon as it reads that; reap it so no zombie is left behind.
+        let _ = nix::sys::wait::waitpid(self.pid, None);
+    }
+}
+
+fn guard(pipe: OwnedFd) -> ! {
+    // Terminal Ctrl-C / hang-up reach the whole foreground group; the guard must outlive them to
+    // do its job, and the launcher decides what happens to the workers.
+    // SAFETY: setting a signal to SIG_IGN is always sound.
+    unsafe {
+        let _ = nix::sys::signal::signal(Signal::SIGINT, SigHandler::SigIgn);
+        let _ = nix::sys::signal::signal(Signal::SIGHUP, SigHandler::SigIgn);
+        let _ = nix::sys::signal::signal(Signal::SIGPIPE, SigHandler::SigIgn);
+    }
+    // Do not hold the console or a test harness's pipes open.
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
+        for fd in 0..3 {
+            // SAFETY: dup2 onto the standard descriptors of this single-threaded child.
+            unsafe { libc::dup2(null.as_raw_fd(), fd) };
+        }
+    }
+    // SAFETY: PR_SET_NAME with a NUL-terminated 16-byte buffer.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"launch-watchdog".as_ptr()) };
+
+    let mut groups: Vec<i32> = Vec::new();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut buf = [0u8; 512];
+    let disarmed = loop {
+        match nix::unistd::read(&pipe, &mut buf) {
+            Ok(0) => break false,
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => break false,
+        }
+        let mut disarmed = false;
+        while let Some(pos) = pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=pos).collect();
+            let text = std::str::from_utf8(&line[..line.len() - 1]).unwrap_or("");
+            if text == "x" {
+                disarmed = true;
+            } else if let Some(n) = text.strip_prefix('+').and_then(|n| n.parse().ok()) {
+                groups.push(n);
+            } else if let Some(n) = text.strip_prefix('-').and_then(|n| n.parse::<i32>().ok()) {
+                groups.retain(|g| *g != n);
+            }
+        }
+        if disarmed {
+            break true;
+        }
+    };
+    if !disarmed {
+        for pgid in &groups {
+            let _ = killpg(Pid::from_raw(*pgid), Signal::SIGKILL);
+        }
+    }
+    // SAFETY: leaving the forked child without running the parent's destructors or atexit hooks.
+    unsafe { libc::_exit(0) }
+}

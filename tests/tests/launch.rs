@@ -1,0 +1,731 @@
+//! End-to-end tests of `launch` with real processes: small shell programs as workers, real
+//! signals, real sockets. "No process left behind" is checked by looking for processes that
+//! carry the run's id in their environment, never assumed.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use support::*;
+
+const T: Duration = Duration::from_secs(60);
+
+fn sh(script: &str) -> Vec<String> {
+    vec!["--".into(), "sh".into(), "-c".into(), script.into()]
+}
+
+fn args<'a>(head: &[&'a str], tail: &'a [String]) -> Vec<&'a str> {
+    head.iter()
+        .copied()
+        .chain(tail.iter().map(String::as_str))
+        .collect()
+}
+
+#[test]
+fn three_workers_get_the_torchrun_environment() {
+    let id = unique_run_id("env");
+    let script = sh("env | grep -E '^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_WORLD_SIZE|ROLE_NAME|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_RESTART_COUNT|TORCHELASTIC_MAX_RESTARTS|TORCHELASTIC_RUN_ID|OMP_NUM_THREADS)='");
+    let out = launch(
+        &args(
+            &[
+                "--num-processes",
+                "3",
+                "--master-port",
+                "0",
+                "--run-id",
+                &id,
+            ],
+            &script,
+        ),
+        T,
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    let mut seen: BTreeMap<u32, BTreeMap<String, String>> = BTreeMap::new();
+    for (rank, text) in rank_lines(&out.stdout) {
+        let (k, v) = text.split_once('=').expect("KEY=VALUE");
+        seen.entry(rank).or_default().insert(k.into(), v.into());
+    }
+    assert_eq!(seen.len(), 3, "{}", out.stdout);
+    let port = &seen[&0]["MASTER_PORT"];
+    assert_ne!(port, "0", "port 0 must be replaced by a real port");
+    for (rank, vars) in &seen {
+        let r = rank.to_string();
+        let expect = [
+            ("RANK", r.as_str()),
+            ("LOCAL_RANK", &r),
+            ("WORLD_SIZE", "3"),
+            ("LOCAL_WORLD_SIZE", "3"),
+            ("GROUP_RANK", "0"),
+            ("GROUP_WORLD_SIZE", "1"),
+            ("ROLE_RANK", &r),
+            ("ROLE_WORLD_SIZE", "3"),
+            ("ROLE_NAME", "default"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port),
+            ("TORCHELASTIC_RESTART_COUNT", "0"),
+            ("TORCHELASTIC_MAX_RESTARTS", "0"),
+            ("TORCHELASTIC_RUN_ID", &id),
+        ];
+        for (k, v) in expect {
+            assert_eq!(vars.get(k).map(String::as_str), Some(v), "rank {rank} {k}");
+        }
+        let threads: usize = vars["OMP_NUM_THREADS"].parse().unwrap();
+        assert!(threads >= 1);
+    }
+}
+
+#[test]
+fn user_omp_num_threads_is_kept() {
+    let script = sh("echo omp=$OMP_NUM_THREADS");
+    let out = launch_cmd(&args(
+        &["--num-processes", "2", "--master-port", "0"],
+        &script,
+    ))
+    .env("OMP_NUM_THREADS", "7")
+    .output()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        rank_lines(&stdout)
+            .iter()
+            .filter(|(_, t)| t == "omp=7")
+            .count(),
+        2
+    );
+}
+
+#[test]
+fn failing_worker_gives_its_exit_code_a_summary_and_no_leftovers() {
+    let id = unique_run_id("exit3");
+    // Rank 1 fails; the others (and a child of each) would run for a minute.
+    let script = sh(
+        "if [ \"$RANK\" = 1 ]; then sleep 0.3; echo 'about to fail' >&2; echo 'ValueError: boom' >&2; exit 3; fi; sleep 60 & wait",
+    );
+    let out = launch(
+        &args(
+            &[
+                "--num-processes",
+                "3",
+                "--master-port",
+                "0",
+                "--grace-period",
+                "5",
+                "--run-id",
+                &id,
+            ],
+            &script,
+        ),
+        T,
+    );
+    assert_eq!(out.code(), Some(3), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("root cause: rank 1 (local_rank 1, pid "),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains("exit code 3 after"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("    | ValueError: boom"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains("launch exits with 3"), "{}", out.stderr);
+    // Well-behaved workers end on SIGTERM: teardown must not wait for the grace period.
+    assert!(
+        out.elapsed < Duration::from_secs(4),
+        "took {:?}",
+        out.elapsed
+    );
+    assert_eq!(
+        processes_of_run(&id),
+        Vec::<i32>::new(),
+        "processes left behind"
+    );
+}
+
+#[test]
+fn worker_killed_by_sigkill_is_reported_with_the_signal() {
+    let id = unique_run_id("kill9");
+    let script = sh("if [ \"$RANK\" = 2 ]; then sleep 0.2; kill -9 $$; fi; sleep 60 & wait");
+    let out = launch(
+        &args(
+            &[
+                "--num-processes",
+                "3",
+                "--master-port",
+                "0",
+                "--run-id",
+                &id,
+            ],
+            &script,
+        ),
+        T,
+    );
+    assert_eq!(out.code(), Some(128 + 9), "{}", out.stderr);
+    assert!(out.stderr.contains("root cause: rank 2"), "{}", out.stderr);
+    assert!(out.stderr.contains("killed by SIGKILL"), "{}", out.stderr);
+    assert_eq!(processes_of_run(&id), Vec::<i32>::new());
+}
+
+#[test]
+fn worker_ignoring_sigterm_is_killed_after_the_grace_period() {
+    let id = unique_run_id("grace");
+    let script = sh(
+        "if [ \"$RANK\" = 0 ]; then sleep 0.3; exit 5; fi; trap '' TERM; while true; do sleep 0.05; done",
+    );
+    let out = launch(
+        &args(
+            &[
+                "--num-processes",
+                "2",
+                "--master-port",
+                "0",
+                "--grace-period",
+                "1",
+                "--run-id",
+                &id,
+            ],
+            &script,
+        ),
+        T,
+    );
+    assert_eq!(out.code(), Some(5), "{}", out.stderr);
+    assert!(out.stderr.contains("sending SIGKILL"), "{}", out.stderr);
+    assert!(out.elapsed >= Duration::from_secs(1), "{:?}", out.elapsed);
+    assert!(out.elapsed < Duration::from_secs(8), "{:?}", out.elapsed);
+    assert_eq!(processes_of_run(&id), Vec::<i32>::new());
+}
+
+fn signal_test(signal: Signal) {
+    let id = unique_run_id(signal.as_str());
+    let dir = tempfile::tempdir().unwrap();
+    // Each worker records the signal it got, then exits as a well-behaved program does.
+    let script = sh(&format!(
+        "trap 'echo got-INT > {0}/$RANK; exit 130' INT; trap 'echo got-TERM > {0}/$RANK; exit 143' TERM; echo ready; sleep 60 & wait",
+        dir.path().display()
+    ));
+    let child = launch_cmd(&args(
+        &[
+            "--num-processes",
+            "3",
+            "--master-port",
+            "0",
+            "--run-id",
+            &id,
+        ],
+        &script,
+    ))
+    .spawn()
+    .unwrap();
+    let pid = Pid::from_raw(child.id() as i32);
+    assert_eq!(wait_processes(&id, 6, T).len(), 6, "3 workers + 3 sleeps");
+    std::thread::sleep(Duration::from_millis(200)); // let the traps be installed
+    kill(pid, signal).unwrap();
+    let out = wait_output(child, T);
+    assert_eq!(out.code(), Some(128 + signal as i32), "{}", out.stderr);
+    let name = &signal.as_str()[3..];
+    for rank in 0..3 {
+        let got = std::fs::read_to_string(dir.path().join(rank.to_string())).unwrap_or_default();
+        assert_eq!(
+            got.trim(),
+            format!("got-{name}"),
+            "rank {rank}: {}",
+            out.stderr
+        );
+    }
+    assert_eq!(
+        wait_no_processes(&id, Duration::from_secs(3)),
+        Vec::<i32>::new()
+    );
+}
+
+#[test]
+fn sigint_to_launch_is_forwarded() {
+    signal_test(Signal::SIGINT);
+}
+
+#[test]
+fn sigterm_to_launch_is_forwarded() {
+    signal_test(Signal::SIGTERM);
+}
+
+#[test]
+fn second_sigint_kills_at_once() {
+    let id = unique_run_id("int2");
+    let script = sh("trap '' INT TERM; echo ready; while true; do sleep 0.05; done");
+    let child = launch_cmd(&args(
+        &[
+            "--num-processes",
+            "2",
+            "--master-port",
+            "0",
+            "--grace-period",
+            "30",
+            "--run-id",
+            &id,
+        ],
+        &script,
+    ))
+    .spawn()
+    .unwrap();
+    let pid = Pid::from_raw(child.id() as i32);
+    // 2 workers (and, now and then, their `sleep`s).
+    assert!(wait_processes(&id, 2, T).len() >= 2);
+    std::thread::sleep(Duration::from_millis(200));
+    kill(pid, Signal::SIGINT).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    kill(pid, Signal::SIGINT).unwrap();
+    let out = wait_output(child, T);
+    assert_eq!(out.code(), Some(130), "{}", out.stderr);
+    assert!(out.elapsed < Duration::from_secs(10), "{:?}", out.elapsed);
+    assert!(
+        out.stderr.contains("killing every worker now"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        wait_no_processes(&id, Duration::from_secs(3)),
+        Vec::<i32>::new()
+    );
+}
+
+#[test]
+fn sigkill_to_launch_leaves_no_worker_alive() {
+    let id = unique_run_id("orphan");
+    // Workers with children of their own, ignoring SIGTERM for good measure.
+    let script = sh("trap '' TERM; sleep 60 & sleep 61 & wait");
+    let mut child = launch_cmd(&args(
+        &[
+            "--num-processes",
+            "3",
+            "--master-port",
+            "0",
+            "--run-id",
+            &id,
+        ],
+        &script,
+    ))
+    .spawn()
+    .unwrap();
+    assert_eq!(wait_processes(&id, 9, T).len(), 9, "3 workers + 6 sleeps");
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).unwrap();
+    let _ = child.wait();
+    assert_eq!(
+        wait_no_processes(&id, Duration::from_secs(5)),
+        Vec::<i32>::new(),
+        "orphans survived SIGKILL of launch"
+    );
+}
+
+#[test]
+fn max_restarts_restarts_the_group_until_it_succeeds() {
+    let id = unique_run_id("restart");
+    let script = sh(
+        "echo \"round $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then exit 4; fi; sleep 0.2",
+    );
+    let out = launch(
+        &args(
+            &[
+                "--num-processes",
+                "2",
+                "--master-port",
+                "0",
+                "--max-restarts",
+                "2",
+                "--run-id",
+                &id,
+            ],
+            &script,
+        ),
+        T,
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("rank 1 failed (exit code 4)"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr
+            .contains("restarting the worker group (restart 1 of 2, TORCHELASTIC_RESTART_COUNT=1)"),
+        "{}",
+        out.stderr
+    );
+    let lines = rank_lines(&out.stdout);
+    for rank in 0..2 {
+        assert!(
+            lines.contains(&(rank, "round 1 of 2".to_string())),
+            "{}",
+            out.stdout
+        );
+    }
+    assert!(
+        !out.stdout.contains("round 2"),
+        "only one restart was needed"
+    );
+}
+
+#[test]
+fn max_restarts_exhausted_reports_the_last_failure() {
+    let script = sh("exit 6");
+    let out = launch(
+        &args(
+            &[
+                "--num-processes",
+                "1",
+                "--master-port",
+                "0",
+                "--max-restarts",
+                "2",
+            ],
+            &script,
+        ),
+        T,
+    );
+    assert_eq!(out.code(), Some(6), "{}", out.stderr);
+    assert_eq!(out.stderr.matches("restarting the worker group").count(), 2);
+    assert!(out.stderr.contains("started 3 times"), "{}", out.stderr);
+}
+
+#[test]
+fn taken_port_is_replaced_with_a_notice() {
+    let holder = TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap().port().to_string();
+    let script = sh("echo port=$MASTER_PORT");
+    let out = launch(
+        &args(&["--num-processes", "2", "--master-port", &taken], &script),
+        T,
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stderr.contains(&format!(
+            "port {taken} on 127.0.0.1 is in use; using free port"
+        )),
+        "{}",
+        out.stderr
+    );
+    let ports: Vec<String> = rank_lines(&out.stdout)
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect();
+    assert_eq!(ports.len(), 2);
+    assert_eq!(ports[0], ports[1]);
+    assert_ne!(ports[0], format!("port={taken}"));
+}
+
+#[test]
+fn taken_port_on_a_multi_node_master_is_an_error() {
+    let holder = TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = holder.local_addr().unwrap().port().to_string();
+    let out = launch(
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--master-port",
+            &taken,
+            "--",
+            "true",
+        ],
+        T,
+    );
+    assert_eq!(out.code(), Some(2), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("is in use; the other nodes expect it"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn lines_are_never_interleaved_and_streams_stay_apart() {
+    // Three workers write long lines as fast as they can, to both streams.
+    let script = sh(
+        "pad=$(printf '%0300d' 0); i=0; while [ $i -lt 400 ]; do echo \"r$RANK l$i $pad\"; echo \"e$RANK l$i\" >&2; i=$((i+1)); done",
+    );
+    let out = launch(
+        &args(&["--num-processes", "3", "--master-port", "0"], &script),
+        T,
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    let pad = "0".repeat(300);
+    let mut counts = [0usize; 3];
+    for line in out.stdout.lines() {
+        let (rank, text) = rank_lines(line)
+            .pop()
+            .unwrap_or_else(|| panic!("bad line {line:?}"));
+        let (tag, rest) = text.split_once(" l").unwrap();
+        assert_eq!(
+            tag,
+            format!("r{rank}"),
+            "line of rank {rank} carries another rank's text"
+        );
+        let (_, tail) = rest.split_once(' ').unwrap();
+        assert_eq!(tail, pad, "line cut or mixed: {line:?}");
+        counts[rank as usize] += 1;
+    }
+    assert_eq!(counts, [400, 400, 400]);
+    let err_lines: Vec<(u32, String)> = rank_lines(&out.stderr);
+    assert_eq!(err_lines.len(), 1200, "stderr lines stay on stderr");
+    assert!(err_lines
+        .iter()
+        .all(|(r, t)| t.starts_with(&format!("e{r} l"))));
+}
+
+#[test]
+fn log_dir_gets_one_file_per_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let script = sh("echo out-$RANK; echo err-$RANK >&2");
+    let out = launch(
+        &args(
+            &[
+                "--num-processes",
+                "2",
+                "--master-port",
+                "0",
+                "--log-dir",
+                logs.to_str().unwrap(),
+            ],
+            &script,
+        ),
+        T,
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    for rank in 0..2 {
+        let text = std::fs::read_to_string(logs.join(format!("rank-{rank}.log"))).unwrap();
+        assert!(text.contains(&format!("out-{rank}\n")), "{text}");
+        assert!(text.contains(&format!("err-{rank}\n")), "{text}");
+    }
+    assert!(
+        out.stdout.contains("] out-1"),
+        "console still gets the lines"
+    );
+}
+
+#[test]
+fn program_that_cannot_start_is_reported() {
+    let out = launch(&["--master-port", "0", "--", "/nonexistent/program"], T);
+    assert_eq!(out.code(), Some(127), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("cannot start rank 0 (/nonexistent/program)"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn dry_run_prints_the_plan_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("started");
+    let out = launch(
+        &[
+            "--dry-run",
+            "--num-processes",
+            "2",
+            "--",
+            "touch",
+            marker.to_str().unwrap(),
+        ],
+        T,
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stdout
+            .contains("world size:   2 = 1 node(s) x 2 process(es)"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("local rank 1: device cpu"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("RANK=1 LOCAL_RANK=1 WORLD_SIZE=2"),
+        "{}",
+        out.stdout
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!marker.exists(), "a dry run started the program");
+}
+
+#[test]
+fn dry_run_shows_the_batch_derivation_of_the_config() {
+    let out = launch(
+        &[
+            "--dry-run",
+            "--num-processes",
+            "2",
+            "--nnodes",
+            "2",
+            "--master-addr",
+            "10.9.9.9",
+            "configs/default.toml",
+            "--set",
+            "batch.micro=8",
+        ],
+        T,
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stdout
+            .contains("batch:        micro 8 x grad_accum 2 x world 4 = global 64"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains("--set batch.micro=8 configs/default.toml"),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn dry_run_rejects_a_batch_that_does_not_divide() {
+    let out = launch(
+        &["--dry-run", "--num-processes", "3", "configs/default.toml"],
+        T,
+    );
+    assert_eq!(out.code(), Some(2), "{}", out.stderr);
+    let first = out.stderr.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("launch: error: configs/default.toml: batch:"),
+        "{}",
+        out.stderr
+    );
+    assert!(first.contains("x world 3"), "{first}");
+    assert_eq!(
+        out.stderr.lines().count(),
+        1,
+        "one-line error: {}",
+        out.stderr
+    );
+}
+
+#[test]
+fn dry_run_rejects_bad_config_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[run]\nname = \"x\"\n[batch]\nmicro = 4\nglobal = 8\nmicr = 3\n",
+    )
+    .unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec![bad.display().to_string()], "bad.toml:6"),
+        (
+            vec![
+                "configs/default.toml".into(),
+                "--set".into(),
+                "batch.micr=4".into(),
+            ],
+            "batch.micr=4",
+        ),
+        (
+            vec![
+                "configs/default.toml".into(),
+                "--set".into(),
+                "batch.micro=abc".into(),
+            ],
+            "batch.micro",
+        ),
+        (vec!["does/not/exist.toml".into()], "does/not/exist.toml"),
+    ];
+    for (extra, needle) in cases {
+        let mut a = vec!["--dry-run".to_string()];
+        a.extend(extra);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let out = launch(&a, T);
+        assert_eq!(out.code(), Some(2), "{a:?}: {}", out.stderr);
+        assert!(out.stderr.contains(needle), "{a:?}: {}", out.stderr);
+        assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+        assert_eq!(
+            out.stderr.trim_end().lines().count(),
+            1,
+            "{a:?}: {}",
+            out.stderr
+        );
+    }
+}
+
+#[test]
+fn bad_cli_input_is_rejected_without_panic() {
+    for (a, needle) in [
+        (&["--num-processes", "0", "--", "true"][..], "at least 1"),
+        (
+            &["--num-processes", "x", "--", "true"],
+            "expected a positive number",
+        ),
+        (&["--nnodes", "1:3", "--", "true"], "elastic"),
+        (&["--frobnicate", "--", "true"], "--frobnicate"),
+        (&[][..], "nothing to run"),
+        (
+            &["--nnodes", "2", "--node-rank", "5", "--", "true"],
+            "out of range",
+        ),
+        (&["--master-port", "99999", "--", "true"], "99999"),
+        (
+            &["--grace-period", "soon", "--", "true"],
+            "expected seconds",
+        ),
+    ] {
+        let out = launch(a, T);
+        assert_eq!(out.code(), Some(2), "{a:?}: {}", out.stderr);
+        assert!(out.stderr.contains(needle), "{a:?}: {}", out.stderr);
+        assert!(!out.stderr.contains("panicked"), "{a:?}: {}", out.stderr);
+    }
+}
+
+#[test]
+fn worker_under_launch_reads_its_environment_and_config() {
+    let out = launch(
+        &[
+            "--num-processes",
+            "2",
+            "--master-port",
+            "0",
+            "configs/default.toml",
+        ],
+        Duration::from_secs(120),
+    );
+    assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    let lines = rank_lines(&out.stdout);
+    for rank in 0..2u32 {
+        assert!(
+            lines.iter().any(|(r, t)| *r == rank
+                && t.starts_with(&format!("worker rank {rank}/2 (local {rank}/2"))),
+            "{}",
+            out.stdout
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|(r, t)| *r == rank
+                    && t.contains("micro 16 x grad_accum 2 x world 2 = global 64")),
+            "{}",
+            out.stdout
+        );
+    }
+}
+
+#[test]
+fn worker_outside_launch_names_the_missing_variable() {
+    let out = std::process::Command::new(bin("worker"))
+        .arg("configs/default.toml")
+        .current_dir(repo_root())
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("RANK is not set"), "{stderr}");
+}
