@@ -1,0 +1,85 @@
+//! The two compatibility promises of the environment contract, checked against real PyTorch:
+//! a `torch.distributed` script with the default `env://` runs unchanged under `launch`, and our
+//! `worker` runs unchanged under `torchrun`. They need the PyTorch that `scripts/setup.sh`
+//! installs (found through GPTREC_TORCH_VENV, which setup writes into .cargo/config.toml); without
+//! it they say so and pass as skipped.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use support::*;
+
+fn torch_venv() -> Option<PathBuf> {
+    let venv = PathBuf::from(std::env::var_os("GPTREC_TORCH_VENV")?);
+    venv.join("bin/python").is_file().then_some(venv)
+}
+
+#[test]
+fn torch_distributed_script_runs_under_launch() {
+    let Some(venv) = torch_venv() else {
+        eprintln!("skipped: no PyTorch venv (run scripts/setup.sh)");
+        return;
+    };
+    let python = venv.join("bin/python");
+    let script = "import os, torch, torch.distributed as dist\n\
+dist.init_process_group('gloo')\n\
+t = torch.tensor([float(dist.get_rank() + 1)])\n\
+dist.all_reduce(t)\n\
+print(f'rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():.0f}', flush=True)\n\
+dist.destroy_process_group()\n";
+    let out = launch(
+        &[
+            "--num-processes",
+            "3",
+            "--master-port",
+            "0",
+            "--",
+            python.to_str().unwrap(),
+            "-c",
+            script,
+        ],
+        Duration::from_secs(180),
+    );
+    assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    for rank in 0..3u32 {
+        assert!(
+            rank_lines(&out.stdout).contains(&(rank, format!("rank {rank} of 3 sum 6"))),
+            "{}",
+            out.stdout
+        );
+    }
+}
+
+#[test]
+fn worker_runs_under_torchrun() {
+    let Some(venv) = torch_venv() else {
+        eprintln!("skipped: no PyTorch venv (run scripts/setup.sh)");
+        return;
+    };
+    let out = Command::new(venv.join("bin/torchrun"))
+        .args(["--standalone", "--no-python", "--nproc-per-node", "2"])
+        .arg(bin("worker"))
+        .arg("configs/default.toml")
+        .current_dir(repo_root())
+        .output()
+        .expect("run torchrun");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for rank in 0..2 {
+        assert!(
+            stdout.contains(&format!("worker rank {rank}/2 (local {rank}/2, node 0/1)")),
+            "{stdout}"
+        );
+    }
+    assert_eq!(
+        stdout
+            .matches("micro 16 x grad_accum 2 x world 2 = global 64")
+            .count(),
+        2,
+        "{stdout}"
+    );
+}
