@@ -37,6 +37,8 @@ pub struct Config {
     pub batch: BatchSpec,
     /// `[dist]`: collectives between workers.
     pub dist: DistConfig,
+    /// `[checkpoint]`: when to save, how many to keep, whether to resume.
+    pub checkpoint: CheckpointConfig,
 }
 
 /// `[run]`
@@ -179,6 +181,26 @@ pub struct TrainConfig {
     pub warmup_steps: u64,
     /// Clip gradients to this global L2 norm (> 0, finite). Default: `1.0`.
     pub max_grad_norm: f64,
+    /// Learning-rate decay after warm-up: `"cosine"`, `"linear"` or `"constant"`.
+    /// Default: `"cosine"`.
+    pub lr_schedule: LrScheduleKind,
+    /// Learning rate reached at the end of the decay (>= 0, <= lr). Default: `0.0`.
+    pub min_lr: f64,
+    /// Multiply `lr` by the world size (the "linear scaling rule"). Default: `false`.
+    pub scale_lr_with_world: bool,
+}
+
+/// Learning-rate decay after warm-up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScheduleKind {
+    /// Half a cosine from `lr` down to `min_lr` at the last step (the default).
+    #[default]
+    Cosine,
+    /// A straight line from `lr` down to `min_lr` at the last step.
+    Linear,
+    /// `lr` throughout.
+    Constant,
 }
 
 impl Default for TrainConfig {
@@ -189,6 +211,9 @@ impl Default for TrainConfig {
             weight_decay: 0.0,
             warmup_steps: 0,
             max_grad_norm: 1.0,
+            lr_schedule: LrScheduleKind::Cosine,
+            min_lr: 0.0,
+            scale_lr_with_world: false,
         }
     }
 }
@@ -214,6 +239,11 @@ pub struct DistConfig {
     pub backend: Backend,
     /// Time limit for rendezvous and for each collective (seconds, >= 1). Default: `300`.
     pub timeout_s: u64,
+    /// Gradient bucket size for the all-reduce (MiB of f32 gradients, > 0). Default: `25`.
+    pub bucket_mb: f64,
+    /// Compare a checksum of all parameters across ranks every N optimizer steps and stop if
+    /// they differ (0 = never). Default: `0`.
+    pub check_params_every: u64,
 }
 
 impl Default for DistConfig {
@@ -221,6 +251,32 @@ impl Default for DistConfig {
         DistConfig {
             backend: Backend::Auto,
             timeout_s: 300,
+            bucket_mb: 25.0,
+            check_params_every: 0,
+        }
+    }
+}
+
+/// `[checkpoint]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Also save every N optimizer steps (0 = only at the end of each epoch). Default: `0`.
+    pub every_n_steps: u64,
+    /// Checkpoints kept on disk, newest first (>= 1). Default: `3`.
+    pub keep: u32,
+    /// `"auto"` (continue from `<run dir>/checkpoints/latest` when present), `"never"`, or the
+    /// path of a checkpoint directory (`.../step-000123`) or of a `checkpoints` directory.
+    /// Default: `"auto"`.
+    pub resume: String,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            every_n_steps: 0,
+            keep: 3,
+            resume: "auto".to_string(),
         }
     }
 }
@@ -559,6 +615,15 @@ impl Config {
             ));
         }
         check_positive("train.max_grad_norm", train.max_grad_norm)?;
+        if !train.min_lr.is_finite() || train.min_lr < 0.0 || train.min_lr > train.lr {
+            return Err(ConfigError::invalid(
+                "train.min_lr",
+                format!(
+                    "must be >= 0 and <= train.lr {} (got {})",
+                    train.lr, train.min_lr
+                ),
+            ));
+        }
 
         self.batch.check().map_err(|source| ConfigError::Batch {
             at: Location::Unknown,
@@ -569,6 +634,19 @@ impl Config {
             return Err(ConfigError::invalid(
                 "dist.timeout_s",
                 format!("must be >= 1 (got {})", self.dist.timeout_s),
+            ));
+        }
+        check_positive("dist.bucket_mb", self.dist.bucket_mb)?;
+        if self.checkpoint.keep < 1 {
+            return Err(ConfigError::invalid(
+                "checkpoint.keep",
+                format!("must be >= 1 (got {})", self.checkpoint.keep),
+            ));
+        }
+        if self.checkpoint.resume.trim().is_empty() {
+            return Err(ConfigError::invalid(
+                "checkpoint.resume",
+                "must be \"auto\", \"never\" or a checkpoint path",
             ));
         }
         Ok(())
@@ -1212,15 +1290,15 @@ timeout_s = 60
     fn unknown_key_variants() {
         assert_eq!(
             err("[batch]\nmicro = 4\n\n[dist]\n  backnd = \"tcp\"\n"),
-            "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s)"
+            "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, bucket_mb, check_params_every)"
         );
         assert_eq!(
             err("[batch]\nmicro = 4\n[optim]\nlr = 1\n"),
-            "configs/x.toml:3:2: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist)"
+            "configs/x.toml:3:2: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint)"
         );
         assert_eq!(
             err("epochs = 3\n[batch]\nmicro = 4\n"),
-            "configs/x.toml:1:1: unknown key `epochs` at the top level (expected one of: run, data, model, train, batch, dist)"
+            "configs/x.toml:1:1: unknown key `epochs` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint)"
         );
         // Dotted keys and inline tables.
         assert_eq!(
@@ -1229,7 +1307,7 @@ timeout_s = 60
         );
         assert_eq!(
             err("batch = { micro = 4 }\ntrain = { lrr = 1 }\n"),
-            "configs/x.toml:2:11: unknown key `lrr` in [train] (expected one of: epochs, lr, weight_decay, warmup_steps, max_grad_norm)"
+            "configs/x.toml:2:11: unknown key `lrr` in [train] (expected one of: epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr, scale_lr_with_world)"
         );
     }
 
@@ -1442,7 +1520,7 @@ timeout_s = 60
         ));
         assert_eq!(
             err_with(MINIMAL, &["optim.lr=4"]),
-            "--set optim.lr=4: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist)"
+            "--set optim.lr=4: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint)"
         );
     }
 
@@ -1618,15 +1696,19 @@ timeout_s = 60
             grad_accum in prop::option::of(1u64..=4096),
             backend in prop_oneof![Just(Backend::Auto), Just(Backend::Tcp), Just(Backend::Nccl)],
             timeout_s in 1u64..=u64::MAX,
+            (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
+            (bucket_mb, check_params_every) in (finite_positive(), any::<u64>()),
+            (every_n_steps, keep, resume) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"]),
         ) -> Config {
             let micro = if global.is_none() && micro.is_none() { Some(1) } else { micro };
             Config {
                 run: RunConfig { name, output_dir, seed },
                 data: DataConfig { dir, synthetic, min_rating },
                 model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights },
-                train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm },
+                train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world },
                 batch: BatchSpec { global, micro, grad_accum },
-                dist: DistConfig { backend, timeout_s },
+                dist: DistConfig { backend, timeout_s, bucket_mb, check_params_every },
+                checkpoint: CheckpointConfig { every_n_steps, keep, resume },
             }
         }
     }

@@ -110,12 +110,18 @@ pub enum NumProcesses {
     Count(u32),
 }
 
+/// More workers than this on one node is a typo, not a plan.
+pub const MAX_PROCESSES: u32 = 1024;
+
 fn parse_num_processes(text: &str) -> Result<NumProcesses, String> {
     match text.trim() {
         "auto" | "gpu" => Ok(NumProcesses::Auto),
         "cpu" => Ok(NumProcesses::Cpu),
         other => match other.parse::<u32>() {
             Ok(0) => Err("must be at least 1".to_string()),
+            Ok(n) if n > MAX_PROCESSES => Err(format!(
+                "{n} processes on one node is more than the {MAX_PROCESSES} `launch` supports"
+            )),
             Ok(n) => Ok(NumProcesses::Count(n)),
             Err(_) => Err(format!(
                 "expected a positive number, `auto`, `gpu` or `cpu`, got {other:?}"
@@ -191,6 +197,7 @@ mod tests {
         for args in [
             &["--num-processes", "0", "c.toml"][..],
             &["--num-processes", "two", "c.toml"],
+            &["--num-processes", "5000", "c.toml"],
             &["--nnodes", "1:4", "c.toml"],
             &["--grace-period", "-1", "c.toml"],
             &["--master-port", "70000", "c.toml"],

@@ -12,6 +12,7 @@ mod supervisor;
 mod watchdog;
 
 use std::fmt;
+use std::io::Write as _;
 
 use clap::Parser;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
@@ -37,11 +38,22 @@ fn launch(cli: &Cli) -> i32 {
     if cli.dry_run {
         return match Plan::from_cli(cli) {
             Ok(plan) => {
-                print!("{}", plan.describe());
+                // `launch --dry-run ... | head` must not panic on the closed pipe.
+                let _ = std::io::stdout()
+                    .lock()
+                    .write_all(plan.describe().as_bytes());
                 0
             }
             Err(e) => bad_input(&e),
         };
+    }
+    // An inherited SIG_IGN for SIGCHLD would make the kernel reap workers behind our back.
+    // SAFETY: restoring a default disposition is always sound.
+    unsafe {
+        let _ = nix::sys::signal::signal(
+            nix::sys::signal::Signal::SIGCHLD,
+            nix::sys::signal::SigHandler::SigDfl,
+        );
     }
     // Workers' orphaned children are re-parented to us, not to init: we can find and reap them.
     // SAFETY: prctl with an integer argument.
@@ -112,7 +124,7 @@ fn launch(cli: &Cli) -> i32 {
 }
 
 fn bad_input(e: &PlanError) -> i32 {
-    eprintln!("launch: error: {e}");
+    let _ = writeln!(std::io::stderr().lock(), "launch: error: {e}");
     EXIT_BAD_INPUT
 }
 

@@ -25,11 +25,10 @@ pub enum Stream {
 /// The last stderr lines of one rank.
 pub type Tail = Arc<Mutex<VecDeque<String>>>;
 
-/// Shared sinks for all ranks: the console streams (one lock each, so lines never interleave
-/// mid-line) and the optional per-rank log files.
+/// The console for all ranks. One lock covers both streams, so lines never interleave mid-line,
+/// not even when the user merges them with `2>&1`.
 pub struct Sinks {
-    stdout: Mutex<std::io::Stdout>,
-    stderr: Mutex<std::io::Stderr>,
+    console: Mutex<()>,
     /// Width the rank number is padded to, so columns line up.
     rank_width: usize,
 }
@@ -37,8 +36,7 @@ pub struct Sinks {
 impl Sinks {
     pub fn new(world_size: u32) -> Arc<Sinks> {
         Arc::new(Sinks {
-            stdout: Mutex::new(std::io::stdout()),
-            stderr: Mutex::new(std::io::stderr()),
+            console: Mutex::new(()),
             rank_width: world_size.saturating_sub(1).to_string().len(),
         })
     }
@@ -48,20 +46,20 @@ impl Sinks {
         let _ = write!(buf, "[rank {rank:>width$}] ", width = self.rank_width);
         buf.extend_from_slice(line);
         buf.push(b'\n');
-        // One write_all under the stream's lock: the whole line or nothing (a closed console
+        // One write_all under the console lock: the whole line or nothing (a closed console
         // must not kill the launcher, so errors are ignored).
+        let _guard = self
+            .console
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         match stream {
             Stream::Stdout => {
-                if let Ok(mut out) = self.stdout.lock() {
-                    let _ = out.write_all(&buf);
-                    let _ = out.flush();
-                }
+                let mut out = std::io::stdout().lock();
+                let _ = out.write_all(&buf);
+                let _ = out.flush();
             }
             Stream::Stderr => {
-                if let Ok(mut out) = self.stderr.lock() {
-                    let _ = out.write_all(&buf);
-                    let _ = out.flush();
-                }
+                let _ = std::io::stderr().lock().write_all(&buf);
             }
         }
     }
@@ -77,7 +75,8 @@ pub fn open_log(dir: &Path, rank: u32) -> std::io::Result<Arc<Mutex<File>>> {
     Ok(Arc::new(Mutex::new(file)))
 }
 
-/// Starts a thread that copies `source` line by line to the console (and log file) until EOF.
+/// Starts a thread that copies `source` line by line to the console (and log file) until EOF,
+/// then calls `done` (after the last line has been written and recorded).
 pub fn forward(
     source: impl Read + Send + 'static,
     stream: Stream,
@@ -85,6 +84,7 @@ pub fn forward(
     sinks: Arc<Sinks>,
     log: Option<Arc<Mutex<File>>>,
     tail: Option<Tail>,
+    done: impl FnOnce() + Send + 'static,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(format!("rank{rank}-{stream:?}"))
@@ -119,6 +119,7 @@ pub fn forward(
                     }
                 }
             }
+            done();
         })
 }
 

@@ -82,6 +82,11 @@ impl Plan {
                 nnodes - 1
             )));
         }
+        if nnodes > 1 && cli.master_port == 0 {
+            return Err(PlanError::Usage(
+                "--master-port 0 picks a port on this node only; with --nnodes > 1 every node needs the same fixed port".into(),
+            ));
+        }
         if nnodes > 1 && is_loopback_name(&cli.master_addr) {
             notices.push(format!(
                 "--master-addr {} is a loopback address but --nnodes is {nnodes}: other nodes cannot reach it",
@@ -106,7 +111,7 @@ impl Plan {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let nproc = match cli.num_processes {
             NumProcesses::Count(n) => n,
-            NumProcesses::Cpu => cores as u32,
+            NumProcesses::Cpu => (cores as u32).min(crate::cli::MAX_PROCESSES),
             NumProcesses::Auto => {
                 let n = gpus.as_ref().map_or(0, Vec::len) as u32;
                 if n == 0 {
@@ -484,6 +489,10 @@ mod tests {
             (&[][..], "nothing to run"),
             (&["c.toml", "--", "true"], "not both"),
             (&["--run-id", " ", "--", "true"], "must not be empty"),
+            (
+                &["--nnodes", "2", "--master-port", "0", "--", "true"],
+                "same fixed port",
+            ),
         ] {
             let err = plan(args).unwrap_err().to_string();
             assert!(err.contains(needle), "{args:?}: {err}");

@@ -3,10 +3,10 @@
 //! SIGKILL, process groups so workers' children go too) and restarts it within the budget.
 //! It owns processes and their lifetimes; what to start is the plan's, what to print the report's.
 
+use std::io::Write as _;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -22,8 +22,11 @@ use crate::watchdog::Watchdog;
 /// How long to wait for workers' output to drain after they exit (their children may hold the
 /// pipes; those are killed, so this is only a safety net).
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
-/// After SIGKILL, how long to wait for the kernel to remove what was killed.
-const KILL_SETTLE: Duration = Duration::from_secs(2);
+/// After SIGKILL, how long to wait for the kernel to remove what was killed before giving up on
+/// a process stuck in the kernel (uninterruptible sleep in a driver, a dead NFS mount).
+const KILL_SETTLE: Duration = Duration::from_secs(30);
+/// How often teardown checks whether process groups are gone.
+const POLL: Duration = Duration::from_millis(5);
 
 /// What the supervisor reacts to.
 #[derive(Debug)]
@@ -37,19 +40,21 @@ pub enum Event {
         status: ExitStatus,
         at: Instant,
     },
-    /// One of the output streams of group run `round` reached end of file.
+    /// One output stream of group run `round` has been forwarded completely.
     OutputClosed { round: u32 },
 }
 
 /// How a group run ended.
 enum GroupEnd {
     Success,
-    /// A worker failed; the group was torn down. `root` indexes `records`.
+    /// A worker failed; the group was torn down. `root` indexes `records`. `interrupted` is set
+    /// when the launcher was also signalled (then there is no restart).
     Failed {
         records: Vec<WorkerRecord>,
         root: usize,
+        interrupted: Option<i32>,
     },
-    /// The launcher was signalled; the group was torn down.
+    /// The launcher was signalled before any worker failed; the group was torn down.
     Interrupted {
         signal: i32,
     },
@@ -63,50 +68,64 @@ enum GroupEnd {
 pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver<Event>)) -> i32 {
     let sinks = Sinks::new(plan.world_size);
     let mut restart = 0;
-    loop {
-        if restart > 0 {
-            info!(
-                "restarting the worker group (restart {restart} of {}, TORCHELASTIC_RESTART_COUNT={restart})",
-                plan.max_restarts
-            );
-        }
-        let end = run_group(plan, restart, &sinks, &mut watchdog, &events);
-        match end {
-            GroupEnd::Success => {
-                watchdog.disarm();
-                return 0;
-            }
+    let code = loop {
+        match run_group(plan, restart, &sinks, &mut watchdog, &events) {
+            GroupEnd::Success => break 0,
             GroupEnd::Interrupted { signal } => {
-                watchdog.disarm();
                 warn!(
                     "stopped by {}: every worker was terminated; exit code {}",
                     report::signal_name(signal),
                     128 + signal
                 );
-                return 128 + signal;
+                break 128 + signal;
             }
-            GroupEnd::SpawnFailed { code } => {
-                watchdog.disarm();
-                return code;
-            }
-            GroupEnd::Failed { records, root } => {
+            GroupEnd::SpawnFailed { code } => break code,
+            GroupEnd::Failed {
+                records,
+                root,
+                interrupted,
+            } => {
                 let r = &records[root];
-                if restart < plan.max_restarts {
+                let signalled = interrupted.or_else(|| pending_signal(&events.1));
+                if restart < plan.max_restarts && signalled.is_none() {
                     warn!(
                         "rank {} failed ({}); the group was torn down",
                         r.rank, r.ending
                     );
                     restart += 1;
+                    info!(
+                        "restarting the worker group (restart {restart} of {}, TORCHELASTIC_RESTART_COUNT={restart})",
+                        plan.max_restarts
+                    );
                     continue;
                 }
-                eprintln!("{}", report::failure_summary(&records, root, restart + 1));
-                watchdog.disarm();
-                let code = r.ending.exit_code();
+                if let (Some(sig), true) = (signalled, restart < plan.max_restarts) {
+                    warn!(
+                        "not restarting: launch received {}",
+                        report::signal_name(sig)
+                    );
+                }
+                let summary = report::failure_summary(&records, root, restart + 1);
+                // A closed console must not turn a failure report into a panic.
+                let _ = writeln!(std::io::stderr().lock(), "{summary}");
                 // A worker that "failed" with code 0 cannot be the root cause, but be safe.
-                return if code == 0 { 1 } else { code };
+                break match r.ending.exit_code() {
+                    0 => 1,
+                    code => code,
+                };
             }
         }
-    }
+    };
+    watchdog.disarm();
+    code
+}
+
+/// A signal that arrived while nothing was listening (between group runs).
+fn pending_signal(rx: &Receiver<Event>) -> Option<i32> {
+    rx.try_iter().find_map(|event| match event {
+        Event::Signal(sig) => Some(sig),
+        _ => None,
+    })
 }
 
 struct Worker {
@@ -118,6 +137,31 @@ struct Worker {
     tail: Tail,
 }
 
+/// Why the group is being torn down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    Failure,
+    Signal(i32),
+}
+
+/// One run of the worker group, from spawn to the last process gone.
+struct Group<'a> {
+    plan: &'a Plan,
+    round: u32,
+    rx: &'a Receiver<Event>,
+    started: Instant,
+    workers: Vec<Worker>,
+    open_streams: usize,
+    /// The first reason for tearing down, and when teardown began.
+    cause: Option<(Cause, Instant)>,
+    /// A signal to the launcher, whenever it came.
+    interrupted: Option<i32>,
+    /// When the remaining workers get SIGKILL (grace period running).
+    kill_at: Option<Instant>,
+    /// After SIGKILL: when to stop waiting for processes the kernel cannot remove.
+    give_up_at: Option<Instant>,
+}
+
 fn run_group(
     plan: &Plan,
     round: u32,
@@ -125,15 +169,27 @@ fn run_group(
     watchdog: &mut Watchdog,
     (tx, rx): &(Sender<Event>, Receiver<Event>),
 ) -> GroupEnd {
-    let started = Instant::now();
-    let mut workers: Vec<Worker> = Vec::with_capacity(plan.nproc as usize);
-    let mut readers: Vec<JoinHandle<()>> = Vec::new();
+    if let Some(signal) = pending_signal(rx) {
+        return GroupEnd::Interrupted { signal };
+    }
+    let mut group = Group {
+        plan,
+        round,
+        rx,
+        started: Instant::now(),
+        workers: Vec::with_capacity(plan.nproc as usize),
+        open_streams: 0,
+        cause: None,
+        interrupted: None,
+        kill_at: None,
+        give_up_at: None,
+    };
     for local_rank in 0..plan.nproc {
         let env = plan.worker_env(local_rank, round);
-        match spawn_worker(plan, &env, sinks, tx, round, &mut readers) {
+        match spawn_worker(plan, &env, sinks, tx, round, watchdog) {
             Ok((pid, tail)) => {
-                watchdog.watch(pid);
-                workers.push(Worker {
+                group.open_streams += 2;
+                group.workers.push(Worker {
                     rank: env.rank,
                     local_rank,
                     pid,
@@ -148,148 +204,240 @@ fn run_group(
                     std::io::ErrorKind::PermissionDenied => 126,
                     _ => 1,
                 };
-                eprintln!(
+                let _ = writeln!(
+                    std::io::stderr().lock(),
                     "launch: error: cannot start rank {} ({}): {e}",
                     env.rank,
                     shell_words(&plan.command)
                 );
-                signal_all(&mut workers, Signal::SIGKILL);
-                wait_for_exits(&mut workers, rx, round, Instant::now() + KILL_SETTLE);
-                finish_groups(&workers, watchdog, Duration::ZERO);
+                group.kill_now();
+                group.wait_for_workers();
+                group.finish(watchdog);
                 return GroupEnd::SpawnFailed { code };
             }
         }
     }
+    group.wait_for_workers();
+    group.finish(watchdog);
+    group.end()
+}
 
-    let mut root: Option<usize> = None;
-    let mut interrupted: Option<i32> = None;
-    let mut kill_at: Option<Instant> = None;
-    let mut open_streams = 2 * workers.len();
-    while workers.iter().any(|w| w.ending.is_none()) {
-        let event = match kill_at {
-            Some(deadline) => match rx.recv_deadline(deadline) {
-                Ok(event) => event,
-                Err(RecvTimeoutError::Timeout) => {
-                    let left = workers.iter().filter(|w| w.ending.is_none()).count();
-                    warn!(
-                        "{left} worker(s) still running {:.1} s after SIGTERM: sending SIGKILL",
-                        plan.grace_period.as_secs_f64()
-                    );
-                    signal_all(&mut workers, Signal::SIGKILL);
-                    kill_at = None;
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => break,
-            },
-            None => match rx.recv() {
-                Ok(event) => event,
-                Err(_) => break,
-            },
-        };
+impl Group<'_> {
+    fn running(&self) -> usize {
+        self.workers.iter().filter(|w| w.ending.is_none()).count()
+    }
+
+    /// Until every worker has exited: react to exits and signals, enforce the grace period.
+    fn wait_for_workers(&mut self) {
+        while self.running() > 0 {
+            let deadline = self.kill_at.or(self.give_up_at);
+            let event = match deadline {
+                Some(deadline) => match self.rx.recv_deadline(deadline) {
+                    Ok(event) => event,
+                    Err(RecvTimeoutError::Timeout) => {
+                        if self.kill_at.is_some() {
+                            warn!(
+                                "{} worker(s) still running {:.1} s after SIGTERM: sending SIGKILL",
+                                self.running(),
+                                self.plan.grace_period.as_secs_f64()
+                            );
+                            self.kill_now();
+                        } else {
+                            let stuck: Vec<i32> = self
+                                .workers
+                                .iter()
+                                .filter(|w| w.ending.is_none())
+                                .map(|w| w.pid)
+                                .collect();
+                            warn!(
+                                "worker pid(s) {stuck:?} survived SIGKILL for {} s (stuck in the kernel?); giving up on them",
+                                KILL_SETTLE.as_secs()
+                            );
+                            return;
+                        }
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => return,
+                },
+                None => match self.rx.recv() {
+                    Ok(event) => event,
+                    Err(_) => return,
+                },
+            };
+            self.handle(event);
+        }
+    }
+
+    fn handle(&mut self, event: Event) {
         match event {
             Event::Exited {
-                round: r,
+                round,
                 local_rank,
                 status,
                 at,
-            } if r == round => {
-                let index = local_rank as usize;
+            } if round == self.round => {
                 let ending = ending_of(status);
-                workers[index].ending = Some((ending, at));
-                if !ending.is_success() && root.is_none() && interrupted.is_none() {
-                    root = Some(index);
-                    let w = &workers[index];
+                let Some(w) = self.workers.get_mut(local_rank as usize) else {
+                    return;
+                };
+                w.ending = Some((ending, at));
+                if !ending.is_success() && self.cause.is_none() {
+                    self.cause = Some((Cause::Failure, Instant::now()));
                     warn!(
                         "rank {} (pid {}) failed: {ending}; stopping the other workers (SIGTERM, SIGKILL after {:.1} s)",
                         w.rank,
                         w.pid,
-                        plan.grace_period.as_secs_f64()
+                        self.plan.grace_period.as_secs_f64()
                     );
-                    signal_all(&mut workers, Signal::SIGTERM);
-                    kill_at = Some(Instant::now() + plan.grace_period);
+                    self.signal_running(Signal::SIGTERM);
+                    self.kill_at = Some(Instant::now() + self.plan.grace_period);
                 }
             }
             Event::Signal(sig) => {
                 let Ok(signal) = Signal::try_from(sig) else {
-                    continue;
+                    return;
                 };
-                if interrupted.is_none() && root.is_none() {
-                    interrupted = Some(sig);
+                self.interrupted.get_or_insert(sig);
+                if self.cause.is_none() {
+                    self.cause = Some((Cause::Signal(sig), Instant::now()));
                     warn!(
                         "received {}: forwarding it to every worker (SIGKILL after {:.1} s; {} again to kill now)",
                         signal.as_str(),
-                        plan.grace_period.as_secs_f64(),
+                        self.plan.grace_period.as_secs_f64(),
                         signal.as_str()
                     );
-                    signal_all(&mut workers, signal);
-                    kill_at = Some(Instant::now() + plan.grace_period);
+                    self.signal_running(signal);
+                    self.kill_at = Some(Instant::now() + self.plan.grace_period);
                 } else {
-                    interrupted.get_or_insert(sig);
+                    // Already tearing down (after a failure or a first signal): the user wants
+                    // it over now.
                     warn!(
                         "received {} again: killing every worker now",
                         signal.as_str()
                     );
-                    signal_all(&mut workers, Signal::SIGKILL);
-                    kill_at = None;
+                    self.kill_now();
                 }
             }
-            Event::OutputClosed { round: r } if r == round => {
-                open_streams = open_streams.saturating_sub(1);
+            Event::OutputClosed { round } if round == self.round => {
+                self.open_streams = self.open_streams.saturating_sub(1);
             }
             _ => {} // stale event of an earlier round
         }
     }
 
-    // Leaders are gone; make sure their children are too, then let the output drain.
-    let grace = if root.is_some() || interrupted.is_some() {
-        kill_at.map_or(Duration::ZERO, |d| {
-            d.saturating_duration_since(Instant::now())
-        })
-    } else {
-        plan.grace_period
-    };
-    finish_groups(&workers, watchdog, grace);
-    let drain_until = Instant::now() + DRAIN_TIMEOUT;
-    while open_streams > 0 {
-        match rx.recv_deadline(drain_until) {
-            Ok(Event::OutputClosed { round: r }) if r == round => open_streams -= 1,
-            Ok(Event::Signal(_)) | Ok(_) => {}
-            Err(_) => break,
+    /// SIGKILL to every group now (workers and whatever is left of their children).
+    fn kill_now(&mut self) {
+        for w in &mut self.workers {
+            if killpg(Pid::from_raw(w.pid), Signal::SIGKILL).is_ok() && w.ending.is_none() {
+                w.sent = Some(Signal::SIGKILL);
+            }
         }
+        self.kill_at = None;
+        self.give_up_at = Some(Instant::now() + KILL_SETTLE);
     }
-    for reader in readers {
-        if reader.is_finished() {
-            let _ = reader.join();
+
+    /// Sends `signal` to the process group of every worker still running.
+    fn signal_running(&mut self, signal: Signal) {
+        for w in self.workers.iter_mut().filter(|w| w.ending.is_none()) {
+            if killpg(Pid::from_raw(w.pid), signal).is_ok() {
+                w.sent = Some(signal);
+            }
         }
     }
 
-    if let Some(signal) = interrupted {
-        return GroupEnd::Interrupted { signal };
-    }
-    match root {
-        None => GroupEnd::Success,
-        Some(root) => GroupEnd::Failed {
-            records: workers
-                .iter()
-                .map(|w| {
-                    let (ending, at) = w.ending.unwrap_or((Ending::Signal(9), Instant::now()));
-                    WorkerRecord {
-                        rank: w.rank,
-                        local_rank: w.local_rank,
-                        pid: w.pid,
-                        ending,
-                        after: at.saturating_duration_since(started),
-                        sent_by_launcher: w.sent,
-                        stderr_tail: w
-                            .tail
-                            .lock()
-                            .map(|t| t.iter().cloned().collect())
-                            .unwrap_or_default(),
+    /// After the workers exited: whatever is left in their process groups (their children) gets
+    /// SIGTERM, then SIGKILL when the grace period is over; then the output is drained and the
+    /// watchdog forgets the groups. Signals keep being handled throughout.
+    fn finish(&mut self, watchdog: &mut Watchdog) {
+        let groups: Vec<Pid> = self.workers.iter().map(|w| Pid::from_raw(w.pid)).collect();
+        reap_adopted();
+        let mut left = alive(&groups);
+        if !left.is_empty() {
+            for pg in &left {
+                let _ = killpg(*pg, Signal::SIGTERM);
+            }
+            let mut kill_at = match (self.cause, self.kill_at) {
+                (None, _) => Some(Instant::now() + self.plan.grace_period),
+                (Some(_), Some(at)) => Some(at),
+                (Some(_), None) => Some(Instant::now()),
+            };
+            let mut give_up = Instant::now() + self.plan.grace_period + KILL_SETTLE;
+            while !left.is_empty() && Instant::now() < give_up {
+                if kill_at.is_some_and(|at| Instant::now() >= at) {
+                    for pg in &left {
+                        let _ = killpg(*pg, Signal::SIGKILL);
                     }
-                })
-                .collect(),
+                    kill_at = None;
+                    give_up = give_up.min(Instant::now() + KILL_SETTLE);
+                }
+                if let Ok(event) = self.rx.recv_timeout(POLL) {
+                    if matches!(event, Event::Signal(_)) {
+                        kill_at = Some(Instant::now());
+                    }
+                    self.handle(event);
+                }
+                reap_adopted();
+                left = alive(&left);
+            }
+            if !left.is_empty() {
+                warn!("process group(s) {left:?} still exist after SIGKILL; giving up on them");
+            }
+        }
+        let drain_until = Instant::now() + DRAIN_TIMEOUT;
+        while self.open_streams > 0 {
+            match self.rx.recv_deadline(drain_until) {
+                Ok(event) => self.handle(event),
+                Err(_) => break,
+            }
+        }
+        for pg in groups {
+            watchdog.forget(pg.as_raw());
+        }
+    }
+
+    fn end(self) -> GroupEnd {
+        let failure_at = match self.cause {
+            None => return GroupEnd::Success,
+            Some((Cause::Signal(signal), _)) => return GroupEnd::Interrupted { signal },
+            Some((Cause::Failure, at)) => at,
+        };
+        // The root cause is the earliest failure, not the first event that arrived: two wait
+        // threads can wake in either order.
+        let root = self
+            .workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| match w.ending {
+                Some((ending, at)) if !ending.is_success() && at <= failure_at => Some((at, i)),
+                _ => None,
+            })
+            .min()
+            .map_or(0, |(_, i)| i);
+        let records = self
+            .workers
+            .iter()
+            .map(|w| {
+                let (ending, at) = w.ending.unwrap_or((Ending::Signal(9), Instant::now()));
+                WorkerRecord {
+                    rank: w.rank,
+                    local_rank: w.local_rank,
+                    pid: w.pid,
+                    ending,
+                    after: at.saturating_duration_since(self.started),
+                    sent_by_launcher: w.sent,
+                    stderr_tail: w
+                        .tail
+                        .lock()
+                        .map(|t| t.iter().cloned().collect())
+                        .unwrap_or_default(),
+                }
+            })
+            .collect();
+        GroupEnd::Failed {
+            records,
             root,
-        },
+            interrupted: self.interrupted,
+        }
     }
 }
 
@@ -299,7 +447,7 @@ fn spawn_worker(
     sinks: &Arc<Sinks>,
     tx: &Sender<Event>,
     round: u32,
-    readers: &mut Vec<JoinHandle<()>>,
+    watchdog: &mut Watchdog,
 ) -> std::io::Result<(i32, Tail)> {
     let mut command = Command::new(&plan.command[0]);
     command
@@ -313,7 +461,7 @@ fn spawn_worker(
         // reaches only the launcher, which forwards it.
         .process_group(0);
     let launcher = std::process::id() as i32;
-    // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
+    // SAFETY: only async-signal-safe calls (prctl, getppid), no allocation, between fork and exec.
     unsafe {
         command.pre_exec(move || {
             // Die with the launcher, even if it is SIGKILLed (the spawning thread is the main
@@ -322,15 +470,15 @@ fn spawn_worker(
                 return Err(std::io::Error::last_os_error());
             }
             if libc::getppid() != launcher {
-                return Err(std::io::Error::other(
-                    "launch exited while starting workers",
-                ));
+                // The launcher died before prctl took effect.
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
             }
             Ok(())
         });
     }
-    let mut child: Child = command.spawn()?;
+    let mut child = command.spawn()?;
     let pid = child.id() as i32;
+    watchdog.watch(pid);
     let log = match &plan.log_dir {
         Some(dir) => match output::open_log(dir, env.rank) {
             Ok(log) => Some(log),
@@ -353,21 +501,24 @@ fn spawn_worker(
         ),
     ];
     for (source, stream) in streams {
-        let Some(source) = source else { continue };
         let tx = tx.clone();
-        let reader = output::forward(
-            NotifyOnEof {
-                inner: source,
-                tx: Some(tx),
-                round,
-            },
-            stream,
-            env.rank,
-            sinks.clone(),
-            log.clone(),
-            (stream == Stream::Stderr).then(|| tail.clone()),
-        )?;
-        readers.push(reader);
+        let done = move || {
+            let _ = tx.send(Event::OutputClosed { round });
+        };
+        match source {
+            Some(source) => {
+                output::forward(
+                    source,
+                    stream,
+                    env.rank,
+                    sinks.clone(),
+                    log.clone(),
+                    (stream == Stream::Stderr).then(|| tail.clone()),
+                    done,
+                )?;
+            }
+            None => done(),
+        }
     }
     let tx = tx.clone();
     let local_rank = env.local_rank;
@@ -392,33 +543,6 @@ fn spawn_worker(
     Ok((pid, tail))
 }
 
-/// A reader that reports its end of file to the supervisor (so it knows output has drained).
-struct NotifyOnEof {
-    inner: Box<dyn std::io::Read + Send>,
-    tx: Option<Sender<Event>>,
-    round: u32,
-}
-
-impl std::io::Read for NotifyOnEof {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let result = self.inner.read(buf);
-        if matches!(result, Ok(0) | Err(_)) {
-            if let Some(tx) = self.tx.take() {
-                let _ = tx.send(Event::OutputClosed { round: self.round });
-            }
-        }
-        result
-    }
-}
-
-impl Drop for NotifyOnEof {
-    fn drop(&mut self) {
-        if let Some(tx) = self.tx.take() {
-            let _ = tx.send(Event::OutputClosed { round: self.round });
-        }
-    }
-}
-
 fn ending_of(status: ExitStatus) -> Ending {
     match (status.code(), status.signal()) {
         (Some(code), _) => Ending::Code(code),
@@ -427,74 +551,13 @@ fn ending_of(status: ExitStatus) -> Ending {
     }
 }
 
-/// Sends `signal` to the process group of every worker still running.
-fn signal_all(workers: &mut [Worker], signal: Signal) {
-    for w in workers.iter_mut().filter(|w| w.ending.is_none()) {
-        if killpg(Pid::from_raw(w.pid), signal).is_ok() {
-            w.sent = Some(signal);
-        }
-    }
-}
-
-/// Waits (until `deadline`) for exit events; used when aborting a half-started group.
-fn wait_for_exits(workers: &mut [Worker], rx: &Receiver<Event>, round: u32, deadline: Instant) {
-    while workers.iter().any(|w| w.ending.is_none()) {
-        match rx.recv_deadline(deadline) {
-            Ok(Event::Exited {
-                round: r,
-                local_rank,
-                status,
-                at,
-            }) if r == round => {
-                if let Some(w) = workers.iter_mut().find(|w| w.local_rank == local_rank) {
-                    w.ending = Some((ending_of(status), at));
-                }
-            }
-            Ok(_) => {}
-            Err(_) => return,
-        }
-    }
-}
-
-/// After the leaders exited: anything left in their process groups (children of workers) gets
-/// SIGTERM, then SIGKILL once `grace` has passed. Then the watchdog forgets the groups.
-fn finish_groups(workers: &[Worker], watchdog: &mut Watchdog, grace: Duration) {
-    let groups: Vec<Pid> = workers.iter().map(|w| Pid::from_raw(w.pid)).collect();
-    let alive = |groups: &[Pid]| -> Vec<Pid> {
-        groups
-            .iter()
-            .copied()
-            .filter(|pg| killpg(*pg, None).is_ok())
-            .collect()
-    };
-    reap_adopted();
-    let mut left = alive(&groups);
-    if !left.is_empty() {
-        for pg in &left {
-            let _ = killpg(*pg, Signal::SIGTERM);
-        }
-        let kill_at = Instant::now() + grace;
-        while !left.is_empty() && Instant::now() < kill_at {
-            std::thread::sleep(Duration::from_millis(5));
-            reap_adopted();
-            left = alive(&left);
-        }
-        for pg in &left {
-            let _ = killpg(*pg, Signal::SIGKILL);
-        }
-        let settle = Instant::now() + KILL_SETTLE;
-        while !left.is_empty() && Instant::now() < settle {
-            std::thread::sleep(Duration::from_millis(5));
-            reap_adopted();
-            left = alive(&left);
-        }
-        if !left.is_empty() {
-            warn!("process group(s) {left:?} still exist after SIGKILL (zombies not yet reaped?)");
-        }
-    }
-    for pg in groups {
-        watchdog.forget(pg.as_raw());
-    }
+/// The process groups that still have a member.
+fn alive(groups: &[Pid]) -> Vec<Pid> {
+    groups
+        .iter()
+        .copied()
+        .filter(|pg| killpg(*pg, None).is_ok())
+        .collect()
 }
 
 /// Reaps orphaned descendants that were re-parented to the launcher (it is a child subreaper),

@@ -59,13 +59,22 @@ impl Watchdog {
 }
 
 fn guard(pipe: OwnedFd) -> ! {
-    // Terminal Ctrl-C / hang-up reach the whole foreground group; the guard must outlive them to
-    // do its job, and the launcher decides what happens to the workers.
+    // A session of its own: `kill -9 -PGID`, a terminal's Ctrl-C / Ctrl-\ / hang-up and
+    // `timeout` signal the launcher's whole process group, and the guard must outlive the
+    // launcher to do its job. It still leaves on its own once the launcher is gone.
+    let _ = nix::unistd::setsid();
     // SAFETY: setting a signal to SIG_IGN is always sound.
     unsafe {
-        let _ = nix::sys::signal::signal(Signal::SIGINT, SigHandler::SigIgn);
-        let _ = nix::sys::signal::signal(Signal::SIGHUP, SigHandler::SigIgn);
-        let _ = nix::sys::signal::signal(Signal::SIGPIPE, SigHandler::SigIgn);
+        for signal in [
+            Signal::SIGINT,
+            Signal::SIGHUP,
+            Signal::SIGTERM,
+            Signal::SIGQUIT,
+            Signal::SIGTSTP,
+            Signal::SIGPIPE,
+        ] {
+            let _ = nix::sys::signal::signal(signal, SigHandler::SigIgn);
+        }
     }
     // Do not hold the console or a test harness's pipes open.
     if let Ok(null) = std::fs::OpenOptions::new()

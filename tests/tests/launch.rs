@@ -175,9 +175,12 @@ fn worker_killed_by_sigkill_is_reported_with_the_signal() {
 #[test]
 fn worker_ignoring_sigterm_is_killed_after_the_grace_period() {
     let id = unique_run_id("grace");
-    let script = sh(
-        "if [ \"$RANK\" = 0 ]; then sleep 0.3; exit 5; fi; trap '' TERM; while true; do sleep 0.05; done",
-    );
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 0 fails only once rank 1 has made itself deaf to SIGTERM.
+    let script = sh(&format!(
+        "if [ \"$RANK\" = 0 ]; then while [ ! -e {0}/deaf ]; do sleep 0.02; done; exit 5; fi; trap '' TERM; touch {0}/deaf; while true; do sleep 0.05; done",
+        dir.path().display()
+    ));
     let out = launch(
         &args(
             &[
@@ -206,7 +209,7 @@ fn signal_test(signal: Signal) {
     let dir = tempfile::tempdir().unwrap();
     // Each worker records the signal it got, then exits as a well-behaved program does.
     let script = sh(&format!(
-        "trap 'echo got-INT > {0}/$RANK; exit 130' INT; trap 'echo got-TERM > {0}/$RANK; exit 143' TERM; echo ready; sleep 60 & wait",
+        "trap 'echo got-INT > {0}/$RANK; exit 130' INT; trap 'echo got-TERM > {0}/$RANK; exit 143' TERM; trap 'echo got-HUP > {0}/$RANK; exit 129' HUP; echo ready; sleep 60 & wait",
         dir.path().display()
     ));
     let child = launch_cmd(&args(
@@ -255,6 +258,11 @@ fn sigterm_to_launch_is_forwarded() {
 }
 
 #[test]
+fn sighup_to_launch_is_forwarded() {
+    signal_test(Signal::SIGHUP);
+}
+
+#[test]
 fn second_sigint_kills_at_once() {
     let id = unique_run_id("int2");
     let script = sh("trap '' INT TERM; echo ready; while true; do sleep 0.05; done");
@@ -292,6 +300,74 @@ fn second_sigint_kills_at_once() {
         wait_no_processes(&id, Duration::from_secs(3)),
         Vec::<i32>::new()
     );
+}
+
+#[test]
+fn sigint_during_teardown_keeps_the_root_cause_and_ends_it_now() {
+    let id = unique_run_id("int-after-fail");
+    let dir = tempfile::tempdir().unwrap();
+    let script = sh(&format!(
+        "if [ \"$RANK\" = 0 ]; then while [ ! -e {0}/deaf ]; do sleep 0.02; done; echo 'the real error' >&2; exit 7; fi; trap '' TERM INT; touch {0}/deaf; while true; do sleep 0.05; done",
+        dir.path().display()
+    ));
+    let live = Live::new(
+        launch_cmd(&args(
+            &[
+                "--num-processes",
+                "2",
+                "--master-port",
+                "0",
+                "--grace-period",
+                "30",
+                "--max-restarts",
+                "3",
+                "--run-id",
+                &id,
+            ],
+            &script,
+        ))
+        .spawn()
+        .unwrap(),
+    );
+    live.wait_stderr("rank 0 (pid", T);
+    kill(live.pid(), Signal::SIGINT).unwrap();
+    let out = live.finish(T);
+    assert_eq!(out.code(), Some(7), "{}", out.stderr);
+    assert!(out.elapsed < Duration::from_secs(20), "{:?}", out.elapsed);
+    assert!(out.stderr.contains("root cause: rank 0"), "{}", out.stderr);
+    assert!(out.stderr.contains("| the real error"), "{}", out.stderr);
+    assert!(out.stderr.contains("not restarting"), "{}", out.stderr);
+    assert!(
+        !out.stderr.contains("restarting the worker group"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        wait_no_processes(&id, Duration::from_secs(3)),
+        Vec::<i32>::new()
+    );
+}
+
+#[test]
+fn last_stderr_line_without_newline_is_kept() {
+    let out = launch(
+        &[
+            "--master-port",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            "printf 'final words' >&2; exit 1",
+        ],
+        T,
+    );
+    assert_eq!(out.code(), Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("[rank 0] final words\n"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains("    | final words"), "{}", out.stderr);
 }
 
 #[test]

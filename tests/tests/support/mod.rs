@@ -5,6 +5,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// `target/<profile>/` of the build running these tests.
@@ -75,41 +76,105 @@ pub fn launch(args: &[&str], timeout: Duration) -> Output {
 }
 
 /// Collects a child's output, killing it if it outlives `timeout`.
-pub fn wait_output(mut child: Child, timeout: Duration) -> Output {
-    let start = Instant::now();
-    let mut out = child.stdout.take().expect("piped stdout");
-    let mut err = child.stderr.take().expect("piped stderr");
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break status;
+pub fn wait_output(child: Child, timeout: Duration) -> Output {
+    Live::new(child).finish(timeout)
+}
+
+/// A running `launch` whose output is collected as it arrives.
+pub struct Live {
+    pub child: Child,
+    start: Instant,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Live {
+    pub fn new(mut child: Child) -> Live {
+        let stdout: Arc<Mutex<String>> = Arc::default();
+        let stderr: Arc<Mutex<String>> = Arc::default();
+        let mut readers = Vec::new();
+        type Source = Box<dyn Read + Send>;
+        let sources: [(Source, Arc<Mutex<String>>); 2] = [
+            (
+                Box::new(child.stdout.take().expect("piped stdout")),
+                stdout.clone(),
+            ),
+            (
+                Box::new(child.stderr.take().expect("piped stderr")),
+                stderr.clone(),
+            ),
+        ];
+        for (mut source, sink) in sources {
+            readers.push(std::thread::spawn(move || {
+                let mut buf = [0u8; 8192];
+                loop {
+                    match source.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => sink
+                            .lock()
+                            .unwrap()
+                            .push_str(&String::from_utf8_lossy(&buf[..n])),
+                    }
+                }
+            }));
         }
-        if start.elapsed() > timeout {
-            let _ = child.kill();
-            let status = child.wait().expect("wait");
-            let stdout = out_reader.join().unwrap_or_default();
-            let stderr = err_reader.join().unwrap_or_default();
-            panic!(
-                "launch did not finish within {timeout:?} (status after kill {status:?})\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
-            );
+        Live {
+            child,
+            start: Instant::now(),
+            stdout,
+            stderr,
+            readers,
         }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let elapsed = start.elapsed();
-    Output {
-        status,
-        stdout: out_reader.join().unwrap_or_default(),
-        stderr: err_reader.join().unwrap_or_default(),
-        elapsed,
+    }
+
+    pub fn pid(&self) -> nix::unistd::Pid {
+        nix::unistd::Pid::from_raw(self.child.id() as i32)
+    }
+
+    /// Waits until stderr contains `needle`; panics with what was seen after `timeout`.
+    pub fn wait_stderr(&self, needle: &str, timeout: Duration) {
+        let start = Instant::now();
+        while !self.stderr.lock().unwrap().contains(needle) {
+            if start.elapsed() > timeout {
+                panic!(
+                    "stderr never showed {needle:?}; it has:\n{}",
+                    self.stderr.lock().unwrap()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits for exit (killing it after `timeout`) and returns everything it printed.
+    pub fn finish(mut self, timeout: Duration) -> Output {
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break status;
+            }
+            if self.start.elapsed() > timeout {
+                let _ = self.child.kill();
+                let status = self.child.wait().expect("wait");
+                panic!(
+                    "launch did not finish within {timeout:?} (status after kill {status:?})\n--- stdout\n{}\n--- stderr\n{}",
+                    self.stdout.lock().unwrap(),
+                    self.stderr.lock().unwrap()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let elapsed = self.start.elapsed();
+        for reader in self.readers.drain(..) {
+            let _ = reader.join();
+        }
+        let stdout = self.stdout.lock().unwrap().clone();
+        let stderr = self.stderr.lock().unwrap().clone();
+        Output {
+            status,
+            stdout,
+            stderr,
+            elapsed,
+        }
     }
 }
 
@@ -185,4 +250,45 @@ pub fn rank_lines(output: &str) -> Vec<(u32, String)> {
             Some((rank.trim().parse().ok()?, text.to_string()))
         })
         .collect()
+}
+
+/// The f32 tensors of a safetensors file, by name (enough of the format for our tests).
+pub fn read_f32_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let data = &bytes[8 + header_len..];
+    let mut out = std::collections::BTreeMap::new();
+    for (name, info) in header.as_object().unwrap() {
+        if name == "__metadata__" {
+            continue;
+        }
+        assert_eq!(info["dtype"], "F32", "{name}");
+        let offsets = info["data_offsets"].as_array().unwrap();
+        let (start, end) = (
+            offsets[0].as_u64().unwrap() as usize,
+            offsets[1].as_u64().unwrap() as usize,
+        );
+        let values = data[start..end]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        out.insert(name.clone(), values);
+    }
+    out
+}
+
+/// Largest absolute difference between two sets of named tensors with the same names/shapes.
+pub fn max_abs_diff(
+    a: &std::collections::BTreeMap<String, Vec<f32>>,
+    b: &std::collections::BTreeMap<String, Vec<f32>>,
+) -> f32 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .flat_map(|(name, x)| {
+            let y = &b[name];
+            assert_eq!(x.len(), y.len(), "{name}");
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f32::max)
 }

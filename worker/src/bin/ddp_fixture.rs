@@ -1,0 +1,158 @@
+//! `ddp-fixture`: a test fixture, not a user-facing tool. It drives the real DDP engine, sampler,
+//! optimizer, checkpoints and collectives with a small MLP regression task instead of the
+//! recommender, so the end-to-end tests can check the engine's promises (equivalence across
+//! world sizes, bit-identical ranks, exact resume, timeouts) in seconds on a CPU.
+//! Run it like the worker: `launch --worker target/release/ddp-fixture CONFIG`.
+//!
+//! Extra behaviour for tests: writes `<run dir>/params-rank<R>.safetensors` at the end;
+//! `GPTREC_STOP_AFTER_EPOCH=N` stops after epoch N (an interrupted run);
+//! `GPTREC_FIXTURE_STOP_RANK=R` makes rank R stop itself with SIGSTOP before step 3 (a hung peer).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use common::config::Config;
+use common::env_contract::WorkerEnv;
+use tch::{nn, nn::Module, Device, Kind, Tensor};
+use worker::train::{self, Task, TrainSetup};
+
+/// DDP engine test fixture (an MLP on synthetic regression data).
+#[derive(Debug, Parser)]
+#[command(name = "ddp-fixture")]
+struct Cli {
+    #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
+    overrides: Vec<String>,
+    #[arg(value_name = "CONFIG")]
+    config: PathBuf,
+}
+
+/// Samples of the synthetic data set.
+const SAMPLES: i64 = 480;
+const INPUTS: i64 = 8;
+const HIDDEN: i64 = 32;
+
+struct Regression {
+    model: nn::Sequential,
+    x: Tensor,
+    y: Tensor,
+    stop_rank: Option<usize>,
+    rank: usize,
+    calls: usize,
+    model_hash: String,
+}
+
+impl Task for Regression {
+    fn train_len(&self) -> usize {
+        SAMPLES as usize
+    }
+
+    fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
+        self.calls += 1;
+        if self.stop_rank == Some(self.rank) && self.calls == 3 {
+            // A hung peer: alive, holding its sockets, answering nothing.
+            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+        }
+        let idx: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+        let idx = Tensor::from_slice(&idx);
+        let x = self.x.f_index_select(0, &idx)?;
+        let y = self.y.f_index_select(0, &idx)?;
+        self.model.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
+    }
+
+    fn model_hash(&self) -> String {
+        self.model_hash.clone()
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .with_target(false)
+        .init();
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ddp-fixture: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let cli = Cli::parse();
+    let env = WorkerEnv::from_env().context("reading the launch environment")?;
+    let config = Config::load(&cli.config, &cli.overrides).context("loading the config")?;
+    let batch = config
+        .batch_plan(u64::from(env.world_size))
+        .context("checking the batch plan")?;
+    tch::set_num_threads(1);
+    let timeout = Duration::from_secs(config.dist.timeout_s);
+    let (_server, store) =
+        worker::store::rendezvous(&env, timeout).context("rendezvous with the other ranks")?;
+    let comm = worker::collective::connect(config.dist.backend, Device::Cpu, &env, store, timeout)
+        .context("connecting the collective")?;
+
+    // The same seed everywhere: same data on every rank; a different init would be overwritten
+    // by rank 0's anyway.
+    tch::manual_seed(config.run.seed as i64);
+    let x = Tensor::randn([SAMPLES, INPUTS], (Kind::Float, Device::Cpu));
+    let w = Tensor::randn([INPUTS, 1], (Kind::Float, Device::Cpu));
+    let y = x.matmul(&w).sin();
+    // Each rank initialises differently on purpose: only rank 0's values may survive.
+    tch::manual_seed(config.run.seed as i64 + 1000 * i64::from(env.rank));
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let model = nn::seq()
+        .add(nn::linear(
+            &root / "fc1",
+            INPUTS,
+            HIDDEN,
+            Default::default(),
+        ))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "fc2", HIDDEN, 1, Default::default()));
+    let mut task = Regression {
+        model,
+        x,
+        y,
+        stop_rank: std::env::var("GPTREC_FIXTURE_STOP_RANK")
+            .ok()
+            .and_then(|v| v.parse().ok()),
+        rank: env.rank as usize,
+        calls: 0,
+        // The architecture plus the [model] section: a checkpoint of another model is refused.
+        model_hash: {
+            use sha2::Digest;
+            let text = format!(
+                "mlp-{INPUTS}-{HIDDEN}-1/{}",
+                serde_json::to_string(&config.model).unwrap_or_default()
+            );
+            let digest = sha2::Sha256::digest(text.as_bytes());
+            digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+        },
+    };
+    let run_dir = config.run.output_dir.join(&config.run.name);
+    let setup = TrainSetup {
+        config: &config,
+        batch,
+        run_dir: run_dir.clone(),
+        stop_after_epoch: std::env::var("GPTREC_STOP_AFTER_EPOCH")
+            .ok()
+            .and_then(|v| v.parse().ok()),
+    };
+    let report = train::train(&mut task, &vs, comm, &setup).context("training")?;
+    let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    let path = run_dir.join(format!("params-rank{}.safetensors", env.rank));
+    Tensor::write_safetensors(&params, &path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!(
+        "rank {} done: {} steps, {} epochs, last loss {:?}",
+        env.rank, report.steps, report.epochs_done, report.last_loss
+    );
+    Ok(())
+}

@@ -1,0 +1,347 @@
+//! Checkpoints on disk (written by rank 0 only): `checkpoints/step-000123/` with
+//! `model.safetensors`, `optimizer.safetensors` and `state.json`, written into a temporary
+//! directory, fsynced and renamed into place, then `checkpoints/latest` is updated (last). The
+//! newest K are kept. A checkpoint is only ever loaded when it is complete: `state.json` records
+//! the size and SHA-256 of both tensor files, so one left half-written by a crash is skipped.
+//! This module reads and writes files; it must not decide when to checkpoint (the trainer does).
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tch::Tensor;
+
+const MODEL_FILE: &str = "model.safetensors";
+const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+const STATE_FILE: &str = "state.json";
+const LATEST: &str = "latest";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {detail}")]
+    Invalid { path: String, detail: String },
+    #[error("{path}: {source}")]
+    Tensors { path: String, source: tch::TchError },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Size and digest of one file of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileDigest {
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// Everything needed to continue a run exactly, besides the tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    /// Epoch in progress (0-based); equal to the epoch count when training finished.
+    pub epoch: u64,
+    /// Optimizer steps taken in total.
+    pub step: u64,
+    /// Samples of the global batch stream consumed in `epoch` (position in the sampler).
+    pub samples_in_epoch: u64,
+    /// Seed of the run (sampler order and initialisation).
+    pub seed: u64,
+    /// World size and global batch the checkpoint was written with.
+    pub world_size: u64,
+    pub global_batch: u64,
+    /// Fingerprint of the model config; resuming with another model is refused.
+    pub model_hash: String,
+    /// Digests of the tensor files, filled in by [`save`].
+    #[serde(default)]
+    pub files: std::collections::BTreeMap<String, FileDigest>,
+}
+
+/// Writes checkpoint `step` under `dir` atomically, points `latest` at it and keeps the newest
+/// `keep` checkpoints. Returns its directory.
+pub fn save(
+    dir: &Path,
+    model: &[(String, Tensor)],
+    optimizer: &[(String, Tensor)],
+    state: &TrainState,
+    keep: usize,
+) -> Result<PathBuf, CheckpointError> {
+    fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let name = format!("step-{:06}", state.step);
+    let tmp = dir.join(format!(".tmp-{name}-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+    }
+    fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+    let mut state = state.clone();
+    for (file, tensors) in [(MODEL_FILE, model), (OPTIMIZER_FILE, optimizer)] {
+        let path = tmp.join(file);
+        Tensor::write_safetensors(tensors, &path).map_err(|source| CheckpointError::Tensors {
+            path: path.display().to_string(),
+            source,
+        })?;
+        sync_file(&path)?;
+        state.files.insert(file.to_string(), digest(&path)?);
+    }
+    let state_path = tmp.join(STATE_FILE);
+    let json = serde_json::to_vec_pretty(&state).map_err(|e| CheckpointError::Invalid {
+        path: state_path.display().to_string(),
+        detail: e.to_string(),
+    })?;
+    write_synced(&state_path, &json)?;
+    sync_dir(&tmp)?;
+    let final_dir = dir.join(&name);
+    if final_dir.exists() {
+        fs::remove_dir_all(&final_dir).map_err(io_err(&final_dir))?;
+    }
+    fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
+    sync_dir(dir)?;
+    // `latest` last, itself replaced atomically.
+    let latest_tmp = dir.join(format!(".{LATEST}.tmp"));
+    write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
+    fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io_err(dir))?;
+    sync_dir(dir)?;
+    prune(dir, keep)?;
+    Ok(final_dir)
+}
+
+/// The newest complete checkpoint under `dir`: the one `latest` names if it is complete,
+/// otherwise the newest complete `step-*` directory. Incomplete ones are reported through
+/// `skipped` and never loaded.
+pub fn find_latest(
+    dir: &Path,
+    skipped: &mut Vec<String>,
+) -> Result<Option<(PathBuf, TrainState)>, CheckpointError> {
+    if !dir.is_dir() {
+        return Ok(None);
+    }
+    let mut candidates = step_dirs(dir)?;
+    candidates.reverse(); // newest first
+    if let Ok(latest) = fs::read_to_string(dir.join(LATEST)) {
+        let named = dir.join(latest.trim());
+        if let Some(pos) = candidates.iter().position(|c| *c == named) {
+            let first = candidates.remove(pos);
+            candidates.insert(0, first);
+        }
+    }
+    for candidate in candidates {
+        match verify(&candidate) {
+            Ok(state) => return Ok(Some((candidate, state))),
+            Err(e) => skipped.push(e.to_string()),
+        }
+    }
+    Ok(None)
+}
+
+/// Checks that a checkpoint directory is complete and returns its state.
+pub fn verify(path: &Path) -> Result<TrainState, CheckpointError> {
+    let state_path = path.join(STATE_FILE);
+    let text = fs::read(&state_path).map_err(io_err(&state_path))?;
+    let state: TrainState =
+        serde_json::from_slice(&text).map_err(|e| CheckpointError::Invalid {
+            path: state_path.display().to_string(),
+            detail: format!("unreadable state ({e}): incomplete checkpoint"),
+        })?;
+    for file in [MODEL_FILE, OPTIMIZER_FILE] {
+        let file_path = path.join(file);
+        let expected = state
+            .files
+            .get(file)
+            .ok_or_else(|| CheckpointError::Invalid {
+                path: state_path.display().to_string(),
+                detail: format!("no digest for {file}"),
+            })?;
+        let actual = digest(&file_path)?;
+        if actual != *expected {
+            return Err(CheckpointError::Invalid {
+                path: file_path.display().to_string(),
+                detail: format!(
+                    "{} bytes (sha256 {}) but state.json recorded {} bytes (sha256 {}): incomplete or damaged checkpoint",
+                    actual.bytes, &actual.sha256[..12], expected.bytes, &expected.sha256[..12.min(expected.sha256.len())]
+                ),
+            });
+        }
+    }
+    Ok(state)
+}
+
+/// Named tensors, as stored in a safetensors file.
+pub type NamedTensors = Vec<(String, Tensor)>;
+
+/// Loads a verified checkpoint: (model tensors, optimizer tensors, state).
+pub fn load(path: &Path) -> Result<(NamedTensors, NamedTensors, TrainState), CheckpointError> {
+    let state = verify(path)?;
+    let read = |file: &str| {
+        let p = path.join(file);
+        Tensor::read_safetensors(&p).map_err(|source| CheckpointError::Tensors {
+            path: p.display().to_string(),
+            source,
+        })
+    };
+    Ok((read(MODEL_FILE)?, read(OPTIMIZER_FILE)?, state))
+}
+
+/// `step-*` directories, oldest first.
+fn step_dirs(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let mut dirs: Vec<PathBuf> = fs::read_dir(dir)
+        .map_err(io_err(dir))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_dir()
+                && p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("step-"))
+        })
+        .collect();
+    dirs.sort();
+    Ok(dirs)
+}
+
+/// Keeps the newest `keep` checkpoints (at least the one just written).
+fn prune(dir: &Path, keep: usize) -> Result<(), CheckpointError> {
+    let dirs = step_dirs(dir)?;
+    let excess = dirs.len().saturating_sub(keep.max(1));
+    for old in &dirs[..excess] {
+        fs::remove_dir_all(old).map_err(io_err(old))?;
+    }
+    Ok(())
+}
+
+fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
+    let bytes = fs::read(path).map_err(io_err(path))?;
+    let sha = Sha256::digest(&bytes);
+    Ok(FileDigest {
+        bytes: bytes.len() as u64,
+        sha256: sha.iter().map(|b| format!("{b:02x}")).collect(),
+    })
+}
+
+fn write_synced(path: &Path, data: &[u8]) -> Result<(), CheckpointError> {
+    let mut file = File::create(path).map_err(io_err(path))?;
+    file.write_all(data).map_err(io_err(path))?;
+    file.sync_all().map_err(io_err(path))
+}
+
+fn sync_file(path: &Path) -> Result<(), CheckpointError> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(path))
+}
+
+fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(step: u64) -> TrainState {
+        TrainState {
+            epoch: 1,
+            step,
+            samples_in_epoch: 32,
+            seed: 7,
+            world_size: 2,
+            global_batch: 16,
+            model_hash: "abc".into(),
+            files: Default::default(),
+        }
+    }
+
+    fn tensors(v: f32) -> Vec<(String, Tensor)> {
+        vec![("w".into(), Tensor::from_slice(&[v, v + 1.0]))]
+    }
+
+    #[test]
+    fn save_then_load_round_trips_and_keeps_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in [1, 2, 3, 4] {
+            save(
+                dir.path(),
+                &tensors(step as f32),
+                &tensors(0.5),
+                &state(step),
+                2,
+            )
+            .unwrap();
+        }
+        let names: Vec<String> = step_dirs(dir.path())
+            .unwrap()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, vec!["step-000003", "step-000004"]);
+        let mut skipped = Vec::new();
+        let (path, st) = find_latest(dir.path(), &mut skipped).unwrap().unwrap();
+        assert!(skipped.is_empty());
+        assert_eq!(st.step, 4);
+        let (model, optim, _) = load(&path).unwrap();
+        assert_eq!(model[0].1, Tensor::from_slice(&[4.0f32, 5.0]));
+        assert_eq!(optim[0].0, "w");
+    }
+
+    #[test]
+    fn truncated_checkpoint_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &tensors(1.0), &tensors(0.0), &state(10), 3).unwrap();
+        let newest = save(dir.path(), &tensors(2.0), &tensors(0.0), &state(20), 3).unwrap();
+        // A crash mid-write: the model file is cut short.
+        let model = newest.join(MODEL_FILE);
+        let len = fs::metadata(&model).unwrap().len();
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&model)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        let mut skipped = Vec::new();
+        let (path, st) = find_latest(dir.path(), &mut skipped).unwrap().unwrap();
+        assert_eq!(st.step, 10);
+        assert!(path.ends_with("step-000010"));
+        assert_eq!(skipped.len(), 1);
+        assert!(
+            skipped[0].contains("incomplete or damaged"),
+            "{}",
+            skipped[0]
+        );
+    }
+
+    #[test]
+    fn leftover_temporary_directories_are_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &tensors(1.0), &tensors(0.0), &state(5), 3).unwrap();
+        fs::create_dir_all(dir.path().join(".tmp-step-000006-1")).unwrap();
+        fs::write(
+            dir.path().join(".tmp-step-000006-1").join(MODEL_FILE),
+            b"junk",
+        )
+        .unwrap();
+        let mut skipped = Vec::new();
+        let (_, st) = find_latest(dir.path(), &mut skipped).unwrap().unwrap();
+        assert_eq!(st.step, 5);
+        assert!(skipped.is_empty());
+    }
+
+    #[test]
+    fn missing_state_is_incomplete() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = save(dir.path(), &tensors(1.0), &tensors(0.0), &state(5), 3).unwrap();
+        fs::remove_file(path.join(STATE_FILE)).unwrap();
+        let mut skipped = Vec::new();
+        assert!(find_latest(dir.path(), &mut skipped).unwrap().is_none());
+        assert_eq!(skipped.len(), 1);
+    }
+}

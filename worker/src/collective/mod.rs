@@ -1,0 +1,172 @@
+//! Collectives between the workers of one job: one [`Collective`] trait (all-reduce of many
+//! tensors at once, broadcast, all-gather, barrier; each with a timeout) and its backends —
+//! [`tcp`] (CPU tensors, a ring over persistent TCP connections) and [`nccl`] (CUDA tensors).
+//! This module moves and reduces numbers; it must not know what they mean (that is `ddp`'s).
+
+pub mod nccl;
+pub mod tcp;
+
+use std::time::Duration;
+
+use tch::Tensor;
+
+/// How values from all ranks are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the world size.
+    Avg,
+}
+
+/// Where in the training a collective is called from, for error messages.
+#[derive(Debug, Clone, Copy)]
+pub struct OpContext {
+    /// Optimizer step (or another counter the caller finds meaningful).
+    pub step: u64,
+    /// Give up after this long.
+    pub timeout: Duration,
+}
+
+/// A collective that failed; every message names the operation and the training step.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("{op} at step {step} timed out after {after:.1} s: {who}")]
+    Timeout {
+        op: &'static str,
+        step: u64,
+        after: f64,
+        /// e.g. "no answer from rank(s) [2]".
+        who: String,
+    },
+    #[error("{op} at step {step}: connection to rank {peer} failed: {source}")]
+    Peer {
+        op: &'static str,
+        step: u64,
+        peer: usize,
+        source: std::io::Error,
+    },
+    #[error("{op} at step {step}: ranks disagree: {detail}")]
+    Mismatch {
+        op: &'static str,
+        step: u64,
+        detail: String,
+    },
+    #[error("{op}: {detail}")]
+    Unsupported { op: &'static str, detail: String },
+    #[error("setting up the {backend} collective: {detail}")]
+    Setup {
+        backend: &'static str,
+        detail: String,
+    },
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+}
+
+/// The operations the DDP engine and the trainer need. All ranks must call the same operations
+/// in the same order with tensors of the same shapes and kinds.
+pub trait Collective: Send {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// The backend's name, for logs.
+    fn name(&self) -> &'static str;
+
+    /// Reduces every tensor in place across ranks (f32 or bf16; reduced in f32). Many tensors
+    /// travel as one flat buffer, so callers should pass a whole bucket at once.
+    fn all_reduce(
+        &mut self,
+        tensors: &mut [Tensor],
+        op: ReduceOp,
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError>;
+
+    /// Overwrites every tensor with rank `root`'s values (any kind).
+    fn broadcast(
+        &mut self,
+        tensors: &mut [Tensor],
+        root: usize,
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError>;
+
+    /// Every rank's `tensor` (same shape and kind everywhere), in rank order.
+    fn all_gather(
+        &mut self,
+        tensor: &Tensor,
+        ctx: OpContext,
+    ) -> Result<Vec<Tensor>, CollectiveError>;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError>;
+}
+
+/// Copies `tensors` into one contiguous f32 CPU tensor (the bucket), in order.
+pub(crate) fn flatten_f32(tensors: &[Tensor]) -> Result<Tensor, tch::TchError> {
+    let flat: Vec<Tensor> = tensors
+        .iter()
+        .map(|t| {
+            t.f_to_device(tch::Device::Cpu)?
+                .f_to_kind(tch::Kind::Float)?
+                .f_reshape([-1])
+        })
+        .collect::<Result<_, _>>()?;
+    Tensor::f_cat(&flat, 0)?.f_contiguous()
+}
+
+/// Copies the bucket back into `tensors` (converting kind and device as needed).
+pub(crate) fn unflatten_into(flat: &Tensor, tensors: &mut [Tensor]) -> Result<(), tch::TchError> {
+    let mut offset = 0i64;
+    for t in tensors.iter_mut() {
+        let n = t.numel() as i64;
+        let part = flat.f_narrow(0, offset, n)?.f_view(t.size().as_slice())?;
+        t.f_copy_(&part)?;
+        offset += n;
+    }
+    Ok(())
+}
+
+/// The communicator `[dist] backend` asks for on `device`: `tcp` for CPU tensors, `nccl` for
+/// CUDA tensors, `auto` picks by device.
+pub fn connect(
+    backend: common::config::Backend,
+    device: tch::Device,
+    env: &common::env_contract::WorkerEnv,
+    store: crate::store::StoreClient,
+    timeout: Duration,
+) -> Result<Box<dyn Collective>, CollectiveError> {
+    use common::config::Backend;
+    match (backend, device) {
+        (Backend::Nccl, _) => Err(nccl::unavailable()),
+        (Backend::Auto, tch::Device::Cuda(_)) => {
+            tracing::warn!(
+                "dist.backend = \"auto\" on CUDA: NCCL is not available in this build, using tcp (through host memory)"
+            );
+            Ok(Box::new(tcp::TcpCollective::connect(env, store, timeout)?))
+        }
+        _ => Ok(Box::new(tcp::TcpCollective::connect(env, store, timeout)?)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flatten_and_back_preserve_values_and_kinds() {
+        let mut tensors = vec![
+            Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]),
+            Tensor::from_slice(&[5.0f32]).to_kind(tch::Kind::BFloat16),
+        ];
+        let flat = flatten_f32(&tensors).unwrap();
+        assert_eq!(flat.size(), vec![5]);
+        let doubled = &flat * 2.0;
+        unflatten_into(&doubled, &mut tensors).unwrap();
+        assert_eq!(
+            tensors[0],
+            Tensor::from_slice(&[2.0f32, 4.0, 6.0, 8.0]).view([2, 2])
+        );
+        assert_eq!(tensors[1].kind(), tch::Kind::BFloat16);
+        assert_eq!(
+            tensors[1].to_kind(tch::Kind::Float).double_value(&[0]),
+            10.0
+        );
+    }
+}

@@ -1,0 +1,828 @@
+//! The `tcp` backend: CPU tensors over persistent TCP connections arranged in a ring (each rank
+//! sends to `rank + 1` and receives from `rank - 1`). All-reduce is the bandwidth-optimal ring:
+//! reduce-scatter then all-gather, `2 (W-1)/W` of the buffer on the wire per rank, with a sender
+//! thread so that sending, receiving and reducing overlap. Addresses are exchanged through the
+//! rendezvous store, which also serves to find out who is silent when an operation times out.
+//! It must not be used for CUDA tensors in production (they are copied through the host).
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
+
+use common::env_contract::WorkerEnv;
+use tch::{Device, Kind, Tensor};
+
+use super::{flatten_f32, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp};
+use crate::store::StoreClient;
+
+/// Bytes received and reduced at a time.
+const PIECE_BYTES: usize = 1 << 20;
+/// How long ranks that timed out wait for each other to report, to tell who is silent.
+const STALL_WINDOW: Duration = Duration::from_secs(3);
+const HEADER_MAGIC: u32 = 0x5249_4e47; // "RING"
+
+/// The ring communicator of one rank.
+pub struct TcpCollective {
+    rank: usize,
+    world: usize,
+    /// Connection to `rank + 1` (we write), and from `rank - 1` (we read). None when world is 1.
+    links: Option<(TcpStream, TcpStream)>,
+    store: StoreClient,
+    /// Operations issued so far; identical on every rank when they call the same operations.
+    seq: u64,
+    scratch: Vec<f32>,
+}
+
+/// Why a transfer failed, before it is turned into a [`CollectiveError`].
+enum LinkFailure {
+    Timeout,
+    Send(std::io::Error),
+    Recv(std::io::Error),
+}
+
+/// What to do with received bytes.
+enum Sink<'a> {
+    Copy(&'a mut [u8]),
+    Add(&'a mut [f32]),
+}
+
+impl TcpCollective {
+    /// Sets up the ring: listen, publish our address in the store, connect to the next rank,
+    /// accept the previous one. `store` becomes this communicator's own client.
+    pub fn connect(
+        env: &WorkerEnv,
+        mut store: StoreClient,
+        timeout: Duration,
+    ) -> Result<TcpCollective, CollectiveError> {
+        let rank = env.rank as usize;
+        let world = env.world_size as usize;
+        let setup = |detail: String| CollectiveError::Setup {
+            backend: "tcp",
+            detail,
+        };
+        if world == 1 {
+            return Ok(TcpCollective {
+                rank,
+                world,
+                links: None,
+                store,
+                seq: 0,
+                scratch: Vec::new(),
+            });
+        }
+        let deadline = Instant::now() + timeout;
+        let ip = local_ip(env);
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| setup(format!("cannot listen on {ip}: {e}")))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| setup(format!("listener address: {e}")))?;
+        store
+            .set(&format!("tcp/addr/{rank}"), addr.to_string().as_bytes())
+            .map_err(|e| setup(format!("publishing our address: {e}")))?;
+        let next = (rank + 1) % world;
+        let prev = (rank + world - 1) % world;
+        let next_key = format!("tcp/addr/{next}");
+        let next_addr = store
+            .wait(&[next_key.as_str()], timeout)
+            .map_err(|e| setup(format!("waiting for rank {next}'s address: {e}")))?;
+        let next_addr = String::from_utf8_lossy(&next_addr[0]).into_owned();
+
+        let mut to_next = loop {
+            match TcpStream::connect(&next_addr) {
+                Ok(stream) => break stream,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(setup(format!(
+                        "cannot connect to rank {next} at {next_addr}: {e}"
+                    )))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        to_next
+            .write_all(&(rank as u64).to_le_bytes())
+            .map_err(|e| setup(format!("greeting rank {next}: {e}")))?;
+
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| setup(format!("listener: {e}")))?;
+        let from_prev = loop {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    let _ = stream.set_nonblocking(false);
+                    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+                    let mut hello = [0u8; 8];
+                    if stream.read_exact(&mut hello).is_ok()
+                        && u64::from_le_bytes(hello) == prev as u64
+                    {
+                        break stream;
+                    }
+                    // Not our neighbour (a stray connection): keep waiting.
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(setup(format!(
+                            "rank {prev} did not connect within {:.1} s",
+                            timeout.as_secs_f64()
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(setup(format!("accepting rank {prev}: {e}"))),
+            }
+        };
+        for stream in [&to_next, &from_prev] {
+            stream
+                .set_nodelay(true)
+                .map_err(|e| setup(format!("socket option: {e}")))?;
+        }
+        Ok(TcpCollective {
+            rank,
+            world,
+            links: Some((to_next, from_prev)),
+            store,
+            seq: 0,
+            scratch: vec![0.0; PIECE_BYTES / 4],
+        })
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    fn prev(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    /// Checks that the previous rank is running the same operation on the same amount of data.
+    fn handshake(
+        &mut self,
+        op: &'static str,
+        code: u8,
+        len: u64,
+        ctx: OpContext,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        self.seq += 1;
+        let mut header = [0u8; 24];
+        header[..4].copy_from_slice(&HEADER_MAGIC.to_le_bytes());
+        header[4] = code;
+        header[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        header[16..24].copy_from_slice(&len.to_le_bytes());
+        let mut theirs = [0u8; 24];
+        self.transfer(&header, Sink::Copy(&mut theirs), op, ctx, deadline)?;
+        if theirs != header {
+            let their_seq = u64::from_le_bytes(theirs[8..16].try_into().unwrap_or_default());
+            let their_len = u64::from_le_bytes(theirs[16..24].try_into().unwrap_or_default());
+            return Err(CollectiveError::Mismatch {
+                op,
+                step: ctx.step,
+                detail: format!(
+                    "rank {} is at operation #{their_seq} ({}, {their_len} elements) while rank {} is at #{} ({op}, {len} elements)",
+                    self.prev(),
+                    op_name(theirs[4]),
+                    self.rank,
+                    self.seq
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends `send` to the next rank while receiving as many bytes as the sink holds from the
+    /// previous one.
+    fn transfer(
+        &mut self,
+        send: &[u8],
+        sink: Sink<'_>,
+        op: &'static str,
+        ctx: OpContext,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let Some((to_next, from_prev)) = self.links.as_mut() else {
+            return Ok(());
+        };
+        match exchange(to_next, from_prev, send, sink, &mut self.scratch, deadline) {
+            Ok(()) => Ok(()),
+            Err(LinkFailure::Timeout) => Err(self.timeout_error(op, ctx)),
+            Err(LinkFailure::Send(source)) => Err(CollectiveError::Peer {
+                op,
+                step: ctx.step,
+                peer: self.next(),
+                source,
+            }),
+            Err(LinkFailure::Recv(source)) => Err(CollectiveError::Peer {
+                op,
+                step: ctx.step,
+                peer: self.prev(),
+                source,
+            }),
+        }
+    }
+
+    /// Finds out which ranks are silent: every rank that times out reports in the store, waits
+    /// a moment for the others, and names those that did not report.
+    fn timeout_error(&mut self, op: &'static str, ctx: OpContext) -> CollectiveError {
+        let seq = self.seq;
+        let after = ctx.timeout.as_secs_f64();
+        let who = match self.store.set(&format!("stall/{seq}/{}", self.rank), b"") {
+            Err(_) => "no answer from rank 0, which hosts the rendezvous store".to_string(),
+            Ok(()) => {
+                let others: Vec<usize> = (0..self.world).filter(|r| *r != self.rank).collect();
+                let window = Instant::now() + STALL_WINDOW;
+                let mut silent = others.clone();
+                while !silent.is_empty() && Instant::now() < window {
+                    silent.retain(|r| {
+                        !matches!(self.store.get(&format!("stall/{seq}/{r}")), Ok(Some(_)))
+                    });
+                    if !silent.is_empty() {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+                if silent.is_empty() {
+                    format!(
+                        "every rank is waiting; no data arrived from rank {} (network problem?)",
+                        self.prev()
+                    )
+                } else {
+                    format!("no answer from rank(s) {silent:?}")
+                }
+            }
+        };
+        CollectiveError::Timeout {
+            op,
+            step: ctx.step,
+            after,
+            who,
+        }
+    }
+
+    /// Ring all-reduce (sum) of `buf` in place.
+    fn ring_all_reduce(
+        &mut self,
+        buf: &mut [f32],
+        ctx: OpContext,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let (w, r, n) = (self.world, self.rank, buf.len());
+        let bounds = |i: usize| (i * n / w, (i + 1) * n / w);
+        // Reduce-scatter: after W-1 steps chunk (r+1) % W holds the full sum.
+        for s in 0..w - 1 {
+            let send = bounds((r + w - s) % w);
+            let recv = bounds((r + 2 * w - s - 1) % w);
+            let (send_bytes, sink) = split_send_recv(buf, send, recv);
+            self.transfer(send_bytes, Sink::Add(sink), "all_reduce", ctx, deadline)?;
+        }
+        // All-gather: pass the finished chunks around.
+        for s in 0..w - 1 {
+            let send = bounds((r + 1 + w - s) % w);
+            let recv = bounds((r + w - s) % w);
+            let (send_bytes, sink) = split_send_recv(buf, send, recv);
+            self.transfer(
+                send_bytes,
+                Sink::Copy(as_bytes_mut(sink)),
+                "all_reduce",
+                ctx,
+                deadline,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Ring all-gather of equal-sized byte chunks: chunk `rank` is ours on entry, all are
+    /// filled on return.
+    fn ring_all_gather(
+        &mut self,
+        buf: &mut [u8],
+        chunk: usize,
+        ctx: OpContext,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let (w, r) = (self.world, self.rank);
+        for s in 0..w - 1 {
+            let send_i = (r + w - s) % w;
+            let recv_i = (r + 2 * w - s - 1) % w;
+            let (send, recv) = split_pair(
+                buf,
+                (send_i * chunk, (send_i + 1) * chunk),
+                (recv_i * chunk, (recv_i + 1) * chunk),
+            );
+            self.transfer(send, Sink::Copy(recv), "all_gather", ctx, deadline)?;
+        }
+        Ok(())
+    }
+}
+
+impl Collective for TcpCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn all_reduce(
+        &mut self,
+        tensors: &mut [Tensor],
+        op: ReduceOp,
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        if self.world == 1 || tensors.is_empty() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + ctx.timeout;
+        // One contiguous f32 CPU tensor is reduced where it lies; anything else goes through
+        // a flat bucket.
+        let direct = tensors.len() == 1
+            && tensors[0].device() == Device::Cpu
+            && tensors[0].kind() == Kind::Float
+            && tensors[0].is_contiguous();
+        let flat = if direct {
+            tensors[0].shallow_clone()
+        } else {
+            flatten_f32(tensors)?
+        };
+        let n = flat.numel();
+        if n == 0 {
+            return Ok(()); // the same on every rank: nothing to exchange
+        }
+        self.handshake("all_reduce", 1, n as u64, ctx, deadline)?;
+        // SAFETY: `flat` is a contiguous f32 CPU tensor of `n` elements that nothing else
+        // touches while we hold this slice.
+        let buf = unsafe { std::slice::from_raw_parts_mut(flat.data_ptr() as *mut f32, n) };
+        self.ring_all_reduce(buf, ctx, deadline)?;
+        if op == ReduceOp::Avg {
+            let w = self.world as f32;
+            buf.iter_mut().for_each(|x| *x /= w);
+        }
+        if !direct {
+            unflatten_into(&flat, tensors)?;
+        }
+        Ok(())
+    }
+
+    fn broadcast(
+        &mut self,
+        tensors: &mut [Tensor],
+        root: usize,
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        if root >= self.world {
+            return Err(CollectiveError::Unsupported {
+                op: "broadcast",
+                detail: format!("root {root} is not a rank of a world of {}", self.world),
+            });
+        }
+        if self.world == 1 || tensors.is_empty() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + ctx.timeout;
+        let mut bytes = Vec::new();
+        let mut sizes = Vec::with_capacity(tensors.len());
+        for t in tensors.iter() {
+            let start = bytes.len();
+            let n = tensor_bytes(t)?;
+            bytes.resize(start + n.len(), 0);
+            bytes[start..].copy_from_slice(&n);
+            sizes.push(n.len());
+        }
+        self.handshake("broadcast", 2, bytes.len() as u64, ctx, deadline)?;
+        let forward = self.next() != root;
+        let receive = self.rank != root;
+        let Some((to_next, from_prev)) = self.links.as_mut() else {
+            return Ok(());
+        };
+        let mut result = Ok(());
+        for piece in bytes.chunks_mut(PIECE_BYTES) {
+            if receive {
+                if let Err(e) = read_exact_until(from_prev, piece, deadline) {
+                    result = Err(e.map_recv());
+                    break;
+                }
+            }
+            if forward {
+                if let Err(e) = write_all_until(to_next, piece, deadline) {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        match result {
+            Ok(()) => {}
+            Err(LinkFailure::Timeout) => return Err(self.timeout_error("broadcast", ctx)),
+            Err(LinkFailure::Send(source)) => {
+                return Err(CollectiveError::Peer {
+                    op: "broadcast",
+                    step: ctx.step,
+                    peer: self.next(),
+                    source,
+                })
+            }
+            Err(LinkFailure::Recv(source)) => {
+                return Err(CollectiveError::Peer {
+                    op: "broadcast",
+                    step: ctx.step,
+                    peer: self.prev(),
+                    source,
+                })
+            }
+        }
+        if receive {
+            let mut offset = 0;
+            for (t, len) in tensors.iter_mut().zip(sizes) {
+                let src =
+                    Tensor::f_from_data_size(&bytes[offset..offset + len], &t.size(), t.kind())?;
+                t.f_copy_(&src)?;
+                offset += len;
+            }
+        }
+        Ok(())
+    }
+
+    fn all_gather(
+        &mut self,
+        tensor: &Tensor,
+        ctx: OpContext,
+    ) -> Result<Vec<Tensor>, CollectiveError> {
+        if self.world == 1 {
+            let mut copy = tensor.f_zeros_like()?.f_to_device(Device::Cpu)?;
+            copy.f_copy_(tensor)?;
+            return Ok(vec![copy]);
+        }
+        let deadline = Instant::now() + ctx.timeout;
+        let mine = tensor_bytes(tensor)?;
+        let chunk = mine.len();
+        self.handshake("all_gather", 3, chunk as u64, ctx, deadline)?;
+        let mut buf = vec![0u8; chunk * self.world];
+        buf[self.rank * chunk..(self.rank + 1) * chunk].copy_from_slice(&mine);
+        self.ring_all_gather(&mut buf, chunk, ctx, deadline)?;
+        (0..self.world)
+            .map(|i| {
+                Ok(Tensor::f_from_data_size(
+                    &buf[i * chunk..(i + 1) * chunk],
+                    &tensor.size(),
+                    tensor.kind(),
+                )?)
+            })
+            .collect()
+    }
+
+    fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError> {
+        let mut token = [Tensor::from_slice(&[1.0f32])];
+        self.all_reduce(&mut token, ReduceOp::Sum, ctx)
+    }
+}
+
+impl LinkFailure {
+    /// A read that failed is the receiving side's problem.
+    fn map_recv(self) -> LinkFailure {
+        match self {
+            LinkFailure::Send(e) => LinkFailure::Recv(e),
+            other => other,
+        }
+    }
+}
+
+/// The address other ranks can reach us at: loopback on a single node, otherwise the local
+/// address of the route towards the master.
+fn local_ip(env: &WorkerEnv) -> IpAddr {
+    if env.group_world_size <= 1 {
+        return IpAddr::V4(Ipv4Addr::LOCALHOST);
+    }
+    let probe = || -> std::io::Result<IpAddr> {
+        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        socket.connect((env.master_addr.as_str(), env.master_port))?;
+        Ok(socket.local_addr()?.ip())
+    };
+    probe().unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED))
+}
+
+/// The bytes of a tensor's values (contiguous, on the CPU).
+fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
+    let t = t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
+    let n = t.numel();
+    let mut bytes = vec![0u8; n * t.f_kind()?.elt_size_in_bytes()];
+    t.f_copy_data_u8(&mut bytes, n)?;
+    Ok(bytes)
+}
+
+fn op_name(code: u8) -> &'static str {
+    match code {
+        1 => "all_reduce",
+        2 => "broadcast",
+        3 => "all_gather",
+        _ => "an unknown operation",
+    }
+}
+
+fn as_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+fn as_bytes_mut(v: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as above; every byte pattern written is a valid f32 bit pattern.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
+}
+
+/// Disjoint views of chunk `send` (to send, as bytes) and chunk `recv` (to fill) of `buf`.
+fn split_send_recv(
+    buf: &mut [f32],
+    send: (usize, usize),
+    recv: (usize, usize),
+) -> (&[u8], &mut [f32]) {
+    let (send, recv) = split_pair(buf, send, recv);
+    (as_bytes(send), recv)
+}
+
+/// Disjoint views of the half-open ranges `send` and `recv` (which do not overlap; either may
+/// be empty, as happens when the buffer is shorter than the world size).
+fn split_pair<T>(buf: &mut [T], send: (usize, usize), recv: (usize, usize)) -> (&[T], &mut [T]) {
+    if send.0 == send.1 {
+        return (&[], &mut buf[recv.0..recv.1]);
+    }
+    if recv.0 == recv.1 {
+        return (&buf[send.0..send.1], &mut []);
+    }
+    if send.0 < recv.0 {
+        let (lo, hi) = buf.split_at_mut(recv.0);
+        (&lo[send.0..send.1], &mut hi[..recv.1 - recv.0])
+    } else {
+        let (lo, hi) = buf.split_at_mut(send.0);
+        (&hi[..send.1 - send.0], &mut lo[recv.0..recv.1])
+    }
+}
+
+/// Sends `send` on `to_next` from a helper thread while this thread receives into `sink` from
+/// `from_prev` (adding or copying piece by piece), both bounded by `deadline`.
+fn exchange(
+    to_next: &mut TcpStream,
+    from_prev: &mut TcpStream,
+    send: &[u8],
+    sink: Sink<'_>,
+    scratch: &mut [f32],
+    deadline: Instant,
+) -> Result<(), LinkFailure> {
+    std::thread::scope(|scope| {
+        let sender =
+            (!send.is_empty()).then(|| scope.spawn(|| write_all_until(to_next, send, deadline)));
+        let received = match sink {
+            Sink::Copy(dst) => {
+                read_exact_until(from_prev, dst, deadline).map_err(LinkFailure::map_recv)
+            }
+            Sink::Add(dst) => {
+                let mut result = Ok(());
+                for part in dst.chunks_mut(scratch.len().max(1)) {
+                    let piece = &mut scratch[..part.len()];
+                    if let Err(e) = read_exact_until(from_prev, as_bytes_mut(piece), deadline) {
+                        result = Err(e.map_recv());
+                        break;
+                    }
+                    for (d, s) in part.iter_mut().zip(piece.iter()) {
+                        *d += *s;
+                    }
+                }
+                result
+            }
+        };
+        let sent = match sender {
+            Some(handle) => handle.join().unwrap_or_else(|_| {
+                Err(LinkFailure::Send(std::io::Error::other(
+                    "sender thread panicked",
+                )))
+            }),
+            None => Ok(()),
+        };
+        // A timeout on either side is reported as a timeout (it names the silent ranks).
+        match (received, sent) {
+            (Err(LinkFailure::Timeout), _) | (_, Err(LinkFailure::Timeout)) => {
+                Err(LinkFailure::Timeout)
+            }
+            (Err(e), _) | (_, Err(e)) => Err(e),
+            (Ok(()), Ok(())) => Ok(()),
+        }
+    })
+}
+
+fn remaining(deadline: Instant) -> Option<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    (!left.is_zero()).then_some(left)
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+fn write_all_until(
+    stream: &mut TcpStream,
+    mut data: &[u8],
+    deadline: Instant,
+) -> Result<(), LinkFailure> {
+    while !data.is_empty() {
+        let left = remaining(deadline).ok_or(LinkFailure::Timeout)?;
+        stream
+            .set_write_timeout(Some(left))
+            .map_err(LinkFailure::Send)?;
+        match stream.write(data) {
+            Ok(0) => return Err(LinkFailure::Send(std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => data = &data[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => return Err(LinkFailure::Timeout),
+            Err(e) => return Err(LinkFailure::Send(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Fills `buf` from `stream`; failures come back as `Send` and are re-labelled by the caller.
+fn read_exact_until(
+    stream: &mut TcpStream,
+    mut buf: &mut [u8],
+    deadline: Instant,
+) -> Result<(), LinkFailure> {
+    while !buf.is_empty() {
+        let left = remaining(deadline).ok_or(LinkFailure::Timeout)?;
+        stream
+            .set_read_timeout(Some(left))
+            .map_err(LinkFailure::Send)?;
+        match stream.read(buf) {
+            Ok(0) => {
+                return Err(LinkFailure::Send(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the peer closed the connection (did it exit?)",
+                )))
+            }
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => return Err(LinkFailure::Timeout),
+            Err(e) => return Err(LinkFailure::Send(e)),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreServer;
+
+    fn env(rank: u32, world: u32, port: u16) -> WorkerEnv {
+        WorkerEnv {
+            rank,
+            local_rank: rank,
+            world_size: world,
+            local_world_size: world,
+            group_rank: 0,
+            group_world_size: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            restart_count: 0,
+            max_restarts: 0,
+            run_id: "ring-test".into(),
+        }
+    }
+
+    const CTX: OpContext = OpContext {
+        step: 0,
+        timeout: Duration::from_secs(20),
+    };
+
+    /// Runs `body(rank, communicator)` on `world` threads connected by a real ring.
+    fn with_ring<T: Send + 'static>(
+        world: u32,
+        body: impl Fn(usize, &mut TcpCollective) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "ring-test").unwrap();
+        let addr = server.local_addr();
+        let body = std::sync::Arc::new(body);
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let body = body.clone();
+                std::thread::spawn(move || {
+                    let store = StoreClient::connect(
+                        &addr.to_string(),
+                        "ring-test",
+                        Duration::from_secs(10),
+                    )
+                    .unwrap();
+                    let mut comm = TcpCollective::connect(
+                        &env(rank, world, addr.port()),
+                        store,
+                        Duration::from_secs(10),
+                    )
+                    .unwrap();
+                    body(rank as usize, &mut comm)
+                })
+            })
+            .collect();
+        let out = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        drop(server);
+        out
+    }
+
+    /// Small integers, so that every summation order gives the exact same float.
+    fn value(rank: usize, i: usize) -> f32 {
+        ((rank * 7 + i * 3) % 23) as f32 - 11.0
+    }
+
+    #[test]
+    fn all_reduce_matches_a_direct_sum_for_every_world_and_length() {
+        for world in 1..=5u32 {
+            for len in [0usize, 1, 2, 3, 4, 5, 7, 1000, 10_007, 300_001] {
+                let results = with_ring(world, move |rank, comm| {
+                    let data: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                    let mut t = [Tensor::from_slice(&data)];
+                    comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
+                    Vec::<f32>::try_from(&t[0]).unwrap()
+                });
+                let expected: Vec<f32> = (0..len)
+                    .map(|i| (0..world as usize).map(|r| value(r, i)).sum())
+                    .collect();
+                for (rank, got) in results.iter().enumerate() {
+                    assert_eq!(got, &expected, "world {world}, length {len}, rank {rank}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn average_of_many_tensors_of_mixed_kinds() {
+        let results = with_ring(3, |rank, comm| {
+            let mut tensors = [
+                Tensor::from_slice(&[rank as f32; 5]).view([5]),
+                Tensor::from_slice(&[2.0 * rank as f32; 6]).view([2, 3]),
+                Tensor::from_slice(&[rank as f32 * 3.0]).to_kind(Kind::BFloat16),
+            ];
+            comm.all_reduce(&mut tensors, ReduceOp::Avg, CTX).unwrap();
+            tensors
+                .iter()
+                .map(|t| Vec::<f32>::try_from(&t.to_kind(Kind::Float).reshape([-1])).unwrap())
+                .collect::<Vec<_>>()
+        });
+        for r in results {
+            assert_eq!(r[0], vec![1.0; 5]);
+            assert_eq!(r[1], vec![2.0; 6]);
+            assert_eq!(r[2], vec![3.0]);
+        }
+    }
+
+    #[test]
+    fn broadcast_from_each_root_and_all_gather() {
+        for root in 0..4usize {
+            let results = with_ring(4, move |rank, comm| {
+                let mut t = [
+                    Tensor::from_slice(&[rank as i64, 10 + rank as i64]),
+                    Tensor::from_slice(&vec![rank as f32; 3 * PIECE_BYTES / 4 + 5]),
+                ];
+                comm.broadcast(&mut t, root, CTX).unwrap();
+                let gathered = comm
+                    .all_gather(&Tensor::from_slice(&[rank as f32, -(rank as f32)]), CTX)
+                    .unwrap();
+                comm.barrier(CTX).unwrap();
+                (
+                    Vec::<i64>::try_from(&t[0]).unwrap(),
+                    t[1].double_value(&[0]),
+                    t[1].double_value(&[(3 * PIECE_BYTES / 4 + 4) as i64]),
+                    gathered
+                        .iter()
+                        .map(|g| Vec::<f32>::try_from(g).unwrap())
+                        .collect::<Vec<_>>(),
+                )
+            });
+            for (ints, first, last, gathered) in results {
+                assert_eq!(ints, vec![root as i64, 10 + root as i64]);
+                assert_eq!((first, last), (root as f64, root as f64));
+                let expect: Vec<Vec<f32>> = (0..4).map(|r| vec![r as f32, -(r as f32)]).collect();
+                assert_eq!(gathered, expect);
+            }
+        }
+    }
+
+    #[test]
+    fn mismatched_operations_are_reported() {
+        let results = with_ring(2, |rank, comm| {
+            let mut t = [Tensor::from_slice(&[1.0f32; 4])];
+            let ctx = OpContext {
+                step: 5,
+                timeout: Duration::from_secs(5),
+            };
+            if rank == 0 {
+                comm.all_reduce(&mut t, ReduceOp::Sum, ctx)
+                    .err()
+                    .map(|e| e.to_string())
+            } else {
+                comm.broadcast(&mut t, 0, ctx).err().map(|e| e.to_string())
+            }
+        });
+        let message = results.into_iter().flatten().next().expect("an error");
+        assert!(message.contains("at step 5: ranks disagree"), "{message}");
+    }
+}

@@ -1,0 +1,291 @@
+//! The DDP engine: makes N processes train one model as if they were one. It owns the
+//! parameter broadcast at start, gradient accumulation over micro-batches, the bucketed
+//! gradient all-reduce (only after the last micro-batch of a window), global-norm clipping and
+//! the optimizer step, plus the optional cross-rank parameter check. It works on any `tch`
+//! model and any loss: it must not know about the recommender, the data or files.
+
+use std::time::Duration;
+
+use tch::{nn, Tensor};
+
+use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
+use crate::optim::{clip_grad_norm, AdamW};
+
+/// Engine settings (from `[train]`, `[batch]` and `[dist]`).
+#[derive(Debug, Clone)]
+pub struct DdpConfig {
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    /// Gradient bytes (f32) per all-reduce call.
+    pub bucket_bytes: usize,
+    /// Clip the global gradient norm to this (`f64::INFINITY` disables).
+    pub max_grad_norm: f64,
+    /// Compare a parameter checksum across ranks every N optimizer steps (0: never).
+    pub check_params_every: u64,
+    /// Time limit of each collective.
+    pub timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DdpError {
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error("step {step}: {detail}")]
+    Loss { step: u64, detail: String },
+    #[error("parameters differ across ranks at step {step}: checksums {checksums:?} (rank order); the ranks are no longer training the same model")]
+    Diverged { step: u64, checksums: Vec<i64> },
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+    #[error("expected {expected} micro-batches per optimizer step, got {got}")]
+    Window { expected: usize, got: usize },
+}
+
+/// What one optimizer step reports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// Mean loss over the whole global batch (all micro-batches of all ranks).
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
+/// One rank's side of data-parallel training.
+pub struct Ddp {
+    comm: Box<dyn Collective>,
+    /// Trainable parameters in a fixed order (sorted by name: the same on every rank).
+    params: Vec<Tensor>,
+    names: Vec<String>,
+    /// Indices into `params`, one group per all-reduce call.
+    buckets: Vec<Vec<usize>>,
+    config: DdpConfig,
+}
+
+impl Ddp {
+    /// Takes the trainable variables of `vs` and makes them identical on every rank by
+    /// broadcasting rank 0's values.
+    pub fn new(
+        comm: Box<dyn Collective>,
+        vs: &nn::VarStore,
+        config: DdpConfig,
+    ) -> Result<Ddp, DdpError> {
+        let mut named: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| t.requires_grad())
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
+        let buckets = make_buckets(&params, config.bucket_bytes);
+        let mut ddp = Ddp {
+            comm,
+            params,
+            names,
+            buckets,
+            config,
+        };
+        ddp.broadcast_params(0)?;
+        Ok(ddp)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// The collective, for the trainer's own exchanges (barriers, metrics, checkpoints).
+    pub fn comm(&mut self) -> &mut dyn Collective {
+        self.comm.as_mut()
+    }
+
+    /// The trainable parameters, in the engine's (name-sorted) order.
+    pub fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    /// (name, parameter) pairs, for checkpoints.
+    pub fn named_params(&self) -> Vec<(String, Tensor)> {
+        self.names
+            .iter()
+            .cloned()
+            .zip(self.params.iter().map(Tensor::shallow_clone))
+            .collect()
+    }
+
+    /// Number of all-reduce calls per optimizer step.
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+
+    fn ctx(&self, step: u64) -> OpContext {
+        OpContext {
+            step,
+            timeout: self.config.timeout,
+        }
+    }
+
+    /// Overwrites every rank's parameters with `root`'s.
+    pub fn broadcast_params(&mut self, root: usize) -> Result<(), DdpError> {
+        let ctx = self.ctx(0);
+        let _guard = tch::no_grad_guard();
+        let mut views: Vec<Tensor> = self.params.iter().map(Tensor::shallow_clone).collect();
+        self.comm.broadcast(&mut views, root, ctx)?;
+        Ok(())
+    }
+
+    /// One optimizer step: forward + backward of each micro-batch of `window` (loss divided by
+    /// the accumulation count, gradients accumulating locally), then — only then — gradients
+    /// averaged over ranks bucket by bucket, clipped, and the optimizer step taken with `lr`.
+    pub fn step<B>(
+        &mut self,
+        window: &[B],
+        mut loss_fn: impl FnMut(&B) -> Result<Tensor, tch::TchError>,
+        optimizer: &mut AdamW,
+        lr: f64,
+        step: u64,
+    ) -> Result<StepStats, DdpError> {
+        if window.len() != self.config.grad_accum {
+            return Err(DdpError::Window {
+                expected: self.config.grad_accum,
+                got: window.len(),
+            });
+        }
+        for p in &mut self.params {
+            p.zero_grad();
+        }
+        let scale = 1.0 / window.len() as f64;
+        let mut local_loss = 0.0;
+        for micro in window {
+            let loss = loss_fn(micro)?;
+            let value = loss.f_double_value(&[])?;
+            if !value.is_finite() {
+                return Err(DdpError::Loss {
+                    step: step + 1,
+                    detail: format!("the loss is {value} on rank {}", self.rank()),
+                });
+            }
+            local_loss += value * scale;
+            (loss * scale).f_backward()?;
+        }
+        // A parameter this rank's batches did not reach still takes part in the reduction (the
+        // others may have gradients for it): give it a zero gradient.
+        for p in &self.params {
+            if !p.grad().defined() {
+                (p.f_sum(tch::Kind::Float)? * 0.0).f_backward()?;
+            }
+        }
+        // Messages number steps from 1, as the logs do.
+        let ctx = self.ctx(step + 1);
+        {
+            let _guard = tch::no_grad_guard();
+            for bucket in &self.buckets {
+                let mut grads: Vec<Tensor> =
+                    bucket.iter().map(|&i| self.params[i].grad()).collect();
+                self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
+            }
+        }
+        let grad_norm = clip_grad_norm(&self.params, self.config.max_grad_norm);
+        if !grad_norm.is_finite() {
+            // The same on every rank (the gradients were averaged): all stop together.
+            return Err(DdpError::Loss {
+                step: step + 1,
+                detail: format!(
+                    "the gradient norm is {grad_norm}; lower train.lr or check the data"
+                ),
+            });
+        }
+        optimizer.step(&self.params, lr);
+        let mut loss = [Tensor::from_slice(&[local_loss as f32])];
+        self.comm.all_reduce(&mut loss, ReduceOp::Avg, ctx)?;
+        let stats = StepStats {
+            loss: loss[0].f_double_value(&[0])?,
+            grad_norm,
+        };
+        let every = self.config.check_params_every;
+        if every > 0 && (step + 1) % every == 0 {
+            self.check_params(step)?;
+        }
+        Ok(stats)
+    }
+
+    /// A checksum of this rank's parameters (bit patterns, so any difference shows).
+    pub fn param_checksum(&self) -> Result<i64, DdpError> {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325; // FNV-1a
+        for p in &self.params {
+            let p = p
+                .f_detach()?
+                .f_to_device(tch::Device::Cpu)?
+                .f_contiguous()?;
+            let n = p.numel();
+            let mut bytes = vec![0u8; n * p.f_kind()?.elt_size_in_bytes()];
+            p.f_copy_data_u8(&mut bytes, n)?;
+            for b in bytes {
+                hash ^= u64::from(b);
+                hash = hash.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        Ok(hash as i64)
+    }
+
+    /// Fails loudly if any rank's parameters differ from the others'.
+    pub fn check_params(&mut self, step: u64) -> Result<(), DdpError> {
+        let mine = Tensor::from_slice(&[self.param_checksum()?]);
+        let all = self.comm.all_gather(&mine, self.ctx(step))?;
+        let checksums: Vec<i64> = all
+            .iter()
+            .map(|t| t.f_int64_value(&[0]))
+            .collect::<Result<_, _>>()?;
+        if checksums.iter().any(|c| *c != checksums[0]) {
+            return Err(DdpError::Diverged { step, checksums });
+        }
+        Ok(())
+    }
+}
+
+/// Groups parameters into buckets of at most `bucket_bytes` of f32 gradient, in reverse order
+/// (the order backward produces gradients, as PyTorch's DDP does); a parameter larger than a
+/// bucket gets one of its own.
+fn make_buckets(params: &[Tensor], bucket_bytes: usize) -> Vec<Vec<usize>> {
+    let mut buckets: Vec<Vec<usize>> = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut bytes = 0usize;
+    for i in (0..params.len()).rev() {
+        let size = params[i].numel() * 4;
+        if !current.is_empty() && bytes + size > bucket_bytes {
+            buckets.push(std::mem::take(&mut current));
+            bytes = 0;
+        }
+        current.push(i);
+        bytes += size;
+    }
+    if !current.is_empty() {
+        buckets.push(current);
+    }
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_respect_the_size_and_cover_every_parameter_once() {
+        let params: Vec<Tensor> = [10, 300, 5, 5, 1000, 1]
+            .iter()
+            .map(|&n| Tensor::zeros([n], (tch::Kind::Float, tch::Device::Cpu)))
+            .collect();
+        let buckets = make_buckets(&params, 1024);
+        let mut seen: Vec<usize> = buckets.iter().flatten().copied().collect();
+        seen.sort();
+        assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);
+        for b in &buckets {
+            let bytes: usize = b.iter().map(|&i| params[i].numel() * 4).sum();
+            assert!(bytes <= 1024 || b.len() == 1, "{b:?} holds {bytes} bytes");
+        }
+        // Reverse order: the last parameter is in the first bucket.
+        assert_eq!(buckets[0][0], 5);
+        assert_eq!(buckets.len(), 5);
+    }
+}

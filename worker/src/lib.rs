@@ -1,0 +1,12 @@
+//! The worker library: everything one data-parallel training process needs — rendezvous
+//! (`store`), collectives (`collective`: `tcp`, `nccl`), the DDP engine (`ddp`), the sharded
+//! sampler (`sampler`), the optimizer (`optim`) and checkpoints (`checkpoint`). Each module owns
+//! one concern; none of them knows the recommender model (the engine works on any `tch` model).
+
+pub mod checkpoint;
+pub mod collective;
+pub mod ddp;
+pub mod optim;
+pub mod sampler;
+pub mod store;
+pub mod train;

@@ -1,0 +1,697 @@
+//! The optimizer: AdamW over `tch` tensors, the learning-rate schedule, global grad-norm
+//! clipping, and the optimizer state a checkpoint needs to continue exactly.
+//!
+//! Owns: `torch.optim.AdamW`'s update math, warm-up + constant / linear / cosine LR schedules,
+//! `clip_grad_norm` (as `torch.nn.utils.clip_grad_norm_`), and turning the moments and step
+//! counter into named tensors (and back) for `optimizer.safetensors`.
+//!
+//! Must not: know the model or parameter names, talk to other ranks (gradients arrive already
+//! all-reduced, so every rank computes the same update), or touch files (the `checkpoint`
+//! module writes what `state_tensors` returns).
+
+use std::collections::HashMap;
+
+use tch::{Device, Kind, Tensor};
+use thiserror::Error;
+
+/// Shape of the learning-rate curve after warm-up.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Schedule {
+    /// `peak_lr` for the rest of training.
+    Constant,
+    /// Linear decay from `peak_lr` to `min_lr` at `total_steps`.
+    Linear,
+    /// Half-cosine decay from `peak_lr` to `min_lr` at `total_steps`.
+    Cosine,
+}
+
+/// Learning rate as a function of the number of optimizer steps already taken.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    pub peak_lr: f64,
+    pub warmup_steps: u64,
+    pub total_steps: u64,
+    pub schedule: Schedule,
+    pub min_lr: f64,
+}
+
+impl LrSchedule {
+    /// The learning rate for the optimizer step that follows `step` steps already taken.
+    ///
+    /// Warm-up (`step < warmup_steps`): linear from `peak_lr / warmup_steps` (step 0) to
+    /// `peak_lr` (step `warmup_steps - 1`). Afterwards `Constant` stays at `peak_lr`; `Linear`
+    /// and `Cosine` decay from `peak_lr` at `warmup_steps` to `min_lr` at `total_steps` and stay
+    /// at `min_lr` from then on (also when `total_steps <= warmup_steps`).
+    pub fn lr_at(&self, step: u64) -> f64 {
+        if step < self.warmup_steps {
+            return self.peak_lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        if self.schedule == Schedule::Constant {
+            return self.peak_lr;
+        }
+        if step >= self.total_steps {
+            return self.min_lr;
+        }
+        // Here warmup_steps <= step < total_steps, so the span is positive.
+        let ratio =
+            (step - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
+        let coeff = match self.schedule {
+            Schedule::Linear => 1.0 - ratio,
+            Schedule::Cosine => 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos()),
+            Schedule::Constant => 1.0,
+        };
+        self.min_lr + coeff * (self.peak_lr - self.min_lr)
+    }
+}
+
+/// A checkpointed optimizer state that does not fit the parameters it is loaded for.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum OptimError {
+    #[error("optimizer state: missing tensor {name:?} (the model has {num_params} parameters)")]
+    Missing { name: String, num_params: usize },
+    #[error("optimizer state: tensor {name:?} has shape {found:?}, but its parameter has shape {expected:?}")]
+    Shape {
+        name: String,
+        expected: Vec<i64>,
+        found: Vec<i64>,
+    },
+    #[error("optimizer state: tensor {name:?} has dtype {found}, but its parameter's state is {expected}")]
+    Dtype {
+        name: String,
+        expected: String,
+        found: String,
+    },
+    #[error("optimizer state: unexpected tensor {name:?} (the model has {num_params} parameters)")]
+    Unexpected { name: String, num_params: usize },
+    #[error("optimizer state: tensor {name:?} appears more than once")]
+    Duplicate { name: String },
+    #[error("optimizer state: tensor \"step\" must be a 1-element integer tensor holding a step >= 0: {detail}")]
+    BadStep { detail: String },
+}
+
+/// `torch.optim.AdamW` (single parameter group, non-amsgrad, non-maximize) with state that can be
+/// saved and restored bit-exactly.
+///
+/// One step counter is shared by all parameters (PyTorch keeps one per parameter; they only
+/// differ when some parameter has no gradient on some steps, which DDP training does not do).
+#[derive(Debug)]
+pub struct AdamW {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    step: u64,
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+}
+
+impl AdamW {
+    /// An optimizer for `params` (in this order, which `step` must keep); both moments start as
+    /// zeros shaped, typed and placed like each parameter.
+    pub fn new(params: &[Tensor], beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> AdamW {
+        let _guard = tch::no_grad_guard();
+        AdamW {
+            lr: 0.0,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step: 0,
+            exp_avg: params.iter().map(Tensor::zeros_like).collect(),
+            exp_avg_sq: params.iter().map(Tensor::zeros_like).collect(),
+        }
+    }
+
+    /// One step with learning rate `lr` over `params` (the same tensors, in the same order, as
+    /// given to `new`; their `.grad()` set), with exactly `torch.optim.AdamW`'s math: decoupled
+    /// decay `p *= 1 - lr * wd`; `m = lerp(m, g, 1 - beta1)`; `v = beta2 * v + (1 - beta2) * g * g`;
+    /// `p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)` with `bc_i = 1 - beta_i ^ step`.
+    /// Runs under `no_grad`; parameters are updated in place. Parameters without a defined
+    /// gradient are skipped (their moments are left as they are). The step counter advances by
+    /// one per call.
+    ///
+    /// Panics if `params.len()` differs from the number given to `new` (a programming error).
+    pub fn step(&mut self, params: &[Tensor], lr: f64) {
+        assert_eq!(
+            params.len(),
+            self.exp_avg.len(),
+            "AdamW::step: got {} parameters, the optimizer was built for {}",
+            params.len(),
+            self.exp_avg.len()
+        );
+        let _guard = tch::no_grad_guard();
+        self.step += 1;
+        self.lr = lr;
+        // As PyTorch: Python floats (f64) with `beta ** step` as `pow`.
+        let step = self.step as f64;
+        let bias_correction1 = 1.0 - self.beta1.powf(step);
+        let bias_correction2 = 1.0 - self.beta2.powf(step);
+        let step_size = lr / bias_correction1;
+        let bias_correction2_sqrt = bias_correction2.powf(0.5);
+        let decay = 1.0 - lr * self.weight_decay;
+        for ((param, exp_avg), exp_avg_sq) in params
+            .iter()
+            .zip(self.exp_avg.iter_mut())
+            .zip(self.exp_avg_sq.iter_mut())
+        {
+            let grad = param.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let mut param = param.shallow_clone();
+            if self.weight_decay != 0.0 {
+                let _ = param.g_mul_scalar_(decay);
+            }
+            let _ = exp_avg.lerp_(&grad, 1.0 - self.beta1);
+            // `addcmul_(g, g, value=c)` computes `self + (c * g) * g`; passing `c * g` as the first
+            // factor gives the same roundings.
+            let _ = exp_avg_sq.g_mul_scalar_(self.beta2);
+            let _ = exp_avg_sq.addcmul_(&grad.g_mul_scalar(1.0 - self.beta2), &grad);
+            let mut denom = exp_avg_sq.sqrt();
+            let _ = denom.g_div_scalar_(bias_correction2_sqrt);
+            let _ = denom.g_add_scalar_(self.eps);
+            // Likewise `addcdiv_(m, denom, value=-s)` is `self + (-s * m) / denom`.
+            let _ = param.addcdiv_(&exp_avg.g_mul_scalar(-step_size), &denom);
+        }
+    }
+
+    /// Optimizer steps taken so far (restored by `load_state_tensors`).
+    pub fn steps_taken(&self) -> u64 {
+        self.step
+    }
+
+    /// The learning rate of the most recent `step` (0 before the first).
+    pub fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    /// Named tensors for a checkpoint: `exp_avg.{i}`, `exp_avg_sq.{i}` for parameter `i`, and
+    /// `step` (a 1-element i64 tensor). They are CPU snapshots (copies), independent of later
+    /// steps and ready to be written.
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        let _guard = tch::no_grad_guard();
+        let snapshot = |t: &Tensor| {
+            if t.device() == Device::Cpu {
+                t.copy()
+            } else {
+                t.to_device(Device::Cpu)
+            }
+        };
+        let mut out = Vec::with_capacity(2 * self.exp_avg.len() + 1);
+        for (i, (m, v)) in self.exp_avg.iter().zip(&self.exp_avg_sq).enumerate() {
+            out.push((format!("exp_avg.{i}"), snapshot(m)));
+            out.push((format!("exp_avg_sq.{i}"), snapshot(v)));
+        }
+        let step = i64::try_from(self.step).unwrap_or(i64::MAX);
+        out.push(("step".to_string(), Tensor::from_slice(&[step])));
+        out
+    }
+
+    /// Restores what `state_tensors` produced (possibly after a round trip through a file):
+    /// every name must be present exactly once, with the shape and dtype of its parameter's
+    /// state, and nothing else. Everything is checked before anything is changed, so on error
+    /// the optimizer is untouched. Tensors may live on any device; they are copied onto the
+    /// parameters' devices.
+    pub fn load_state_tensors(&mut self, named: &[(String, Tensor)]) -> Result<(), OptimError> {
+        let num_params = self.exp_avg.len();
+        let mut by_name: HashMap<&str, &Tensor> = HashMap::with_capacity(named.len());
+        for (name, tensor) in named {
+            if by_name.insert(name.as_str(), tensor).is_some() {
+                return Err(OptimError::Duplicate { name: name.clone() });
+            }
+        }
+
+        let step = Self::read_step(by_name.get("step").copied(), num_params)?;
+
+        let mut sources: Vec<(&Tensor, &Tensor)> = Vec::with_capacity(num_params);
+        for i in 0..num_params {
+            let m = Self::checked(
+                &by_name,
+                &format!("exp_avg.{i}"),
+                &self.exp_avg[i],
+                num_params,
+            )?;
+            let v = Self::checked(
+                &by_name,
+                &format!("exp_avg_sq.{i}"),
+                &self.exp_avg_sq[i],
+                num_params,
+            )?;
+            sources.push((m, v));
+        }
+        if by_name.len() != 2 * num_params + 1 {
+            let expected = |n: &str| {
+                n == "step"
+                    || ["exp_avg.", "exp_avg_sq."].iter().any(|prefix| {
+                        n.strip_prefix(prefix)
+                            .and_then(|i| i.parse::<usize>().ok())
+                            .is_some_and(|i| i < num_params && i.to_string() == n[prefix.len()..])
+                    })
+            };
+            let mut extra: Vec<&str> = by_name.keys().copied().filter(|n| !expected(n)).collect();
+            extra.sort_unstable();
+            let name = extra.first().map_or_else(String::new, |n| (*n).to_string());
+            return Err(OptimError::Unexpected { name, num_params });
+        }
+
+        let _guard = tch::no_grad_guard();
+        for ((dst_m, dst_v), (src_m, src_v)) in self
+            .exp_avg
+            .iter_mut()
+            .zip(self.exp_avg_sq.iter_mut())
+            .zip(sources)
+        {
+            dst_m.copy_(src_m);
+            dst_v.copy_(src_v);
+        }
+        self.step = step;
+        Ok(())
+    }
+
+    fn checked<'a>(
+        by_name: &HashMap<&str, &'a Tensor>,
+        name: &str,
+        like: &Tensor,
+        num_params: usize,
+    ) -> Result<&'a Tensor, OptimError> {
+        let t = by_name
+            .get(name)
+            .copied()
+            .ok_or_else(|| OptimError::Missing {
+                name: name.to_string(),
+                num_params,
+            })?;
+        if t.size() != like.size() {
+            return Err(OptimError::Shape {
+                name: name.to_string(),
+                expected: like.size(),
+                found: t.size(),
+            });
+        }
+        if t.kind() != like.kind() {
+            return Err(OptimError::Dtype {
+                name: name.to_string(),
+                expected: format!("{:?}", like.kind()),
+                found: format!("{:?}", t.kind()),
+            });
+        }
+        Ok(t)
+    }
+
+    fn read_step(t: Option<&Tensor>, num_params: usize) -> Result<u64, OptimError> {
+        let t = t.ok_or_else(|| OptimError::Missing {
+            name: "step".to_string(),
+            num_params,
+        })?;
+        if !matches!(
+            t.kind(),
+            Kind::Int64 | Kind::Int | Kind::Int16 | Kind::Int8 | Kind::Uint8
+        ) {
+            return Err(OptimError::BadStep {
+                detail: format!("dtype is {:?}", t.kind()),
+            });
+        }
+        if t.numel() != 1 {
+            return Err(OptimError::BadStep {
+                detail: format!("shape is {:?}", t.size()),
+            });
+        }
+        let value = t
+            .reshape([1])
+            .f_int64_value(&[0])
+            .map_err(|e| OptimError::BadStep {
+                detail: e.to_string().lines().next().unwrap_or_default().to_string(),
+            })?;
+        u64::try_from(value).map_err(|_| OptimError::BadStep {
+            detail: format!("value is {value}"),
+        })
+    }
+}
+
+/// Global L2 norm over all defined gradients of `params`; if `max_norm / (norm + 1e-6) < 1` the
+/// gradients are scaled in place by that factor (as `torch.nn.utils.clip_grad_norm_`). Returns
+/// the pre-clip norm (0 when no parameter has a gradient). A non-finite norm leaves the
+/// gradients untouched and is returned as is, so the caller can skip the step.
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
+    let _guard = tch::no_grad_guard();
+    let grads: Vec<Tensor> = params
+        .iter()
+        .map(Tensor::grad)
+        .filter(Tensor::defined)
+        .collect();
+    if grads.is_empty() {
+        return 0.0;
+    }
+    // Per-tensor norms in the gradient's dtype (as PyTorch), combined in f64; one host sync.
+    let norms: Vec<Tensor> = grads
+        .iter()
+        .map(|g| g.norm().to_kind(Kind::Double))
+        .collect();
+    let total = Tensor::stack(&norms, 0).norm().double_value(&[]);
+    if !total.is_finite() {
+        return total;
+    }
+    let coef = max_norm / (total + 1e-6);
+    if coef < 1.0 {
+        for mut g in grads {
+            let _ = g.g_mul_scalar_(coef);
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param(values: &[f32]) -> Tensor {
+        Tensor::from_slice(values).set_requires_grad(true)
+    }
+
+    /// Sets `p.grad` to `g` (creating it through a backward pass the first time).
+    fn set_grad(p: &Tensor, g: &[f32]) {
+        let g = Tensor::from_slice(g).reshape(p.size());
+        let mut grad = p.grad();
+        if grad.defined() {
+            tch::no_grad(|| grad.copy_(&g));
+        } else {
+            (p * &g).sum(Kind::Float).backward();
+        }
+    }
+
+    fn values(t: &Tensor) -> Vec<f64> {
+        let flat = t.detach().to_kind(Kind::Double).reshape([-1]);
+        Vec::<f64>::try_from(&flat).unwrap()
+    }
+
+    fn assert_close(got: &[f64], want: &[f64], tol: f64) {
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= tol, "element {i}: got {g}, want {w}");
+        }
+    }
+
+    #[test]
+    fn adamw_matches_hand_computed_two_steps() {
+        let (beta1, beta2, eps, wd) = (0.9, 0.999, 1e-8, 0.1);
+        let p0 = [1.0f32, -2.0, 0.5];
+        let grads = [[0.5f32, -1.0, 0.25], [-0.3f32, 0.2, 2.0]];
+        let lrs = [0.1, 0.05];
+
+        let p = param(&p0);
+        let mut opt = AdamW::new(&[p.shallow_clone()], beta1, beta2, eps, wd);
+        for (g, &lr) in grads.iter().zip(&lrs) {
+            set_grad(&p, g);
+            opt.step(&[p.shallow_clone()], lr);
+        }
+        assert_eq!(opt.steps_taken(), 2);
+
+        // Reference in plain f64.
+        let mut want: Vec<f64> = p0.iter().map(|&x| f64::from(x)).collect();
+        let mut m = [0.0f64; 3];
+        let mut v = [0.0f64; 3];
+        for (t, (g, &lr)) in grads.iter().zip(&lrs).enumerate() {
+            let t = (t + 1) as i32;
+            let bc1 = 1.0 - beta1.powi(t);
+            let bc2 = 1.0 - beta2.powi(t);
+            for i in 0..3 {
+                let gi = f64::from(g[i]);
+                want[i] *= 1.0 - lr * wd;
+                m[i] = beta1 * m[i] + (1.0 - beta1) * gi;
+                v[i] = beta2 * v[i] + (1.0 - beta2) * gi * gi;
+                want[i] -= lr * (m[i] / bc1) / ((v[i] / bc2).sqrt() + eps);
+            }
+        }
+        assert_close(&values(&p), &want, 1e-6);
+        let state = opt.state_tensors();
+        assert_close(&values(&state[0].1), &m, 1e-6);
+        assert_close(&values(&state[1].1), &v, 1e-6);
+    }
+
+    #[test]
+    fn weight_decay_is_decoupled() {
+        // With zero gradients the Adam update is 0 / (0 + eps) = 0, so only the decoupled decay
+        // acts: p *= 1 - lr * wd. (Coupled L2 decay would instead feed wd * p into the moments
+        // and move every element by about lr.)
+        let (lr, wd) = (0.1, 0.5);
+        let p = param(&[2.0, -4.0, 8.0]);
+        set_grad(&p, &[0.0, 0.0, 0.0]);
+        let mut opt = AdamW::new(&[p.shallow_clone()], 0.9, 0.999, 1e-8, wd);
+        opt.step(&[p.shallow_clone()], lr);
+        assert_close(&values(&p), &[1.9, -3.8, 7.6], 1e-6);
+
+        // And without weight decay nothing moves.
+        let q = param(&[2.0, -4.0, 8.0]);
+        set_grad(&q, &[0.0, 0.0, 0.0]);
+        let mut opt = AdamW::new(&[q.shallow_clone()], 0.9, 0.999, 1e-8, 0.0);
+        opt.step(&[q.shallow_clone()], lr);
+        assert_close(&values(&q), &[2.0, -4.0, 8.0], 0.0);
+    }
+
+    #[test]
+    fn params_without_grad_are_skipped() {
+        let a = param(&[1.0, 2.0]);
+        let b = param(&[3.0, 4.0]);
+        set_grad(&a, &[1.0, 1.0]);
+        let params = [a.shallow_clone(), b.shallow_clone()];
+        let mut opt = AdamW::new(&params, 0.9, 0.999, 1e-8, 0.1);
+        opt.step(&params, 0.1);
+        assert!(!values(&a).iter().zip([1.0, 2.0]).any(|(x, y)| *x == y));
+        assert_eq!(values(&b), vec![3.0, 4.0]);
+    }
+
+    fn make_params(seed: i64) -> Vec<Tensor> {
+        tch::manual_seed(seed);
+        vec![
+            Tensor::randn([4, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true),
+            Tensor::randn([5], (Kind::Float, Device::Cpu)).set_requires_grad(true),
+        ]
+    }
+
+    fn random_grads(params: &[Tensor]) {
+        for p in params {
+            let g = Tensor::randn(p.size(), (Kind::Float, Device::Cpu));
+            let flat: Vec<f32> = Vec::try_from(&g.reshape([-1])).unwrap();
+            set_grad(p, &flat);
+        }
+    }
+
+    fn clone_params(params: &[Tensor]) -> Vec<Tensor> {
+        params
+            .iter()
+            .map(|p| p.detach().copy().set_requires_grad(true))
+            .collect()
+    }
+
+    #[test]
+    fn save_load_then_step_equals_continuing() {
+        let params = make_params(7);
+        let mut opt = AdamW::new(&params, 0.9, 0.95, 1e-8, 0.1);
+        for step in 0..3 {
+            random_grads(&params);
+            opt.step(&params, 1e-2 / f64::from(step + 1));
+        }
+        let saved = opt.state_tensors();
+        assert_eq!(saved.len(), 5);
+        assert_eq!(saved[4].0, "step");
+        assert_eq!(saved[4].1.kind(), Kind::Int64);
+        assert_eq!(saved[4].1.size(), vec![1]);
+
+        let resumed_params = clone_params(&params);
+        let mut resumed = AdamW::new(&resumed_params, 0.9, 0.95, 1e-8, 0.1);
+        resumed.load_state_tensors(&saved).unwrap();
+        assert_eq!(resumed.steps_taken(), 3);
+
+        // The snapshot is independent of later steps of the original.
+        random_grads(&params);
+        for (p, q) in params.iter().zip(&resumed_params) {
+            let g = p.grad();
+            set_grad(q, &Vec::<f32>::try_from(&g.reshape([-1])).unwrap());
+        }
+        opt.step(&params, 3e-3);
+        resumed.step(&resumed_params, 3e-3);
+
+        for (p, q) in params.iter().zip(&resumed_params) {
+            assert!(p.equal(q));
+        }
+        for ((n1, t1), (n2, t2)) in opt.state_tensors().iter().zip(&resumed.state_tensors()) {
+            assert_eq!(n1, n2);
+            assert!(t1.equal(t2), "{n1} differs");
+        }
+        assert!(!saved[0].1.equal(&opt.state_tensors()[0].1));
+    }
+
+    #[test]
+    fn load_rejects_wrong_shape_naming_the_tensor() {
+        let params = make_params(1);
+        let opt = AdamW::new(&params, 0.9, 0.999, 1e-8, 0.0);
+        let mut saved = opt.state_tensors();
+
+        let other = [param(&[1.0, 2.0, 3.0]), param(&[0.0; 5])];
+        let mut wrong = AdamW::new(&other, 0.9, 0.999, 1e-8, 0.0);
+        let err = wrong.load_state_tensors(&saved).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("\"exp_avg.0\""), "{msg}");
+        assert!(msg.contains("[4, 3]") && msg.contains("[3]"), "{msg}");
+        assert!(!msg.contains('\n'));
+        assert_eq!(wrong.steps_taken(), 0);
+
+        // Missing, unexpected, duplicate and bad step are named too.
+        let mut missing = AdamW::new(&params, 0.9, 0.999, 1e-8, 0.0);
+        let without: Vec<(String, Tensor)> = saved
+            .iter()
+            .filter(|(n, _)| n != "exp_avg_sq.1")
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let msg = missing
+            .load_state_tensors(&without)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("\"exp_avg_sq.1\""), "{msg}");
+
+        let mut extra: Vec<(String, Tensor)> = saved
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        extra.push((
+            "exp_avg.2".to_string(),
+            Tensor::zeros([1], (Kind::Float, Device::Cpu)),
+        ));
+        let msg = missing.load_state_tensors(&extra).unwrap_err().to_string();
+        assert!(
+            msg.contains("unexpected") && msg.contains("\"exp_avg.2\""),
+            "{msg}"
+        );
+        extra.pop();
+        extra.push(("step".to_string(), Tensor::from_slice(&[1i64])));
+        let msg = missing.load_state_tensors(&extra).unwrap_err().to_string();
+        assert!(
+            msg.contains("\"step\"") && msg.contains("more than once"),
+            "{msg}"
+        );
+
+        let step = saved.iter().position(|(n, _)| n == "step").unwrap();
+        saved[step].1 = Tensor::from_slice(&[-1i64]);
+        let msg = missing.load_state_tensors(&saved).unwrap_err().to_string();
+        assert!(msg.contains("\"step\""), "{msg}");
+        saved[step].1 = Tensor::from_slice(&[1.0f32]);
+        assert!(missing.load_state_tensors(&saved).is_err());
+        assert_eq!(missing.steps_taken(), 0);
+    }
+
+    #[test]
+    fn load_rejects_wrong_dtype() {
+        let params = make_params(2);
+        let opt = AdamW::new(&params, 0.9, 0.999, 1e-8, 0.0);
+        let mut saved = opt.state_tensors();
+        saved[1].1 = saved[1].1.to_kind(Kind::Double);
+        let mut fresh = AdamW::new(&params, 0.9, 0.999, 1e-8, 0.0);
+        let msg = fresh.load_state_tensors(&saved).unwrap_err().to_string();
+        assert!(
+            msg.contains("\"exp_avg_sq.0\"") && msg.contains("Double"),
+            "{msg}"
+        );
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-12 * b.abs().max(1.0)
+    }
+
+    #[test]
+    fn lr_schedule_values() {
+        let (peak, min) = (1e-3, 1e-4);
+        let sched = |schedule| LrSchedule {
+            peak_lr: peak,
+            warmup_steps: 10,
+            total_steps: 110,
+            schedule,
+            min_lr: min,
+        };
+        for kind in [Schedule::Constant, Schedule::Linear, Schedule::Cosine] {
+            let s = sched(kind);
+            // Warm-up: peak / warmup at the start, peak at its last step and at its end.
+            assert!(close(s.lr_at(0), peak / 10.0), "{kind:?}");
+            assert!(close(s.lr_at(4), peak * 5.0 / 10.0), "{kind:?}");
+            assert!(close(s.lr_at(9), peak), "{kind:?}");
+            assert!(close(s.lr_at(10), peak), "{kind:?}");
+        }
+        let c = sched(Schedule::Constant);
+        for step in [60, 110, 10_000] {
+            assert!(close(c.lr_at(step), peak));
+        }
+        let l = sched(Schedule::Linear);
+        assert!(close(l.lr_at(35), peak - 0.25 * (peak - min)));
+        assert!(close(l.lr_at(60), (peak + min) / 2.0));
+        assert!(close(l.lr_at(110), min));
+        assert!(close(l.lr_at(10_000), min));
+        let cos = sched(Schedule::Cosine);
+        let quarter = min + 0.5 * (1.0 + (std::f64::consts::PI / 4.0).cos()) * (peak - min);
+        assert!(close(cos.lr_at(35), quarter));
+        assert!(close(cos.lr_at(60), (peak + min) / 2.0));
+        assert!(close(cos.lr_at(110), min));
+        assert!(close(cos.lr_at(10_000), min));
+        // Decreasing over the decay phase.
+        for step in 10..110 {
+            assert!(cos.lr_at(step + 1) <= cos.lr_at(step));
+            assert!(l.lr_at(step + 1) <= l.lr_at(step));
+        }
+    }
+
+    #[test]
+    fn lr_schedule_edge_cases() {
+        let no_warmup = LrSchedule {
+            peak_lr: 0.5,
+            warmup_steps: 0,
+            total_steps: 4,
+            schedule: Schedule::Linear,
+            min_lr: 0.1,
+        };
+        assert!(close(no_warmup.lr_at(0), 0.5));
+        assert!(close(no_warmup.lr_at(2), 0.3));
+        assert!(close(no_warmup.lr_at(4), 0.1));
+        let total_within_warmup = LrSchedule {
+            warmup_steps: 10,
+            total_steps: 5,
+            schedule: Schedule::Cosine,
+            ..no_warmup
+        };
+        assert!(close(total_within_warmup.lr_at(9), 0.5));
+        assert!(close(total_within_warmup.lr_at(10), 0.1));
+        assert!(total_within_warmup.lr_at(10).is_finite());
+    }
+
+    #[test]
+    fn clip_grad_norm_scales_to_max_and_returns_pre_clip_norm() {
+        let a = param(&[0.0, 0.0]);
+        let b = param(&[0.0]);
+        let c = param(&[1.0]); // no grad: ignored
+        set_grad(&a, &[3.0, 4.0]);
+        set_grad(&b, &[12.0]);
+        let params = [a.shallow_clone(), b.shallow_clone(), c.shallow_clone()];
+
+        // Below the threshold: untouched.
+        let norm = clip_grad_norm(&params, 100.0);
+        assert!((norm - 13.0).abs() < 1e-5, "{norm}");
+        assert_eq!(values(&a.grad()), vec![3.0, 4.0]);
+
+        let norm = clip_grad_norm(&params, 6.5);
+        assert!((norm - 13.0).abs() < 1e-5, "{norm}");
+        let coef = 6.5 / (13.0 + 1e-6);
+        assert_close(&values(&a.grad()), &[3.0 * coef, 4.0 * coef], 1e-6);
+        assert_close(&values(&b.grad()), &[12.0 * coef], 1e-6);
+        let after = clip_grad_norm(&params, 1e9);
+        assert!((after - 6.5).abs() < 1e-5, "{after}");
+
+        assert_eq!(clip_grad_norm(&[c.shallow_clone()], 1.0), 0.0);
+    }
+
+    #[test]
+    fn clip_grad_norm_leaves_non_finite_alone() {
+        let a = param(&[0.0, 0.0]);
+        set_grad(&a, &[f32::INFINITY, 1.0]);
+        let norm = clip_grad_norm(&[a.shallow_clone()], 1.0);
+        assert!(norm.is_infinite());
+        assert_eq!(values(&a.grad())[1], 1.0);
+    }
+}

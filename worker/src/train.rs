@@ -1,0 +1,473 @@
+//! The training loop around the DDP engine: sampler → micro-batches → optimizer steps, the LR
+//! schedule, logging (console and `metrics.jsonl`, rank 0), checkpoints at `every_n_steps` and
+//! at the end of each epoch (rank 0 writes, the others wait at a barrier), and resuming from a
+//! checkpoint with the same or another world size. It works on any [`Task`] — a model plus a loss
+//! over a batch of sample indices — and must not know what the model is.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::batch::BatchPlan;
+use common::config::{Config, LrScheduleKind};
+use serde::{Deserialize, Serialize};
+use tch::{nn, Tensor};
+use tracing::{info, warn};
+
+use crate::checkpoint::{self, TrainState};
+use crate::collective::{Collective, CollectiveError, OpContext};
+use crate::ddp::{Ddp, DdpConfig, DdpError};
+use crate::optim::{AdamW, LrSchedule, Schedule};
+use crate::sampler::DistributedSampler;
+
+/// What the engine trains: a model (its variables live in a `VarStore`) and a loss.
+pub trait Task {
+    /// Number of training samples (the sampler shards `0..train_len()`).
+    fn train_len(&self) -> usize;
+    /// Mean loss over the samples `indices` (one micro-batch), ready for backward.
+    fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError>;
+    /// A fingerprint of the model's configuration; a checkpoint of another model is refused.
+    fn model_hash(&self) -> String;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Ddp(#[from] DdpError),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error("resume: {0}")]
+    Resume(String),
+    #[error("{0}")]
+    Plan(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StepRecord {
+    pub kind: String,
+    pub epoch: u64,
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub samples_per_s: f64,
+}
+
+/// How the run ended.
+#[derive(Debug, Clone)]
+pub struct TrainReport {
+    pub steps: u64,
+    pub epochs_done: u64,
+    pub last_loss: Option<f64>,
+    /// Where training resumed from, if it did.
+    pub resumed_from: Option<PathBuf>,
+}
+
+/// Everything the loop needs besides the task.
+pub struct TrainSetup<'a> {
+    pub config: &'a Config,
+    pub batch: BatchPlan,
+    pub run_dir: PathBuf,
+    /// Stop cleanly after this many epochs (a test hook that simulates an interrupted run;
+    /// `GPTREC_STOP_AFTER_EPOCH`).
+    pub stop_after_epoch: Option<u64>,
+}
+
+/// Trains `task` whose trainable variables are in `vs`, data-parallel over `comm`.
+pub fn train(
+    task: &mut dyn Task,
+    vs: &nn::VarStore,
+    comm: Box<dyn Collective>,
+    setup: &TrainSetup<'_>,
+) -> Result<TrainReport, TrainError> {
+    let config = setup.config;
+    let batch = setup.batch;
+    let timeout = Duration::from_secs(config.dist.timeout_s);
+    let mut ddp = Ddp::new(
+        comm,
+        vs,
+        DdpConfig {
+            grad_accum: batch.grad_accum as usize,
+            bucket_bytes: (config.dist.bucket_mb * 1024.0 * 1024.0) as usize,
+            max_grad_norm: config.train.max_grad_norm,
+            check_params_every: config.dist.check_params_every,
+            timeout,
+        },
+    )?;
+    let (rank, world) = (ddp.rank(), ddp.world_size());
+    let ctx = |step| OpContext { step, timeout };
+    let leader = rank == 0;
+
+    let sampler =
+        DistributedSampler::new(task.train_len(), world, rank, config.run.seed, true, false)
+            .map_err(|e| TrainError::Plan(e.to_string()))?;
+    let per_rank_step = (batch.micro * batch.grad_accum) as usize;
+    let steps_per_epoch = (sampler.num_samples() / per_rank_step) as u64;
+    if steps_per_epoch == 0 {
+        return Err(TrainError::Plan(format!(
+            "{} training samples are fewer than one global batch of {} ({}); lower batch.global",
+            task.train_len(),
+            batch.global,
+            batch.derivation()
+        )));
+    }
+    let epochs = u64::from(config.train.epochs);
+    let total_steps = epochs * steps_per_epoch;
+    let peak_lr = if config.train.scale_lr_with_world {
+        config.train.lr * world as f64
+    } else {
+        config.train.lr
+    };
+    let schedule = LrSchedule {
+        peak_lr,
+        warmup_steps: config.train.warmup_steps,
+        total_steps,
+        schedule: match config.train.lr_schedule {
+            LrScheduleKind::Cosine => Schedule::Cosine,
+            LrScheduleKind::Linear => Schedule::Linear,
+            LrScheduleKind::Constant => Schedule::Constant,
+        },
+        min_lr: config.train.min_lr,
+    };
+    let mut optimizer = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, config.train.weight_decay);
+
+    if leader {
+        std::fs::create_dir_all(&setup.run_dir).map_err(|e| io(&setup.run_dir, e))?;
+        let resolved = config
+            .to_toml()
+            .map_err(|e| TrainError::Plan(e.to_string()))?;
+        let path = setup.run_dir.join("config.resolved.toml");
+        std::fs::write(&path, resolved).map_err(|e| io(&path, e))?;
+    }
+
+    // Resume: rank 0 finds and checks the checkpoint, everyone learns the outcome, the tensors
+    // travel by broadcast (no shared file system needed).
+    let checkpoints = setup.run_dir.join("checkpoints");
+    let decision = if leader {
+        resume_decision(config, &checkpoints, task.model_hash(), batch)
+    } else {
+        ResumeDecision::default()
+    };
+    let decision: ResumeDecision = broadcast_json(ddp.comm(), leader.then_some(&decision), ctx(0))?;
+    if let Some(error) = decision.error {
+        return Err(TrainError::Resume(error));
+    }
+    let mut start = TrainState {
+        epoch: 0,
+        step: 0,
+        samples_in_epoch: 0,
+        seed: config.run.seed,
+        world_size: world as u64,
+        global_batch: batch.global,
+        model_hash: task.model_hash(),
+        files: Default::default(),
+    };
+    let resumed_from = decision.path.clone().map(PathBuf::from);
+    if let (Some(path), Some(state)) = (&resumed_from, decision.state) {
+        let (mut model, mut optim) = if leader {
+            let (model, optim, _) = checkpoint::load(path)?;
+            (model, optim)
+        } else {
+            (ddp.named_params(), optimizer.state_tensors())
+        };
+        if leader {
+            load_params(&ddp.named_params(), &model)?;
+            optimizer
+                .load_state_tensors(&optim)
+                .map_err(|e| TrainError::Resume(format!("{}: {e}", path.display())))?;
+        }
+        ddp.broadcast_params(0)?;
+        // Everyone receives rank 0's optimizer state into tensors of the right shapes.
+        let mut shaped: Vec<(String, Tensor)> = optimizer.state_tensors();
+        let mut values: Vec<Tensor> = shaped.iter().map(|(_, t)| t.shallow_clone()).collect();
+        ddp.comm().broadcast(&mut values, 0, ctx(state.step))?;
+        for ((_, t), v) in shaped.iter_mut().zip(values) {
+            *t = v;
+        }
+        optimizer
+            .load_state_tensors(&shaped)
+            .map_err(|e| TrainError::Resume(e.to_string()))?;
+        model.clear();
+        optim.clear();
+        if state.samples_in_epoch % world as u64 != 0 {
+            return Err(TrainError::Resume(format!(
+                "{}: {} samples into the epoch cannot be split over {world} ranks",
+                path.display(),
+                state.samples_in_epoch
+            )));
+        }
+        if leader {
+            info!(
+                "resuming from {} (epoch {}, step {}, written by {} rank(s); now {world})",
+                path.display(),
+                state.epoch + 1,
+                state.step,
+                state.world_size
+            );
+        }
+        start = state;
+    }
+
+    let mut step = start.step;
+    let mut last_loss = None;
+    let mut epochs_done = start.epoch;
+    let log_every = (steps_per_epoch / 10).max(1);
+    let mut metrics = if leader {
+        let path = setup.run_dir.join("metrics.jsonl");
+        Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .map_err(|e| io(&path, e))?,
+        )
+    } else {
+        None
+    };
+    for epoch in start.epoch..epochs {
+        let skip = if epoch == start.epoch {
+            (start.samples_in_epoch / world as u64) as usize
+        } else {
+            0
+        };
+        let batches = sampler.batches(epoch, batch.micro as usize, skip, true);
+        let mut samples_in_epoch = skip as u64 * world as u64;
+        let epoch_start = Instant::now();
+        for window in batches.chunks(batch.grad_accum as usize) {
+            if window.len() < batch.grad_accum as usize {
+                break; // the rest does not fill a global batch
+            }
+            let t0 = Instant::now();
+            let lr = schedule.lr_at(step);
+            let stats = ddp.step(
+                window,
+                |indices| task.loss(indices),
+                &mut optimizer,
+                lr,
+                step,
+            )?;
+            step += 1;
+            samples_in_epoch += batch.global;
+            last_loss = Some(stats.loss);
+            if let Some(file) = metrics.as_mut() {
+                let record = StepRecord {
+                    kind: "step".into(),
+                    epoch: epoch + 1,
+                    step,
+                    loss: stats.loss,
+                    lr,
+                    grad_norm: stats.grad_norm,
+                    samples_per_s: batch.global as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+                };
+                if let Ok(line) = serde_json::to_string(&record) {
+                    let _ = writeln!(file, "{line}");
+                }
+                if step % log_every == 0 || step == total_steps {
+                    info!(
+                        "epoch {}/{epochs} step {step}/{total_steps} loss {:.6} lr {lr:.3e} grad_norm {:.4} ({:.0} samples/s)",
+                        epoch + 1,
+                        stats.loss,
+                        stats.grad_norm,
+                        record.samples_per_s
+                    );
+                }
+            }
+            let every = config.checkpoint.every_n_steps;
+            if every > 0 && step % every == 0 {
+                let state = TrainState {
+                    epoch,
+                    step,
+                    samples_in_epoch,
+                    ..start.clone()
+                };
+                save_checkpoint(&mut ddp, &optimizer, &checkpoints, state, config, ctx(step))?;
+            }
+        }
+        epochs_done = epoch + 1;
+        let state = TrainState {
+            epoch: epoch + 1,
+            step,
+            samples_in_epoch: 0,
+            ..start.clone()
+        };
+        save_checkpoint(&mut ddp, &optimizer, &checkpoints, state, config, ctx(step))?;
+        if leader {
+            info!(
+                "epoch {}/{epochs} done in {:.1} s",
+                epoch + 1,
+                epoch_start.elapsed().as_secs_f64()
+            );
+        }
+        if setup.stop_after_epoch == Some(epoch + 1) {
+            if leader {
+                warn!(
+                    "stopping after epoch {} (GPTREC_STOP_AFTER_EPOCH)",
+                    epoch + 1
+                );
+            }
+            break;
+        }
+    }
+    ddp.check_params(step)?;
+    Ok(TrainReport {
+        steps: step,
+        epochs_done,
+        last_loss,
+        resumed_from,
+    })
+}
+
+/// Rank 0 writes the checkpoint; everyone meets at a barrier afterwards so nobody runs ahead
+/// of a checkpoint that may be needed to restart.
+fn save_checkpoint(
+    ddp: &mut Ddp,
+    optimizer: &AdamW,
+    dir: &Path,
+    mut state: TrainState,
+    config: &Config,
+    ctx: OpContext,
+) -> Result<(), TrainError> {
+    state.world_size = ddp.world_size() as u64;
+    if ddp.rank() == 0 {
+        let path = checkpoint::save(
+            dir,
+            &ddp.named_params(),
+            &optimizer.state_tensors(),
+            &state,
+            config.checkpoint.keep as usize,
+        )?;
+        info!("checkpoint {}", path.display());
+    }
+    ddp.comm().barrier(ctx)?;
+    Ok(())
+}
+
+/// Rank 0's answer to "do we resume, and from where?", shared with every rank.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct ResumeDecision {
+    path: Option<String>,
+    state: Option<TrainState>,
+    error: Option<String>,
+}
+
+fn resume_decision(
+    config: &Config,
+    default_dir: &Path,
+    model_hash: String,
+    batch: BatchPlan,
+) -> ResumeDecision {
+    let setting = config.checkpoint.resume.trim();
+    let (dir, explicit) = match setting {
+        "never" => return ResumeDecision::default(),
+        "auto" => (default_dir.to_path_buf(), false),
+        path => (PathBuf::from(path), true),
+    };
+    let mut skipped = Vec::new();
+    let found = if dir.join("state.json").is_file() {
+        checkpoint::verify(&dir).map(|state| Some((dir.clone(), state)))
+    } else {
+        checkpoint::find_latest(&dir, &mut skipped)
+    };
+    for why in &skipped {
+        warn!("skipping incomplete checkpoint: {why}");
+    }
+    let fail = |error: String| ResumeDecision {
+        error: Some(error),
+        ..Default::default()
+    };
+    match found {
+        Err(e) => fail(e.to_string()),
+        Ok(None) if explicit => fail(format!(
+            "checkpoint.resume = {setting:?}: no complete checkpoint there"
+        )),
+        Ok(None) => ResumeDecision::default(),
+        Ok(Some((path, state))) => {
+            if state.model_hash != model_hash {
+                return fail(format!(
+                    "{} was written for a different model config (fingerprint {} vs {} now); change [model] back, or start a new run (another run.name or checkpoint.resume = \"never\")",
+                    path.display(),
+                    state.model_hash,
+                    model_hash
+                ));
+            }
+            if state.global_batch != batch.global {
+                return fail(format!(
+                    "{} was trained with global batch {}, this run has {} ({}); resuming would change the training — set batch.global = {}",
+                    path.display(),
+                    state.global_batch,
+                    batch.global,
+                    batch.derivation(),
+                    state.global_batch
+                ));
+            }
+            ResumeDecision {
+                path: Some(path.display().to_string()),
+                state: Some(state),
+                error: None,
+            }
+        }
+    }
+}
+
+/// Copies checkpoint tensors into the model's variables, by name.
+fn load_params(params: &[(String, Tensor)], saved: &[(String, Tensor)]) -> Result<(), TrainError> {
+    let _guard = tch::no_grad_guard();
+    for (name, param) in params {
+        let Some((_, value)) = saved.iter().find(|(n, _)| n == name) else {
+            return Err(TrainError::Resume(format!(
+                "the checkpoint has no tensor {name:?}"
+            )));
+        };
+        if value.size() != param.size() {
+            return Err(TrainError::Resume(format!(
+                "tensor {name:?} has shape {:?} in the checkpoint but {:?} in the model",
+                value.size(),
+                param.size()
+            )));
+        }
+        param.shallow_clone().f_copy_(value)?;
+    }
+    Ok(())
+}
+
+/// Broadcasts a JSON-serialisable value from rank 0 (`Some` there, `None` elsewhere).
+fn broadcast_json<T: Serialize + for<'de> Deserialize<'de>>(
+    comm: &mut dyn Collective,
+    value: Option<&T>,
+    ctx: OpContext,
+) -> Result<T, TrainError> {
+    let bytes = match value {
+        Some(v) => serde_json::to_vec(v).map_err(|e| TrainError::Plan(e.to_string()))?,
+        None => Vec::new(),
+    };
+    let mut len = [Tensor::from_slice(&[bytes.len() as i64])];
+    comm.broadcast(&mut len, 0, ctx)?;
+    let n = len[0].f_int64_value(&[0])? as usize;
+    let mut data = [if bytes.len() == n {
+        Tensor::from_slice(&bytes)
+    } else {
+        Tensor::zeros([n as i64], (tch::Kind::Uint8, tch::Device::Cpu))
+    }];
+    comm.broadcast(&mut data, 0, ctx)?;
+    let mut received = vec![0u8; n];
+    data[0].f_copy_data_u8(&mut received, n)?;
+    serde_json::from_slice(&received)
+        .map_err(|e| TrainError::Plan(format!("rank 0 sent an unreadable message: {e}")))
+}
+
+fn io(path: &Path, source: std::io::Error) -> TrainError {
+    TrainError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
