@@ -44,6 +44,12 @@ gptrec_setup() {
     echo "setup: error: $site/torch/lib/libtorch_cpu.so is missing; delete $venv and run again" >&2
     return 1
   fi
+  # cudarc loads NCCL by the name libnccl.so, but the wheel ships libnccl.so.2 only.
+  local nccl_dir="$site/nvidia/nccl/lib"
+  if [ -f "$nccl_dir/libnccl.so.2" ] && [ ! -e "$nccl_dir/libnccl.so" ]; then
+    ln -s libnccl.so.2 "$nccl_dir/libnccl.so"
+    echo "setup: linked $nccl_dir/libnccl.so -> libnccl.so.2 (for the nccl backend)"
+  fi
   export LIBTORCH="$site/torch"
   export PATH="$venv/bin:$PATH"
 

@@ -1,5 +1,5 @@
 //! Makes the `worker` binary (and the worker's tests) run without LD_LIBRARY_PATH: embeds an
-//! rpath to the libtorch it was built against, and links `torch_cuda` with `--no-as-needed` when
+//! rpath to the libtorch it was built against (and to the NCCL next to it), and links `torch_cuda` with `--no-as-needed` when
 //! that libtorch has it — otherwise the linker drops the unused-looking library and CUDA is
 //! silently unavailable at run time.
 
@@ -15,6 +15,12 @@ fn main() {
         return;
     }
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
+    // The nccl backend loads libnccl.so at run time (scripts/setup.sh links it next to the
+    // wheel's libnccl.so.2): let the loader find it through our rpath too.
+    let nccl_dir = lib_dir.join("../../nvidia/nccl/lib");
+    if nccl_dir.is_dir() {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", nccl_dir.display());
+    }
     if lib_dir.join("libtorch_cuda.so").exists() {
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-arg=-ltorch_cuda");

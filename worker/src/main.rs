@@ -1,15 +1,20 @@
 //! `worker`: one data-parallel training process. Started by `launch` (or torchrun) with the
 //! environment contract; everything else comes from its command line. For now it reads and checks
-//! what it was given — contract, config, batch plan, device — and reports it; the training comes
-//! with the distributed runtime.
+//! what it was given — contract, config, batch plan, device — reports it, and brings up the
+//! distributed runtime (rendezvous, collective) with a checked all-reduce; the recommender's
+//! training comes next.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use common::config::Config;
 use common::env_contract::WorkerEnv;
+use tch::{Kind, Tensor};
+use worker::collective::{OpContext, ReduceOp};
 
 /// One data-parallel worker of a `launch` job.
 #[derive(Debug, Parser)]
@@ -68,6 +73,31 @@ fn run(cli: &Cli) -> Result<()> {
         "device {device:?}, libtorch threads {}, OMP_NUM_THREADS {}",
         tch::get_num_threads(),
         std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "unset".into())
+    );
+
+    // The distributed runtime: rendezvous, then the collective, checked with one all-reduce.
+    let timeout = Duration::from_secs(config.dist.timeout_s);
+    let (_store_server, store) =
+        worker::store::rendezvous(&env, timeout).context("rendezvous with the other ranks")?;
+    let mut comm = worker::collective::connect(config.dist.backend, device, &env, store, timeout)
+        .context("connecting the collective")?;
+    let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
+    let ctx = OpContext { step: 0, timeout };
+    comm.all_reduce(&mut check, ReduceOp::Sum, ctx)
+        .context("checking the collective")?;
+    let expect = f64::from(env.world_size * (env.world_size + 1) / 2);
+    let got = check[0].f_double_value(&[0])?;
+    if got != expect {
+        bail!(
+            "the {} all-reduce gave {got}, expected {expect}",
+            comm.name()
+        );
+    }
+    comm.barrier(ctx).context("final barrier")?;
+    println!(
+        "collective {} ready: all-reduce over {} rank(s) checked",
+        comm.name(),
+        env.world_size
     );
     Ok(())
 }

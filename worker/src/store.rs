@@ -998,9 +998,23 @@ fn join_host_port(host: &str, port: u16) -> String {
     }
 }
 
-/// The address rank 0 listens on: `MASTER_ADDR` resolved (IPv4 preferred), `MASTER_PORT`.
+/// The port of our store. Under `launch` it is `MASTER_PORT`. Under torchrun, whose agent hosts
+/// its own (PyTorch-protocol) store on `MASTER_PORT` and says so with
+/// `TORCHELASTIC_USE_AGENT_STORE=True`, ours takes the next port, so the worker runs unchanged.
+pub fn store_port(env: &WorkerEnv) -> u16 {
+    let agent_store =
+        std::env::var("TORCHELASTIC_USE_AGENT_STORE").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+    if agent_store {
+        env.master_port.wrapping_add(1)
+    } else {
+        env.master_port
+    }
+}
+
+/// The address rank 0 listens on: `MASTER_ADDR` resolved (IPv4 preferred), [`store_port`].
 fn listen_addr(env: &WorkerEnv) -> Result<SocketAddr, StoreError> {
-    let shown = join_host_port(&env.master_addr, env.master_port);
+    let port = store_port(env);
+    let shown = join_host_port(&env.master_addr, port);
     let host = env
         .master_addr
         .trim_start_matches('[')
@@ -1012,7 +1026,7 @@ fn listen_addr(env: &WorkerEnv) -> Result<SocketAddr, StoreError> {
     if host.is_empty() {
         return Err(bad("MASTER_ADDR is empty".into()));
     }
-    let candidates: Vec<SocketAddr> = (host, env.master_port)
+    let candidates: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
         .map_err(|err| bad(format!("cannot resolve MASTER_ADDR: {err}")))?
         .collect();
@@ -1024,7 +1038,7 @@ fn listen_addr(env: &WorkerEnv) -> Result<SocketAddr, StoreError> {
         .ok_or_else(|| bad("MASTER_ADDR resolves to no address".into()))
 }
 
-/// Rank 0 starts the server on env.master_addr:env.master_port, then every rank (rank 0 included)
+/// Rank 0 starts the server on env.master_addr:[`store_port`], then every rank (rank 0 included)
 /// connects a client, all within `timeout`. Rank 0 gets the server back and must keep it alive
 /// for as long as any rank may use the store.
 pub fn rendezvous(
@@ -1036,7 +1050,7 @@ pub fn rendezvous(
         let client = StoreClient::connect(&server.local_addr().to_string(), &env.run_id, timeout)?;
         Ok((Some(server), client))
     } else {
-        let addr = join_host_port(&env.master_addr, env.master_port);
+        let addr = join_host_port(&env.master_addr, store_port(env));
         let client = StoreClient::connect(&addr, &env.run_id, timeout)?;
         Ok((None, client))
     }

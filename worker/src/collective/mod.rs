@@ -98,6 +98,37 @@ pub trait Collective: Send {
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError>;
 }
 
+/// How long ranks that timed out wait for each other to report, to tell who is silent.
+const STALL_WINDOW: Duration = Duration::from_secs(3);
+
+/// After a timeout: finds out which ranks are silent. Every rank that times out reports in the
+/// store under the operation's sequence number, waits a moment for the others, and names those
+/// that did not report. `upstream` is the rank we were waiting for, named when all report.
+pub(crate) fn silent_ranks(
+    store: &mut crate::store::StoreClient,
+    seq: u64,
+    rank: usize,
+    world: usize,
+    upstream: usize,
+) -> String {
+    if store.set(&format!("stall/{seq}/{rank}"), b"").is_err() {
+        return "no answer from rank 0, which hosts the rendezvous store".to_string();
+    }
+    let window = std::time::Instant::now() + STALL_WINDOW;
+    let mut silent: Vec<usize> = (0..world).filter(|r| *r != rank).collect();
+    while !silent.is_empty() && std::time::Instant::now() < window {
+        silent.retain(|r| !matches!(store.get(&format!("stall/{seq}/{r}")), Ok(Some(_))));
+        if !silent.is_empty() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    if silent.is_empty() {
+        format!("every rank is waiting; no data arrived from rank {upstream} (network problem?)")
+    } else {
+        format!("no answer from rank(s) {silent:?}")
+    }
+}
+
 /// Copies `tensors` into one contiguous f32 CPU tensor (the bucket), in order.
 pub(crate) fn flatten_f32(tensors: &[Tensor]) -> Result<Tensor, tch::TchError> {
     let flat: Vec<Tensor> = tensors
@@ -134,13 +165,19 @@ pub fn connect(
 ) -> Result<Box<dyn Collective>, CollectiveError> {
     use common::config::Backend;
     match (backend, device) {
-        (Backend::Nccl, _) => Err(nccl::unavailable()),
-        (Backend::Auto, tch::Device::Cuda(_)) => {
-            tracing::warn!(
-                "dist.backend = \"auto\" on CUDA: NCCL is not available in this build, using tcp (through host memory)"
-            );
+        (Backend::Auto, tch::Device::Cuda(_)) if nccl::probe().is_err() => {
+            if let Err(why) = nccl::probe() {
+                tracing::warn!("dist.backend = \"auto\": {why}; falling back to tcp (through host memory, slow)");
+            }
             Ok(Box::new(tcp::TcpCollective::connect(env, store, timeout)?))
         }
+        (Backend::Nccl | Backend::Auto, tch::Device::Cuda(index)) => Ok(Box::new(
+            nccl::NcclCollective::connect(env, store, index, timeout)?,
+        )),
+        (Backend::Nccl, _) => Err(CollectiveError::Setup {
+            backend: "nccl",
+            detail: "dist.backend = \"nccl\" needs CUDA tensors, but this worker runs on the CPU; use \"tcp\" or \"auto\"".into(),
+        }),
         _ => Ok(Box::new(tcp::TcpCollective::connect(env, store, timeout)?)),
     }
 }

@@ -17,8 +17,6 @@ use crate::store::StoreClient;
 
 /// Bytes received and reduced at a time.
 const PIECE_BYTES: usize = 1 << 20;
-/// How long ranks that timed out wait for each other to report, to tell who is silent.
-const STALL_WINDOW: Duration = Duration::from_secs(3);
 const HEADER_MAGIC: u32 = 0x5249_4e47; // "RING"
 
 /// The ring communicator of one rank.
@@ -220,39 +218,13 @@ impl TcpCollective {
         }
     }
 
-    /// Finds out which ranks are silent: every rank that times out reports in the store, waits
-    /// a moment for the others, and names those that did not report.
     fn timeout_error(&mut self, op: &'static str, ctx: OpContext) -> CollectiveError {
-        let seq = self.seq;
-        let after = ctx.timeout.as_secs_f64();
-        let who = match self.store.set(&format!("stall/{seq}/{}", self.rank), b"") {
-            Err(_) => "no answer from rank 0, which hosts the rendezvous store".to_string(),
-            Ok(()) => {
-                let others: Vec<usize> = (0..self.world).filter(|r| *r != self.rank).collect();
-                let window = Instant::now() + STALL_WINDOW;
-                let mut silent = others.clone();
-                while !silent.is_empty() && Instant::now() < window {
-                    silent.retain(|r| {
-                        !matches!(self.store.get(&format!("stall/{seq}/{r}")), Ok(Some(_)))
-                    });
-                    if !silent.is_empty() {
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                }
-                if silent.is_empty() {
-                    format!(
-                        "every rank is waiting; no data arrived from rank {} (network problem?)",
-                        self.prev()
-                    )
-                } else {
-                    format!("no answer from rank(s) {silent:?}")
-                }
-            }
-        };
+        let upstream = self.prev();
+        let who = super::silent_ranks(&mut self.store, self.seq, self.rank, self.world, upstream);
         CollectiveError::Timeout {
             op,
             step: ctx.step,
-            after,
+            after: ctx.timeout.as_secs_f64(),
             who,
         }
     }
