@@ -150,6 +150,42 @@ fn resume_continues_exactly() {
     }
 }
 
+/// A crash in the middle of an epoch, between checkpoints: the resumed run (from the newest
+/// checkpoint, itself mid-epoch) ends exactly where an uninterrupted one does, even with
+/// dropout drawing random numbers; the steps logged after that checkpoint are not duplicated.
+#[test]
+fn crash_mid_epoch_then_resume_is_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let dropout = [("GPTREC_FIXTURE_DROPOUT", "0.2")];
+    let whole = write_config(dir.path(), "whole", 2, "[checkpoint]\nevery_n_steps = 45\n");
+    let out = fixture(2, &whole, &[], &dropout);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+
+    let crash = write_config(dir.path(), "crash", 2, "[checkpoint]\nevery_n_steps = 45\n");
+    let out = fixture(
+        2,
+        &crash,
+        &[],
+        &[dropout[0], ("GPTREC_FIXTURE_EXIT_AT_CALL", "100")],
+    );
+    assert_eq!(out.code(), Some(3), "{}", out.stderr);
+    let out = fixture(2, &crash, &[], &dropout);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("step-000090 (epoch 2, step 90"),
+        "{}",
+        out.stderr
+    );
+
+    assert_eq!(losses(dir.path(), "crash"), losses(dir.path(), "whole"));
+    for rank in 0..2 {
+        assert_eq!(
+            params(dir.path(), "crash", rank),
+            params(dir.path(), "whole", rank)
+        );
+    }
+}
+
 /// Resuming with another world size is allowed when the global batch is unchanged; another
 /// global batch or another model config is refused with a clear message.
 #[test]

@@ -61,6 +61,9 @@ pub struct TrainState {
     pub global_batch: u64,
     /// Fingerprint of the model config; resuming with another model is refused.
     pub model_hash: String,
+    /// How the run's random numbers are derived (so that resuming reproduces them).
+    #[serde(default)]
+    pub rng: String,
     /// Digests of the tensor files, filled in by [`save`].
     #[serde(default)]
     pub files: std::collections::BTreeMap<String, FileDigest>,
@@ -100,11 +103,18 @@ pub fn save(
     write_synced(&state_path, &json)?;
     sync_dir(&tmp)?;
     let final_dir = dir.join(&name);
-    if final_dir.exists() {
-        fs::remove_dir_all(&final_dir).map_err(io_err(&final_dir))?;
+    // Replacing a checkpoint of the same step: move the old one aside first, so that a crash
+    // at any moment leaves one complete copy.
+    let aside = dir.join(format!(".old-{name}-{}", std::process::id()));
+    let replaced = final_dir.exists();
+    if replaced {
+        fs::rename(&final_dir, &aside).map_err(io_err(&final_dir))?;
     }
     fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
     sync_dir(dir)?;
+    if replaced {
+        fs::remove_dir_all(&aside).map_err(io_err(&aside))?;
+    }
     // `latest` last, itself replaced atomically.
     let latest_tmp = dir.join(format!(".{LATEST}.tmp"));
     write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
@@ -190,20 +200,25 @@ pub fn load(path: &Path) -> Result<(NamedTensors, NamedTensors, TrainState), Che
     Ok((read(MODEL_FILE)?, read(OPTIMIZER_FILE)?, state))
 }
 
-/// `step-*` directories, oldest first.
+/// The step number of a `step-000123` directory name.
+fn step_of(path: &Path) -> Option<u64> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix("step-")?
+        .parse()
+        .ok()
+}
+
+/// `step-*` directories, oldest (lowest step) first.
 fn step_dirs(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     let mut dirs: Vec<PathBuf> = fs::read_dir(dir)
         .map_err(io_err(dir))?
         .filter_map(|e| e.ok())
         .map(|e| e.path())
-        .filter(|p| {
-            p.is_dir()
-                && p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("step-"))
-        })
+        .filter(|p| p.is_dir() && step_of(p).is_some())
         .collect();
-    dirs.sort();
+    // By number: step-1000000 comes after step-999999.
+    dirs.sort_by_key(|p| step_of(p));
     Ok(dirs)
 }
 
@@ -257,6 +272,7 @@ mod tests {
             world_size: 2,
             global_batch: 16,
             model_hash: "abc".into(),
+            rng: String::new(),
             files: Default::default(),
         }
     }
@@ -317,6 +333,34 @@ mod tests {
             "{}",
             skipped[0]
         );
+    }
+
+    #[test]
+    fn steps_sort_by_number_and_a_step_can_be_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &tensors(1.0), &tensors(0.0), &state(999_999), 2).unwrap();
+        save(
+            dir.path(),
+            &tensors(2.0),
+            &tensors(0.0),
+            &state(1_000_000),
+            2,
+        )
+        .unwrap();
+        save(
+            dir.path(),
+            &tensors(3.0),
+            &tensors(0.0),
+            &state(1_000_000),
+            2,
+        )
+        .unwrap();
+        let mut skipped = Vec::new();
+        let (path, st) = find_latest(dir.path(), &mut skipped).unwrap().unwrap();
+        assert_eq!(st.step, 1_000_000);
+        let (model, _, _) = load(&path).unwrap();
+        assert_eq!(model[0].1, Tensor::from_slice(&[3.0f32, 4.0]));
+        assert_eq!(step_dirs(dir.path()).unwrap().len(), 2);
     }
 
     #[test]

@@ -54,7 +54,9 @@ pub struct Ddp {
     comm: Box<dyn Collective>,
     /// Trainable parameters in a fixed order (sorted by name: the same on every rank).
     params: Vec<Tensor>,
-    names: Vec<String>,
+    /// Every variable of the model (trainable or not: frozen weights, buffers), sorted by name:
+    /// what is broadcast at start and saved in checkpoints.
+    variables: Vec<(String, Tensor)>,
     /// Indices into `params`, one group per all-reduce call.
     buckets: Vec<Vec<usize>>,
     config: DdpConfig,
@@ -68,18 +70,18 @@ impl Ddp {
         vs: &nn::VarStore,
         config: DdpConfig,
     ) -> Result<Ddp, DdpError> {
-        let mut named: Vec<(String, Tensor)> = vs
-            .variables()
-            .into_iter()
+        let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        variables.sort_by(|a, b| a.0.cmp(&b.0));
+        let params: Vec<Tensor> = variables
+            .iter()
             .filter(|(_, t)| t.requires_grad())
+            .map(|(_, t)| t.shallow_clone())
             .collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
         let buckets = make_buckets(&params, config.bucket_bytes);
         let mut ddp = Ddp {
             comm,
             params,
-            names,
+            variables,
             buckets,
             config,
         };
@@ -105,12 +107,11 @@ impl Ddp {
         &self.params
     }
 
-    /// (name, parameter) pairs, for checkpoints.
-    pub fn named_params(&self) -> Vec<(String, Tensor)> {
-        self.names
+    /// (name, variable) pairs of the whole model, trainable or not, for checkpoints.
+    pub fn named_variables(&self) -> Vec<(String, Tensor)> {
+        self.variables
             .iter()
-            .cloned()
-            .zip(self.params.iter().map(Tensor::shallow_clone))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect()
     }
 
@@ -119,6 +120,7 @@ impl Ddp {
         self.buckets.len()
     }
 
+    /// Messages number steps from 1, as the logs do: callers pass `step + 1`.
     fn ctx(&self, step: u64) -> OpContext {
         OpContext {
             step,
@@ -126,11 +128,15 @@ impl Ddp {
         }
     }
 
-    /// Overwrites every rank's parameters with `root`'s.
+    /// Overwrites every rank's variables (trainable or not) with `root`'s.
     pub fn broadcast_params(&mut self, root: usize) -> Result<(), DdpError> {
         let ctx = self.ctx(0);
         let _guard = tch::no_grad_guard();
-        let mut views: Vec<Tensor> = self.params.iter().map(Tensor::shallow_clone).collect();
+        let mut views: Vec<Tensor> = self
+            .variables
+            .iter()
+            .map(|(_, t)| t.shallow_clone())
+            .collect();
         self.comm.broadcast(&mut views, root, ctx)?;
         Ok(())
     }
@@ -157,17 +163,37 @@ impl Ddp {
         }
         let scale = 1.0 / window.len() as f64;
         let mut local_loss = 0.0;
+        let mut bad_loss = None;
         for micro in window {
             let loss = loss_fn(micro)?;
             let value = loss.f_double_value(&[])?;
             if !value.is_finite() {
-                return Err(DdpError::Loss {
-                    step: step + 1,
-                    detail: format!("the loss is {value} on rank {}", self.rank()),
-                });
+                bad_loss = Some(value);
+                break;
             }
             local_loss += value * scale;
             (loss * scale).f_backward()?;
+        }
+        // Loss and a "bad loss" flag travel together first, so that every rank stops together
+        // when any rank's loss is not finite (instead of the others waiting for its gradients).
+        let ctx = self.ctx(step + 1);
+        let mut summary = [Tensor::from_slice(&[
+            local_loss as f32,
+            if bad_loss.is_some() { 1.0 } else { 0.0 },
+        ])];
+        self.comm.all_reduce(&mut summary, ReduceOp::Sum, ctx)?;
+        let global_loss = summary[0].f_double_value(&[0])? / self.world_size() as f64;
+        if summary[0].f_double_value(&[1])? > 0.0 {
+            return Err(DdpError::Loss {
+                step: step + 1,
+                detail: match bad_loss {
+                    Some(value) => format!(
+                        "the loss is {value} on rank {}; lower train.lr or check the data",
+                        self.rank()
+                    ),
+                    None => "the loss is not finite on another rank (see its message)".to_string(),
+                },
+            });
         }
         // A parameter this rank's batches did not reach still takes part in the reduction (the
         // others may have gradients for it): give it a zero gradient.
@@ -176,8 +202,6 @@ impl Ddp {
                 (p.f_sum(tch::Kind::Float)? * 0.0).f_backward()?;
             }
         }
-        // Messages number steps from 1, as the logs do.
-        let ctx = self.ctx(step + 1);
         {
             let _guard = tch::no_grad_guard();
             for bucket in &self.buckets {
@@ -197,10 +221,8 @@ impl Ddp {
             });
         }
         optimizer.step(&self.params, lr);
-        let mut loss = [Tensor::from_slice(&[local_loss as f32])];
-        self.comm.all_reduce(&mut loss, ReduceOp::Avg, ctx)?;
         let stats = StepStats {
-            loss: loss[0].f_double_value(&[0])?,
+            loss: global_loss,
             grad_norm,
         };
         let every = self.config.check_params_every;
@@ -210,10 +232,10 @@ impl Ddp {
         Ok(stats)
     }
 
-    /// A checksum of this rank's parameters (bit patterns, so any difference shows).
+    /// A checksum of this rank's variables (bit patterns, so any difference shows).
     pub fn param_checksum(&self) -> Result<i64, DdpError> {
         let mut hash: u64 = 0xcbf2_9ce4_8422_2325; // FNV-1a
-        for p in &self.params {
+        for (_, p) in &self.variables {
             let p = p
                 .f_detach()?
                 .f_to_device(tch::Device::Cpu)?

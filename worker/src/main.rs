@@ -77,10 +77,12 @@ fn run(cli: &Cli) -> Result<()> {
 
     // The distributed runtime: rendezvous, then the collective, checked with one all-reduce.
     let timeout = Duration::from_secs(config.dist.timeout_s);
-    let (_store_server, store) =
-        worker::store::rendezvous(&env, timeout).context("rendezvous with the other ranks")?;
-    let mut comm = worker::collective::connect(config.dist.backend, device, &env, store, timeout)
-        .context("connecting the collective")?;
+    let setup_timeout = timeout.max(worker::collective::SETUP_TIMEOUT_MIN);
+    let (_store_server, store) = worker::store::rendezvous(&env, setup_timeout)
+        .context("rendezvous with the other ranks")?;
+    let mut comm =
+        worker::collective::connect(config.dist.backend, device, &env, store, setup_timeout)
+            .context("connecting the collective")?;
     let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
     let ctx = OpContext { step: 0, timeout };
     comm.all_reduce(&mut check, ReduceOp::Sum, ctx)

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 use tracing::{info, warn};
 
-use crate::checkpoint::{self, TrainState};
+use crate::checkpoint::{self, NamedTensors, TrainState};
 use crate::collective::{Collective, CollectiveError, OpContext};
 use crate::ddp::{Ddp, DdpConfig, DdpError};
 use crate::optim::{AdamW, LrSchedule, Schedule};
@@ -106,6 +106,11 @@ pub fn train(
     )?;
     let (rank, world) = (ddp.rank(), ddp.world_size());
     let ctx = |step| OpContext { step, timeout };
+    // Waits on work only rank 0 does (writing a checkpoint) get more time than a collective.
+    let slow_ctx = |step| OpContext {
+        step,
+        timeout: timeout.max(SLOW_WORK_TIMEOUT),
+    };
     let leader = rank == 0;
 
     let sampler =
@@ -141,20 +146,33 @@ pub fn train(
     };
     let mut optimizer = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, config.train.weight_decay);
 
-    if leader {
-        std::fs::create_dir_all(&setup.run_dir).map_err(|e| io(&setup.run_dir, e))?;
-        let resolved = config
-            .to_toml()
-            .map_err(|e| TrainError::Plan(e.to_string()))?;
-        let path = setup.run_dir.join("config.resolved.toml");
-        std::fs::write(&path, resolved).map_err(|e| io(&path, e))?;
-    }
-
-    // Resume: rank 0 finds and checks the checkpoint, everyone learns the outcome, the tensors
-    // travel by broadcast (no shared file system needed).
+    // Resume: rank 0 finds, checks and loads the checkpoint, then tells everyone the outcome
+    // (including its failure, so nobody waits for a rank that gave up); the tensors travel by
+    // broadcast, so no shared file system is needed.
     let checkpoints = setup.run_dir.join("checkpoints");
+    let mut loaded: Option<(NamedTensors, NamedTensors)> = None;
     let decision = if leader {
-        resume_decision(config, &checkpoints, task.model_hash(), batch)
+        let mut decision = resume_decision(config, &checkpoints, task.model_hash(), batch, world);
+        if let (Some(path), None) = (&decision.path, &decision.error) {
+            match checkpoint::load(Path::new(path)) {
+                Ok((model, optim, _)) => loaded = Some((model, optim)),
+                Err(e) => decision.error = Some(e.to_string()),
+            }
+        }
+        if let Some((model, optim)) = &loaded {
+            let applied = load_params(&ddp.named_variables(), model).and_then(|()| {
+                optimizer
+                    .load_state_tensors(optim)
+                    .map_err(|e| TrainError::Resume(e.to_string()))
+            });
+            if let Err(e) = applied {
+                decision.error = Some(format!(
+                    "{}: {e}",
+                    decision.path.clone().unwrap_or_default()
+                ));
+            }
+        }
+        decision
     } else {
         ResumeDecision::default()
     };
@@ -170,22 +188,11 @@ pub fn train(
         world_size: world as u64,
         global_batch: batch.global,
         model_hash: task.model_hash(),
+        rng: RNG_SCHEME.to_string(),
         files: Default::default(),
     };
     let resumed_from = decision.path.clone().map(PathBuf::from);
     if let (Some(path), Some(state)) = (&resumed_from, decision.state) {
-        let (mut model, mut optim) = if leader {
-            let (model, optim, _) = checkpoint::load(path)?;
-            (model, optim)
-        } else {
-            (ddp.named_params(), optimizer.state_tensors())
-        };
-        if leader {
-            load_params(&ddp.named_params(), &model)?;
-            optimizer
-                .load_state_tensors(&optim)
-                .map_err(|e| TrainError::Resume(format!("{}: {e}", path.display())))?;
-        }
         ddp.broadcast_params(0)?;
         // Everyone receives rank 0's optimizer state into tensors of the right shapes.
         let mut shaped: Vec<(String, Tensor)> = optimizer.state_tensors();
@@ -197,15 +204,7 @@ pub fn train(
         optimizer
             .load_state_tensors(&shaped)
             .map_err(|e| TrainError::Resume(e.to_string()))?;
-        model.clear();
-        optim.clear();
-        if state.samples_in_epoch % world as u64 != 0 {
-            return Err(TrainError::Resume(format!(
-                "{}: {} samples into the epoch cannot be split over {world} ranks",
-                path.display(),
-                state.samples_in_epoch
-            )));
-        }
+        drop(loaded.take());
         if leader {
             info!(
                 "resuming from {} (epoch {}, step {}, written by {} rank(s); now {world})",
@@ -216,6 +215,17 @@ pub fn train(
             );
         }
         start = state;
+    }
+
+    if leader {
+        std::fs::create_dir_all(&setup.run_dir).map_err(|e| io(&setup.run_dir, e))?;
+        let resolved = config
+            .to_toml()
+            .map_err(|e| TrainError::Plan(e.to_string()))?;
+        let path = setup.run_dir.join("config.resolved.toml");
+        std::fs::write(&path, resolved).map_err(|e| io(&path, e))?;
+        // Steps logged after the checkpoint we resume from will be run again: drop them.
+        keep_metrics_up_to(&setup.run_dir.join("metrics.jsonl"), start.step)?;
     }
 
     let mut step = start.step;
@@ -243,11 +253,17 @@ pub fn train(
         let batches = sampler.batches(epoch, batch.micro as usize, skip, true);
         let mut samples_in_epoch = skip as u64 * world as u64;
         let epoch_start = Instant::now();
-        for window in batches.chunks(batch.grad_accum as usize) {
-            if window.len() < batch.grad_accum as usize {
-                break; // the rest does not fill a global batch
-            }
+        // Only whole windows: the rest does not fill a global batch.
+        let windows = batches.len() / batch.grad_accum as usize;
+        for (w, window) in batches
+            .chunks(batch.grad_accum as usize)
+            .take(windows)
+            .enumerate()
+        {
             let t0 = Instant::now();
+            // Any randomness of the task (dropout, negative sampling) is a function of
+            // (seed, step, rank): an interrupted and resumed run draws exactly the same numbers.
+            tch::manual_seed(step_seed(config.run.seed, step, rank));
             let lr = schedule.lr_at(step);
             let stats = ddp.step(
                 window,
@@ -283,14 +299,22 @@ pub fn train(
                 }
             }
             let every = config.checkpoint.every_n_steps;
-            if every > 0 && step % every == 0 {
+            // The last step of an epoch is saved as the end of the epoch, just below.
+            if every > 0 && step % every == 0 && w + 1 < windows {
                 let state = TrainState {
                     epoch,
                     step,
                     samples_in_epoch,
                     ..start.clone()
                 };
-                save_checkpoint(&mut ddp, &optimizer, &checkpoints, state, config, ctx(step))?;
+                save_checkpoint(
+                    &mut ddp,
+                    &optimizer,
+                    &checkpoints,
+                    state,
+                    config,
+                    slow_ctx(step),
+                )?;
             }
         }
         epochs_done = epoch + 1;
@@ -300,7 +324,14 @@ pub fn train(
             samples_in_epoch: 0,
             ..start.clone()
         };
-        save_checkpoint(&mut ddp, &optimizer, &checkpoints, state, config, ctx(step))?;
+        save_checkpoint(
+            &mut ddp,
+            &optimizer,
+            &checkpoints,
+            state,
+            config,
+            slow_ctx(step),
+        )?;
         if leader {
             info!(
                 "epoch {}/{epochs} done in {:.1} s",
@@ -327,8 +358,8 @@ pub fn train(
     })
 }
 
-/// Rank 0 writes the checkpoint; everyone meets at a barrier afterwards so nobody runs ahead
-/// of a checkpoint that may be needed to restart.
+/// Rank 0 writes the checkpoint; then every rank learns whether it succeeded (the exchange is
+/// also the barrier that keeps the others from running ahead of it).
 fn save_checkpoint(
     ddp: &mut Ddp,
     optimizer: &AdamW,
@@ -338,18 +369,34 @@ fn save_checkpoint(
     ctx: OpContext,
 ) -> Result<(), TrainError> {
     state.world_size = ddp.world_size() as u64;
+    let mut failure = None;
     if ddp.rank() == 0 {
-        let path = checkpoint::save(
+        match checkpoint::save(
             dir,
-            &ddp.named_params(),
+            &ddp.named_variables(),
             &optimizer.state_tensors(),
             &state,
             config.checkpoint.keep as usize,
-        )?;
-        info!("checkpoint {}", path.display());
+        ) {
+            Ok(path) => info!("checkpoint {}", path.display()),
+            Err(e) => failure = Some(e),
+        }
     }
-    ddp.comm().barrier(ctx)?;
-    Ok(())
+    let mut flag = [Tensor::from_slice(&[if failure.is_some() {
+        1.0f32
+    } else {
+        0.0
+    }])];
+    ddp.comm()
+        .all_reduce(&mut flag, crate::collective::ReduceOp::Sum, ctx)?;
+    match failure {
+        Some(e) => Err(e.into()),
+        None if flag[0].f_double_value(&[0])? > 0.0 => Err(TrainError::Plan(format!(
+            "rank 0 could not write the checkpoint of step {} (see its message)",
+            state.step
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Rank 0's answer to "do we resume, and from where?", shared with every rank.
@@ -365,6 +412,7 @@ fn resume_decision(
     default_dir: &Path,
     model_hash: String,
     batch: BatchPlan,
+    world: usize,
 ) -> ResumeDecision {
     let setting = config.checkpoint.resume.trim();
     let (dir, explicit) = match setting {
@@ -410,6 +458,23 @@ fn resume_decision(
                     state.global_batch
                 ));
             }
+            if state.seed != config.run.seed {
+                return fail(format!(
+                    "{} was trained with run.seed = {}, this run has {}; the data order would change — set run.seed = {}",
+                    path.display(),
+                    state.seed,
+                    config.run.seed,
+                    state.seed
+                ));
+            }
+            if config.train.scale_lr_with_world && state.world_size != world as u64 {
+                return fail(format!(
+                    "{} was written by {} rank(s), this run has {world}, and train.scale_lr_with_world = true would change the learning rate; resume with {} rank(s) or turn the scaling off",
+                    path.display(),
+                    state.world_size,
+                    state.world_size
+                ));
+            }
             ResumeDecision {
                 path: Some(path.display().to_string()),
                 state: Some(state),
@@ -436,6 +501,48 @@ fn load_params(params: &[(String, Tensor)], saved: &[(String, Tensor)]) -> Resul
             )));
         }
         param.shallow_clone().f_copy_(value)?;
+    }
+    Ok(())
+}
+
+/// Describes how the run's random numbers are made (recorded in `state.json`).
+const RNG_SCHEME: &str = "torch generator reseeded before every optimizer step from (run.seed, step, rank); sampler order from (run.seed, epoch)";
+
+/// Waits on rank 0's file work (checkpoints) get at least this long.
+const SLOW_WORK_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The torch seed of optimizer step `step` on `rank`.
+fn step_seed(seed: u64, step: u64, rank: usize) -> i64 {
+    // SplitMix64 of the three, so nearby steps and ranks get unrelated streams.
+    let mut x = seed
+        ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ (rank as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    ((x ^ (x >> 31)) >> 1) as i64
+}
+
+/// Keeps the lines of `metrics.jsonl` whose step is at most `step` (all when `step` is 0 and
+/// the file is new).
+fn keep_metrics_up_to(path: &Path, step: u64) -> Result<(), TrainError> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                .is_none_or(|s| s <= step)
+        })
+        .collect();
+    if kept.len() != text.lines().count() {
+        let mut out = kept.join("\n");
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        std::fs::write(path, out).map_err(|e| io(path, e))?;
     }
     Ok(())
 }

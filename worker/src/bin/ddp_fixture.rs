@@ -6,7 +6,10 @@
 //!
 //! Extra behaviour for tests: writes `<run dir>/params-rank<R>.safetensors` at the end;
 //! `GPTREC_STOP_AFTER_EPOCH=N` stops after epoch N (an interrupted run);
-//! `GPTREC_FIXTURE_STOP_RANK=R` makes rank R stop itself with SIGSTOP before step 3 (a hung peer).
+//! `GPTREC_FIXTURE_STOP_RANK=R` makes rank R stop itself with SIGSTOP before step 3 (a hung peer);
+//! `GPTREC_FIXTURE_EXIT_AT_CALL=N` makes every rank exit with code 3 at its N-th micro-batch (a
+//! crash between checkpoints); `GPTREC_FIXTURE_DROPOUT=P` adds dropout, so that the run uses
+//! random numbers.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,6 +44,7 @@ struct Regression {
     stop_rank: Option<usize>,
     rank: usize,
     calls: usize,
+    exit_at_call: Option<usize>,
     model_hash: String,
 }
 
@@ -51,6 +55,10 @@ impl Task for Regression {
 
     fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
         self.calls += 1;
+        if self.exit_at_call == Some(self.calls) {
+            eprintln!("ddp-fixture: simulated crash at micro-batch {}", self.calls);
+            std::process::exit(3);
+        }
         if self.stop_rank == Some(self.rank) && self.calls == 3 {
             // A hung peer: alive, holding its sockets, answering nothing.
             let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
@@ -65,6 +73,10 @@ impl Task for Regression {
     fn model_hash(&self) -> String {
         self.model_hash.clone()
     }
+}
+
+fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 fn main() -> ExitCode {
@@ -92,10 +104,12 @@ fn run() -> Result<()> {
         .context("checking the batch plan")?;
     tch::set_num_threads(1);
     let timeout = Duration::from_secs(config.dist.timeout_s);
-    let (_server, store) =
-        worker::store::rendezvous(&env, timeout).context("rendezvous with the other ranks")?;
-    let comm = worker::collective::connect(config.dist.backend, Device::Cpu, &env, store, timeout)
-        .context("connecting the collective")?;
+    let setup_timeout = timeout.max(worker::collective::SETUP_TIMEOUT_MIN);
+    let (_server, store) = worker::store::rendezvous(&env, setup_timeout)
+        .context("rendezvous with the other ranks")?;
+    let comm =
+        worker::collective::connect(config.dist.backend, Device::Cpu, &env, store, setup_timeout)
+            .context("connecting the collective")?;
 
     // The same seed everywhere: same data on every rank; a different init would be overwritten
     // by rank 0's anyway.
@@ -120,11 +134,10 @@ fn run() -> Result<()> {
         model,
         x,
         y,
-        stop_rank: std::env::var("GPTREC_FIXTURE_STOP_RANK")
-            .ok()
-            .and_then(|v| v.parse().ok()),
+        stop_rank: env_number("GPTREC_FIXTURE_STOP_RANK"),
         rank: env.rank as usize,
         calls: 0,
+        exit_at_call: env_number("GPTREC_FIXTURE_EXIT_AT_CALL"),
         // The architecture plus the [model] section: a checkpoint of another model is refused.
         model_hash: {
             use sha2::Digest;

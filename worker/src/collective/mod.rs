@@ -53,6 +53,12 @@ pub enum CollectiveError {
     },
     #[error("{op}: {detail}")]
     Unsupported { op: &'static str, detail: String },
+    #[error("{op} at step {step} failed: {detail}")]
+    Failed {
+        op: &'static str,
+        step: u64,
+        detail: String,
+    },
     #[error("setting up the {backend} collective: {detail}")]
     Setup {
         backend: &'static str,
@@ -70,8 +76,9 @@ pub trait Collective: Send {
     /// The backend's name, for logs.
     fn name(&self) -> &'static str;
 
-    /// Reduces every tensor in place across ranks (f32 or bf16; reduced in f32). Many tensors
-    /// travel as one flat buffer, so callers should pass a whole bucket at once.
+    /// Reduces every tensor in place across ranks (f32 or bf16: `tcp` reduces in f32, `nccl`
+    /// reduces a single bf16 tensor in bf16 as PyTorch does). Many tensors travel as one flat
+    /// buffer, so callers should pass a whole bucket at once.
     fn all_reduce(
         &mut self,
         tensors: &mut [Tensor],
@@ -129,12 +136,15 @@ pub(crate) fn silent_ranks(
     }
 }
 
-/// Copies `tensors` into one contiguous f32 CPU tensor (the bucket), in order.
-pub(crate) fn flatten_f32(tensors: &[Tensor]) -> Result<Tensor, tch::TchError> {
+/// Copies `tensors` into one contiguous f32 tensor (the bucket) on `device`, in order.
+pub(crate) fn flatten_f32(
+    tensors: &[Tensor],
+    device: tch::Device,
+) -> Result<Tensor, tch::TchError> {
     let flat: Vec<Tensor> = tensors
         .iter()
         .map(|t| {
-            t.f_to_device(tch::Device::Cpu)?
+            t.f_to_device(device)?
                 .f_to_kind(tch::Kind::Float)?
                 .f_reshape([-1])
         })
@@ -153,6 +163,10 @@ pub(crate) fn unflatten_into(flat: &Tensor, tensors: &mut [Tensor]) -> Result<()
     }
     Ok(())
 }
+
+/// Rendezvous and connection set-up get at least this long: processes start libtorch at
+/// different speeds on a busy machine, which is not a peer failing.
+pub const SETUP_TIMEOUT_MIN: Duration = Duration::from_secs(60);
 
 /// The communicator `[dist] backend` asks for on `device`: `tcp` for CPU tensors, `nccl` for
 /// CUDA tensors, `auto` picks by device.
@@ -192,7 +206,7 @@ mod tests {
             Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]),
             Tensor::from_slice(&[5.0f32]).to_kind(tch::Kind::BFloat16),
         ];
-        let flat = flatten_f32(&tensors).unwrap();
+        let flat = flatten_f32(&tensors, tch::Device::Cpu).unwrap();
         assert_eq!(flat.size(), vec![5]);
         let doubled = &flat * 2.0;
         unflatten_into(&doubled, &mut tensors).unwrap();

@@ -74,6 +74,68 @@ pub struct NcclCollective {
     seq: u64,
     /// Set once an operation failed: the communicator was aborted and must not be used.
     broken: bool,
+    watchdog: Watchdog,
+}
+
+/// A communicator handle that may cross threads (NCCL allows abort from another thread).
+struct CommHandle(sys::ncclComm_t);
+// SAFETY: an opaque handle; NCCL functions used from other threads (abort) are thread-safe.
+unsafe impl Send for CommHandle {}
+
+/// (deadline of the operation in flight, whether the watchdog fired)
+type WatchState = (Option<Instant>, bool);
+
+/// Aborts the communicator when an operation outlives its deadline, which unblocks a host
+/// thread stuck inside an NCCL call (e.g. connecting to a peer that is gone).
+struct Watchdog {
+    /// (deadline of the operation in flight, whether the watchdog fired)
+    state: std::sync::Arc<std::sync::Mutex<WatchState>>,
+}
+
+impl Watchdog {
+    fn start(comm: CommHandle) -> Watchdog {
+        let state = std::sync::Arc::new(std::sync::Mutex::new((None, false)));
+        let shared = std::sync::Arc::downgrade(&state);
+        let _ = std::thread::Builder::new()
+            .name("nccl-watchdog".into())
+            .spawn(move || {
+                let comm = comm;
+                loop {
+                    std::thread::sleep(Duration::from_millis(100));
+                    let Some(state) = shared.upgrade() else {
+                        return;
+                    };
+                    let Ok(mut guard) = state.lock() else {
+                        return;
+                    };
+                    if let Some(deadline) = guard.0 {
+                        if Instant::now() > deadline + Duration::from_secs(1) && !guard.1 {
+                            guard.1 = true;
+                            // SAFETY: abort from another thread is what NCCL provides it for.
+                            unsafe { sys::ncclCommAbort(comm.0) };
+                            return;
+                        }
+                    }
+                }
+            });
+        Watchdog { state }
+    }
+
+    fn arm(&self, deadline: Instant) {
+        if let Ok(mut guard) = self.state.lock() {
+            guard.0 = Some(deadline);
+        }
+    }
+
+    fn disarm(&self) {
+        if let Ok(mut guard) = self.state.lock() {
+            guard.0 = None;
+        }
+    }
+
+    fn fired(&self) -> bool {
+        self.state.lock().map(|g| g.1).unwrap_or(true)
+    }
 }
 
 // SAFETY: the communicator handle is only used through &mut self, one thread at a time.
@@ -128,15 +190,42 @@ impl NcclCollective {
             }
             id
         };
-        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `comm` is a valid out-pointer; all ranks pass the same id and world size.
-        unsafe { cudarc::nccl::result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
-            .map_err(|e| {
-            setup(format!(
-                "ncclCommInitRank (rank {rank} of {world}): {:?}",
-                e.0
-            ))
-        })?;
+        // ncclCommInitRank blocks until every rank has joined: run it on a helper thread so that
+        // a rank that never comes makes this one fail after the timeout instead of hanging (the
+        // stuck thread goes away with the process).
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("nccl-init".into())
+            .spawn(move || {
+                // SAFETY: plain runtime call (the device is per thread in CUDA); `comm` is a
+                // valid out-pointer; all ranks pass the same id and world size.
+                let result = unsafe {
+                    if let Ok(rt) = CudaRuntime::load() {
+                        (rt.set_device)(device as i32);
+                    }
+                    let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+                    cudarc::nccl::result::comm_init_rank(&mut comm, world as i32, id, rank as i32)
+                        .map(|_| CommHandle(comm))
+                        .map_err(|e| e.0)
+                };
+                let _ = tx.send(result);
+            })
+            .map_err(|e| setup(format!("cannot start the NCCL init thread: {e}")))?;
+        let comm = match rx.recv_timeout(timeout) {
+            Ok(Ok(handle)) => handle.0,
+            Ok(Err(code)) => {
+                return Err(setup(format!(
+                    "ncclCommInitRank (rank {rank} of {world}) failed: {code:?}"
+                )))
+            }
+            Err(_) => {
+                return Err(setup(format!(
+                    "ncclCommInitRank (rank {rank} of {world}) did not complete within {:.1} s: a rank did not join",
+                    timeout.as_secs_f64()
+                )))
+            }
+        };
+        let watchdog = Watchdog::start(CommHandle(comm));
         Ok(NcclCollective {
             rank,
             world,
@@ -146,6 +235,7 @@ impl NcclCollective {
             store,
             seq: 0,
             broken: false,
+            watchdog,
         })
     }
 
@@ -159,7 +249,7 @@ impl NcclCollective {
         Ok(())
     }
 
-    /// Turns an NCCL status into our error.
+    /// Turns an NCCL status into our error (a timeout when the watchdog aborted the call).
     fn nccl(
         &mut self,
         op: &'static str,
@@ -167,10 +257,16 @@ impl NcclCollective {
         r: sys::ncclResult_t,
     ) -> Result<(), CollectiveError> {
         match r {
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
+            sys::ncclResult_t::ncclSuccess => Ok(()),
+            _ if self.watchdog.fired() => {
+                self.broken = true;
+                self.watchdog.disarm();
+                Err(self.timeout_error(op, ctx))
+            }
             other => {
+                self.watchdog.disarm();
                 self.abort();
-                Err(CollectiveError::Mismatch {
+                Err(CollectiveError::Failed {
                     op,
                     step: ctx.step,
                     detail: format!("NCCL returned {other:?}"),
@@ -179,8 +275,30 @@ impl NcclCollective {
         }
     }
 
+    fn timeout_error(&mut self, op: &'static str, ctx: OpContext) -> CollectiveError {
+        let upstream = (self.rank + self.world - 1) % self.world;
+        let who = silent_ranks(&mut self.store, self.seq, self.rank, self.world, upstream);
+        CollectiveError::Timeout {
+            op,
+            step: ctx.step,
+            after: ctx.timeout.as_secs_f64(),
+            who,
+        }
+    }
+
     /// Waits for the queued work on the default stream, up to the deadline.
     fn wait(
+        &mut self,
+        op: &'static str,
+        ctx: OpContext,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        let result = self.wait_inner(op, ctx, deadline);
+        self.watchdog.disarm();
+        result
+    }
+
+    fn wait_inner(
         &mut self,
         op: &'static str,
         ctx: OpContext,
@@ -194,7 +312,7 @@ impl NcclCollective {
             }
             if status != CUDA_ERROR_NOT_READY {
                 self.abort();
-                return Err(CollectiveError::Mismatch {
+                return Err(CollectiveError::Failed {
                     op,
                     step: ctx.step,
                     detail: format!("CUDA error {status} while waiting for NCCL"),
@@ -208,7 +326,7 @@ impl NcclCollective {
                 sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
             ) {
                 self.abort();
-                return Err(CollectiveError::Mismatch {
+                return Err(CollectiveError::Failed {
                     op,
                     step: ctx.step,
                     detail: format!("NCCL reported {async_error:?} (a peer failed?)"),
@@ -216,25 +334,16 @@ impl NcclCollective {
             }
             if Instant::now() >= deadline {
                 self.abort();
-                let who = silent_ranks(
-                    &mut self.store,
-                    self.seq,
-                    self.rank,
-                    self.world,
-                    (self.rank + self.world - 1) % self.world,
-                );
-                return Err(CollectiveError::Timeout {
-                    op,
-                    step: ctx.step,
-                    after: ctx.timeout.as_secs_f64(),
-                    who,
-                });
+                return Err(self.timeout_error(op, ctx));
             }
             std::thread::sleep(Duration::from_micros(50));
         }
     }
 
     fn abort(&mut self) {
+        if self.watchdog.fired() {
+            self.broken = true; // already aborted by the watchdog
+        }
         if !self.broken {
             self.broken = true;
             // SAFETY: the communicator is valid until aborted; never used afterwards.
@@ -250,7 +359,8 @@ impl NcclCollective {
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        if !self.broken {
+        self.watchdog.disarm();
+        if !self.broken && !self.watchdog.fired() {
             // SAFETY: valid communicator, destroyed once.
             unsafe { sys::ncclCommDestroy(self.comm) };
         }
@@ -304,7 +414,7 @@ impl Collective for NcclCollective {
         let flat = if direct {
             tensors[0].shallow_clone()
         } else {
-            flatten_f32(tensors)?.f_to_device(device)?
+            flatten_f32(tensors, device)?
         };
         let dtype = nccl_type(flat.kind()).unwrap_or(sys::ncclDataType_t::ncclFloat32);
         let red = match op {
@@ -312,6 +422,7 @@ impl Collective for NcclCollective {
             ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
         };
         let ptr = flat.data_ptr();
+        self.watchdog.arm(deadline);
         // SAFETY: in-place all-reduce on a contiguous device buffer of `numel` elements.
         let r = unsafe {
             sys::ncclAllReduce(
@@ -345,6 +456,7 @@ impl Collective for NcclCollective {
             let buf = self.on_device(t)?;
             let bytes = buf.numel() * buf.kind().elt_size_in_bytes();
             let ptr = buf.data_ptr();
+            self.watchdog.arm(deadline);
             // SAFETY: in-place broadcast of `bytes` bytes of a contiguous device buffer.
             let r = unsafe {
                 sys::ncclBroadcast(
@@ -379,6 +491,7 @@ impl Collective for NcclCollective {
         shape.extend(mine.size());
         let out = Tensor::f_zeros(shape.as_slice(), (mine.kind(), Device::Cuda(self.device)))?;
         let bytes = mine.numel() * mine.kind().elt_size_in_bytes();
+        self.watchdog.arm(deadline);
         // SAFETY: send `bytes` bytes, receive world * bytes into a contiguous buffer.
         let r = unsafe {
             sys::ncclAllGather(

@@ -69,7 +69,12 @@ impl TcpCollective {
             });
         }
         let deadline = Instant::now() + timeout;
-        let ip = local_ip(env);
+        let ip = local_ip(env).map_err(|e| {
+            setup(format!(
+                "cannot find this node's address towards MASTER_ADDR {}: {e}",
+                env.master_addr
+            ))
+        })?;
         let listener = TcpListener::bind(SocketAddr::new(ip, 0))
             .map_err(|e| setup(format!("cannot listen on {ip}: {e}")))?;
         let addr = listener
@@ -86,8 +91,14 @@ impl TcpCollective {
             .map_err(|e| setup(format!("waiting for rank {next}'s address: {e}")))?;
         let next_addr = String::from_utf8_lossy(&next_addr[0]).into_owned();
 
+        let next_sock: SocketAddr = next_addr.parse().map_err(|e| {
+            setup(format!(
+                "rank {next} published a bad address {next_addr:?}: {e}"
+            ))
+        })?;
         let mut to_next = loop {
-            match TcpStream::connect(&next_addr) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match TcpStream::connect_timeout(&next_sock, left.max(Duration::from_millis(10))) {
                 Ok(stream) => break stream,
                 Err(e) if Instant::now() >= deadline => {
                     return Err(setup(format!(
@@ -317,7 +328,7 @@ impl Collective for TcpCollective {
         let flat = if direct {
             tensors[0].shallow_clone()
         } else {
-            flatten_f32(tensors)?
+            flatten_f32(tensors, Device::Cpu)?
         };
         let n = flat.numel();
         if n == 0 {
@@ -462,16 +473,17 @@ impl LinkFailure {
 
 /// The address other ranks can reach us at: loopback on a single node, otherwise the local
 /// address of the route towards the master.
-fn local_ip(env: &WorkerEnv) -> IpAddr {
+fn local_ip(env: &WorkerEnv) -> std::io::Result<IpAddr> {
     if env.group_world_size <= 1 {
-        return IpAddr::V4(Ipv4Addr::LOCALHOST);
+        return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
     }
-    let probe = || -> std::io::Result<IpAddr> {
-        let socket = UdpSocket::bind("0.0.0.0:0")?;
-        socket.connect((env.master_addr.as_str(), env.master_port))?;
-        Ok(socket.local_addr()?.ip())
-    };
-    probe().unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED))
+    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    socket.connect((env.master_addr.as_str(), env.master_port))?;
+    let ip = socket.local_addr()?.ip();
+    if ip.is_unspecified() {
+        return Err(std::io::Error::other("no route"));
+    }
+    Ok(ip)
 }
 
 /// The bytes of a tensor's values (contiguous, on the CPU).
