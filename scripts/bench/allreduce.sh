@@ -38,5 +38,5 @@ for mib in [int(s) for s in sys.argv[1:]]:
         print(f"gloo {mib} MiB: median {median*1e3:.1f} ms, {mib/1024/median:.2f} GiB/s (algorithm bandwidth, {world} ranks, {iters} runs)", flush=True)
 dist.destroy_process_group()
 PY
-echo "== PyTorch $(python -c 'import torch; print(torch.__version__)') gloo (2 ranks)"
+echo "== PyTorch $(python -c 'import torch; print(torch.__version__)' 2>/dev/null) gloo (2 ranks)"
 "$launch" --num-processes 2 --master-port 0 -- python "$tmp/gloo_bench.py" $sizes 2>&1 | sed -n -E 's/^\[rank 0\] ((tcp|gloo|memcpy) .*)/\1/p'

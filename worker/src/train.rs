@@ -228,6 +228,16 @@ pub fn train(
         keep_metrics_up_to(&setup.run_dir.join("metrics.jsonl"), start.step)?;
     }
 
+    // A checkpoint at (epoch, step, samples consumed in that epoch).
+    let checkpoint_at = |ddp: &mut Ddp, optimizer: &AdamW, epoch, step, samples_in_epoch| {
+        let state = TrainState {
+            epoch,
+            step,
+            samples_in_epoch,
+            ..start.clone()
+        };
+        save_checkpoint(ddp, optimizer, &checkpoints, state, config, slow_ctx(step))
+    };
     let mut step = start.step;
     let mut last_loss = None;
     let mut epochs_done = start.epoch;
@@ -301,37 +311,11 @@ pub fn train(
             let every = config.checkpoint.every_n_steps;
             // The last step of an epoch is saved as the end of the epoch, just below.
             if every > 0 && step % every == 0 && w + 1 < windows {
-                let state = TrainState {
-                    epoch,
-                    step,
-                    samples_in_epoch,
-                    ..start.clone()
-                };
-                save_checkpoint(
-                    &mut ddp,
-                    &optimizer,
-                    &checkpoints,
-                    state,
-                    config,
-                    slow_ctx(step),
-                )?;
+                checkpoint_at(&mut ddp, &optimizer, epoch, step, samples_in_epoch)?;
             }
         }
         epochs_done = epoch + 1;
-        let state = TrainState {
-            epoch: epoch + 1,
-            step,
-            samples_in_epoch: 0,
-            ..start.clone()
-        };
-        save_checkpoint(
-            &mut ddp,
-            &optimizer,
-            &checkpoints,
-            state,
-            config,
-            slow_ctx(step),
-        )?;
+        checkpoint_at(&mut ddp, &optimizer, epoch + 1, step, 0)?;
         if leader {
             info!(
                 "epoch {}/{epochs} done in {:.1} s",
