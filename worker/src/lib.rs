@@ -6,6 +6,8 @@
 pub mod checkpoint;
 pub mod collective;
 pub mod ddp;
+pub mod eval;
+pub mod model;
 pub mod optim;
 pub mod sampler;
 pub mod store;

@@ -1,0 +1,501 @@
+//! Full-ranking evaluation of a recommender: top-K metrics over all items (RecBole protocol).
+//!
+//! Owns: ranking one user's scores over all items with excluded items removed (ties broken by
+//! the lower item id, deterministically), the per-user Recall/NDCG/MRR/Hit/Precision@K formulas
+//! of REFERENCE.md ("Recommendation protocol"), the additive per-rank sums ([`MetricSums`]) with
+//! a flat `f64` layout for an all-reduce, and the final means ([`Metrics`]).
+//!
+//! Must not: know the model, libtorch, the data set files or other ranks. Callers hand in plain
+//! `f32` scores and item-id lists; reducing [`MetricSums`] across ranks (adding [`MetricSums::to_vec`])
+//! is the caller's job. Nothing here panics on bad input: mismatches are [`EvalError`]s, and
+//! out-of-range item ids are ignored (an out-of-range positive still counts in |R(u)|).
+
+use std::cmp::Ordering;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Errors from combining or decoding metric sums.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum EvalError {
+    #[error("eval: metric sums have different cut-offs: {left:?} vs {right:?}")]
+    KsMismatch { left: Vec<usize>, right: Vec<usize> },
+    #[error(
+        "eval: flat metric vector has length {got}, expected {expected} (1 + 5 x {} cut-offs)",
+        (expected - 1) / 5
+    )]
+    LengthMismatch { expected: usize, got: usize },
+    #[error("eval: flat metric vector has an invalid user count {0} (need a finite integer >= 0)")]
+    InvalidUsers(f64),
+}
+
+/// Sums over evaluated users, reducible across ranks by adding (so a split evaluation equals a
+/// single-process one up to floating-point summation order).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MetricSums {
+    pub ks: Vec<usize>,
+    pub users: u64,
+    pub recall: Vec<f64>,
+    pub ndcg: Vec<f64>,
+    pub mrr: Vec<f64>,
+    pub hit: Vec<f64>,
+    pub precision: Vec<f64>,
+}
+
+impl MetricSums {
+    /// Empty sums for the cut-offs `ks` (any order; a cut-off of 0 always contributes 0).
+    pub fn new(ks: &[usize]) -> Self {
+        let n = ks.len();
+        MetricSums {
+            ks: ks.to_vec(),
+            users: 0,
+            recall: vec![0.0; n],
+            ndcg: vec![0.0; n],
+            mrr: vec![0.0; n],
+            hit: vec![0.0; n],
+            precision: vec![0.0; n],
+        }
+    }
+
+    /// Adds `other` into `self`. Errors (leaving `self` unchanged) when the cut-offs differ.
+    pub fn merge(&mut self, other: &MetricSums) -> Result<(), EvalError> {
+        if self.ks != other.ks {
+            return Err(EvalError::KsMismatch {
+                left: self.ks.clone(),
+                right: other.ks.clone(),
+            });
+        }
+        self.users += other.users;
+        for (a, b) in [
+            (&mut self.recall, &other.recall),
+            (&mut self.ndcg, &other.ndcg),
+            (&mut self.mrr, &other.mrr),
+            (&mut self.hit, &other.hit),
+            (&mut self.precision, &other.precision),
+        ] {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x += *y;
+            }
+        }
+        Ok(())
+    }
+
+    /// Flat layout for an all-reduce (sum): `[users, recall.., ndcg.., mrr.., hit.., precision..]`,
+    /// length `1 + 5 * ks.len()`. The user count is exact up to 2^53.
+    pub fn to_vec(&self) -> Vec<f64> {
+        let mut v = Vec::with_capacity(1 + 5 * self.ks.len());
+        v.push(self.users as f64);
+        v.extend_from_slice(&self.recall);
+        v.extend_from_slice(&self.ndcg);
+        v.extend_from_slice(&self.mrr);
+        v.extend_from_slice(&self.hit);
+        v.extend_from_slice(&self.precision);
+        v
+    }
+
+    /// Inverse of [`MetricSums::to_vec`] for the cut-offs `ks`.
+    pub fn from_vec(ks: &[usize], v: &[f64]) -> Result<Self, EvalError> {
+        let n = ks.len();
+        let expected = 1 + 5 * n;
+        if v.len() != expected {
+            return Err(EvalError::LengthMismatch {
+                expected,
+                got: v.len(),
+            });
+        }
+        let u = v[0];
+        if !u.is_finite() || u < 0.0 || u.fract() != 0.0 || u > u64::MAX as f64 {
+            return Err(EvalError::InvalidUsers(u));
+        }
+        let part = |i: usize| v[1 + i * n..1 + (i + 1) * n].to_vec();
+        Ok(MetricSums {
+            ks: ks.to_vec(),
+            users: u as u64,
+            recall: part(0),
+            ndcg: part(1),
+            mrr: part(2),
+            hit: part(3),
+            precision: part(4),
+        })
+    }
+
+    /// Means over the evaluated users (all zeros when no user was evaluated).
+    pub fn means(&self) -> Metrics {
+        let d = if self.users == 0 {
+            0.0
+        } else {
+            1.0 / self.users as f64
+        };
+        let m = |s: &[f64]| s.iter().map(|x| x * d).collect::<Vec<f64>>();
+        Metrics {
+            ks: self.ks.clone(),
+            users: self.users,
+            recall: m(&self.recall),
+            ndcg: m(&self.ndcg),
+            mrr: m(&self.mrr),
+            hit: m(&self.hit),
+            precision: m(&self.precision),
+        }
+    }
+}
+
+/// Per-user means of each metric at each cut-off.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Metrics {
+    pub ks: Vec<usize>,
+    pub users: u64,
+    pub recall: Vec<f64>,
+    pub ndcg: Vec<f64>,
+    pub mrr: Vec<f64>,
+    pub hit: Vec<f64>,
+    pub precision: Vec<f64>,
+}
+
+impl Metrics {
+    /// A metric by name, e.g. `"recall@10"`, `"NDCG@20"` (names: recall, ndcg, mrr, hit,
+    /// precision; case-insensitive). `None` for an unknown name or a cut-off not evaluated.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        let (metric, k) = name.split_once('@')?;
+        let k: usize = k.trim().parse().ok()?;
+        let idx = self.ks.iter().position(|&x| x == k)?;
+        let series = match metric.trim().to_ascii_lowercase().as_str() {
+            "recall" => &self.recall,
+            "ndcg" => &self.ndcg,
+            "mrr" => &self.mrr,
+            "hit" => &self.hit,
+            "precision" => &self.precision,
+            _ => return None,
+        };
+        series.get(idx).copied()
+    }
+
+    /// One line, e.g. `users=6040 recall@10=0.1776 mrr@10=0.4187 ndcg@10=0.2401 hit@10=0.7199
+    /// precision@10=0.1779` (columns in the order of REFERENCE.md's table, per cut-off).
+    pub fn summary_line(&self) -> String {
+        let mut s = format!("users={}", self.users);
+        for (i, k) in self.ks.iter().enumerate() {
+            s.push_str(&format!(
+                " recall@{k}={:.4} mrr@{k}={:.4} ndcg@{k}={:.4} hit@{k}={:.4} precision@{k}={:.4}",
+                self.recall[i], self.mrr[i], self.ndcg[i], self.hit[i], self.precision[i]
+            ));
+        }
+        s
+    }
+}
+
+/// Sort key of a score: NaN ranks below everything, -0.0 equals 0.0.
+fn key(s: f32) -> f32 {
+    if s.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        s + 0.0
+    }
+}
+
+/// Score descending, then item id ascending (a total order over distinct ids).
+fn rank_cmp(scores: &[f32], a: u32, b: u32) -> Ordering {
+    key(scores[b as usize])
+        .total_cmp(&key(scores[a as usize]))
+        .then(a.cmp(&b))
+}
+
+/// The top `k` item ids by score (descending; ties by lower id) among items not in `exclude`.
+/// Returns fewer than `k` ids when fewer items remain. Out-of-range ids in `exclude` are ignored.
+pub fn top_k(scores: &[f32], exclude: &[u32], k: usize) -> Vec<u32> {
+    let mut excluded = vec![false; scores.len()];
+    for &e in exclude {
+        if let Some(x) = excluded.get_mut(e as usize) {
+            *x = true;
+        }
+    }
+    let mut cand: Vec<u32> = (0..scores.len() as u32)
+        .filter(|&i| !excluded[i as usize])
+        .collect();
+    let k = k.min(cand.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, |&a, &b| rank_cmp(scores, a, b));
+        cand.truncate(k);
+    }
+    cand.sort_unstable_by(|&a, &b| rank_cmp(scores, a, b));
+    cand
+}
+
+/// Adds one user's contribution: `scores` over all items (mutated: excluded items set to -inf),
+/// `exclude` = item ids not to rank (train items; for test also valid items), `positives` = the
+/// held-out items (duplicates counted once). Users with no positive are skipped (`users` unchanged).
+pub fn add_user(sums: &mut MetricSums, scores: &mut [f32], exclude: &[u32], positives: &[u32]) {
+    for &e in exclude {
+        if let Some(s) = scores.get_mut(e as usize) {
+            *s = f32::NEG_INFINITY;
+        }
+    }
+    let mut pos = positives.to_vec();
+    pos.sort_unstable();
+    pos.dedup();
+    if pos.is_empty() {
+        return;
+    }
+    let n_pos = pos.len();
+    let max_k = sums.ks.iter().copied().max().unwrap_or(0);
+    let top = top_k(scores, exclude, max_k);
+    // hit_flags[i] = whether the item at rank i+1 is a positive.
+    let hit_flags: Vec<bool> = top.iter().map(|i| pos.binary_search(i).is_ok()).collect();
+
+    sums.users += 1;
+    for (j, &k) in sums.ks.iter().enumerate() {
+        if k == 0 {
+            continue;
+        }
+        let mut hits = 0usize;
+        let mut dcg = 0.0f64;
+        let mut first: Option<usize> = None;
+        for (i, &h) in hit_flags.iter().take(k).enumerate() {
+            if h {
+                hits += 1;
+                dcg += 1.0 / ((i + 2) as f64).log2();
+                first.get_or_insert(i + 1);
+            }
+        }
+        let idcg: f64 = (0..n_pos.min(k))
+            .map(|i| 1.0 / ((i + 2) as f64).log2())
+            .sum();
+        sums.recall[j] += hits as f64 / n_pos as f64;
+        sums.ndcg[j] += dcg / idcg;
+        sums.mrr[j] += first.map_or(0.0, |r| 1.0 / r as f64);
+        sums.hit[j] += if hits > 0 { 1.0 } else { 0.0 };
+        sums.precision[j] += hits as f64 / k as f64;
+    }
+}
+
+/// Evaluates `users` (e.g. this rank's shard), in order. `exclude` and `positives` are indexed
+/// by user id (a user id beyond their length has no exclusions / no positives). `score_fn(u)`
+/// returns the scores of all items for user `u`; it is not called for users without positives.
+pub fn evaluate_all(
+    mut score_fn: impl FnMut(usize) -> Vec<f32>,
+    users: &[usize],
+    exclude: &[Vec<u32>],
+    positives: &[Vec<u32>],
+    ks: &[usize],
+) -> MetricSums {
+    let mut sums = MetricSums::new(ks);
+    for &u in users {
+        let pos = positives.get(u).map_or(&[][..], |p| p.as_slice());
+        if pos.is_empty() {
+            continue;
+        }
+        let ex = exclude.get(u).map_or(&[][..], |e| e.as_slice());
+        let mut scores = score_fn(u);
+        add_user(&mut sums, &mut scores, ex, pos);
+    }
+    sums
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-12
+    }
+
+    fn one(scores: &[f32], exclude: &[u32], positives: &[u32], ks: &[usize]) -> Metrics {
+        let mut s = MetricSums::new(ks);
+        add_user(&mut s, &mut scores.to_vec(), exclude, positives);
+        s.means()
+    }
+
+    #[test]
+    fn hand_computed_two_positives_at_ranks_1_and_3() {
+        // Items 0..5 ranked 0,1,2,3,4; positives {0,2} at ranks 1 and 3.
+        let m = one(&[0.9, 0.8, 0.7, 0.6, 0.5], &[], &[2, 0], &[2, 5]);
+        assert_eq!(m.users, 1);
+        // K=2: top {0,1}, 1 hit. recall 1/2, precision 1/2, hit 1, mrr 1/1.
+        // DCG = 1/log2(2) = 1; IDCG over min(2,2)=2 = 1 + 1/log2(3) = 1.6309297535714575;
+        // NDCG = 1/1.6309297535714575 = 0.6131471927654584.
+        assert!(close(m.get("recall@2").unwrap(), 0.5));
+        assert!(close(m.get("precision@2").unwrap(), 0.5));
+        assert!(close(m.get("hit@2").unwrap(), 1.0));
+        assert!(close(m.get("mrr@2").unwrap(), 1.0));
+        assert!(close(m.get("ndcg@2").unwrap(), 0.6131471927654584));
+        // K=5: 2 hits. recall 1, precision 2/5 = 0.4, hit 1, mrr 1.
+        // DCG = 1 + 1/log2(4) = 1.5; IDCG = 1.6309297535714575; NDCG = 0.9197207891481876.
+        assert!(close(m.get("recall@5").unwrap(), 1.0));
+        assert!(close(m.get("precision@5").unwrap(), 0.4));
+        assert!(close(m.get("hit@5").unwrap(), 1.0));
+        assert!(close(m.get("mrr@5").unwrap(), 1.0));
+        assert!(close(m.get("ndcg@5").unwrap(), 0.9197207891481876));
+        assert_eq!(m.get("bogus@5"), None);
+        assert_eq!(m.get("recall@3"), None);
+        assert!(close(m.get("NDCG@5").unwrap(), 0.9197207891481876));
+    }
+
+    #[test]
+    fn excluded_items_never_ranked() {
+        let mut scores = vec![100.0, 99.0, 0.1, 0.2, f32::INFINITY];
+        assert_eq!(top_k(&scores, &[0, 1, 4], 5), vec![3, 2]);
+        let mut s = MetricSums::new(&[1]);
+        // Positive 0 is excluded: it cannot be hit although it has the highest score.
+        add_user(&mut s, &mut scores, &[0, 1, 4, 99], &[0]);
+        assert_eq!(scores[0], f32::NEG_INFINITY);
+        assert_eq!(scores[4], f32::NEG_INFINITY);
+        let m = s.means();
+        assert_eq!(m.get("hit@1"), Some(0.0));
+        // The top item after exclusion is 3.
+        assert_eq!(
+            one(&[100.0, 99.0, 0.1, 0.2], &[0, 1], &[3], &[1]).get("hit@1"),
+            Some(1.0)
+        );
+    }
+
+    #[test]
+    fn ties_broken_by_lower_item_id() {
+        let scores = [1.0, 2.0, 2.0, 1.0, -0.0, 0.0, f32::NAN];
+        assert_eq!(top_k(&scores, &[], 7), vec![1, 2, 0, 3, 4, 5, 6]);
+        assert_eq!(top_k(&scores, &[], 3), vec![1, 2, 0]);
+        assert_eq!(one(&[1.0; 4], &[], &[0], &[1]).get("hit@1"), Some(1.0));
+        assert_eq!(one(&[1.0; 4], &[], &[3], &[1]).get("hit@1"), Some(0.0));
+    }
+
+    #[test]
+    fn user_without_positives_skipped() {
+        let mut s = MetricSums::new(&[1, 5]);
+        add_user(&mut s, &mut [1.0, 2.0], &[], &[]);
+        assert_eq!(s, MetricSums::new(&[1, 5]));
+        assert_eq!(s.means().recall, vec![0.0, 0.0]);
+        let sums = evaluate_all(
+            |_| panic!("must not score a user without positives"),
+            &[0, 1, 7],
+            &[vec![], vec![0]],
+            &[vec![], vec![]],
+            &[10],
+        );
+        assert_eq!(sums.users, 0);
+    }
+
+    #[test]
+    fn mrr_first_hit_at_rank_2() {
+        // Positive 1 at rank 2: MRR = 1/2 for K >= 2, 0 for K = 1.
+        // NDCG@2 = (1/log2(3)) / (1/log2(2)) = 0.6309297535714575.
+        let m = one(&[0.9, 0.8, 0.7], &[], &[1], &[1, 2, 3]);
+        assert_eq!(m.get("mrr@1"), Some(0.0));
+        assert!(close(m.get("mrr@2").unwrap(), 0.5));
+        assert!(close(m.get("mrr@3").unwrap(), 0.5));
+        assert!(close(m.get("ndcg@2").unwrap(), 0.6309297535714575));
+        assert_eq!(m.get("hit@1"), Some(0.0));
+    }
+
+    #[test]
+    fn precision_with_k_larger_than_item_count() {
+        // 3 items, 1 positive (item 2, rank 2), K = 10: hits/K = 1/10 (not 1/3); recall 1;
+        // NDCG = (1/log2(3)) / (1/log2(2)) = 0.6309297535714575; MRR 1/2.
+        let m = one(&[0.1, 0.5, 0.3], &[], &[2], &[10]);
+        assert!(close(m.get("precision@10").unwrap(), 0.1));
+        assert!(close(m.get("recall@10").unwrap(), 1.0));
+        assert!(close(m.get("ndcg@10").unwrap(), 0.6309297535714575));
+        assert!(close(m.get("mrr@10").unwrap(), 0.5));
+    }
+
+    /// Per-user (scores, exclude, positives) tables.
+    type Synthetic = (Vec<Vec<f32>>, Vec<Vec<u32>>, Vec<Vec<u32>>);
+
+    fn synthetic(n_users: usize, n_items: usize) -> Synthetic {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut scores = Vec::new();
+        let mut ex = Vec::new();
+        let mut pos = Vec::new();
+        for _ in 0..n_users {
+            scores.push((0..n_items).map(|_| (next() % 1000) as f32).collect());
+            ex.push((0..n_items as u32).filter(|_| next() % 5 == 0).collect());
+            pos.push((0..n_items as u32).filter(|_| next() % 7 == 0).collect());
+        }
+        (scores, ex, pos)
+    }
+
+    #[test]
+    fn merge_of_two_halves_equals_all_users() {
+        let (scores, ex, pos) = synthetic(40, 60);
+        let ks = [1, 5, 10, 20];
+        let users: Vec<usize> = (0..40).collect();
+        let f = |u: usize| scores[u].clone();
+        let all = evaluate_all(f, &users, &ex, &pos, &ks);
+        let mut a = evaluate_all(f, &users[..17], &ex, &pos, &ks);
+        let b = evaluate_all(f, &users[17..], &ex, &pos, &ks);
+        a.merge(&b).unwrap();
+        assert_eq!(a.users, all.users);
+        for (x, y) in a.to_vec().iter().zip(all.to_vec()) {
+            assert!((x - y).abs() < 1e-12, "{x} vs {y}");
+        }
+        let mut c = MetricSums::new(&[1, 5]);
+        let before = c.clone();
+        assert!(matches!(c.merge(&all), Err(EvalError::KsMismatch { .. })));
+        assert_eq!(c, before);
+    }
+
+    #[test]
+    fn to_vec_from_vec_round_trip() {
+        let (scores, ex, pos) = synthetic(10, 30);
+        let ks = [3, 10];
+        let s = evaluate_all(
+            |u| scores[u].clone(),
+            &(0..10).collect::<Vec<_>>(),
+            &ex,
+            &pos,
+            &ks,
+        );
+        let v = s.to_vec();
+        assert_eq!(v.len(), 11);
+        assert_eq!(MetricSums::from_vec(&ks, &v).unwrap(), s);
+        assert!(matches!(
+            MetricSums::from_vec(&ks, &v[..10]),
+            Err(EvalError::LengthMismatch {
+                expected: 11,
+                got: 10
+            })
+        ));
+        let mut bad = v.clone();
+        bad[0] = 1.5;
+        assert!(matches!(
+            MetricSums::from_vec(&ks, &bad),
+            Err(EvalError::InvalidUsers(_))
+        ));
+        let line = s.means().summary_line();
+        assert!(line.starts_with(&format!("users={}", s.users)), "{line}");
+        assert!(line.contains("recall@10="), "{line}");
+    }
+
+    proptest! {
+        #[test]
+        fn metrics_in_unit_interval_and_recall_monotone(
+            scores in proptest::collection::vec(-10.0f32..10.0, 1..40),
+            ex_mask in proptest::collection::vec(any::<bool>(), 40),
+            pos_mask in proptest::collection::vec(0u8..4, 40),
+        ) {
+            let n = scores.len();
+            let ex: Vec<u32> = (0..n as u32).filter(|&i| ex_mask[i as usize]).collect();
+            let pos: Vec<u32> = (0..n as u32).filter(|&i| pos_mask[i as usize] == 0).collect();
+            let ks = [1, 2, 3, 5, 10, 20, 50];
+            let m = one(&scores, &ex, &pos, &ks);
+            for series in [&m.recall, &m.ndcg, &m.mrr, &m.hit, &m.precision] {
+                for &x in series.iter() {
+                    prop_assert!((0.0..=1.0 + 1e-12).contains(&x), "{x} out of [0,1]: {m:?}");
+                }
+            }
+            for w in m.recall.windows(2) {
+                prop_assert!(w[0] <= w[1] + 1e-12, "recall not monotone: {m:?}");
+            }
+            for w in m.hit.windows(2) {
+                prop_assert!(w[0] <= w[1], "hit not monotone: {m:?}");
+            }
+        }
+    }
+}

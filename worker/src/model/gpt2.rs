@@ -1,0 +1,699 @@
+//! GPT-2 (the base transformer, no language-model head) and its BPE tokenizer.
+//!
+//! Owns: the architecture, its parameter names/layouts (exactly Hugging Face's `GPT2Model`
+//! safetensors: `wte.weight`, `h.{i}.attn.c_attn.weight` [in, out], ...), HF-style
+//! initialisation, loading a HF safetensors file into a `VarStore`, mean pooling, and the
+//! GPT-2 tokenizer (tiktoken's `r50k_base`, embedded in the binary — no network).
+//!
+//! Must not: know about training loops, DDP, optimizers or the recommender's head; download
+//! anything; transpose weights on load (Conv1D weights are *stored* [in, out] and computed as
+//! `x.matmul(w) + b`). The model must be built at the root of its `VarStore` (the names above,
+//! unprefixed) for `load_hf_safetensors` to find it; other variables in the store (e.g. a head
+//! under its own path) are left alone and listed in the report.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use serde::Deserialize;
+use tch::{nn, Kind, Tensor};
+
+/// GPT-2 pad/end-of-text token id (`<|endoftext|>`), used to pad batches.
+pub const PAD_TOKEN_ID: i64 = 50256;
+
+/// Errors of loading weights or building the tokenizer.
+#[derive(Debug, thiserror::Error)]
+pub enum Gpt2Error {
+    #[error("reading safetensors: {0}")]
+    Read(#[from] tch::TchError),
+    #[error("{name}: shape {expected:?} expected, file has {found:?}")]
+    Shape {
+        name: String,
+        expected: Vec<i64>,
+        found: Vec<i64>,
+    },
+    #[error("tensors missing from the file: {}", .0.join(", "))]
+    Missing(Vec<String>),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+/// Hyper-parameters. Field names are Hugging Face `GPT2Config`'s, so a HF `config.json`
+/// deserialises directly (unknown fields ignored).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Config {
+    /// Number of transformer blocks (HF `n_layer`).
+    pub n_layer: i64,
+    /// Attention heads per block (HF `n_head`).
+    pub n_head: i64,
+    /// Model width `d` (HF `n_embd`).
+    pub n_embd: i64,
+    /// Learned positions, the longest input (HF `n_positions`).
+    pub n_positions: i64,
+    /// Token vocabulary (HF `vocab_size`).
+    pub vocab_size: i64,
+    /// Layer-norm epsilon (HF `layer_norm_epsilon`).
+    pub layer_norm_epsilon: f64,
+    /// Dropout on embeddings (HF `embd_pdrop`).
+    #[serde(default = "default_pdrop")]
+    pub embd_pdrop: f64,
+    /// Dropout on attention probabilities (HF `attn_pdrop`).
+    #[serde(default = "default_pdrop")]
+    pub attn_pdrop: f64,
+    /// Dropout on each residual branch (HF `resid_pdrop`).
+    #[serde(default = "default_pdrop")]
+    pub resid_pdrop: f64,
+}
+
+fn default_pdrop() -> f64 {
+    0.1
+}
+
+impl Config {
+    /// GPT-2 small ("gpt2" on the Hugging Face hub, 124M parameters).
+    pub fn gpt2() -> Self {
+        Self {
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            n_positions: 1024,
+            vocab_size: 50257,
+            layer_norm_epsilon: 1e-5,
+            embd_pdrop: 0.1,
+            attn_pdrop: 0.1,
+            resid_pdrop: 0.1,
+        }
+    }
+
+    /// A tiny model with GPT-2's vocabulary, for tests and smoke runs.
+    pub fn tiny() -> Self {
+        Self {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 64,
+            n_positions: 128,
+            ..Self::gpt2()
+        }
+    }
+}
+
+/// HF initialisation of weights: normal, std 0.02.
+const INIT_STD: f64 = 0.02;
+
+fn normal(vs: &nn::Path, name: &str, dims: &[i64]) -> Tensor {
+    vs.var(
+        name,
+        dims,
+        nn::Init::Randn {
+            mean: 0.0,
+            stdev: INIT_STD,
+        },
+    )
+}
+
+/// HF `Conv1D`: weight stored [in, out], `y = x @ w + b`.
+#[derive(Debug)]
+struct Conv1D {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Conv1D {
+    fn new(vs: nn::Path, n_in: i64, n_out: i64) -> Self {
+        Self {
+            weight: normal(&vs, "weight", &[n_in, n_out]),
+            bias: vs.zeros("bias", &[n_out]),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.matmul(&self.weight) + &self.bias
+    }
+}
+
+#[derive(Debug)]
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+    dim: i64,
+}
+
+impl LayerNorm {
+    fn new(vs: nn::Path, dim: i64, eps: f64) -> Self {
+        Self {
+            weight: vs.ones("weight", &[dim]),
+            bias: vs.zeros("bias", &[dim]),
+            eps,
+            dim,
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.layer_norm(
+            [self.dim],
+            Some(&self.weight),
+            Some(&self.bias),
+            self.eps,
+            true,
+        )
+    }
+}
+
+#[derive(Debug)]
+struct Attention {
+    c_attn: Conv1D,
+    c_proj: Conv1D,
+    n_head: i64,
+    attn_pdrop: f64,
+    resid_pdrop: f64,
+}
+
+impl Attention {
+    fn new(vs: nn::Path, cfg: &Config) -> Self {
+        let d = cfg.n_embd;
+        Self {
+            c_attn: Conv1D::new(&vs / "c_attn", d, 3 * d),
+            c_proj: Conv1D::new(&vs / "c_proj", d, d),
+            n_head: cfg.n_head,
+            attn_pdrop: cfg.attn_pdrop,
+            resid_pdrop: cfg.resid_pdrop,
+        }
+    }
+
+    /// `x` [b, t, d]; `masked` bool [b, 1, t, t], true where a query must not see a key.
+    fn forward(&self, x: &Tensor, masked: &Tensor, train: bool) -> Tensor {
+        let (b, t, d) = x
+            .size3()
+            .expect("attention input must be [batch, seq, dim]");
+        let hd = d / self.n_head;
+        let heads = |y: &Tensor| y.view([b, t, self.n_head, hd]).transpose(1, 2);
+        let qkv = self.c_attn.forward(x).split(d, 2);
+        let (q, k, v) = (heads(&qkv[0]), heads(&qkv[1]), heads(&qkv[2]));
+        // Scores and softmax in f32, with a large finite negative (not -inf) so fully masked
+        // rows (pad queries) stay finite; masked keys still get exactly zero weight.
+        let scores = (q.matmul(&k.transpose(-2, -1)) / (hd as f64).sqrt())
+            .to_kind(Kind::Float)
+            .masked_fill(masked, -1e9);
+        let probs = scores
+            .softmax(-1, Kind::Float)
+            .to_kind(v.kind())
+            .dropout(self.attn_pdrop, train);
+        let y = probs
+            .matmul(&v)
+            .transpose(1, 2)
+            .contiguous()
+            .view([b, t, d]);
+        self.c_proj.forward(&y).dropout(self.resid_pdrop, train)
+    }
+}
+
+#[derive(Debug)]
+struct Mlp {
+    c_fc: Conv1D,
+    c_proj: Conv1D,
+    resid_pdrop: f64,
+}
+
+impl Mlp {
+    fn new(vs: nn::Path, cfg: &Config) -> Self {
+        let d = cfg.n_embd;
+        Self {
+            c_fc: Conv1D::new(&vs / "c_fc", d, 4 * d),
+            c_proj: Conv1D::new(&vs / "c_proj", 4 * d, d),
+            resid_pdrop: cfg.resid_pdrop,
+        }
+    }
+
+    fn forward(&self, x: &Tensor, train: bool) -> Tensor {
+        // HF "gelu_new" is GELU with the tanh approximation.
+        let h = self.c_fc.forward(x).gelu("tanh");
+        self.c_proj.forward(&h).dropout(self.resid_pdrop, train)
+    }
+}
+
+#[derive(Debug)]
+struct Block {
+    ln_1: LayerNorm,
+    attn: Attention,
+    ln_2: LayerNorm,
+    mlp: Mlp,
+}
+
+impl Block {
+    fn new(vs: nn::Path, cfg: &Config) -> Self {
+        let (d, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
+        Self {
+            ln_1: LayerNorm::new(&vs / "ln_1", d, eps),
+            attn: Attention::new(&vs / "attn", cfg),
+            ln_2: LayerNorm::new(&vs / "ln_2", d, eps),
+            mlp: Mlp::new(&vs / "mlp", cfg),
+        }
+    }
+
+    fn forward(&self, x: &Tensor, masked: &Tensor, train: bool) -> Tensor {
+        let x = x + self.attn.forward(&self.ln_1.forward(x), masked, train);
+        let h = self.mlp.forward(&self.ln_2.forward(&x), train);
+        x + h
+    }
+}
+
+/// The GPT-2 transformer (HF `GPT2Model`): token + learned position embeddings, pre-norm
+/// blocks with causal self-attention, final layer norm. Returns the last hidden state.
+#[derive(Debug)]
+pub struct Gpt2 {
+    wte: Tensor,
+    wpe: Tensor,
+    h: Vec<Block>,
+    ln_f: LayerNorm,
+    embd_pdrop: f64,
+    config: Config,
+}
+
+impl Gpt2 {
+    /// Creates the variables under `vs` (pass `vs.root()` so names match HF files), initialised
+    /// like HF: weights normal(0, 0.02), biases 0, layer norms weight 1 / bias 0.
+    pub fn new(vs: &nn::Path, config: &Config) -> Self {
+        assert!(
+            config.n_embd % config.n_head == 0,
+            "n_embd ({}) must be a multiple of n_head ({})",
+            config.n_embd,
+            config.n_head
+        );
+        let h = (0..config.n_layer)
+            .map(|i| Block::new(vs / "h" / i, config))
+            .collect();
+        Self {
+            wte: normal(&(vs / "wte"), "weight", &[config.vocab_size, config.n_embd]),
+            wpe: normal(
+                &(vs / "wpe"),
+                "weight",
+                &[config.n_positions, config.n_embd],
+            ),
+            h,
+            ln_f: LayerNorm::new(vs / "ln_f", config.n_embd, config.layer_norm_epsilon),
+            embd_pdrop: config.embd_pdrop,
+            config: config.clone(),
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// `input_ids` [b, t] i64, `attention_mask` [b, t] (1 real, 0 pad; any numeric kind) →
+    /// last hidden state [b, t, d]. Dropout is active only when `train`.
+    ///
+    /// Panics if `t` exceeds `n_positions`.
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
+        let (b, t) = input_ids.size2().expect("input_ids must be [batch, seq]");
+        assert!(
+            t <= self.config.n_positions,
+            "sequence length {t} exceeds n_positions {}",
+            self.config.n_positions
+        );
+        let device = input_ids.device();
+        let positions = Tensor::arange(t, (Kind::Int64, device));
+        let tok = Tensor::embedding(&self.wte, input_ids, -1, false, false);
+        let pos = Tensor::embedding(&self.wpe, &positions, -1, false, false);
+        let mut x = (tok + pos.unsqueeze(0)).dropout(self.embd_pdrop, train);
+
+        // true = masked: future keys (causal) or pad keys.
+        let future = Tensor::ones([t, t], (Kind::Bool, device)).triu(1);
+        let pad_key = attention_mask.to_device(device).eq(0).view([b, 1, 1, t]);
+        let masked = future.view([1, 1, t, t]).logical_or(&pad_key);
+
+        for block in &self.h {
+            x = block.forward(&x, &masked, train);
+        }
+        self.ln_f.forward(&x)
+    }
+
+    /// Mean of `hidden` [b, t, d] over the real tokens of `attention_mask` [b, t] → [b, d].
+    /// Rows without any real token give zeros.
+    pub fn mean_pool(hidden: &Tensor, attention_mask: &Tensor) -> Tensor {
+        let m = attention_mask
+            .to_device(hidden.device())
+            .to_kind(hidden.kind())
+            .unsqueeze(-1);
+        let sum = (hidden * &m).sum_dim_intlist([1i64].as_slice(), false, hidden.kind());
+        let count = m.sum_dim_intlist([1i64].as_slice(), false, hidden.kind());
+        sum / count.clamp_min(1.0)
+    }
+}
+
+/// What `load_hf_safetensors` did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadReport {
+    /// Variables copied from the file.
+    pub loaded: usize,
+    /// File tensors ignored on purpose (`lm_head.weight`, `attn.bias`/`attn.masked_bias`
+    /// buffers), file names as written.
+    pub ignored: Vec<String>,
+    /// File tensors matching no variable (file names as written).
+    pub unexpected: Vec<String>,
+    /// Store variables outside GPT-2's names (e.g. a head), left untouched.
+    pub skipped: Vec<String>,
+}
+
+fn is_gpt2_name(name: &str) -> bool {
+    ["wte.", "wpe.", "h.", "ln_f."]
+        .iter()
+        .any(|p| name.starts_with(p))
+}
+
+fn is_ignored(name: &str) -> bool {
+    name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
+}
+
+/// Loads a Hugging Face GPT-2 safetensors file (`model.safetensors` of `GPT2Model` or
+/// `GPT2LMHeadModel`: names with or without the `transformer.` prefix) into the GPT-2
+/// variables of `vs` (the model built at the store's root). Every GPT-2 variable must be in the
+/// file with its exact shape; nothing is copied unless all are. Values are converted to each
+/// variable's kind and device.
+pub fn load_hf_safetensors(vs: &mut nn::VarStore, path: &Path) -> Result<LoadReport, Gpt2Error> {
+    let file = Tensor::read_safetensors(path)?;
+    let mut report = LoadReport::default();
+    let mut by_name: BTreeMap<String, Tensor> = BTreeMap::new();
+    for (name, tensor) in file {
+        let stripped = name.strip_prefix("transformer.").unwrap_or(&name);
+        if is_ignored(stripped) {
+            report.ignored.push(name);
+        } else {
+            by_name.insert(stripped.to_string(), tensor);
+        }
+    }
+
+    let vars: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
+    let mut missing = Vec::new();
+    let mut used = BTreeSet::new();
+    for (name, var) in &vars {
+        if !is_gpt2_name(name) {
+            report.skipped.push(name.clone());
+            continue;
+        }
+        match by_name.get(name) {
+            None => missing.push(name.clone()),
+            Some(src) if src.size() != var.size() => {
+                return Err(Gpt2Error::Shape {
+                    name: name.clone(),
+                    expected: var.size(),
+                    found: src.size(),
+                })
+            }
+            Some(_) => {
+                used.insert(name.clone());
+            }
+        }
+    }
+    if !missing.is_empty() {
+        return Err(Gpt2Error::Missing(missing));
+    }
+
+    tch::no_grad(|| {
+        for name in &used {
+            let mut var = vars[name].shallow_clone();
+            var.copy_(&by_name[name]);
+        }
+    });
+    report.loaded = used.len();
+    report.unexpected = by_name
+        .keys()
+        .filter(|n| !used.contains(*n))
+        .cloned()
+        .collect();
+    Ok(report)
+}
+
+/// GPT-2's byte-level BPE (tiktoken `r50k_base`).
+pub struct Tokenizer {
+    bpe: tiktoken_rs::CoreBPE,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tokenizer(r50k_base)")
+    }
+}
+
+impl Tokenizer {
+    pub fn new() -> Result<Self, Gpt2Error> {
+        let bpe = tiktoken_rs::r50k_base().map_err(|e| Gpt2Error::Tokenizer(e.to_string()))?;
+        Ok(Self { bpe })
+    }
+
+    /// Token ids of `text` (special-token text such as `<|endoftext|>` is encoded as plain text).
+    pub fn encode(&self, text: &str) -> Vec<i64> {
+        self.bpe
+            .encode_ordinary(text)
+            .into_iter()
+            .map(i64::from)
+            .collect()
+    }
+
+    pub fn decode(&self, ids: &[i64]) -> Result<String, Gpt2Error> {
+        let ranks = ids
+            .iter()
+            .map(|&i| u32::try_from(i).map_err(|_| Gpt2Error::Tokenizer(format!("bad id {i}"))))
+            .collect::<Result<Vec<u32>, _>>()?;
+        self.bpe
+            .decode(&ranks)
+            .map_err(|e| Gpt2Error::Tokenizer(e.to_string()))
+    }
+
+    /// Encodes each text, truncated to `max_len` tokens, right-padded with `PAD_TOKEN_ID` to the
+    /// longest in the batch (at least 1). Returns (ids [b, t] i64, mask [b, t] f32), on the CPU.
+    pub fn encode_batch(&self, texts: &[String], max_len: usize) -> (Tensor, Tensor) {
+        let encoded: Vec<Vec<i64>> = texts
+            .iter()
+            .map(|t| {
+                let mut ids = self.encode(t);
+                ids.truncate(max_len);
+                ids
+            })
+            .collect();
+        let t = encoded.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut ids = Vec::with_capacity(texts.len() * t);
+        let mut mask = Vec::with_capacity(texts.len() * t);
+        for row in &encoded {
+            ids.extend_from_slice(row);
+            ids.extend(std::iter::repeat_n(PAD_TOKEN_ID, t - row.len()));
+            mask.extend(std::iter::repeat_n(1f32, row.len()));
+            mask.extend(std::iter::repeat_n(0f32, t - row.len()));
+        }
+        let shape = [texts.len() as i64, t as i64];
+        (
+            Tensor::from_slice(&ids).view(shape),
+            Tensor::from_slice(&mask).view(shape),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn tiny() -> (nn::VarStore, Gpt2) {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = Gpt2::new(&vs.root(), &Config::tiny());
+        (vs, model)
+    }
+
+    fn ids(v: &[i64]) -> Tensor {
+        Tensor::from_slice(v).view([1, v.len() as i64])
+    }
+
+    fn close(a: &Tensor, b: &Tensor) -> bool {
+        a.allclose(b, 0.0, 1e-6, false)
+    }
+
+    #[test]
+    fn tiny_output_shapes() {
+        let (_vs, m) = tiny();
+        let x = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6]).view([2, 3]);
+        let mask = Tensor::ones([2, 3], (Kind::Float, Device::Cpu));
+        let h = m.forward(&x, &mask, true);
+        assert_eq!(h.size(), vec![2, 3, 64]);
+        assert_eq!(Gpt2::mean_pool(&h, &mask).size(), vec![2, 64]);
+        let h = m.forward(&x, &mask, false);
+        assert_eq!(h.size(), vec![2, 3, 64]);
+    }
+
+    #[test]
+    fn variable_names_and_layouts_match_hf() {
+        let (vs, _m) = tiny();
+        let vars = vs.variables();
+        let d = 64;
+        for (name, shape) in [
+            ("wte.weight", vec![50257, d]),
+            ("wpe.weight", vec![128, d]),
+            ("h.1.ln_1.weight", vec![d]),
+            ("h.1.attn.c_attn.weight", vec![d, 3 * d]),
+            ("h.1.attn.c_attn.bias", vec![3 * d]),
+            ("h.1.attn.c_proj.weight", vec![d, d]),
+            ("h.1.mlp.c_fc.weight", vec![d, 4 * d]),
+            ("h.1.mlp.c_proj.weight", vec![4 * d, d]),
+            ("h.1.mlp.c_proj.bias", vec![d]),
+            ("ln_f.bias", vec![d]),
+        ] {
+            assert_eq!(vars[name].size(), shape, "{name}");
+        }
+        assert_eq!(vars.len(), 2 + 2 * 12 + 2);
+    }
+
+    #[test]
+    fn causal_later_token_does_not_change_earlier_outputs() {
+        let (_vs, m) = tiny();
+        let mask = Tensor::ones([1, 5], (Kind::Float, Device::Cpu));
+        let a = m.forward(&ids(&[10, 20, 30, 40, 50]), &mask, false);
+        let b = m.forward(&ids(&[10, 20, 30, 41, 999]), &mask, false);
+        assert!(close(&a.narrow(1, 0, 3), &b.narrow(1, 0, 3)));
+        assert!(!close(&a.narrow(1, 3, 1), &b.narrow(1, 3, 1)));
+    }
+
+    #[test]
+    fn padding_does_not_change_real_positions() {
+        let (_vs, m) = tiny();
+        let a = m.forward(
+            &ids(&[10, 20, 30]),
+            &Tensor::ones([1, 3], (Kind::Float, Device::Cpu)),
+            false,
+        );
+        let padded = ids(&[10, 20, 30, PAD_TOKEN_ID, PAD_TOKEN_ID]);
+        let mask = Tensor::from_slice(&[1f32, 1., 1., 0., 0.]).view([1, 5]);
+        let b = m.forward(&padded, &mask, false);
+        assert!(a.allclose(&b.narrow(1, 0, 3), 0.0, 1e-5, false));
+        assert!(b.isfinite().all().int64_value(&[]) == 1);
+    }
+
+    #[test]
+    fn mean_pool_ignores_padding() {
+        let hidden = Tensor::from_slice(&[1f32, 2., 3., 4., 100., 100., 5., 6., 7., 8., 9., 10.])
+            .view([2, 3, 2]);
+        let mask = Tensor::from_slice(&[1f32, 1., 0., 1., 1., 1.]).view([2, 3]);
+        let pooled = Gpt2::mean_pool(&hidden, &mask);
+        let want = Tensor::from_slice(&[2f32, 3., 7., 8.]).view([2, 2]);
+        assert!(close(&pooled, &want), "{pooled}");
+        let none = Gpt2::mean_pool(&hidden, &Tensor::zeros([2, 3], (Kind::Float, Device::Cpu)));
+        assert!(close(
+            &none,
+            &Tensor::zeros([2, 2], (Kind::Float, Device::Cpu))
+        ));
+    }
+
+    #[test]
+    fn tokenizer_matches_gpt2_ids_and_pads() {
+        let tok = Tokenizer::new().unwrap();
+        let want = [48236i64, 8362, 357, 21908, 8];
+        assert_eq!(tok.encode("Toy Story (1995)"), want);
+        assert_eq!(tok.decode(&want).unwrap(), "Toy Story (1995)");
+
+        let texts = vec!["Toy Story (1995)".to_string(), "Toy".to_string()];
+        let (ids, mask) = tok.encode_batch(&texts, 4);
+        assert_eq!(ids.size(), vec![2, 4]);
+        assert_eq!(ids.kind(), Kind::Int64);
+        assert_eq!(mask.kind(), Kind::Float);
+        let row: Vec<i64> = Vec::try_from(ids.get(1)).unwrap();
+        assert_eq!(row, [48236, PAD_TOKEN_ID, PAD_TOKEN_ID, PAD_TOKEN_ID]);
+        let row: Vec<i64> = Vec::try_from(ids.get(0)).unwrap();
+        assert_eq!(row, want[..4]);
+        let m: Vec<f32> = Vec::try_from(mask.flatten(0, -1)).unwrap();
+        assert_eq!(m, [1., 1., 1., 1., 1., 0., 0., 0.]);
+
+        let (ids, mask) = tok.encode_batch(&[String::new()], 8);
+        assert_eq!(ids.size(), vec![1, 1]);
+        assert_eq!(mask.sum(Kind::Float).double_value(&[]), 0.0);
+    }
+
+    /// The tiny model's variables as a HF `GPT2LMHeadModel` file would name them.
+    fn hf_file(
+        vs: &nn::VarStore,
+        dir: &Path,
+        edit: impl Fn(&mut Vec<(String, Tensor)>),
+    ) -> std::path::PathBuf {
+        let mut named: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .map(|(n, t)| (format!("transformer.{n}"), t.detach()))
+            .collect();
+        named.push((
+            "lm_head.weight".into(),
+            vs.variables()["wte.weight"].detach(),
+        ));
+        named.push((
+            "transformer.h.0.attn.bias".into(),
+            Tensor::ones([1, 1, 4, 4], (Kind::Float, Device::Cpu)),
+        ));
+        edit(&mut named);
+        let path = dir.join("model.safetensors");
+        Tensor::write_safetensors(&named, &path).unwrap();
+        path
+    }
+
+    #[test]
+    fn loads_hf_names_with_prefix_and_extras() {
+        let dir = tempfile::tempdir().unwrap();
+        let (src_vs, src) = tiny();
+        let path = hf_file(&src_vs, dir.path(), |_| {});
+
+        tch::manual_seed(1);
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let model = Gpt2::new(&vs.root(), &Config::tiny());
+        let x = ids(&[5, 6, 7, 8]);
+        let mask = Tensor::ones([1, 4], (Kind::Float, Device::Cpu));
+        let want = src.forward(&x, &mask, false);
+        assert!(!close(&model.forward(&x, &mask, false), &want));
+
+        let report = load_hf_safetensors(&mut vs, &path).unwrap();
+        assert_eq!(report.loaded, 28);
+        assert!(report.unexpected.is_empty());
+        assert!(report.skipped.is_empty());
+        assert_eq!(report.ignored.len(), 2);
+        assert!(model.forward(&x, &mask, false).equal(&want));
+    }
+
+    #[test]
+    fn wrong_shape_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let (src_vs, _) = tiny();
+        let path = hf_file(&src_vs, dir.path(), |named| {
+            for (n, t) in named.iter_mut() {
+                if n == "transformer.h.1.attn.c_attn.weight" {
+                    *t = t.tr().contiguous();
+                }
+            }
+        });
+        let (mut vs, _) = tiny();
+        let err = load_hf_safetensors(&mut vs, &path).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "h.1.attn.c_attn.weight: shape [64, 192] expected, file has [192, 64]"
+        );
+    }
+
+    #[test]
+    fn missing_tensor_is_named_and_extra_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let (src_vs, _) = tiny();
+        let path = hf_file(&src_vs, dir.path(), |named| {
+            named.retain(|(n, _)| n != "transformer.h.0.mlp.c_fc.bias");
+            named.push((
+                "transformer.extra".into(),
+                Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+            ));
+        });
+        let (mut vs, _) = tiny();
+        let err = load_hf_safetensors(&mut vs, &path).unwrap_err().to_string();
+        assert!(err.contains("h.0.mlp.c_fc.bias"), "{err}");
+
+        let path = hf_file(&src_vs, dir.path(), |named| {
+            named.push((
+                "extra".into(),
+                Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+            ));
+        });
+        let report = load_hf_safetensors(&mut vs, &path).unwrap();
+        assert_eq!(report.unexpected, vec!["extra".to_string()]);
+    }
+}
