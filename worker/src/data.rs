@@ -1,0 +1,1287 @@
+//! MovieLens-1M data: reading, implicit-feedback splitting, negative sampling and a synthetic
+//! generator that writes files in the same format.
+//!
+//! Owns: parsing and validating `users.dat`, `movies.dat` (ISO-8859-1) and `ratings.dat`
+//! (`::`-separated, see `shared/REFERENCE.md`); turning ratings into implicit feedback with a dense
+//! id remap and a seeded per-user 8:1:1 train/valid/test split; uniform negative sampling outside
+//! a user's train set; and a deterministic synthetic ML-1M-format generator (Tiny/Small/Full).
+//!
+//! Must not: know the model, tokenizers, ranks or libtorch, touch the network, or use a random
+//! source other than the local SplitMix64 (so splits are bit-identical on every rank and
+//! machine). Input errors are returned as [`DataError`] (file, line, what was wrong), never
+//! panics.
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use common::config::SyntheticSize;
+use thiserror::Error;
+
+/// The 18 ML-1M genres, in the order listed in the dataset's README.
+pub const GENRES: [&str; 18] = [
+    "Action",
+    "Adventure",
+    "Animation",
+    "Children's",
+    "Comedy",
+    "Crime",
+    "Documentary",
+    "Drama",
+    "Fantasy",
+    "Film-Noir",
+    "Horror",
+    "Musical",
+    "Mystery",
+    "Romance",
+    "Sci-Fi",
+    "Thriller",
+    "War",
+    "Western",
+];
+
+/// Valid age codes of `users.dat`, in increasing order.
+pub const AGE_CODES: [u8; 7] = [1, 18, 25, 35, 45, 50, 56];
+
+const OCCUPATIONS: [&str; 21] = [
+    "other/not specified",
+    "academic/educator",
+    "artist",
+    "clerical/admin",
+    "college/grad student",
+    "customer service",
+    "doctor/health care",
+    "executive/managerial",
+    "farmer",
+    "homemaker",
+    "K-12 student",
+    "lawyer",
+    "programmer",
+    "retired",
+    "sales/marketing",
+    "scientist",
+    "self-employed",
+    "technician/engineer",
+    "tradesman/craftsman",
+    "unemployed",
+    "writer",
+];
+
+/// Human-readable age group for an ML-1M age code (`"unknown"` for an invalid code).
+pub fn age_group_name(code: u8) -> &'static str {
+    match code {
+        1 => "Under 18",
+        18 => "18-24",
+        25 => "25-34",
+        35 => "35-44",
+        45 => "45-49",
+        50 => "50-55",
+        56 => "56+",
+        _ => "unknown",
+    }
+}
+
+/// Human-readable occupation for an ML-1M occupation code 0..=20 (`"unknown"` otherwise).
+pub fn occupation_name(code: u8) -> &'static str {
+    OCCUPATIONS.get(code as usize).copied().unwrap_or("unknown")
+}
+
+/// Errors reading or writing ML-1M files.
+#[derive(Debug, Error)]
+pub enum DataError {
+    #[error("data: missing file {}", path.display())]
+    MissingFile { path: PathBuf },
+    #[error("data: cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("data: cannot write {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("data: {}:{line}: {msg}", path.display())]
+    Parse {
+        path: PathBuf,
+        line: usize,
+        msg: String,
+    },
+}
+
+/// Gender field of `users.dat`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Gender {
+    M,
+    F,
+}
+
+/// One row of `users.dat`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct User {
+    pub id: u32,
+    pub gender: Gender,
+    /// Age code (1, 18, 25, 35, 45, 50 or 56); see [`age_group_name`].
+    pub age: u8,
+    /// Occupation code 0..=20; see [`occupation_name`].
+    pub occupation: u8,
+    /// Kept verbatim (ZIP+4 and odd codes are valid).
+    pub zip: String,
+}
+
+/// One row of `movies.dat`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Movie {
+    pub id: u32,
+    /// Title as in the file (latin-1 decoded), including the trailing `(year)`.
+    pub title: String,
+    /// Year from the trailing `(1995)` of the title, when present.
+    pub year: Option<u16>,
+    pub genres: Vec<String>,
+}
+
+/// One row of `ratings.dat`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rating {
+    pub user: u32,
+    pub movie: u32,
+    pub rating: u8,
+    pub timestamp: u64,
+}
+
+/// The three ML-1M files, parsed and validated, rows in file order.
+#[derive(Debug, Clone, Default)]
+pub struct RawData {
+    pub users: Vec<User>,
+    pub movies: Vec<Movie>,
+    pub ratings: Vec<Rating>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing
+// ---------------------------------------------------------------------------------------------
+
+fn read_file(path: &Path) -> Result<Vec<u8>, DataError> {
+    match fs::read(path) {
+        Ok(b) => Ok(b),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(DataError::MissingFile {
+            path: path.to_path_buf(),
+        }),
+        Err(source) => Err(DataError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Iterates over `(1-based line number, line bytes)`, skipping empty lines and stripping a
+/// trailing `\r`.
+fn lines(bytes: &[u8]) -> impl Iterator<Item = (usize, &[u8])> {
+    bytes
+        .split(|&b| b == b'\n')
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.strip_suffix(b"\r").unwrap_or(l)))
+        .filter(|(_, l)| !l.is_empty())
+}
+
+/// Splits `line` on `::` into `out`; returns the number of fields found (may exceed `N`, in
+/// which case only the first `N` are stored).
+fn split_fields<'a, const N: usize>(line: &'a [u8], out: &mut [&'a [u8]; N]) -> usize {
+    let mut n = 0;
+    let mut start = 0;
+    let mut i = 0;
+    while i + 1 < line.len() {
+        if line[i] == b':' && line[i + 1] == b':' {
+            if n < N {
+                out[n] = &line[start..i];
+            }
+            n += 1;
+            i += 2;
+            start = i;
+        } else {
+            i += 1;
+        }
+    }
+    if n < N {
+        out[n] = &line[start..];
+    }
+    n + 1
+}
+
+fn parse_uint(field: &[u8]) -> Option<u64> {
+    if field.is_empty() || field.len() > 19 {
+        return None;
+    }
+    let mut v: u64 = 0;
+    for &b in field {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        v = v * 10 + u64::from(b - b'0');
+    }
+    Some(v)
+}
+
+/// Latin-1 decoding: each byte is the char U+00XX.
+fn latin1(bytes: &[u8]) -> String {
+    bytes.iter().map(|&b| b as char).collect()
+}
+
+struct Ctx<'p> {
+    path: &'p Path,
+}
+
+impl Ctx<'_> {
+    fn err(&self, line: usize, msg: impl Into<String>) -> DataError {
+        DataError::Parse {
+            path: self.path.to_path_buf(),
+            line,
+            msg: msg.into(),
+        }
+    }
+
+    fn fields<'a, const N: usize>(
+        &self,
+        line_no: usize,
+        line: &'a [u8],
+    ) -> Result<[&'a [u8]; N], DataError> {
+        let mut out: [&[u8]; N] = [&[]; N];
+        let n = split_fields(line, &mut out);
+        if n != N {
+            return Err(self.err(
+                line_no,
+                format!("expected {N} '::'-separated fields, found {n}"),
+            ));
+        }
+        Ok(out)
+    }
+
+    fn num(&self, line_no: usize, what: &str, field: &[u8], max: u64) -> Result<u64, DataError> {
+        match parse_uint(field) {
+            Some(v) if v <= max => Ok(v),
+            Some(v) => Err(self.err(line_no, format!("{what} {v} out of range (max {max})"))),
+            None => Err(self.err(
+                line_no,
+                format!("{what} is not a number: {:?}", latin1(field)),
+            )),
+        }
+    }
+}
+
+fn parse_users(path: &Path, bytes: &[u8]) -> Result<Vec<User>, DataError> {
+    let cx = Ctx { path };
+    let mut users = Vec::with_capacity(bytes.len() / 20 + 1);
+    let mut seen = HashSet::new();
+    for (no, line) in lines(bytes) {
+        let [id, gender, age, occ, zip] = cx.fields::<5>(no, line)?;
+        let id = cx.num(no, "user id", id, u64::from(u32::MAX))? as u32;
+        if !seen.insert(id) {
+            return Err(cx.err(no, format!("duplicate user id {id}")));
+        }
+        let gender = match gender {
+            b"M" => Gender::M,
+            b"F" => Gender::F,
+            other => {
+                return Err(cx.err(
+                    no,
+                    format!("gender must be M or F, got {:?}", latin1(other)),
+                ))
+            }
+        };
+        let age = cx.num(no, "age code", age, 255)? as u8;
+        if !AGE_CODES.contains(&age) {
+            return Err(cx.err(no, format!("age code {age} is not one of {AGE_CODES:?}")));
+        }
+        let occupation = cx.num(no, "occupation", occ, 20)? as u8;
+        if zip.is_empty() {
+            return Err(cx.err(no, "empty zip code"));
+        }
+        users.push(User {
+            id,
+            gender,
+            age,
+            occupation,
+            zip: latin1(zip),
+        });
+    }
+    Ok(users)
+}
+
+/// Year from a title ending in `(dddd)`.
+fn title_year(title: &[u8]) -> Option<u16> {
+    let t = title.trim_ascii_end();
+    if t.len() < 6 || t[t.len() - 1] != b')' || t[t.len() - 6] != b'(' {
+        return None;
+    }
+    let digits = &t[t.len() - 5..t.len() - 1];
+    parse_uint(digits).map(|y| y as u16)
+}
+
+fn parse_movies(path: &Path, bytes: &[u8]) -> Result<Vec<Movie>, DataError> {
+    let cx = Ctx { path };
+    let mut movies = Vec::with_capacity(bytes.len() / 40 + 1);
+    let mut seen = HashSet::new();
+    for (no, line) in lines(bytes) {
+        let [id, title, genres] = cx.fields::<3>(no, line)?;
+        let id = cx.num(no, "movie id", id, u64::from(u32::MAX))? as u32;
+        if !seen.insert(id) {
+            return Err(cx.err(no, format!("duplicate movie id {id}")));
+        }
+        if title.is_empty() {
+            return Err(cx.err(no, "empty title"));
+        }
+        let mut gs = Vec::new();
+        for g in genres.split(|&b| b == b'|') {
+            match GENRES.iter().find(|k| k.as_bytes() == g) {
+                Some(k) => gs.push((*k).to_string()),
+                None => return Err(cx.err(no, format!("unknown genre {:?}", latin1(g)))),
+            }
+        }
+        movies.push(Movie {
+            id,
+            title: latin1(title),
+            year: title_year(title),
+            genres: gs,
+        });
+    }
+    Ok(movies)
+}
+
+fn parse_ratings(
+    path: &Path,
+    bytes: &[u8],
+    users: &IdSet,
+    movies: &IdSet,
+) -> Result<Vec<Rating>, DataError> {
+    let cx = Ctx { path };
+    let mut ratings = Vec::with_capacity(bytes.len() / 22 + 1);
+    for (no, line) in lines(bytes) {
+        if let Some((user, movie, rating, timestamp)) = fast_rating(line) {
+            if (1..=5).contains(&rating) && users.contains(user) && movies.contains(movie) {
+                ratings.push(Rating {
+                    user,
+                    movie,
+                    rating,
+                    timestamp,
+                });
+                continue;
+            }
+        }
+        // Slow path: re-parse field by field to report exactly what is wrong.
+        let [u, m, r, t] = cx.fields::<4>(no, line)?;
+        let user = cx.num(no, "user id", u, u64::from(u32::MAX))? as u32;
+        let movie = cx.num(no, "movie id", m, u64::from(u32::MAX))? as u32;
+        let rating = cx.num(no, "rating", r, 255)? as u8;
+        if !(1..=5).contains(&rating) {
+            return Err(cx.err(no, format!("rating {rating} not in 1..=5")));
+        }
+        let timestamp = cx.num(no, "timestamp", t, u64::MAX)?;
+        if !users.contains(user) {
+            return Err(cx.err(no, format!("rating for unknown user {user}")));
+        }
+        if !movies.contains(movie) {
+            return Err(cx.err(no, format!("rating for unknown movie {movie}")));
+        }
+        ratings.push(Rating {
+            user,
+            movie,
+            rating,
+            timestamp,
+        });
+    }
+    Ok(ratings)
+}
+
+/// Membership test for ids: a bitmap when ids are small (ML-1M), a sorted list otherwise.
+enum IdSet {
+    Bitmap(Vec<bool>),
+    Sorted(Vec<u32>),
+}
+
+impl IdSet {
+    fn new(ids: impl Iterator<Item = u32>) -> IdSet {
+        let mut v: Vec<u32> = ids.collect();
+        let max = v.iter().copied().max().unwrap_or(0) as usize;
+        if max <= 1 << 24 {
+            let mut bits = vec![false; max + 1];
+            for id in v {
+                bits[id as usize] = true;
+            }
+            IdSet::Bitmap(bits)
+        } else {
+            v.sort_unstable();
+            IdSet::Sorted(v)
+        }
+    }
+
+    #[inline]
+    fn contains(&self, id: u32) -> bool {
+        match self {
+            IdSet::Bitmap(b) => b.get(id as usize).copied().unwrap_or(false),
+            IdSet::Sorted(v) => v.binary_search(&id).is_ok(),
+        }
+    }
+}
+
+/// Single-pass parse of a well-formed `u::m::r::t` line; `None` on anything unusual.
+#[inline]
+fn fast_rating(line: &[u8]) -> Option<(u32, u32, u8, u64)> {
+    let mut pos = 0;
+    let mut vals = [0u64; 4];
+    for (k, v) in vals.iter_mut().enumerate() {
+        let start = pos;
+        let mut x: u64 = 0;
+        while pos < line.len() && line[pos].is_ascii_digit() {
+            x = x
+                .checked_mul(10)?
+                .checked_add(u64::from(line[pos] - b'0'))?;
+            pos += 1;
+        }
+        if pos == start {
+            return None;
+        }
+        *v = x;
+        if k < 3 {
+            if line.get(pos..pos + 2) != Some(b"::".as_slice()) {
+                return None;
+            }
+            pos += 2;
+        }
+    }
+    if pos != line.len() || vals[0] > u64::from(u32::MAX) || vals[1] > u64::from(u32::MAX) {
+        return None;
+    }
+    Some((
+        vals[0] as u32,
+        vals[1] as u32,
+        u8::try_from(vals[2]).ok()?,
+        vals[3],
+    ))
+}
+
+/// Reads and validates `users.dat`, `movies.dat` and `ratings.dat` from `dir`.
+pub fn read_ml1m(dir: &Path) -> Result<RawData, DataError> {
+    let up = dir.join("users.dat");
+    let mp = dir.join("movies.dat");
+    let rp = dir.join("ratings.dat");
+    let users = parse_users(&up, &read_file(&up)?)?;
+    let movies = parse_movies(&mp, &read_file(&mp)?)?;
+    let user_ok = IdSet::new(users.iter().map(|u| u.id));
+    let movie_ok = IdSet::new(movies.iter().map(|m| m.id));
+    let ratings = parse_ratings(&rp, &read_file(&rp)?, &user_ok, &movie_ok)?;
+    Ok(RawData {
+        users,
+        movies,
+        ratings,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// PRNG
+// ---------------------------------------------------------------------------------------------
+
+/// SplitMix64: advances `state` and returns the next 64-bit output.
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Uniform-ish integer in `0..n` (multiply-shift; bias < n / 2^64). `n` must be > 0.
+fn below(state: &mut u64, n: u64) -> u64 {
+    ((u128::from(splitmix64(state)) * u128::from(n)) >> 64) as u64
+}
+
+/// Uniform f64 in [0, 1).
+fn unit(state: &mut u64) -> f64 {
+    (splitmix64(state) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Standard normal (Box–Muller).
+fn normal(state: &mut u64) -> f64 {
+    let u1 = 1.0 - unit(state); // (0, 1]
+    let u2 = unit(state);
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+fn mix_seed(a: u64, b: u64) -> u64 {
+    let mut s = a ^ b.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    splitmix64(&mut s)
+}
+
+fn shuffle<T>(v: &mut [T], state: &mut u64) {
+    for i in (1..v.len()).rev() {
+        let j = below(state, i as u64 + 1) as usize;
+        v.swap(i, j);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Implicit feedback + split
+// ---------------------------------------------------------------------------------------------
+
+/// Implicit-feedback interactions with dense ids and a per-user 8:1:1 split.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dataset {
+    pub n_users: u32,
+    pub n_items: u32,
+    /// Dense user index -> original ML-1M user id (increasing).
+    pub user_ids: Vec<u32>,
+    /// Dense item index -> original ML-1M movie id (increasing).
+    pub item_ids: Vec<u32>,
+    /// Per dense user: sorted dense item ids.
+    pub train: Vec<Vec<u32>>,
+    pub valid: Vec<Vec<u32>>,
+    pub test: Vec<Vec<u32>>,
+}
+
+/// Builds the implicit-feedback dataset.
+///
+/// Keeps ratings `>= min_rating`; users and items that still have an interaction are remapped
+/// densely in increasing original-id order. Each user's distinct items are sorted, shuffled
+/// (Fisher–Yates, SplitMix64 seeded from `(seed, original user id)`), then cut in this order:
+/// the first `n - 2*floor(n/10)` go to train, the next `floor(n/10)` to valid, the last
+/// `floor(n/10)` to test. Each part is then sorted. Deterministic for a seed.
+pub fn build_dataset(raw: &RawData, min_rating: u8, seed: u64) -> Dataset {
+    let kept = || raw.ratings.iter().filter(|r| r.rating >= min_rating);
+    let max_u = kept().map(|r| r.user).max().unwrap_or(0) as usize;
+    let max_m = kept().map(|r| r.movie).max().unwrap_or(0) as usize;
+    let mut umap = vec![u32::MAX; max_u + 1];
+    let mut imap = vec![u32::MAX; max_m + 1];
+    for r in kept() {
+        umap[r.user as usize] = 0;
+        imap[r.movie as usize] = 0;
+    }
+    let densify = |map: &mut [u32]| -> Vec<u32> {
+        let mut ids = Vec::new();
+        for (orig, slot) in map.iter_mut().enumerate() {
+            if *slot != u32::MAX {
+                *slot = ids.len() as u32;
+                ids.push(orig as u32);
+            }
+        }
+        ids
+    };
+    let user_ids = densify(&mut umap);
+    let item_ids = densify(&mut imap);
+    let mut per_user: Vec<Vec<u32>> = vec![Vec::new(); user_ids.len()];
+    for r in kept() {
+        per_user[umap[r.user as usize] as usize].push(imap[r.movie as usize]);
+    }
+    let n = user_ids.len();
+    let (mut train, mut valid, mut test) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for (d, mut items) in per_user.into_iter().enumerate() {
+        items.sort_unstable();
+        items.dedup();
+        let mut state = mix_seed(seed, u64::from(user_ids[d]));
+        shuffle(&mut items, &mut state);
+        let k = items.len() / 10;
+        let n_train = items.len() - 2 * k;
+        let mut te = items.split_off(n_train + k);
+        let mut va = items.split_off(n_train);
+        items.sort_unstable();
+        va.sort_unstable();
+        te.sort_unstable();
+        train.push(items);
+        valid.push(va);
+        test.push(te);
+    }
+    Dataset {
+        n_users: user_ids.len() as u32,
+        n_items: item_ids.len() as u32,
+        user_ids,
+        item_ids,
+        train,
+        valid,
+        test,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Negative sampling
+// ---------------------------------------------------------------------------------------------
+
+/// Draws an item uniformly from `0..n_items` minus `train_items_sorted`, advancing `rng_state`
+/// (SplitMix64). Precondition: `train_items_sorted` is sorted, deduplicated, every id
+/// `< n_items`. Returns `None` when the user has every item in train (or `n_items == 0`).
+///
+/// Rejection sampling with binary search; after 32 rejections (a user owning most items) it
+/// falls back to an exact draw of the k-th free item, so it always terminates quickly.
+pub fn sample_negative(
+    train_items_sorted: &[u32],
+    n_items: u32,
+    rng_state: &mut u64,
+) -> Option<u32> {
+    let owned = train_items_sorted.len() as u64;
+    let n = u64::from(n_items);
+    if owned >= n {
+        return None;
+    }
+    for _ in 0..32 {
+        let c = below(rng_state, n) as u32;
+        if train_items_sorted.binary_search(&c).is_err() {
+            return Some(c);
+        }
+    }
+    // Exact: the k-th item (0-based) not in the set.
+    let mut k = below(rng_state, n - owned) as u32;
+    for &t in train_items_sorted {
+        if t <= k {
+            k += 1;
+        } else {
+            break;
+        }
+    }
+    Some(k)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Synthetic generator
+// ---------------------------------------------------------------------------------------------
+
+struct SizeSpec {
+    users: usize,
+    movies: usize,
+    /// Mean ratings per user (>= 20 each).
+    mean_ratings: f64,
+}
+
+fn spec(size: SyntheticSize) -> SizeSpec {
+    match size {
+        SyntheticSize::Tiny => SizeSpec {
+            users: 200,
+            movies: 150,
+            mean_ratings: 30.0,
+        },
+        SyntheticSize::Small => SizeSpec {
+            users: 1000,
+            movies: 800,
+            mean_ratings: 60.0,
+        },
+        SyntheticSize::Full => SizeSpec {
+            users: 6040,
+            movies: 3883,
+            mean_ratings: 165.6,
+        },
+    }
+}
+
+const TITLE_ADJ: [&str; 24] = [
+    "Last",
+    "Dark",
+    "Silent",
+    "Lost",
+    "Golden",
+    "Broken",
+    "Hidden",
+    "Wild",
+    "Crimson",
+    "Endless",
+    "Frozen",
+    "Little",
+    "Big",
+    "Secret",
+    "Burning",
+    "Forgotten",
+    "Blue",
+    "Midnight",
+    "Iron",
+    "Strange",
+    "Sweet",
+    "Final",
+    "Long",
+    "Quiet",
+];
+const TITLE_NOUN: [&str; 24] = [
+    "Road", "River", "Summer", "Night", "City", "Heart", "Kingdom", "Game", "Island", "Dream",
+    "Star", "Garden", "Storm", "Mountain", "Letter", "House", "Promise", "Shadow", "Voyage",
+    "Harvest", "Circus", "Mirror", "Empire", "Station",
+];
+/// Latin-1 encoded words (single bytes >= 0x80).
+const LATIN1_WORDS: [&[u8]; 8] = [
+    b"Mis\xe9rables",
+    b"\xdcber Alles",
+    b"Caf\xe9 Society",
+    b"No\xebl",
+    b"Se\xf1or Loco",
+    b"Am\xe9lie's Garden",
+    b"Gar\xe7on",
+    b"M\xfcnchen",
+];
+const GENRE_BASE_WEIGHT: [f64; 18] = [
+    5.0, 3.0, 1.0, 1.5, 9.0, 2.5, 1.0, 12.0, 0.8, 0.4, 2.5, 1.0, 1.0, 3.5, 2.0, 4.0, 1.0, 0.5,
+];
+
+fn pick_weighted(state: &mut u64, w: &[f64]) -> usize {
+    let total: f64 = w.iter().sum();
+    let mut x = unit(state) * total;
+    for (i, &wi) in w.iter().enumerate() {
+        if x < wi {
+            return i;
+        }
+        x -= wi;
+    }
+    w.len() - 1
+}
+
+/// Demographic genre shift: a fixed (seed-independent) structure, so a model reading user text
+/// can learn it. Genre indices follow [`GENRES`].
+fn demographic_pref(gender: Gender, age_idx: usize, occ: u8, g: usize) -> f64 {
+    let mut p = 0.0;
+    // Gender.
+    let male: [usize; 5] = [0, 14, 15, 16, 17]; // Action, Sci-Fi, Thriller, War, Western
+    let female: [usize; 4] = [13, 11, 7, 3]; // Romance, Musical, Drama, Children's
+    match gender {
+        Gender::M if male.contains(&g) => p += 0.5,
+        Gender::F if female.contains(&g) => p += 0.5,
+        _ => {}
+    }
+    // Age: young like Animation/Children's/Comedy/Horror/Action; older Drama/Film-Noir/War/Western.
+    let young = (3.0 - age_idx as f64) / 3.0; // +1 .. -1
+    match g {
+        2 | 3 => p += 0.6 * young,
+        4 | 10 | 0 => p += 0.3 * young,
+        7 | 9 | 16 | 17 | 6 => p -= 0.4 * young,
+        _ => {}
+    }
+    // Occupation: a fixed pseudo-random shift per (occupation, genre), plus a few obvious ones.
+    let mut s = 0x5eed_0000 ^ (u64::from(occ) << 8) ^ g as u64;
+    p += 0.5 * (unit(&mut s) - 0.5);
+    match (occ, g) {
+        (12 | 15 | 17, 14) => p += 0.7, // programmers/scientists/engineers: Sci-Fi
+        (10, 2 | 3) => p += 0.7,        // K-12 students: Animation/Children's
+        (2 | 20, 7 | 6) => p += 0.5,    // artists/writers: Drama/Documentary
+        (13, 16 | 17 | 9) => p += 0.6,  // retired: War/Western/Film-Noir
+        (4, 4 | 10) => p += 0.4,        // college students: Comedy/Horror
+        _ => {}
+    }
+    p
+}
+
+/// Writes `users.dat`, `movies.dat` (latin-1) and `ratings.dat` in ML-1M format into `dir`
+/// (created if missing). Deterministic for `(size, seed)`: the same bytes on the same platform
+/// (floating-point `ln`/`exp`/`cos` come from the platform's libm).
+pub fn generate_ml1m(dir: &Path, size: SyntheticSize, seed: u64) -> Result<(), DataError> {
+    let sp = spec(size);
+    let mut rng = mix_seed(seed, 0x4d4c_314d);
+
+    // Movie ids: 1..=max_id with (max_id - movies) gaps (3952 for Full).
+    let max_id = sp.movies + sp.movies / 56;
+    let mut ids: Vec<u32> = (1..=max_id as u32).collect();
+    shuffle(&mut ids, &mut rng);
+    ids.truncate(sp.movies);
+    ids.sort_unstable();
+
+    // Movies.
+    let mut movies_buf: Vec<u8> = Vec::with_capacity(sp.movies * 48);
+    let mut movie_genres: Vec<Vec<usize>> = Vec::with_capacity(sp.movies);
+    let mut quality = Vec::with_capacity(sp.movies);
+    let amp_idx = sp.movies / 3;
+    for (i, &id) in ids.iter().enumerate() {
+        let year = 2000 - (unit(&mut rng).powi(3) * 81.0) as u32;
+        let n_g = 1 + pick_weighted(&mut rng, &[0.45, 0.35, 0.2]);
+        let mut gs: Vec<usize> = Vec::with_capacity(n_g);
+        while gs.len() < n_g {
+            let g = pick_weighted(&mut rng, &GENRE_BASE_WEIGHT);
+            if !gs.contains(&g) {
+                gs.push(g);
+            }
+        }
+        gs.sort_unstable();
+        quality.push(0.6 * normal(&mut rng));
+        let adj = TITLE_ADJ[below(&mut rng, TITLE_ADJ.len() as u64) as usize];
+        let noun = TITLE_NOUN[below(&mut rng, TITLE_NOUN.len() as u64) as usize];
+        let _ = write!(LineBuf(&mut movies_buf), "{id}::");
+        if i == amp_idx {
+            movies_buf.extend_from_slice(b"And Then There Were None&#8230; ");
+        } else if i % 29 == 7 {
+            let w = LATIN1_WORDS[(i / 29) % LATIN1_WORDS.len()];
+            movies_buf.extend_from_slice(w);
+            movies_buf.push(b' ');
+        }
+        let the = if below(&mut rng, 5) == 0 { ", The" } else { "" };
+        let _ = write!(LineBuf(&mut movies_buf), "{adj} {noun}{the} ({year})::");
+        for (k, &g) in gs.iter().enumerate() {
+            if k > 0 {
+                movies_buf.push(b'|');
+            }
+            movies_buf.extend_from_slice(GENRES[g].as_bytes());
+        }
+        movies_buf.push(b'\n');
+        movie_genres.push(gs);
+    }
+
+    // Users.
+    let mut users_buf: Vec<u8> = Vec::with_capacity(sp.users * 24);
+    let age_w = [0.04, 0.18, 0.35, 0.20, 0.09, 0.08, 0.06];
+    let occ_w = [
+        11.0, 8.0, 4.0, 3.0, 12.0, 2.0, 4.0, 11.0, 0.3, 1.5, 3.0, 2.0, 6.0, 2.0, 5.0, 2.5, 4.0,
+        8.0, 1.0, 1.2, 5.0,
+    ];
+    let mut prefs: Vec<[f64; 18]> = Vec::with_capacity(sp.users);
+    for uid in 1..=sp.users as u32 {
+        let gender = if unit(&mut rng) < 0.72 {
+            Gender::M
+        } else {
+            Gender::F
+        };
+        let age_idx = pick_weighted(&mut rng, &age_w);
+        let occ = pick_weighted(&mut rng, &occ_w) as u8;
+        let zip5 = below(&mut rng, 100_000);
+        let r = unit(&mut rng);
+        let zip = if r < 0.003 {
+            format!("{:07}", below(&mut rng, 10_000_000))
+        } else if r < 0.08 {
+            format!("{zip5:05}-{:04}", below(&mut rng, 10_000))
+        } else {
+            format!("{zip5:05}")
+        };
+        let g = if gender == Gender::M { 'M' } else { 'F' };
+        let age = AGE_CODES[age_idx];
+        let _ = writeln!(LineBuf(&mut users_buf), "{uid}::{g}::{age}::{occ}::{zip}");
+        let mut p = [0.0; 18];
+        for (gi, pg) in p.iter_mut().enumerate() {
+            *pg = demographic_pref(gender, age_idx, occ, gi) + 0.35 * normal(&mut rng);
+        }
+        prefs.push(p);
+    }
+
+    // Popularity: Zipf-like over a random rank order.
+    let mut rank: Vec<usize> = (0..sp.movies).collect();
+    shuffle(&mut rank, &mut rng);
+    let mut log_pop = vec![0.0f64; sp.movies];
+    for (r, &m) in rank.iter().enumerate() {
+        log_pop[m] = -0.9 * ((r + 1) as f64).ln();
+    }
+
+    // Ratings.
+    let mut ratings_buf: Vec<u8> =
+        Vec::with_capacity((sp.users as f64 * sp.mean_ratings) as usize * 24);
+    let cap = (sp.movies * 7 / 10).max(20);
+    let mut keys: Vec<(f64, u32)> = Vec::with_capacity(sp.movies);
+    let mut chosen: Vec<u32> = Vec::new();
+    for (ui, p) in prefs.iter().enumerate() {
+        let uid = ui + 1;
+        let extra = -(sp.mean_ratings - 20.0) * (1.0 - unit(&mut rng)).ln();
+        let k = (20 + extra as usize).min(cap).min(sp.movies);
+        // Efraimidis–Spirakis weighted sampling without replacement: key = ln(u) / w,
+        // computed in log space as ln(-ln u) - ln w (smaller is better).
+        keys.clear();
+        for (m, gs) in movie_genres.iter().enumerate() {
+            let aff = gs.iter().map(|&g| p[g]).sum::<f64>() / gs.len() as f64;
+            let log_w = log_pop[m] + 1.5 * aff;
+            let u = 1.0 - unit(&mut rng);
+            keys.push(((-u.ln()).ln() - log_w, m as u32));
+        }
+        keys.select_nth_unstable_by(k - 1, |a, b| a.0.total_cmp(&b.0));
+        chosen.clear();
+        chosen.extend(keys[..k].iter().map(|&(_, m)| m));
+        chosen.sort_unstable();
+        let mut ts = 956_703_932 + below(&mut rng, 80_000_000);
+        for &m in &chosen {
+            let gs = &movie_genres[m as usize];
+            let aff = gs.iter().map(|&g| p[g]).sum::<f64>() / gs.len() as f64;
+            let score = 3.6 + 1.2 * aff + quality[m as usize] + 0.8 * normal(&mut rng);
+            let stars = score.round().clamp(1.0, 5.0) as u8;
+            ts += below(&mut rng, 5_000);
+            let _ = writeln!(
+                LineBuf(&mut ratings_buf),
+                "{uid}::{}::{stars}::{ts}",
+                ids[m as usize]
+            );
+        }
+    }
+
+    fs::create_dir_all(dir).map_err(|source| DataError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    for (name, buf) in [
+        ("users.dat", &users_buf),
+        ("movies.dat", &movies_buf),
+        ("ratings.dat", &ratings_buf),
+    ] {
+        let path = dir.join(name);
+        fs::write(&path, buf).map_err(|source| DataError::Write { path, source })?;
+    }
+    Ok(())
+}
+
+/// `fmt::Write` adapter appending ASCII/UTF-8 text to a byte buffer.
+struct LineBuf<'a>(&'a mut Vec<u8>);
+
+impl std::fmt::Write for LineBuf<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0.extend_from_slice(s.as_bytes());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const USERS: &[u8] = b"1::F::1::10::48067\n2::M::56::16::98107-2117\n3::M::25::15::5849574\n";
+    const MOVIES: &[u8] = b"1::Toy Story (1995)::Animation|Children's|Comedy\n\
+2::Mis\xe9rables, Les (1995)::Drama|Musical\n\
+3::Good, The Bad and The Ugly, The&#8230; (1966)::Action|Western\n\
+4::No Year Here::Film-Noir\n";
+    const RATINGS: &[u8] =
+        b"1::1::5::978300760\n1::2::3::978302109\n2::3::4::978301968\n3::1::1::978300275\n";
+
+    fn write_set(users: &[u8], movies: &[u8], ratings: &[u8]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().expect("tempdir");
+        fs::write(d.path().join("users.dat"), users).expect("write");
+        fs::write(d.path().join("movies.dat"), movies).expect("write");
+        fs::write(d.path().join("ratings.dat"), ratings).expect("write");
+        d
+    }
+
+    fn err_of(users: &[u8], movies: &[u8], ratings: &[u8]) -> String {
+        let d = write_set(users, movies, ratings);
+        match read_ml1m(d.path()) {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn parses_hand_written_files() {
+        let d = write_set(USERS, MOVIES, RATINGS);
+        let raw = read_ml1m(d.path()).expect("parse");
+        assert_eq!(raw.users.len(), 3);
+        assert_eq!(raw.users[0].gender, Gender::F);
+        assert_eq!(raw.users[0].age, 1);
+        assert_eq!(raw.users[1].zip, "98107-2117");
+        assert_eq!(raw.users[2].zip, "5849574");
+        assert_eq!(raw.movies.len(), 4);
+        assert_eq!(raw.movies[0].year, Some(1995));
+        assert_eq!(
+            raw.movies[0].genres,
+            vec!["Animation", "Children's", "Comedy"]
+        );
+        assert_eq!(raw.movies[1].title, "Misérables, Les (1995)");
+        assert!(raw.movies[2].title.contains("&#8230;"));
+        assert_eq!(raw.movies[2].year, Some(1966));
+        assert_eq!(raw.movies[3].year, None);
+        assert_eq!(raw.ratings.len(), 4);
+        assert_eq!(
+            raw.ratings[2],
+            Rating {
+                user: 2,
+                movie: 3,
+                rating: 4,
+                timestamp: 978301968
+            }
+        );
+    }
+
+    #[test]
+    fn crlf_and_trailing_blank_lines_are_accepted() {
+        let d = write_set(
+            b"1::F::1::10::48067\r\n\n",
+            b"1::A (1995)::Drama\r\n",
+            b"1::1::5::1\r\n",
+        );
+        let raw = read_ml1m(d.path()).expect("parse");
+        assert_eq!(raw.users[0].zip, "48067");
+        assert_eq!(raw.movies[0].genres, vec!["Drama"]);
+        assert_eq!(raw.ratings.len(), 1);
+    }
+
+    #[test]
+    fn bad_field_count_names_file_and_line() {
+        let e = err_of(b"1::F::1::10::48067\n2::M::56::16\n", MOVIES, RATINGS);
+        assert!(e.contains("users.dat:2:"), "{e}");
+        assert!(e.contains("fields"), "{e}");
+    }
+
+    #[test]
+    fn non_numeric_names_file_and_line() {
+        let e = err_of(USERS, MOVIES, b"1::1::5::978300760\n1::x2::3::978302109\n");
+        assert!(e.contains("ratings.dat:2:"), "{e}");
+        assert!(e.contains("movie id is not a number"), "{e}");
+    }
+
+    #[test]
+    fn bad_gender_names_file_and_line() {
+        let e = err_of(
+            b"1::F::1::10::48067\n2::X::56::16::98107\n",
+            MOVIES,
+            RATINGS,
+        );
+        assert!(e.contains("users.dat:2:") && e.contains("gender"), "{e}");
+    }
+
+    #[test]
+    fn bad_age_and_occupation_are_rejected() {
+        let e = err_of(b"1::F::2::10::48067\n", MOVIES, b"");
+        assert!(e.contains("users.dat:1:") && e.contains("age code"), "{e}");
+        let e = err_of(b"1::F::1::21::48067\n", MOVIES, b"");
+        assert!(
+            e.contains("users.dat:1:") && e.contains("occupation"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn unknown_genre_names_file_and_line() {
+        let e = err_of(
+            USERS,
+            b"1::Toy Story (1995)::Animation\n2::X (1990)::Drama|Cartoon\n",
+            b"",
+        );
+        assert!(e.contains("movies.dat:2:") && e.contains("Cartoon"), "{e}");
+    }
+
+    #[test]
+    fn rating_six_names_file_and_line() {
+        let e = err_of(USERS, MOVIES, b"1::1::5::1\n1::2::3::2\n2::3::6::3\n");
+        assert!(
+            e.contains("ratings.dat:3:") && e.contains("rating 6"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn unknown_movie_and_user_name_file_and_line() {
+        let e = err_of(USERS, MOVIES, b"1::1::5::1\n1::99::3::2\n");
+        assert!(
+            e.contains("ratings.dat:2:") && e.contains("unknown movie 99"),
+            "{e}"
+        );
+        let e = err_of(USERS, MOVIES, b"1::1::5::1\n7::1::3::2\n");
+        assert!(
+            e.contains("ratings.dat:2:") && e.contains("unknown user 7"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn missing_file_is_named() {
+        let d = tempfile::tempdir().expect("tempdir");
+        fs::write(d.path().join("users.dat"), USERS).expect("write");
+        fs::write(d.path().join("movies.dat"), MOVIES).expect("write");
+        let e = read_ml1m(d.path())
+            .expect_err("missing ratings")
+            .to_string();
+        assert!(
+            e.contains("missing file") && e.contains("ratings.dat"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn name_helpers() {
+        assert_eq!(age_group_name(1), "Under 18");
+        assert_eq!(age_group_name(56), "56+");
+        assert_eq!(age_group_name(7), "unknown");
+        assert_eq!(occupation_name(12), "programmer");
+        assert_eq!(occupation_name(20), "writer");
+        assert_eq!(occupation_name(21), "unknown");
+    }
+
+    /// User `u` rates movies `1..=n`, all with 4 stars; user 100 rates movie 1 with 1 star.
+    fn raw_with_counts(counts: &[(u32, u32)]) -> RawData {
+        let max_m = counts.iter().map(|c| c.1).max().unwrap_or(1);
+        let mut raw = RawData::default();
+        for m in 1..=max_m + 1 {
+            raw.movies.push(Movie {
+                id: m,
+                title: format!("M{m}"),
+                year: None,
+                genres: vec!["Drama".into()],
+            });
+        }
+        for &(u, n) in counts {
+            for m in 1..=n {
+                raw.ratings.push(Rating {
+                    user: u,
+                    movie: m,
+                    rating: 4,
+                    timestamp: 0,
+                });
+            }
+        }
+        raw.ratings.push(Rating {
+            user: 100,
+            movie: max_m + 1,
+            rating: 1,
+            timestamp: 0,
+        });
+        raw
+    }
+
+    #[test]
+    fn split_proportions_are_exact() {
+        let raw = raw_with_counts(&[(5, 20), (3, 25)]);
+        let ds = build_dataset(&raw, 3, 42);
+        // User 100 and its movie are filtered out (rating 1 < 3); dense order is by original id.
+        assert_eq!(ds.user_ids, vec![3, 5]);
+        assert_eq!(ds.n_users, 2);
+        assert_eq!(ds.n_items, 25);
+        assert_eq!(ds.item_ids, (1..=25).collect::<Vec<u32>>());
+        let sizes = |d: usize| (ds.train[d].len(), ds.valid[d].len(), ds.test[d].len());
+        assert_eq!(sizes(1), (16, 2, 2));
+        assert_eq!(sizes(0), (21, 2, 2));
+    }
+
+    #[test]
+    fn split_parts_are_disjoint_sorted_and_complete() {
+        let raw = raw_with_counts(&[(1, 37), (2, 20), (4, 3)]);
+        let ds = build_dataset(&raw, 1, 7);
+        for d in 0..ds.n_users as usize {
+            let mut all: Vec<u32> = ds.train[d]
+                .iter()
+                .chain(&ds.valid[d])
+                .chain(&ds.test[d])
+                .copied()
+                .collect();
+            for part in [&ds.train[d], &ds.valid[d], &ds.test[d]] {
+                assert!(part.windows(2).all(|w| w[0] < w[1]));
+            }
+            let n = all.len();
+            all.sort_unstable();
+            all.dedup();
+            assert_eq!(all.len(), n, "an item appears in two parts");
+        }
+        // 3 items: floor(0.3) = 0 valid/test.
+        assert_eq!(ds.train[2].len(), 3);
+    }
+
+    #[test]
+    fn split_is_deterministic_and_seed_dependent() {
+        let raw = raw_with_counts(&[(1, 60), (2, 40), (9, 33)]);
+        let a = build_dataset(&raw, 3, 1);
+        let b = build_dataset(&raw, 3, 1);
+        let c = build_dataset(&raw, 3, 2);
+        assert_eq!(a, b);
+        assert_ne!(a.test, c.test);
+    }
+
+    #[test]
+    fn negative_none_when_user_has_everything() {
+        let mut s = 1;
+        assert_eq!(sample_negative(&[0, 1, 2], 3, &mut s), None);
+        assert_eq!(sample_negative(&[], 0, &mut s), None);
+        // Only item 2 is free: the exact fallback must find it.
+        for _ in 0..20 {
+            assert_eq!(sample_negative(&[0, 1, 3, 4], 5, &mut s), Some(2));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn negative_never_in_train(
+            n_items in 1u32..300,
+            items in proptest::collection::vec(0u32..300, 0..300),
+            seed in any::<u64>(),
+        ) {
+            let mut train: Vec<u32> = items.into_iter().filter(|&i| i < n_items).collect();
+            train.sort_unstable();
+            train.dedup();
+            let mut s = seed;
+            for _ in 0..20 {
+                match sample_negative(&train, n_items, &mut s) {
+                    Some(x) => {
+                        prop_assert!(x < n_items);
+                        prop_assert!(train.binary_search(&x).is_err());
+                    }
+                    None => prop_assert_eq!(train.len() as u32, n_items),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn synthetic_tiny_round_trips() {
+        let d = tempfile::tempdir().expect("tempdir");
+        generate_ml1m(d.path(), SyntheticSize::Tiny, 3).expect("generate");
+        let raw = read_ml1m(d.path()).expect("parse");
+        assert_eq!(raw.users.len(), 200);
+        assert_eq!(raw.movies.len(), 150);
+        assert!(raw.movies.iter().all(|m| m.year.is_some()));
+        assert!(raw.movies.iter().all(|m| (1..=3).contains(&m.genres.len())));
+        assert!(raw.movies.iter().any(|m| m.title.contains("&#8230;")));
+        assert!(raw.movies.iter().any(|m| m.title.contains('é')));
+        let bytes = fs::read(d.path().join("movies.dat")).expect("read");
+        assert!(
+            std::str::from_utf8(&bytes).is_err(),
+            "movies.dat must be latin-1"
+        );
+        assert!(raw.users.iter().any(|u| u.zip.contains('-')));
+        let n = raw.ratings.len();
+        assert!((4_000..10_000).contains(&n), "{n} ratings");
+        let mut per_user = vec![0usize; 201];
+        for r in &raw.ratings {
+            per_user[r.user as usize] += 1;
+        }
+        assert!(per_user[1..].iter().all(|&c| c >= 20));
+        // All five star levels occur and the split works on it.
+        for s in 1..=5u8 {
+            assert!(
+                raw.ratings.iter().any(|r| r.rating == s),
+                "no {s}-star rating"
+            );
+        }
+        let ds = build_dataset(&raw, 3, 0);
+        assert!(ds.n_users > 150 && ds.n_items > 100);
+    }
+
+    #[test]
+    fn synthetic_is_deterministic() {
+        let a = tempfile::tempdir().expect("tempdir");
+        let b = tempfile::tempdir().expect("tempdir");
+        let c = tempfile::tempdir().expect("tempdir");
+        generate_ml1m(a.path(), SyntheticSize::Tiny, 11).expect("generate");
+        generate_ml1m(b.path(), SyntheticSize::Tiny, 11).expect("generate");
+        generate_ml1m(c.path(), SyntheticSize::Tiny, 12).expect("generate");
+        for f in ["users.dat", "movies.dat", "ratings.dat"] {
+            let x = fs::read(a.path().join(f)).expect("read");
+            let y = fs::read(b.path().join(f)).expect("read");
+            let z = fs::read(c.path().join(f)).expect("read");
+            assert_eq!(x, y, "{f} differs for the same seed");
+            assert_ne!(x, z, "{f} identical for different seeds");
+        }
+    }
+
+    #[test]
+    #[ignore = "generates ~24 MB; run with --ignored to time read_ml1m on Full"]
+    fn synthetic_full_parse_timing() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let t0 = std::time::Instant::now();
+        generate_ml1m(d.path(), SyntheticSize::Full, 1).expect("generate");
+        let gen = t0.elapsed();
+        let t1 = std::time::Instant::now();
+        let raw = read_ml1m(d.path()).expect("parse");
+        let parse = t1.elapsed();
+        println!(
+            "Full: {} users, {} movies, {} ratings; generate {:?}, read_ml1m {:?}",
+            raw.users.len(),
+            raw.movies.len(),
+            raw.ratings.len(),
+            gen,
+            parse
+        );
+        assert_eq!(raw.users.len(), 6040);
+        assert_eq!(raw.movies.len(), 3883);
+        assert!(raw.movies.iter().all(|m| (1..=3952).contains(&m.id)));
+        assert!((800_000..1_200_000).contains(&raw.ratings.len()));
+        let t2 = std::time::Instant::now();
+        let ds = build_dataset(&raw, 3, 0);
+        println!(
+            "build_dataset {:?}: {} users, {} items",
+            t2.elapsed(),
+            ds.n_users,
+            ds.n_items
+        );
+    }
+}
