@@ -1,0 +1,287 @@
+//! The recommender head: user and item ID embeddings, optionally fused with text features (the
+//! mean-pooled GPT-2 states of each user's and item's metadata text, mapped to the embedding
+//! size), and a scorer (`dot` or `mlp`, no final sigmoid: it would squeeze BPR's score
+//! differences into [-1, 1] and slow learning). Also BPR loss with L2 on the embeddings used in
+//! the batch, and the popularity baseline's scores. It does not read data, encode text or train:
+//! text features arrive as tensors; the DDP engine trains the variables.
+
+use tch::{nn, nn::Module, Kind, Tensor};
+
+/// How a user and an item representation become a score.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scorer {
+    /// Inner product (matrix factorisation).
+    Dot,
+    /// A two-layer MLP on the concatenated pair.
+    Mlp,
+}
+
+/// Sizes of the recommender.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RecConfig {
+    pub n_users: i64,
+    pub n_items: i64,
+    /// ID embedding size (RecBole's `embedding_size`; 64 in REFERENCE.md's table).
+    pub dim: i64,
+    pub scorer: Scorer,
+}
+
+/// Text features of every user and item (rows in dense-id order), e.g. `[n_users, 768]`.
+pub struct TextFeatures {
+    pub users: Tensor,
+    pub items: Tensor,
+}
+
+/// User/item ID embeddings (+ projected text features) and a scorer.
+pub struct Recommender {
+    config: RecConfig,
+    user_id: nn::Embedding,
+    item_id: nn::Embedding,
+    /// (features, projection) per side, when text is used.
+    user_text: Option<(Tensor, nn::Linear)>,
+    item_text: Option<(Tensor, nn::Linear)>,
+    mlp: Option<(nn::Linear, nn::Linear)>,
+}
+
+impl Recommender {
+    /// Variables under `p`: `user_id.weight`, `item_id.weight`, and when text is given
+    /// `user_text_proj.*`, `item_text_proj.*`; `mlp.0.*`, `mlp.1.*` for the MLP scorer.
+    pub fn new(p: &nn::Path, config: RecConfig, text: Option<TextFeatures>) -> Recommender {
+        // Small normal initialisation, as RecBole's BPR (xavier-like scale for dim 64).
+        let emb = nn::EmbeddingConfig {
+            ws_init: nn::Init::Randn {
+                mean: 0.0,
+                stdev: 0.1,
+            },
+            ..Default::default()
+        };
+        let user_id = nn::embedding(p / "user_id", config.n_users, config.dim, emb);
+        let item_id = nn::embedding(p / "item_id", config.n_items, config.dim, emb);
+        let (user_text, item_text) = match text {
+            Some(t) => {
+                let proj = |name: &str, features: &Tensor| {
+                    let width = features.size().last().copied().unwrap_or(1);
+                    nn::linear(p / name, width, config.dim, Default::default())
+                };
+                let up = proj("user_text_proj", &t.users);
+                let ip = proj("item_text_proj", &t.items);
+                (Some((t.users.detach(), up)), Some((t.items.detach(), ip)))
+            }
+            None => (None, None),
+        };
+        let mlp = (config.scorer == Scorer::Mlp).then(|| {
+            (
+                nn::linear(
+                    p / "mlp" / "0",
+                    2 * config.dim,
+                    config.dim,
+                    Default::default(),
+                ),
+                nn::linear(p / "mlp" / "1", config.dim, 1, Default::default()),
+            )
+        });
+        Recommender {
+            config,
+            user_id,
+            item_id,
+            user_text,
+            item_text,
+            mlp,
+        }
+    }
+
+    pub fn config(&self) -> RecConfig {
+        self.config
+    }
+
+    /// Representations of users `ids` ([b] i64) → [b, dim]: ID embedding + projected text.
+    fn users(&self, ids: &Tensor) -> Tensor {
+        fuse(self.user_id.forward(ids), &self.user_text, ids)
+    }
+
+    fn items(&self, ids: &Tensor) -> Tensor {
+        fuse(self.item_id.forward(ids), &self.item_text, ids)
+    }
+
+    fn score_pairs(&self, u: &Tensor, i: &Tensor) -> Tensor {
+        match &self.mlp {
+            None => (u * i).sum_dim_intlist(-1, false, Kind::Float),
+            Some((l0, l1)) => l1
+                .forward(&l0.forward(&Tensor::cat(&[u, i], -1)).relu())
+                .squeeze_dim(-1),
+        }
+    }
+
+    /// Scores of (user, item) pairs: [b] for `users` [b] and `items` [b].
+    pub fn score(&self, users: &Tensor, items: &Tensor) -> Tensor {
+        self.score_pairs(&self.users(users), &self.items(items))
+    }
+
+    /// Scores of `users` [b] against every item: [b, n_items] (for full-ranking evaluation).
+    pub fn score_all_items(&self, users: &Tensor) -> Tensor {
+        let u = self.users(users);
+        let all = Tensor::arange(self.config.n_items, (Kind::Int64, u.device()));
+        let i = self.items(&all);
+        match &self.mlp {
+            None => u.matmul(&i.transpose(0, 1)),
+            Some(_) => {
+                let (b, n, d) = (u.size()[0], self.config.n_items, self.config.dim);
+                let uu = u.unsqueeze(1).expand([b, n, d], false);
+                let ii = i.unsqueeze(0).expand([b, n, d], false);
+                self.score_pairs(&uu, &ii)
+            }
+        }
+    }
+
+    /// BPR loss as REFERENCE.md gives it, `-log(1e-10 + sigmoid(pos - neg)).mean()`, plus
+    /// `l2` times the squared norms of the embeddings used in the batch, averaged over it.
+    pub fn bpr_loss(&self, users: &Tensor, pos: &Tensor, neg: &Tensor, l2: f64) -> Tensor {
+        let (u, p, n) = (self.users(users), self.items(pos), self.items(neg));
+        let diff = self.score_pairs(&u, &p) - self.score_pairs(&u, &n);
+        let bpr = -(diff.sigmoid() + 1e-10).log().mean(Kind::Float);
+        if l2 == 0.0 {
+            return bpr;
+        }
+        let b = users.size()[0].max(1) as f64;
+        let reg = (self.user_id.forward(users).square().sum(Kind::Float)
+            + self.item_id.forward(pos).square().sum(Kind::Float)
+            + self.item_id.forward(neg).square().sum(Kind::Float))
+            / b;
+        bpr + reg * l2
+    }
+}
+
+/// ID embedding + projection of the rows of `text` selected by `ids`.
+fn fuse(id_emb: Tensor, text: &Option<(Tensor, nn::Linear)>, ids: &Tensor) -> Tensor {
+    match text {
+        None => id_emb,
+        Some((features, proj)) => {
+            let rows = features.index_select(0, &ids.to_device(features.device()));
+            id_emb + proj.forward(&rows.to_device(ids.device()))
+        }
+    }
+}
+
+/// The popularity baseline: every item scored by its number of training interactions.
+pub fn popularity_scores(train: &[Vec<u32>], n_items: usize) -> Vec<f32> {
+    let mut counts = vec![0f32; n_items];
+    for items in train {
+        for &i in items {
+            if let Some(c) = counts.get_mut(i as usize) {
+                *c += 1.0;
+            }
+        }
+    }
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::nn::OptimizerConfig;
+
+    fn ids(v: &[i64]) -> Tensor {
+        Tensor::from_slice(v)
+    }
+
+    fn model(scorer: Scorer, text: bool) -> (nn::VarStore, Recommender) {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let config = RecConfig {
+            n_users: 5,
+            n_items: 7,
+            dim: 8,
+            scorer,
+        };
+        let text = text.then(|| TextFeatures {
+            users: Tensor::randn([5, 12], (Kind::Float, tch::Device::Cpu)),
+            items: Tensor::randn([7, 12], (Kind::Float, tch::Device::Cpu)),
+        });
+        let m = Recommender::new(&vs.root(), config, text);
+        (vs, m)
+    }
+
+    #[test]
+    fn score_all_items_agrees_with_pairwise_scores() {
+        for (scorer, text) in [
+            (Scorer::Dot, false),
+            (Scorer::Dot, true),
+            (Scorer::Mlp, true),
+        ] {
+            let (_vs, m) = model(scorer, text);
+            let users = ids(&[0, 3]);
+            let all = m.score_all_items(&users);
+            assert_eq!(all.size(), vec![2, 7]);
+            for (row, u) in [0i64, 3].iter().enumerate() {
+                let items = Tensor::arange(7, (Kind::Int64, tch::Device::Cpu));
+                let pair = m.score(
+                    &Tensor::full([7], *u, (Kind::Int64, tch::Device::Cpu)),
+                    &items,
+                );
+                let diff = (all.get(row as i64) - pair).abs().max().double_value(&[]);
+                assert!(diff < 1e-5, "{scorer:?} text={text}: {diff}");
+            }
+        }
+    }
+
+    #[test]
+    fn scores_are_not_squashed_by_a_sigmoid() {
+        let (_vs, m) = model(Scorer::Dot, false);
+        // Scale the embeddings up: a raw inner product grows without bound.
+        let _guard = tch::no_grad_guard();
+        let big = m.score(&ids(&[1]), &ids(&[1])).abs().double_value(&[0]);
+        let _ = m
+            .user_id
+            .ws
+            .shallow_clone()
+            .f_mul_(&Tensor::from(100.0))
+            .unwrap();
+        let bigger = m.score(&ids(&[1]), &ids(&[1])).abs().double_value(&[0]);
+        assert!(bigger > 1.0 && bigger > big * 50.0, "{big} -> {bigger}");
+    }
+
+    #[test]
+    fn bpr_training_ranks_positives_above_negatives() {
+        for scorer in [Scorer::Dot, Scorer::Mlp] {
+            let (vs, m) = model(scorer, true);
+            let mut opt = nn::Adam::default().build(&vs, 1e-2).unwrap();
+            let (u, p, n) = (
+                ids(&[0, 1, 2, 3, 4]),
+                ids(&[1, 2, 3, 4, 5]),
+                ids(&[6, 6, 0, 0, 6]),
+            );
+            let first = m.bpr_loss(&u, &p, &n, 1e-4).double_value(&[]);
+            for _ in 0..200 {
+                let loss = m.bpr_loss(&u, &p, &n, 1e-4);
+                opt.backward_step(&loss);
+            }
+            let last = m.bpr_loss(&u, &p, &n, 1e-4).double_value(&[]);
+            assert!(last < first * 0.2, "{scorer:?}: {first} -> {last}");
+            let margin = (m.score(&u, &p) - m.score(&u, &n)).min().double_value(&[]);
+            assert!(
+                margin > 0.0,
+                "{scorer:?}: a positive still ranks below its negative"
+            );
+        }
+    }
+
+    #[test]
+    fn l2_adds_the_squared_norms_of_the_batch_embeddings() {
+        let (_vs, m) = model(Scorer::Dot, false);
+        let (u, p, n) = (ids(&[0, 1]), ids(&[2, 3]), ids(&[4, 5]));
+        let plain = m.bpr_loss(&u, &p, &n, 0.0).double_value(&[]);
+        let with = m.bpr_loss(&u, &p, &n, 0.5).double_value(&[]);
+        let norms = (m.user_id.forward(&u).square().sum(Kind::Float)
+            + m.item_id.forward(&p).square().sum(Kind::Float)
+            + m.item_id.forward(&n).square().sum(Kind::Float))
+        .double_value(&[])
+            / 2.0;
+        assert!((with - plain - 0.5 * norms).abs() < 1e-5);
+    }
+
+    #[test]
+    fn popularity_counts_training_interactions() {
+        let train = vec![vec![0, 2], vec![2], vec![2, 3, 9]];
+        assert_eq!(popularity_scores(&train, 4), vec![1.0, 0.0, 3.0, 1.0]);
+    }
+}
