@@ -70,6 +70,30 @@ pub enum EnvError {
 }
 
 impl WorkerEnv {
+    /// The contract of rank `rank` in a single-node, first-attempt job of `world_size` ranks
+    /// (local ranks equal global ranks), as `launch` gives it on one machine.
+    pub fn single_node(
+        rank: u32,
+        world_size: u32,
+        master_addr: &str,
+        master_port: u16,
+        run_id: &str,
+    ) -> WorkerEnv {
+        WorkerEnv {
+            rank,
+            local_rank: rank,
+            world_size,
+            local_world_size: world_size,
+            group_rank: 0,
+            group_world_size: 1,
+            master_addr: master_addr.to_string(),
+            master_port,
+            restart_count: 0,
+            max_restarts: 0,
+            run_id: run_id.to_string(),
+        }
+    }
+
     /// The variables as (name, value) pairs, in [`VARIABLES`] order.
     pub fn to_vars(&self) -> Vec<(&'static str, String)> {
         vec![

@@ -1080,19 +1080,7 @@ mod tests {
     }
 
     fn worker_env(rank: u32, world_size: u32, port: u16, run_id: &str) -> WorkerEnv {
-        WorkerEnv {
-            rank,
-            local_rank: rank,
-            world_size,
-            local_world_size: world_size,
-            group_rank: 0,
-            group_world_size: 1,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            restart_count: 0,
-            max_restarts: 0,
-            run_id: run_id.into(),
-        }
+        WorkerEnv::single_node(rank, world_size, "127.0.0.1", port, run_id)
     }
 
     /// A raw, greeted-or-not socket to the server, for sending malformed bytes.

@@ -179,13 +179,18 @@ pub fn connect(
 ) -> Result<Box<dyn Collective>, CollectiveError> {
     use common::config::Backend;
     match (backend, device) {
-        (Backend::Auto, tch::Device::Cuda(_)) if nccl::probe().is_err() => {
-            if let Err(why) = nccl::probe() {
-                tracing::warn!("dist.backend = \"auto\": {why}; falling back to tcp (through host memory, slow)");
+        (Backend::Auto, tch::Device::Cuda(index)) => match nccl::probe() {
+            Ok(()) => Ok(Box::new(nccl::NcclCollective::connect(
+                env, store, index, timeout,
+            )?)),
+            Err(why) => {
+                tracing::warn!(
+                    "dist.backend = \"auto\": {why}; falling back to tcp (through host memory, slow)"
+                );
+                Ok(Box::new(tcp::TcpCollective::connect(env, store, timeout)?))
             }
-            Ok(Box::new(tcp::TcpCollective::connect(env, store, timeout)?))
-        }
-        (Backend::Nccl | Backend::Auto, tch::Device::Cuda(index)) => Ok(Box::new(
+        },
+        (Backend::Nccl, tch::Device::Cuda(index)) => Ok(Box::new(
             nccl::NcclCollective::connect(env, store, index, timeout)?,
         )),
         (Backend::Nccl, _) => Err(CollectiveError::Setup {

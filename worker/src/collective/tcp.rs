@@ -659,19 +659,7 @@ mod tests {
     use crate::store::StoreServer;
 
     fn env(rank: u32, world: u32, port: u16) -> WorkerEnv {
-        WorkerEnv {
-            rank,
-            local_rank: rank,
-            world_size: world,
-            local_world_size: world,
-            group_rank: 0,
-            group_world_size: 1,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            restart_count: 0,
-            max_restarts: 0,
-            run_id: "ring-test".into(),
-        }
+        WorkerEnv::single_node(rank, world, "127.0.0.1", port, "ring-test")
     }
 
     const CTX: OpContext = OpContext {
