@@ -39,6 +39,8 @@ pub struct Config {
     pub dist: DistConfig,
     /// `[checkpoint]`: when to save, how many to keep, whether to resume.
     pub checkpoint: CheckpointConfig,
+    /// `[eval]`: full-ranking evaluation, early stopping and the best model.
+    pub eval: EvalConfig,
 }
 
 /// `[run]`
@@ -138,6 +140,17 @@ pub enum TextMode {
     Dynamic,
 }
 
+/// How a user and an item representation become a score.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScorerKind {
+    /// Inner product of the two representations (the default).
+    #[default]
+    Dot,
+    /// A two-layer MLP on the concatenated pair (no final sigmoid).
+    Mlp,
+}
+
 /// `[model]`
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -153,6 +166,21 @@ pub struct ModelConfig {
     /// Hugging Face GPT-2 `model.safetensors` to load. Default: unset (random initialisation).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpt2_weights: Option<PathBuf>,
+    /// `"dot"` or `"mlp"` (`gpt2rec` and `bpr`). Default: `"dot"`.
+    pub scorer: ScorerKind,
+    /// Weight of the L2 penalty on the ID embeddings used in a batch (>= 0, per sample).
+    /// Default: `1e-4`.
+    pub l2: f64,
+    /// Tokens of user/item text fed to GPT-2, longer texts are cut (1..=n_positions).
+    /// Default: `64`.
+    pub max_text_tokens: usize,
+    /// Dynamic mode: keep every GPT-2 weight frozen (only the projections and IDs train).
+    /// Default: `false`.
+    pub freeze_gpt2: bool,
+    /// Dynamic mode: train only the top N GPT-2 blocks and the final layer norm (the rest stays
+    /// frozen). Default: unset (all of GPT-2 trains).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trainable_layers: Option<u32>,
 }
 
 impl Default for ModelConfig {
@@ -163,6 +191,45 @@ impl Default for ModelConfig {
             embedding_dim: 64,
             text_mode: TextMode::Cached,
             gpt2_weights: None,
+            scorer: ScorerKind::Dot,
+            l2: 1e-4,
+            max_text_tokens: 64,
+            freeze_gpt2: false,
+            trainable_layers: None,
+        }
+    }
+}
+
+/// The metrics the evaluator computes (each at every K of `eval.topk`).
+pub const METRIC_NAMES: [&str; 5] = ["recall", "ndcg", "mrr", "hit", "precision"];
+
+/// `[eval]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalConfig {
+    /// Cut-offs K of the full-ranking metrics (each >= 1, distinct). Default: `[10, 20]`.
+    pub topk: Vec<usize>,
+    /// Evaluate on the validation split every N epochs (>= 1; the last epoch always is).
+    /// Default: `1`.
+    pub every_n_epochs: u32,
+    /// Metric that picks the best model and drives early stopping, `name@K` with a name from
+    /// recall, ndcg, mrr, hit, precision and K in `topk`. Default: `"ndcg@10"`.
+    pub metric: String,
+    /// Stop after this many evaluations without improvement (0 = never stop early).
+    /// Default: `3`.
+    pub patience: u32,
+    /// Users scored at once during evaluation (>= 1). Default: `128`.
+    pub batch_users: usize,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        EvalConfig {
+            topk: vec![10, 20],
+            every_n_epochs: 1,
+            metric: "ndcg@10".to_string(),
+            patience: 3,
+            batch_users: 128,
         }
     }
 }
@@ -600,6 +667,64 @@ impl Config {
             ));
         }
 
+        if !model.l2.is_finite() || model.l2 < 0.0 {
+            return Err(ConfigError::invalid(
+                "model.l2",
+                format!("must be >= 0 and finite (got {})", model.l2),
+            ));
+        }
+        if model.max_text_tokens < 1 || model.max_text_tokens > 1024 {
+            return Err(ConfigError::invalid(
+                "model.max_text_tokens",
+                format!(
+                    "must be between 1 and 1024 (GPT-2's positions) (got {})",
+                    model.max_text_tokens
+                ),
+            ));
+        }
+        if model.trainable_layers.is_some() && model.freeze_gpt2 {
+            return Err(ConfigError::invalid(
+                "model.trainable_layers",
+                "contradicts model.freeze_gpt2 = true; set one of them",
+            ));
+        }
+
+        let eval = &self.eval;
+        if eval.topk.is_empty() {
+            return Err(ConfigError::invalid(
+                "eval.topk",
+                "must list at least one cut-off, e.g. [10, 20]",
+            ));
+        }
+        for (i, &k) in eval.topk.iter().enumerate() {
+            if k < 1 {
+                return Err(ConfigError::invalid(
+                    "eval.topk",
+                    format!("cut-offs must be >= 1 (got {k})"),
+                ));
+            }
+            if eval.topk[..i].contains(&k) {
+                return Err(ConfigError::invalid(
+                    "eval.topk",
+                    format!("lists {k} twice"),
+                ));
+            }
+        }
+        if eval.every_n_epochs < 1 {
+            return Err(ConfigError::invalid(
+                "eval.every_n_epochs",
+                format!("must be >= 1 (got {})", eval.every_n_epochs),
+            ));
+        }
+        if eval.batch_users < 1 {
+            return Err(ConfigError::invalid(
+                "eval.batch_users",
+                format!("must be >= 1 (got {})", eval.batch_users),
+            ));
+        }
+        parse_metric(&eval.metric, &eval.topk)
+            .map_err(|why| ConfigError::invalid("eval.metric", why))?;
+
         let train = &self.train;
         if train.epochs < 1 {
             return Err(ConfigError::invalid(
@@ -682,6 +807,23 @@ impl Config {
     pub fn batch_plan(&self, world_size: u64) -> Result<BatchPlan, BatchError> {
         self.batch.resolve(world_size)
     }
+}
+
+/// Splits `"name@K"` into its name and K, checking the name and that K is in `topk`.
+pub fn parse_metric(metric: &str, topk: &[usize]) -> Result<(String, usize), String> {
+    let bad = || {
+        format!(
+            "must be name@K with name one of {} and K one of eval.topk {topk:?} (got {metric:?})",
+            METRIC_NAMES.join(", ")
+        )
+    };
+    let (name, k) = metric.trim().split_once('@').ok_or_else(bad)?;
+    let name = name.trim().to_ascii_lowercase();
+    let k: usize = k.trim().parse().map_err(|_| bad())?;
+    if !METRIC_NAMES.contains(&name.as_str()) || !topk.contains(&k) {
+        return Err(bad());
+    }
+    Ok((name, k))
 }
 
 fn check_positive(key: &str, value: f64) -> Result<(), ConfigError> {
@@ -1294,11 +1436,11 @@ timeout_s = 60
         );
         assert_eq!(
             err("[batch]\nmicro = 4\n[optim]\nlr = 1\n"),
-            "configs/x.toml:3:2: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint)"
+            "configs/x.toml:3:2: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint, eval)"
         );
         assert_eq!(
             err("epochs = 3\n[batch]\nmicro = 4\n"),
-            "configs/x.toml:1:1: unknown key `epochs` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint)"
+            "configs/x.toml:1:1: unknown key `epochs` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint, eval)"
         );
         // Dotted keys and inline tables.
         assert_eq!(
@@ -1404,6 +1546,30 @@ timeout_s = 60
         assert_eq!(
             err("[batch]\nmicro = 4\n[data]\ndir = \"\"\n"),
             "configs/x.toml:4: `data.dir` must not be empty (leave it out to generate synthetic data)"
+        );
+    }
+
+    #[test]
+    fn eval_and_model_keys_are_checked() {
+        let err = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap_err().to_string();
+        assert_eq!(
+            err(&["eval.metric=\"ndcg@5\""]),
+            "--set eval.metric=\"ndcg@5\": `eval.metric` must be name@K with name one of recall, ndcg, mrr, hit, precision and K one of eval.topk [10, 20] (got \"ndcg@5\")"
+        );
+        assert!(err(&["eval.metric=\"auc@10\""]).contains("`eval.metric` must be name@K"));
+        assert!(err(&["eval.topk=[]"]).contains("`eval.topk` must list at least one cut-off"));
+        assert!(err(&["eval.topk=[10, 10]"]).contains("lists 10 twice"));
+        assert!(err(&["eval.topk=[0]"]).contains("cut-offs must be >= 1"));
+        assert!(err(&["eval.every_n_epochs=0"]).contains("`eval.every_n_epochs` must be >= 1"));
+        assert!(err(&["model.l2=-1"]).contains("`model.l2` must be >= 0"));
+        assert!(err(&["model.max_text_tokens=2000"]).contains("between 1 and 1024"));
+        assert!(err(&["model.freeze_gpt2=true", "model.trainable_layers=2"])
+            .contains("contradicts model.freeze_gpt2"));
+        assert!(err(&["model.scorer=\"cosine\""]).contains("unknown variant `cosine`"));
+        let c = parse_with(MINIMAL, &["eval.topk=[5, 50]", "eval.metric=\"Recall@50\""]).unwrap();
+        assert_eq!(
+            parse_metric(&c.eval.metric, &c.eval.topk),
+            Ok(("recall".into(), 50))
         );
     }
 
@@ -1520,7 +1686,7 @@ timeout_s = 60
         ));
         assert_eq!(
             err_with(MINIMAL, &["optim.lr=4"]),
-            "--set optim.lr=4: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint)"
+            "--set optim.lr=4: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint, eval)"
         );
     }
 
@@ -1630,20 +1796,21 @@ timeout_s = 60
         assert_eq!(c.run.output_dir, PathBuf::from("runs"));
         assert_eq!(c.run.seed, 42);
         assert_eq!(c.data.dir, None);
-        assert_eq!(c.data.synthetic, SyntheticSize::Tiny);
+        assert_eq!(c.data.synthetic, SyntheticSize::Small);
         assert_eq!(c.model.kind, ModelKind::Gpt2rec);
         assert_eq!(c.model.preset, Gpt2Preset::Tiny);
         assert_eq!(c.model.text_mode, TextMode::Cached);
         assert_eq!(c.model.embedding_dim, 64);
-        assert_eq!(c.train.epochs, 2);
-        assert_eq!(c.train.lr, 1e-3);
+        assert_eq!(c.train.epochs, 6);
+        assert_eq!(c.train.lr, 5e-3);
+        assert_eq!(c.eval.topk, vec![10, 20]);
         assert_eq!(c.dist.backend, Backend::Auto);
         assert_eq!(c.dist.timeout_s, 120);
         assert_eq!(c.batch_plan(2).unwrap().grad_accum, 2);
         assert_eq!(c.batch_plan(1).unwrap().grad_accum, 4);
         assert_eq!(
             c.batch_plan(2).unwrap().derivation(),
-            "micro 16 x grad_accum 2 x world 2 = global 64"
+            "micro 64 x grad_accum 2 x world 2 = global 256"
         );
         let again = Config::parse(&c.to_toml().unwrap(), "resolved", &[]).unwrap();
         assert_eq!(again, c);
@@ -1699,16 +1866,21 @@ timeout_s = 60
             (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
             (bucket_mb, check_params_every) in (finite_positive(), any::<u64>()),
             (every_n_steps, keep, resume) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"]),
+            (scorer, l2, max_text_tokens, trainable_layers) in (prop_oneof![Just(ScorerKind::Dot), Just(ScorerKind::Mlp)], prop_oneof![Just(0.0f64), 0.0f64..1.0], 1usize..=1024, prop::option::of(0u32..=48)),
+            (topk, every_n_epochs, patience, batch_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096),
         ) -> Config {
+            let topk: Vec<usize> = topk.into_iter().collect();
+            let metric = format!("recall@{}", topk[0]);
             let micro = if global.is_none() && micro.is_none() { Some(1) } else { micro };
             Config {
                 run: RunConfig { name, output_dir, seed },
                 data: DataConfig { dir, synthetic, min_rating },
-                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights },
+                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, max_text_tokens, freeze_gpt2: false, trainable_layers },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world },
                 batch: BatchSpec { global, micro, grad_accum },
                 dist: DistConfig { backend, timeout_s, bucket_mb, check_params_every },
                 checkpoint: CheckpointConfig { every_n_steps, keep, resume },
+                eval: EvalConfig { topk, every_n_epochs, metric, patience, batch_users },
             }
         }
     }

@@ -653,7 +653,7 @@ fn dry_run_shows_the_batch_derivation_of_the_config() {
     assert_eq!(out.code(), Some(0), "{}", out.stderr);
     assert!(
         out.stdout
-            .contains("batch:        micro 8 x grad_accum 2 x world 4 = global 64"),
+            .contains("batch:        micro 8 x grad_accum 8 x world 4 = global 256"),
         "{}",
         out.stdout
     );
@@ -763,6 +763,8 @@ fn bad_cli_input_is_rejected_without_panic() {
 
 #[test]
 fn worker_under_launch_reads_its_environment_and_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let output_dir = format!("run.output_dir={:?}", dir.path().display().to_string());
     let out = launch(
         &[
             "--num-processes",
@@ -770,8 +772,14 @@ fn worker_under_launch_reads_its_environment_and_config() {
             "--master-port",
             "0",
             "configs/default.toml",
+            "--set",
+            &output_dir,
+            "--set",
+            "data.synthetic=\"tiny\"",
+            "--set",
+            "train.epochs=1",
         ],
-        Duration::from_secs(120),
+        Duration::from_secs(300),
     );
     assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
     let lines = rank_lines(&out.stdout);
@@ -786,7 +794,7 @@ fn worker_under_launch_reads_its_environment_and_config() {
             lines
                 .iter()
                 .any(|(r, t)| *r == rank
-                    && t.contains("micro 16 x grad_accum 2 x world 2 = global 64")),
+                    && t.contains("micro 64 x grad_accum 2 x world 2 = global 256")),
             "{}",
             out.stdout
         );

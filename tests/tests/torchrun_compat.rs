@@ -59,10 +59,20 @@ fn worker_runs_under_torchrun() {
         eprintln!("skipped: no PyTorch venv (run scripts/setup.sh)");
         return;
     };
+    let dir = tempfile::tempdir().unwrap();
+    let output_dir = format!("run.output_dir={:?}", dir.path().display().to_string());
     let out = Command::new(venv.join("bin/torchrun"))
         .args(["--standalone", "--no-python", "--nproc-per-node", "2"])
         .arg(bin("worker"))
         .arg("configs/default.toml")
+        .args([
+            "--set",
+            &output_dir,
+            "--set",
+            "data.synthetic=\"tiny\"",
+            "--set",
+            "train.epochs=1",
+        ])
         .current_dir(repo_root())
         .output()
         .expect("run torchrun");
@@ -77,7 +87,7 @@ fn worker_runs_under_torchrun() {
     }
     assert_eq!(
         stdout
-            .matches("micro 16 x grad_accum 2 x world 2 = global 64")
+            .matches("micro 64 x grad_accum 2 x world 2 = global 256")
             .count(),
         2,
         "{stdout}"

@@ -67,6 +67,28 @@ pub struct TrainState {
     /// Digests of the tensor files, filled in by [`save`].
     #[serde(default)]
     pub files: std::collections::BTreeMap<String, FileDigest>,
+    /// The best validation result so far (its model is in `<run dir>/best/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best: Option<BestRecord>,
+    /// Evaluations since the best one (early stopping counts these).
+    #[serde(default)]
+    pub evals_since_best: u32,
+    /// Training ended early (patience ran out): a resume goes straight to the test evaluation.
+    #[serde(default)]
+    pub stopped_early: bool,
+}
+
+/// The best validation evaluation of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BestRecord {
+    /// Epochs done and optimizer steps taken when it was evaluated.
+    pub epoch: u64,
+    pub step: u64,
+    /// The metric that chose it (`eval.metric`) and its value.
+    pub metric: String,
+    pub value: f64,
+    /// All its validation metrics.
+    pub valid: crate::eval::Metrics,
 }
 
 /// Writes checkpoint `step` under `dir` atomically, points `latest` at it and keeps the newest
@@ -274,6 +296,9 @@ mod tests {
             model_hash: "abc".into(),
             rng: String::new(),
             files: Default::default(),
+            best: None,
+            evals_since_best: 0,
+            stopped_early: false,
         }
     }
 

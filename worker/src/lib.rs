@@ -10,6 +10,7 @@ pub mod ddp;
 pub mod eval;
 pub mod model;
 pub mod optim;
+pub mod rec;
 pub mod sampler;
 pub mod store;
 pub mod train;

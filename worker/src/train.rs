@@ -1,8 +1,11 @@
 //! The training loop around the DDP engine: sampler → micro-batches → optimizer steps, the LR
 //! schedule, logging (console and `metrics.jsonl`, rank 0), checkpoints at `every_n_steps` and
-//! at the end of each epoch (rank 0 writes, the others wait at a barrier), and resuming from a
-//! checkpoint with the same or another world size. It works on any [`Task`] — a model plus a loss
-//! over a batch of sample indices — and must not know what the model is.
+//! at the end of each epoch (rank 0 writes, the others wait at a barrier), resuming from a
+//! checkpoint with the same or another world size, and — for tasks that can evaluate — the
+//! validation evaluation every `eval.every_n_epochs`, the best model (`<run dir>/best/`), early
+//! stopping on `eval.metric` with `eval.patience`, and the test evaluation of the best model at
+//! the end. It works on any [`Task`] — a model plus a loss over a batch of sample indices — and
+//! must not know what the model is.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -14,9 +17,10 @@ use serde::{Deserialize, Serialize};
 use tch::{nn, Tensor};
 use tracing::{info, warn};
 
-use crate::checkpoint::{self, NamedTensors, TrainState};
+use crate::checkpoint::{self, BestRecord, NamedTensors, TrainState};
 use crate::collective::{Collective, CollectiveError, OpContext};
 use crate::ddp::{Ddp, DdpConfig, DdpError};
+use crate::eval::Metrics;
 use crate::optim::{AdamW, LrSchedule, Schedule};
 use crate::sampler::DistributedSampler;
 
@@ -28,6 +32,62 @@ pub trait Task {
     fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError>;
     /// A fingerprint of the model's configuration; a checkpoint of another model is refused.
     fn model_hash(&self) -> String;
+    /// Metrics of the current model on `split`. Every rank calls it together (the task may
+    /// split the work and reduce). `None` (the default): the task has nothing to evaluate.
+    fn evaluate(
+        &mut self,
+        _split: Split,
+        _comm: &mut dyn Collective,
+        _ctx: OpContext,
+    ) -> Result<Option<Metrics>, TrainError> {
+        Ok(None)
+    }
+}
+
+/// Which held-out part of the data an evaluation ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    Valid,
+    Test,
+}
+
+impl Split {
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Valid => "valid",
+            Split::Test => "test",
+        }
+    }
+}
+
+/// One evaluation as a line of `metrics.jsonl`: `{"kind":"eval","split":"valid","epoch":..,
+/// "step":..,"users":..,"recall@10":..,...,"seconds":..}`.
+pub fn eval_record(
+    split: &str,
+    epoch: u64,
+    step: u64,
+    metrics: &Metrics,
+    seconds: f64,
+) -> serde_json::Value {
+    let mut map = serde_json::Map::new();
+    map.insert("kind".into(), "eval".into());
+    map.insert("split".into(), split.into());
+    map.insert("epoch".into(), epoch.into());
+    map.insert("step".into(), step.into());
+    map.insert("users".into(), metrics.users.into());
+    for (i, k) in metrics.ks.iter().enumerate() {
+        for (name, series) in [
+            ("recall", &metrics.recall),
+            ("ndcg", &metrics.ndcg),
+            ("mrr", &metrics.mrr),
+            ("hit", &metrics.hit),
+            ("precision", &metrics.precision),
+        ] {
+            map.insert(format!("{name}@{k}"), series[i].into());
+        }
+    }
+    map.insert("seconds".into(), seconds.into());
+    serde_json::Value::Object(map)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +131,18 @@ pub struct TrainReport {
     pub last_loss: Option<f64>,
     /// Where training resumed from, if it did.
     pub resumed_from: Option<PathBuf>,
+    /// The best validation evaluation (tasks that evaluate).
+    pub best: Option<BestRecord>,
+    /// Test metrics of the best model (of the last one when there was no validation).
+    pub test: Option<Metrics>,
+    /// Patience ran out before `train.epochs`.
+    pub stopped_early: bool,
+    /// Peak resident memory of each rank (bytes, from the kernel's high-water mark).
+    pub peak_rss: Vec<u64>,
+    /// Mean samples per second over the steps this run took (0 when it took none).
+    pub samples_per_s: f64,
+    /// Mean seconds per epoch over the epochs this run trained in full.
+    pub seconds_per_epoch: Option<f64>,
 }
 
 /// Everything the loop needs besides the task.
@@ -190,6 +262,9 @@ pub fn train(
         model_hash: task.model_hash(),
         rng: RNG_SCHEME.to_string(),
         files: Default::default(),
+        best: None,
+        evals_since_best: 0,
+        stopped_early: false,
     };
     let resumed_from = decision.path.clone().map(PathBuf::from);
     if let (Some(path), Some(state)) = (&resumed_from, decision.state) {
@@ -228,16 +303,38 @@ pub fn train(
         keep_metrics_up_to(&setup.run_dir.join("metrics.jsonl"), start.step)?;
     }
 
+    // Early-stopping bookkeeping travels in every checkpoint.
+    let mut progress = EvalProgress {
+        best: start.best.clone(),
+        evals_since_best: start.evals_since_best,
+        stopped_early: start.stopped_early,
+    };
     // A checkpoint at (epoch, step, samples consumed in that epoch).
-    let checkpoint_at = |ddp: &mut Ddp, optimizer: &AdamW, epoch, step, samples_in_epoch| {
+    let checkpoint_at = |ddp: &mut Ddp,
+                         optimizer: &AdamW,
+                         progress: &EvalProgress,
+                         epoch,
+                         step,
+                         samples_in_epoch| {
         let state = TrainState {
             epoch,
             step,
             samples_in_epoch,
+            best: progress.best.clone(),
+            evals_since_best: progress.evals_since_best,
+            stopped_early: progress.stopped_early,
             ..start.clone()
         };
-        save_checkpoint(ddp, optimizer, &checkpoints, state, config, slow_ctx(step))
+        save_checkpoint(
+            ddp,
+            &optimizer.state_tensors(),
+            &checkpoints,
+            state,
+            config.checkpoint.keep as usize,
+            slow_ctx(step),
+        )
     };
+    let metric = config.eval.metric.trim().to_ascii_lowercase();
     let mut step = start.step;
     let mut last_loss = None;
     let mut epochs_done = start.epoch;
@@ -254,7 +351,24 @@ pub fn train(
     } else {
         None
     };
-    for epoch in start.epoch..epochs {
+    let first_epoch = if progress.stopped_early {
+        epochs
+    } else {
+        start.epoch
+    };
+    let train_start = Instant::now();
+    let (mut steps_run, mut full_epochs, mut full_epoch_secs) = (0u64, 0u64, 0.0f64);
+    let mut bar = (leader && progress_bar_wanted()).then(|| {
+        let bar = indicatif::ProgressBar::new(total_steps);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{msg} [{bar:30}] step {pos}/{len} ETA {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar.set_position(start.step);
+        bar
+    });
+    for epoch in first_epoch..epochs {
         let skip = if epoch == start.epoch {
             (start.samples_in_epoch / world as u64) as usize
         } else {
@@ -283,6 +397,7 @@ pub fn train(
                 step,
             )?;
             step += 1;
+            steps_run += 1;
             samples_in_epoch += batch.global;
             last_loss = Some(stats.loss);
             if let Some(file) = metrics.as_mut() {
@@ -298,30 +413,132 @@ pub fn train(
                 if let Ok(line) = serde_json::to_string(&record) {
                     let _ = writeln!(file, "{line}");
                 }
-                if step % log_every == 0 || step == total_steps {
+                let elapsed = train_start.elapsed().as_secs_f64();
+                let rate = (steps_run * batch.global) as f64 / elapsed.max(1e-9);
+                if let Some(bar) = bar.as_mut() {
+                    bar.set_position(step);
+                    bar.set_message(format!(
+                        "epoch {}/{epochs} loss {:.4} {rate:.0} samples/s",
+                        epoch + 1,
+                        stats.loss
+                    ));
+                } else if step % log_every == 0 || step == total_steps {
+                    let eta = elapsed / steps_run as f64 * (total_steps - step) as f64;
                     info!(
-                        "epoch {}/{epochs} step {step}/{total_steps} loss {:.6} lr {lr:.3e} grad_norm {:.4} ({:.0} samples/s)",
+                        "epoch {}/{epochs} step {step}/{total_steps} loss {:.6} lr {lr:.3e} grad_norm {:.4} {rate:.0} samples/s ETA {}",
                         epoch + 1,
                         stats.loss,
                         stats.grad_norm,
-                        record.samples_per_s
+                        format_duration(eta)
                     );
                 }
             }
             let every = config.checkpoint.every_n_steps;
             // The last step of an epoch is saved as the end of the epoch, just below.
             if every > 0 && step % every == 0 && w + 1 < windows {
-                checkpoint_at(&mut ddp, &optimizer, epoch, step, samples_in_epoch)?;
+                checkpoint_at(
+                    &mut ddp,
+                    &optimizer,
+                    &progress,
+                    epoch,
+                    step,
+                    samples_in_epoch,
+                )?;
             }
         }
         epochs_done = epoch + 1;
-        checkpoint_at(&mut ddp, &optimizer, epoch + 1, step, 0)?;
+        let epoch_secs = epoch_start.elapsed().as_secs_f64();
+        if skip == 0 {
+            full_epochs += 1;
+            full_epoch_secs += epoch_secs;
+        }
         if leader {
-            info!(
-                "epoch {}/{epochs} done in {:.1} s",
-                epoch + 1,
-                epoch_start.elapsed().as_secs_f64()
-            );
+            let line = format!("epoch {}/{epochs} done in {epoch_secs:.1} s", epoch + 1);
+            match &bar {
+                Some(bar) => bar.suspend(|| info!("{line}")),
+                None => info!("{line}"),
+            }
+        }
+        // Validation before the epoch's checkpoint, so the checkpoint knows the best so far.
+        let every = u64::from(config.eval.every_n_epochs);
+        if epochs_done % every == 0 || epochs_done == epochs {
+            let t0 = Instant::now();
+            if let Some(m) = task.evaluate(Split::Valid, ddp.comm(), slow_ctx(step))? {
+                let secs = t0.elapsed().as_secs_f64();
+                let value = m.get(&metric).unwrap_or(f64::NAN);
+                let improved = progress.best.as_ref().is_none_or(|b| value > b.value);
+                if let Some(file) = metrics.as_mut() {
+                    let record = eval_record("valid", epochs_done, step, &m, secs);
+                    let _ = writeln!(file, "{record}");
+                }
+                if improved {
+                    let previous = progress.best.replace(BestRecord {
+                        epoch: epochs_done,
+                        step,
+                        metric: metric.clone(),
+                        value,
+                        valid: m.clone(),
+                    });
+                    progress.evals_since_best = 0;
+                    let state = TrainState {
+                        epoch: epochs_done,
+                        step,
+                        samples_in_epoch: 0,
+                        best: progress.best.clone(),
+                        ..start.clone()
+                    };
+                    save_checkpoint(
+                        &mut ddp,
+                        &[],
+                        &setup.run_dir.join("best"),
+                        state,
+                        1,
+                        slow_ctx(step),
+                    )?;
+                    if leader {
+                        let was = previous.map_or(String::new(), |p| {
+                            format!(", was {:.4} at epoch {}", p.value, p.epoch)
+                        });
+                        let line = format!(
+                            "valid epoch {epochs_done}: {} ({secs:.1} s) — new best {metric} {value:.4}{was}",
+                            m.summary_line()
+                        );
+                        match &bar {
+                            Some(bar) => bar.suspend(|| info!("{line}")),
+                            None => info!("{line}"),
+                        }
+                    }
+                } else {
+                    progress.evals_since_best += 1;
+                    let patience = config.eval.patience;
+                    let best = progress.best.as_ref().map_or(f64::NAN, |b| b.value);
+                    if leader {
+                        let line = format!(
+                            "valid epoch {epochs_done}: {} ({secs:.1} s) — {metric} {value:.4}, best {best:.4} ({} evaluation(s) without improvement{})",
+                            m.summary_line(),
+                            progress.evals_since_best,
+                            if patience > 0 { format!(", patience {patience}") } else { String::new() }
+                        );
+                        match &bar {
+                            Some(bar) => bar.suspend(|| info!("{line}")),
+                            None => info!("{line}"),
+                        }
+                    }
+                    if patience > 0 && progress.evals_since_best >= patience && epochs_done < epochs
+                    {
+                        progress.stopped_early = true;
+                        if leader {
+                            info!(
+                                "early stopping after epoch {epochs_done}: {metric} has not improved for {patience} evaluation(s)"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        checkpoint_at(&mut ddp, &optimizer, &progress, epoch + 1, step, 0)?;
+        if progress.stopped_early {
+            break;
         }
         if setup.stop_after_epoch == Some(epoch + 1) {
             if leader {
@@ -333,35 +550,138 @@ pub fn train(
             break;
         }
     }
+    if let Some(bar) = bar.take() {
+        bar.finish_and_clear();
+    }
     ddp.check_params(step)?;
+
+    // An interrupted run (the test hook) ends here, like a killed one would.
+    let interrupted = setup
+        .stop_after_epoch
+        .is_some_and(|e| epochs_done == e && e < epochs && !progress.stopped_early);
+    // The test evaluation of the best model: rank 0 reads it, everyone receives it.
+    if progress.best.is_some() && !interrupted {
+        let failure = if leader {
+            load_best(&ddp.named_variables(), &setup.run_dir.join("best"))
+                .err()
+                .map(|e| e.to_string())
+        } else {
+            None
+        };
+        let failure: Option<String> =
+            broadcast_json(ddp.comm(), leader.then_some(&failure), ctx(step))?;
+        if let Some(why) = failure {
+            return Err(TrainError::Resume(format!("loading the best model: {why}")));
+        }
+        ddp.broadcast_params(0)?;
+    }
+    let t0 = Instant::now();
+    let test = if interrupted {
+        None
+    } else {
+        task.evaluate(Split::Test, ddp.comm(), slow_ctx(step))?
+    };
+    if let (Some(m), Some(file)) = (&test, metrics.as_mut()) {
+        let epoch = progress.best.as_ref().map_or(epochs_done, |b| b.epoch);
+        let record = eval_record("test", epoch, step, m, t0.elapsed().as_secs_f64());
+        let _ = writeln!(file, "{record}");
+    }
+
+    // Peak memory of every rank, for the report.
+    let mine = Tensor::from_slice(&[peak_rss_bytes() as i64]);
+    let peak_rss = ddp
+        .comm()
+        .all_gather(&mine, ctx(step))?
+        .iter()
+        .map(|t| t.f_int64_value(&[0]).map(|v| v.max(0) as u64))
+        .collect::<Result<Vec<u64>, _>>()?;
+    let secs = train_start.elapsed().as_secs_f64();
     Ok(TrainReport {
         steps: step,
         epochs_done,
         last_loss,
         resumed_from,
+        best: progress.best,
+        test,
+        stopped_early: progress.stopped_early,
+        peak_rss,
+        samples_per_s: if steps_run > 0 {
+            (steps_run * batch.global) as f64 / secs.max(1e-9)
+        } else {
+            0.0
+        },
+        seconds_per_epoch: (full_epochs > 0).then(|| full_epoch_secs / full_epochs as f64),
     })
+}
+
+/// What early stopping remembers between evaluations (and across a resume).
+struct EvalProgress {
+    best: Option<BestRecord>,
+    evals_since_best: u32,
+    stopped_early: bool,
+}
+
+/// Copies the model saved in `<run dir>/best/` into `params`.
+fn load_best(params: &[(String, Tensor)], dir: &Path) -> Result<(), TrainError> {
+    let mut skipped = Vec::new();
+    let Some((path, _)) = checkpoint::find_latest(dir, &mut skipped)? else {
+        return Err(TrainError::Resume(format!(
+            "{}: no complete best model{}",
+            dir.display(),
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", skipped.join("; "))
+            }
+        )));
+    };
+    let (model, _, _) = checkpoint::load(&path)?;
+    load_params(params, &model)
+}
+
+/// A progress bar on rank 0 only when a person watches: stderr is a terminal and
+/// `GPTREC_PROGRESS` is not `plain`.
+fn progress_bar_wanted() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var("GPTREC_PROGRESS").map_or(true, |v| v != "plain")
+}
+
+/// `1h02m`, `3m05s`, `12s`.
+fn format_duration(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    match (s / 3600, (s % 3600) / 60, s % 60) {
+        (0, 0, s) => format!("{s}s"),
+        (0, m, s) => format!("{m}m{s:02}s"),
+        (h, m, _) => format!("{h}h{m:02}m"),
+    }
+}
+
+/// This process's peak resident set size (`VmHWM`), 0 where the kernel does not say.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
 }
 
 /// Rank 0 writes the checkpoint; then every rank learns whether it succeeded (the exchange is
 /// also the barrier that keeps the others from running ahead of it).
 fn save_checkpoint(
     ddp: &mut Ddp,
-    optimizer: &AdamW,
+    optimizer_state: &[(String, Tensor)],
     dir: &Path,
     mut state: TrainState,
-    config: &Config,
+    keep: usize,
     ctx: OpContext,
 ) -> Result<(), TrainError> {
     state.world_size = ddp.world_size() as u64;
     let mut failure = None;
     if ddp.rank() == 0 {
-        match checkpoint::save(
-            dir,
-            &ddp.named_variables(),
-            &optimizer.state_tensors(),
-            &state,
-            config.checkpoint.keep as usize,
-        ) {
+        match checkpoint::save(dir, &ddp.named_variables(), optimizer_state, &state, keep) {
             Ok(path) => info!("checkpoint {}", path.display()),
             Err(e) => failure = Some(e),
         }

@@ -7,6 +7,8 @@
 
 use tch::{nn, nn::Module, Kind, Tensor};
 
+use crate::model::gpt2::Gpt2;
+
 /// How a user and an item representation become a score.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scorer {
@@ -32,21 +34,51 @@ pub struct TextFeatures {
     pub items: Tensor,
 }
 
+/// Token ids `[n, t]` (i64) and mask `[n, t]` (1 real, 0 pad) of every row's text.
+pub struct TokenTable {
+    pub ids: Tensor,
+    pub mask: Tensor,
+}
+
+/// Where the text part of a representation comes from.
+pub enum Text {
+    /// ID embeddings only (BPR-MF).
+    None,
+    /// Fixed features computed once by a frozen GPT-2 (`cached` mode).
+    Cached(TextFeatures),
+    /// GPT-2 runs in the forward pass on the batch's texts (`dynamic` mode); its variables are
+    /// the caller's (under the recommender's `VarStore`), trainable or frozen as it decided.
+    Dynamic {
+        gpt2: Gpt2,
+        users: TokenTable,
+        items: TokenTable,
+    },
+}
+
+/// Rows of texts GPT-2 encodes at once when building a whole table.
+const ENCODE_ROWS: i64 = 128;
+
 /// User/item ID embeddings (+ projected text features) and a scorer.
 pub struct Recommender {
     config: RecConfig,
     user_id: nn::Embedding,
     item_id: nn::Embedding,
-    /// (features, projection) per side, when text is used.
-    user_text: Option<(Tensor, nn::Linear)>,
-    item_text: Option<(Tensor, nn::Linear)>,
+    text: Text,
+    /// Text width → `dim` maps (user side, item side), when text is used.
+    proj: Option<(nn::Linear, nn::Linear)>,
     mlp: Option<(nn::Linear, nn::Linear)>,
+}
+
+#[derive(Clone, Copy)]
+enum Side {
+    User,
+    Item,
 }
 
 impl Recommender {
     /// Variables under `p`: `user_id.weight`, `item_id.weight`, and when text is given
     /// `user_text_proj.*`, `item_text_proj.*`; `mlp.0.*`, `mlp.1.*` for the MLP scorer.
-    pub fn new(p: &nn::Path, config: RecConfig, text: Option<TextFeatures>) -> Recommender {
+    pub fn new(p: &nn::Path, config: RecConfig, text: Text) -> Recommender {
         // Small normal initialisation, as RecBole's BPR (xavier-like scale for dim 64).
         let emb = nn::EmbeddingConfig {
             ws_init: nn::Init::Randn {
@@ -57,17 +89,26 @@ impl Recommender {
         };
         let user_id = nn::embedding(p / "user_id", config.n_users, config.dim, emb);
         let item_id = nn::embedding(p / "item_id", config.n_items, config.dim, emb);
-        let (user_text, item_text) = match text {
-            Some(t) => {
-                let proj = |name: &str, features: &Tensor| {
-                    let width = features.size().last().copied().unwrap_or(1);
-                    nn::linear(p / name, width, config.dim, Default::default())
-                };
-                let up = proj("user_text_proj", &t.users);
-                let ip = proj("item_text_proj", &t.items);
-                (Some((t.users.detach(), up)), Some((t.items.detach(), ip)))
-            }
-            None => (None, None),
+        let width = match &text {
+            Text::None => None,
+            Text::Cached(t) => Some((
+                t.users.size().last().copied().unwrap_or(1),
+                t.items.size().last().copied().unwrap_or(1),
+            )),
+            Text::Dynamic { gpt2, .. } => Some((gpt2.config().n_embd, gpt2.config().n_embd)),
+        };
+        let proj = width.map(|(wu, wi)| {
+            (
+                nn::linear(p / "user_text_proj", wu, config.dim, Default::default()),
+                nn::linear(p / "item_text_proj", wi, config.dim, Default::default()),
+            )
+        });
+        let text = match text {
+            Text::Cached(t) => Text::Cached(TextFeatures {
+                users: t.users.detach(),
+                items: t.items.detach(),
+            }),
+            other => other,
         };
         let mlp = (config.scorer == Scorer::Mlp).then(|| {
             (
@@ -84,8 +125,8 @@ impl Recommender {
             config,
             user_id,
             item_id,
-            user_text,
-            item_text,
+            text,
+            proj,
             mlp,
         }
     }
@@ -94,13 +135,45 @@ impl Recommender {
         self.config
     }
 
-    /// Representations of users `ids` ([b] i64) → [b, dim]: ID embedding + projected text.
-    fn users(&self, ids: &Tensor) -> Tensor {
-        fuse(self.user_id.forward(ids), &self.user_text, ids)
+    /// Text features (before projection) of rows `ids` of one side, or `None` without text.
+    /// In dynamic mode GPT-2 runs on those rows' tokens, cut to their longest real text.
+    fn text_rows(&self, side: Side, ids: &Tensor, train: bool) -> Option<Tensor> {
+        match &self.text {
+            Text::None => None,
+            Text::Cached(f) => {
+                let table = match side {
+                    Side::User => &f.users,
+                    Side::Item => &f.items,
+                };
+                let rows = table.index_select(0, &ids.to_device(table.device()));
+                Some(rows.to_device(ids.device()))
+            }
+            Text::Dynamic { gpt2, users, items } => {
+                let table = match side {
+                    Side::User => users,
+                    Side::Item => items,
+                };
+                Some(encode_rows(gpt2, table, ids, train))
+            }
+        }
     }
 
-    fn items(&self, ids: &Tensor) -> Tensor {
-        fuse(self.item_id.forward(ids), &self.item_text, ids)
+    /// Representations [b, dim] of rows `ids` ([b] i64): ID embedding + projected text.
+    fn repr(&self, side: Side, ids: &Tensor, train: bool) -> Tensor {
+        let id_emb = match side {
+            Side::User => self.user_id.forward(ids),
+            Side::Item => self.item_id.forward(ids),
+        };
+        match (self.text_rows(side, ids, train), &self.proj) {
+            (Some(rows), Some((up, ip))) => {
+                let proj = match side {
+                    Side::User => up,
+                    Side::Item => ip,
+                };
+                id_emb + proj.forward(&rows)
+            }
+            _ => id_emb,
+        }
     }
 
     fn score_pairs(&self, u: &Tensor, i: &Tensor) -> Tensor {
@@ -112,54 +185,115 @@ impl Recommender {
         }
     }
 
-    /// Scores of (user, item) pairs: [b] for `users` [b] and `items` [b].
+    /// Scores of (user, item) pairs: [b] for `users` [b] and `items` [b] (inference: no dropout).
     pub fn score(&self, users: &Tensor, items: &Tensor) -> Tensor {
-        self.score_pairs(&self.users(users), &self.items(items))
+        self.score_pairs(
+            &self.repr(Side::User, users, false),
+            &self.repr(Side::Item, items, false),
+        )
     }
 
-    /// Scores of `users` [b] against every item: [b, n_items] (for full-ranking evaluation).
-    pub fn score_all_items(&self, users: &Tensor) -> Tensor {
-        let u = self.users(users);
-        let all = Tensor::arange(self.config.n_items, (Kind::Int64, u.device()));
-        let i = self.items(&all);
+    /// Representations of every user and every item ([n_users, dim], [n_items, dim]) without
+    /// gradients, for evaluation: in dynamic mode GPT-2 encodes every text once here.
+    pub fn tables(&self, device: tch::Device) -> (Tensor, Tensor) {
+        let _guard = tch::no_grad_guard();
+        let all = |n: i64, side: Side| {
+            let parts: Vec<Tensor> = (0..n)
+                .step_by(ENCODE_ROWS as usize)
+                .map(|start| {
+                    let len = ENCODE_ROWS.min(n - start);
+                    let ids = Tensor::arange_start(start, start + len, (Kind::Int64, device));
+                    self.repr(side, &ids, false)
+                })
+                .collect();
+            if parts.is_empty() {
+                Tensor::zeros([0, self.config.dim], (Kind::Float, device))
+            } else {
+                Tensor::cat(&parts, 0)
+            }
+        };
+        (
+            all(self.config.n_users, Side::User),
+            all(self.config.n_items, Side::Item),
+        )
+    }
+
+    /// Scores of user representations `u` [b, dim] against item representations `items`
+    /// [n, dim] → [b, n].
+    pub fn score_tables(&self, u: &Tensor, items: &Tensor) -> Tensor {
         match &self.mlp {
-            None => u.matmul(&i.transpose(0, 1)),
+            None => u.matmul(&items.transpose(0, 1)),
             Some(_) => {
-                let (b, n, d) = (u.size()[0], self.config.n_items, self.config.dim);
+                let (b, n, d) = (u.size()[0], items.size()[0], self.config.dim);
                 let uu = u.unsqueeze(1).expand([b, n, d], false);
-                let ii = i.unsqueeze(0).expand([b, n, d], false);
+                let ii = items.unsqueeze(0).expand([b, n, d], false);
                 self.score_pairs(&uu, &ii)
             }
         }
     }
 
+    /// Scores of `users` [b] against every item: [b, n_items] (for full-ranking evaluation).
+    pub fn score_all_items(&self, users: &Tensor) -> Tensor {
+        let u = self.repr(Side::User, users, false);
+        let all = Tensor::arange(self.config.n_items, (Kind::Int64, u.device()));
+        let i = self.repr(Side::Item, &all, false);
+        self.score_tables(&u, &i)
+    }
+
     /// BPR loss as REFERENCE.md gives it, `-log(1e-10 + sigmoid(pos - neg)).mean()`, plus
-    /// `l2` times the squared norms of the embeddings used in the batch, averaged over it.
-    pub fn bpr_loss(&self, users: &Tensor, pos: &Tensor, neg: &Tensor, l2: f64) -> Tensor {
-        let (u, p, n) = (self.users(users), self.items(pos), self.items(neg));
+    /// `l2` times the squared norms of the ID embeddings used in the batch, averaged over it.
+    /// `train` turns GPT-2's dropout on (dynamic mode).
+    pub fn bpr_loss(
+        &self,
+        users: &Tensor,
+        pos: &Tensor,
+        neg: &Tensor,
+        l2: f64,
+        train: bool,
+    ) -> Tensor {
+        let u = self.repr(Side::User, users, train);
+        // Positives and negatives go through GPT-2 together: one forward pass, not two.
+        let b = pos.size()[0];
+        let items = self.repr(Side::Item, &Tensor::cat(&[pos, neg], 0), train);
+        let (p, n) = (items.narrow(0, 0, b), items.narrow(0, b, b));
         let diff = self.score_pairs(&u, &p) - self.score_pairs(&u, &n);
         let bpr = -(diff.sigmoid() + 1e-10).log().mean(Kind::Float);
         if l2 == 0.0 {
             return bpr;
         }
-        let b = users.size()[0].max(1) as f64;
         let reg = (self.user_id.forward(users).square().sum(Kind::Float)
             + self.item_id.forward(pos).square().sum(Kind::Float)
             + self.item_id.forward(neg).square().sum(Kind::Float))
-            / b;
+            / b.max(1) as f64;
         bpr + reg * l2
     }
 }
 
-/// ID embedding + projection of the rows of `text` selected by `ids`.
-fn fuse(id_emb: Tensor, text: &Option<(Tensor, nn::Linear)>, ids: &Tensor) -> Tensor {
-    match text {
-        None => id_emb,
-        Some((features, proj)) => {
-            let rows = features.index_select(0, &ids.to_device(features.device()));
-            id_emb + proj.forward(&rows.to_device(ids.device()))
-        }
-    }
+/// GPT-2 features of rows `ids` of `table`: tokens cut to the longest real text among them,
+/// last hidden state mean-pooled over real tokens, then normalised per row (no affine) and
+/// scaled to norm about 1, so that the projected text starts at the scale of the ID embeddings.
+fn encode_rows(gpt2: &Gpt2, table: &TokenTable, ids: &Tensor, train: bool) -> Tensor {
+    let device = table.ids.device();
+    let rows = ids.to_device(device);
+    let mask = table.mask.index_select(0, &rows);
+    let longest = mask
+        .sum_dim_intlist(-1, false, Kind::Float)
+        .max()
+        .double_value(&[])
+        .max(1.0) as i64;
+    let mask = mask.narrow(1, 0, longest);
+    let tokens = table.ids.index_select(0, &rows).narrow(1, 0, longest);
+    let hidden = gpt2.forward(&tokens, &mask, train);
+    let pooled = Gpt2::mean_pool(&hidden, &mask);
+    let width = pooled.size().last().copied().unwrap_or(1);
+    let normed = pooled.layer_norm(
+        [width].as_slice(),
+        None::<Tensor>,
+        None::<Tensor>,
+        1e-5,
+        false,
+    );
+    (normed / (width as f64).sqrt()).to_device(ids.device())
 }
 
 /// The popularity baseline: every item scored by its number of training interactions.
@@ -193,10 +327,14 @@ mod tests {
             dim: 8,
             scorer,
         };
-        let text = text.then(|| TextFeatures {
-            users: Tensor::randn([5, 12], (Kind::Float, tch::Device::Cpu)),
-            items: Tensor::randn([7, 12], (Kind::Float, tch::Device::Cpu)),
-        });
+        let text = if text {
+            Text::Cached(TextFeatures {
+                users: Tensor::randn([5, 12], (Kind::Float, tch::Device::Cpu)),
+                items: Tensor::randn([7, 12], (Kind::Float, tch::Device::Cpu)),
+            })
+        } else {
+            Text::None
+        };
         let m = Recommender::new(&vs.root(), config, text);
         (vs, m)
     }
@@ -250,12 +388,12 @@ mod tests {
                 ids(&[1, 2, 3, 4, 5]),
                 ids(&[6, 6, 0, 0, 6]),
             );
-            let first = m.bpr_loss(&u, &p, &n, 1e-4).double_value(&[]);
+            let first = m.bpr_loss(&u, &p, &n, 1e-4, true).double_value(&[]);
             for _ in 0..200 {
-                let loss = m.bpr_loss(&u, &p, &n, 1e-4);
+                let loss = m.bpr_loss(&u, &p, &n, 1e-4, true);
                 opt.backward_step(&loss);
             }
-            let last = m.bpr_loss(&u, &p, &n, 1e-4).double_value(&[]);
+            let last = m.bpr_loss(&u, &p, &n, 1e-4, true).double_value(&[]);
             assert!(last < first * 0.2, "{scorer:?}: {first} -> {last}");
             let margin = (m.score(&u, &p) - m.score(&u, &n)).min().double_value(&[]);
             assert!(
@@ -269,8 +407,8 @@ mod tests {
     fn l2_adds_the_squared_norms_of_the_batch_embeddings() {
         let (_vs, m) = model(Scorer::Dot, false);
         let (u, p, n) = (ids(&[0, 1]), ids(&[2, 3]), ids(&[4, 5]));
-        let plain = m.bpr_loss(&u, &p, &n, 0.0).double_value(&[]);
-        let with = m.bpr_loss(&u, &p, &n, 0.5).double_value(&[]);
+        let plain = m.bpr_loss(&u, &p, &n, 0.0, true).double_value(&[]);
+        let with = m.bpr_loss(&u, &p, &n, 0.5, true).double_value(&[]);
         let norms = (m.user_id.forward(&u).square().sum(Kind::Float)
             + m.item_id.forward(&p).square().sum(Kind::Float)
             + m.item_id.forward(&n).square().sum(Kind::Float))

@@ -1,0 +1,181 @@
+//! The recommender end to end: `launch` starts real `worker` processes on the built-in default
+//! config (generated data, tiny GPT-2, cached text), they train over the TCP ring, and the
+//! results on disk are checked — the loss falls, the GPT-2 recommender beats the popularity
+//! baseline on the same test data, the best model is kept, early stopping stops.
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+use support::*;
+
+fn records(run_dir: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
+    text.lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+fn of_kind<'a>(records: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    records.iter().filter(|r| r["kind"] == kind).collect()
+}
+
+fn test_record(records: &[Value]) -> &Value {
+    records
+        .iter()
+        .find(|r| r["kind"] == "eval" && r["split"] == "test")
+        .expect("a test evaluation in metrics.jsonl")
+}
+
+fn run(out_dir: &Path, name: &str, extra: &[&str]) -> Output {
+    let output_dir = format!("run.output_dir={:?}", out_dir.display().to_string());
+    let run_name = format!("run.name={name:?}");
+    let mut args = vec![
+        "--num-processes",
+        "2",
+        "--master-port",
+        "0",
+        "configs/default.toml",
+        "--set",
+        &output_dir,
+        "--set",
+        &run_name,
+    ];
+    for e in extra {
+        args.push("--set");
+        args.push(e);
+    }
+    launch(&args, Duration::from_secs(600))
+}
+
+#[test]
+fn default_config_trains_and_beats_popularity() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(dir.path(), "gpt2rec", &[]);
+    assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    let run_dir = dir.path().join("gpt2rec");
+    let recs = records(&run_dir);
+
+    // The loss falls: the mean of the last epoch's steps is well below the first epoch's.
+    let steps = of_kind(&recs, "step");
+    let mean_loss = |epoch: u64| {
+        let l: Vec<f64> = steps
+            .iter()
+            .filter(|r| r["epoch"] == epoch)
+            .map(|r| r["loss"].as_f64().unwrap())
+            .collect();
+        assert!(!l.is_empty(), "no steps logged in epoch {epoch}");
+        l.iter().sum::<f64>() / l.len() as f64
+    };
+    let last_epoch = steps
+        .iter()
+        .map(|r| r["epoch"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    assert!(last_epoch >= 2, "{}", out.stderr);
+    let (first, last) = (mean_loss(1), mean_loss(last_epoch));
+    assert!(last < first * 0.8, "loss {first} -> {last}");
+
+    // The baseline on the same (cached) data.
+    let pop = run(dir.path(), "pop", &["model.kind=\"pop\""]);
+    assert_eq!(pop.code(), Some(0), "{}\n{}", pop.stdout, pop.stderr);
+    let pop_recs = records(&dir.path().join("pop"));
+    let (ours, theirs) = (test_record(&recs), test_record(&pop_recs));
+    assert_eq!(ours["users"], theirs["users"]);
+    let (r_ours, r_pop) = (
+        ours["recall@10"].as_f64().unwrap(),
+        theirs["recall@10"].as_f64().unwrap(),
+    );
+    assert!(
+        r_ours > r_pop,
+        "test Recall@10 {r_ours} <= popularity's {r_pop}"
+    );
+
+    // Every evaluation has every metric at every K; the best model and the summary are there.
+    for r in of_kind(&recs, "eval") {
+        for k in [10, 20] {
+            for m in ["recall", "ndcg", "mrr", "hit", "precision"] {
+                let v = r[format!("{m}@{k}")].as_f64().unwrap();
+                assert!((0.0..=1.0).contains(&v), "{m}@{k} = {v}");
+            }
+        }
+    }
+    assert!(run_dir.join("best/latest").is_file());
+    assert!(run_dir.join("config.resolved.toml").is_file());
+    let summary = of_kind(&recs, "summary");
+    assert_eq!(summary.len(), 1);
+    assert_eq!(summary[0]["peak_rss_mib"].as_array().unwrap().len(), 2);
+    let lines = rank_lines(&out.stdout);
+    assert!(
+        lines
+            .iter()
+            .any(|(r, t)| *r == 0 && t.starts_with("  test ndcg@10:")),
+        "{}",
+        out.stdout
+    );
+    // Only rank 0 reports.
+    assert!(!lines
+        .iter()
+        .any(|(r, t)| *r == 1 && t.starts_with("summary")));
+}
+
+#[test]
+fn patience_stops_a_run_that_does_not_improve() {
+    let dir = tempfile::tempdir().unwrap();
+    // A learning rate too small to move any f32 parameter: validation never improves.
+    let out = run(
+        dir.path(),
+        "stuck",
+        &[
+            "data.synthetic=\"tiny\"",
+            "model.kind=\"bpr\"",
+            "train.lr=1e-12",
+            "train.epochs=6",
+            "eval.patience=2",
+        ],
+    );
+    assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("early stopping after epoch 3"),
+        "{}",
+        out.stderr
+    );
+    let recs = records(&dir.path().join("stuck"));
+    let valid: Vec<_> = of_kind(&recs, "eval")
+        .into_iter()
+        .filter(|r| r["split"] == "valid")
+        .collect();
+    assert_eq!(valid.len(), 3);
+    // The test metrics are those of the best model, from epoch 1.
+    assert_eq!(test_record(&recs)["epoch"], 1);
+    assert!(out.stdout.contains("(stopped early)"), "{}", out.stdout);
+
+    // Resuming a run that stopped early trains no further: it only evaluates the test split.
+    let again = run(
+        dir.path(),
+        "stuck",
+        &[
+            "data.synthetic=\"tiny\"",
+            "model.kind=\"bpr\"",
+            "train.lr=1e-12",
+            "train.epochs=6",
+            "eval.patience=2",
+        ],
+    );
+    assert_eq!(again.code(), Some(0), "{}\n{}", again.stdout, again.stderr);
+    assert!(again.stderr.contains("resuming from"), "{}", again.stderr);
+    assert!(!again.stderr.contains("epoch 4/6"), "{}", again.stderr);
+}
+
+#[test]
+fn a_bad_data_dir_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nowhere");
+    let set = format!("data.dir={:?}", missing.display().to_string());
+    let out = run(dir.path(), "bad", &[&set]);
+    assert_ne!(out.code(), Some(0));
+    assert!(out.stderr.contains("nowhere"), "{}", out.stderr);
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+}
