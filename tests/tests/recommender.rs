@@ -121,21 +121,19 @@ fn default_config_trains_and_beats_popularity() {
         .any(|(r, t)| *r == 1 && t.starts_with("summary")));
 }
 
+/// A learning rate too small to move any f32 parameter: validation never improves.
+const STUCK: &[&str] = &[
+    "data.synthetic=\"tiny\"",
+    "model.kind=\"bpr\"",
+    "train.lr=1e-12",
+    "train.epochs=6",
+    "eval.patience=2",
+];
+
 #[test]
 fn patience_stops_a_run_that_does_not_improve() {
     let dir = tempfile::tempdir().unwrap();
-    // A learning rate too small to move any f32 parameter: validation never improves.
-    let out = run(
-        dir.path(),
-        "stuck",
-        &[
-            "data.synthetic=\"tiny\"",
-            "model.kind=\"bpr\"",
-            "train.lr=1e-12",
-            "train.epochs=6",
-            "eval.patience=2",
-        ],
-    );
+    let out = run(dir.path(), "stuck", STUCK);
     assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
     assert!(
         out.stderr.contains("early stopping after epoch 3"),
@@ -153,17 +151,7 @@ fn patience_stops_a_run_that_does_not_improve() {
     assert!(out.stdout.contains("(stopped early)"), "{}", out.stdout);
 
     // Resuming a run that stopped early trains no further: it only evaluates the test split.
-    let again = run(
-        dir.path(),
-        "stuck",
-        &[
-            "data.synthetic=\"tiny\"",
-            "model.kind=\"bpr\"",
-            "train.lr=1e-12",
-            "train.epochs=6",
-            "eval.patience=2",
-        ],
-    );
+    let again = run(dir.path(), "stuck", STUCK);
     assert_eq!(again.code(), Some(0), "{}\n{}", again.stdout, again.stderr);
     assert!(again.stderr.contains("resuming from"), "{}", again.stderr);
     assert!(!again.stderr.contains("epoch 4/6"), "{}", again.stderr);

@@ -581,7 +581,7 @@ pub const EVAL_TIMEOUT_MIN: Duration = Duration::from_secs(600);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::tcp::TcpCollective;
+    use crate::collective::tcp::{test_ring::with_ring, TcpCollective};
     use crate::eval::evaluate_all;
     use crate::store::{StoreClient, StoreServer};
     use common::env_contract::WorkerEnv;
@@ -590,35 +590,6 @@ mod tests {
         step: 0,
         timeout: Duration::from_secs(20),
     };
-
-    /// Runs `body(rank, comm)` on `world` threads joined by a real TCP ring.
-    fn with_ring<T: Send + 'static>(
-        world: u32,
-        body: impl Fn(&mut dyn Collective) -> T + Send + Sync + 'static,
-    ) -> Vec<T> {
-        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "rec-test").unwrap();
-        let addr = server.local_addr();
-        let body = std::sync::Arc::new(body);
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let body = body.clone();
-                std::thread::spawn(move || {
-                    let store = StoreClient::connect(
-                        &addr.to_string(),
-                        "rec-test",
-                        Duration::from_secs(10),
-                    )
-                    .unwrap();
-                    let env =
-                        WorkerEnv::single_node(rank, world, "127.0.0.1", addr.port(), "rec-test");
-                    let mut comm =
-                        TcpCollective::connect(&env, store, Duration::from_secs(10)).unwrap();
-                    body(&mut comm)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
 
     /// A deterministic, tie-free score table.
     fn score_of(u: usize, i: usize) -> f32 {
@@ -658,7 +629,7 @@ mod tests {
         assert!(direct.users > 10);
         for world in [1u32, 2, 3] {
             let (ex, pos, k) = (exclude.clone(), positives.clone(), ks.clone());
-            let results = with_ring(world, move |comm| {
+            let results = with_ring(world, move |_, comm| {
                 let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
                     let rows: Vec<f32> = batch
                         .iter()

@@ -653,8 +653,9 @@ fn read_exact_until(
     Ok(())
 }
 
+/// A real ring on threads, for tests here and in other modules.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_ring {
     use super::*;
     use crate::store::StoreServer;
 
@@ -662,13 +663,8 @@ mod tests {
         WorkerEnv::single_node(rank, world, "127.0.0.1", port, "ring-test")
     }
 
-    const CTX: OpContext = OpContext {
-        step: 0,
-        timeout: Duration::from_secs(20),
-    };
-
     /// Runs `body(rank, communicator)` on `world` threads connected by a real ring.
-    fn with_ring<T: Send + 'static>(
+    pub(crate) fn with_ring<T: Send + 'static>(
         world: u32,
         body: impl Fn(usize, &mut TcpCollective) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
@@ -699,6 +695,18 @@ mod tests {
         drop(server);
         out
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CTX: OpContext = OpContext {
+        step: 0,
+        timeout: Duration::from_secs(20),
+    };
+
+    use super::test_ring::with_ring;
 
     /// Small integers, so that every summation order gives the exact same float.
     fn value(rank: usize, i: usize) -> f32 {
