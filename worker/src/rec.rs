@@ -366,16 +366,7 @@ impl RecTask {
             .enumerate()
             .flat_map(|(u, items)| items.iter().map(move |&i| (u as u32, i)))
             .collect();
-        let train_valid = ds
-            .train
-            .iter()
-            .zip(&ds.valid)
-            .map(|(t, v)| {
-                let mut both: Vec<u32> = t.iter().chain(v).copied().collect();
-                both.sort_unstable();
-                both
-            })
-            .collect();
+        let train_valid = train_and_valid(ds);
         Ok(RecTask {
             model,
             pairs,
@@ -390,11 +381,6 @@ impl RecTask {
             batch_users: config.eval.batch_users,
             hash: model_hash(config, ds),
         })
-    }
-
-    /// Number of trainable parameters.
-    pub fn model(&self) -> &Recommender {
-        &self.model
     }
 }
 
@@ -522,16 +508,24 @@ pub fn evaluate_popularity(
     let (exclude, positives) = match split {
         Split::Valid => (&ds.train, &ds.valid),
         Split::Test => {
-            train_valid = ds
-                .train
-                .iter()
-                .zip(&ds.valid)
-                .map(|(t, v)| t.iter().chain(v).copied().collect())
-                .collect();
+            train_valid = train_and_valid(ds);
             (&train_valid, &ds.test)
         }
     };
     evaluate_sharded(&mut score, exclude, positives, ks, batch_users, comm, ctx)
+}
+
+/// Train ∪ valid per user, sorted: what a test ranking excludes.
+fn train_and_valid(ds: &Dataset) -> Vec<Vec<u32>> {
+    ds.train
+        .iter()
+        .zip(&ds.valid)
+        .map(|(t, v)| {
+            let mut both: Vec<u32> = t.iter().chain(v).copied().collect();
+            both.sort_unstable();
+            both
+        })
+        .collect()
 }
 
 /// Full-ranking metrics with users split across ranks: this rank scores the users `u` with

@@ -155,6 +155,13 @@ pub struct TrainSetup<'a> {
     pub stop_after_epoch: Option<u64>,
 }
 
+/// The `GPTREC_STOP_AFTER_EPOCH` test hook (see [`TrainSetup::stop_after_epoch`]).
+pub fn stop_after_epoch_from_env() -> Option<u64> {
+    std::env::var("GPTREC_STOP_AFTER_EPOCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+}
+
 /// Trains `task` whose trainable variables are in `vs`, data-parallel over `comm`.
 pub fn train(
     task: &mut dyn Task,

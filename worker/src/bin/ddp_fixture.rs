@@ -154,9 +154,7 @@ fn run() -> Result<()> {
         config: &config,
         batch,
         run_dir: run_dir.clone(),
-        stop_after_epoch: std::env::var("GPTREC_STOP_AFTER_EPOCH")
-            .ok()
-            .and_then(|v| v.parse().ok()),
+        stop_after_epoch: train::stop_after_epoch_from_env(),
     };
     let report = train::train(&mut task, &vs, comm, &setup).context("training")?;
     let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
