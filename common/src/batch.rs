@@ -10,23 +10,127 @@
 
 use std::fmt;
 
-/// The `[batch]` section as written: any two of the three values, or all three.
+/// The `[batch]` section as written: any two of the three values, or all three; or `global`
+/// with `micro = "auto"`.
 ///
 /// Every field is a count of samples (or of micro-batches for `grad_accum`); a missing field is
 /// derived by [`BatchSpec::resolve`] once the world size is known.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(from = "BatchToml", into = "BatchToml")]
 pub struct BatchSpec {
     /// Samples per optimizer step, summed over all workers. Default: unset (derived). Must be >= 1.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub global: Option<u64>,
     /// Samples per forward/backward pass on one worker. Default: unset (derived). Must be >= 1.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub micro: Option<u64>,
     /// Micro-batches accumulated per optimizer step on each worker. Default: unset (derived;
     /// 1 when only `global` or only `micro` is given). Must be >= 1.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_accum: Option<u64>,
+    /// `micro = "auto"` in the file: each worker finds the largest micro batch that fits its
+    /// device (at most `max_micro`), the ranks agree on the smallest, and `grad_accum` follows
+    /// from `global`. Default: `false`.
+    pub micro_auto: bool,
+    /// With `micro = "auto"`: the largest micro batch to try (samples, >= 1). Default: unset
+    /// (global / world).
+    pub max_micro: Option<u64>,
+}
+
+/// `[batch]` as TOML holds it (a private type named like the public one, so that serde's
+/// messages say "expected struct BatchSpec").
+mod toml_form {
+    use std::fmt;
+
+    /// `[batch]` as TOML holds it: `micro` is a number or the word `"auto"`.
+    #[derive(serde::Serialize, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct BatchSpec {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub global: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub micro: Option<MicroToml>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub grad_accum: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub max_micro: Option<u64>,
+    }
+
+    /// `micro`: a count, or `"auto"`. Deserialised by hand so that a bad value is reported at the
+    /// value (file:line:column), not at the `[batch]` header.
+    pub enum MicroToml {
+        Count(u64),
+        Auto,
+    }
+
+    impl serde::Serialize for MicroToml {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            match self {
+                MicroToml::Count(n) => s.serialize_u64(*n),
+                MicroToml::Auto => s.serialize_str("auto"),
+            }
+        }
+    }
+
+    impl<'de> serde::Deserialize<'de> for MicroToml {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<MicroToml, D::Error> {
+            struct Visitor;
+            impl serde::de::Visitor<'_> for Visitor {
+                type Value = MicroToml;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a number of samples or \"auto\"")
+                }
+                fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<MicroToml, E> {
+                    Ok(MicroToml::Count(v))
+                }
+                fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<MicroToml, E> {
+                    u64::try_from(v).map(MicroToml::Count).map_err(|_| {
+                        E::custom(format!("must be a number of samples or \"auto\" (got {v})"))
+                    })
+                }
+                fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<MicroToml, E> {
+                    if v == "auto" {
+                        Ok(MicroToml::Auto)
+                    } else {
+                        Err(E::custom(format!(
+                            "must be a number of samples or \"auto\" (got {v:?})"
+                        )))
+                    }
+                }
+            }
+            d.deserialize_any(Visitor)
+        }
+    }
+}
+use toml_form::{BatchSpec as BatchToml, MicroToml};
+
+impl From<BatchToml> for BatchSpec {
+    fn from(t: BatchToml) -> BatchSpec {
+        let (micro, micro_auto) = match t.micro {
+            None => (None, false),
+            Some(MicroToml::Count(n)) => (Some(n), false),
+            Some(MicroToml::Auto) => (None, true),
+        };
+        BatchSpec {
+            global: t.global,
+            micro,
+            grad_accum: t.grad_accum,
+            micro_auto,
+            max_micro: t.max_micro,
+        }
+    }
+}
+
+impl From<BatchSpec> for BatchToml {
+    fn from(s: BatchSpec) -> BatchToml {
+        BatchToml {
+            global: s.global,
+            micro: if s.micro_auto {
+                Some(MicroToml::Auto)
+            } else {
+                s.micro.map(MicroToml::Count)
+            },
+            grad_accum: s.grad_accum,
+            max_micro: s.max_micro,
+        }
+    }
 }
 
 /// A resolved batch plan; `micro * grad_accum * world_size == global` holds for every plan this
@@ -65,7 +169,7 @@ pub enum BatchError {
     #[error("batch: {detail}")]
     NotDivisible {
         /// The values as written.
-        spec: BatchSpec,
+        spec: Box<BatchSpec>,
         /// The world size the spec was resolved for.
         world_size: u64,
         /// The arithmetic and the suggestions, as one line.
@@ -77,13 +181,21 @@ pub enum BatchError {
     #[error("batch: {detail}")]
     Mismatch {
         /// The values as written.
-        spec: BatchSpec,
+        spec: Box<BatchSpec>,
         /// The world size the spec was resolved for.
         world_size: u64,
         /// The arithmetic and the suggestions, as one line.
         detail: String,
         /// Valid plans near the request (each satisfies the invariant).
         suggestions: Vec<BatchPlan>,
+    },
+    /// `micro = "auto"` combined with what it cannot be combined with; `key` is the key to change.
+    #[error("`batch.{key}`: {problem}")]
+    Auto {
+        /// The key inside `[batch]` to change.
+        key: &'static str,
+        /// What is wrong, and what to do.
+        problem: String,
     },
     /// A product does not fit in a `u64`.
     #[error("batch: {expression} does not fit in 64 bits")]
@@ -104,7 +216,7 @@ impl BatchError {
     /// The dotted config key the error is about (`batch.micro`, or `batch` for the section).
     pub fn key_path(&self) -> String {
         match self {
-            BatchError::Zero { key } => format!("batch.{key}"),
+            BatchError::Zero { key } | BatchError::Auto { key, .. } => format!("batch.{key}"),
             _ => "batch".to_string(),
         }
     }
@@ -205,10 +317,30 @@ impl BatchSpec {
             ("global", self.global),
             ("micro", self.micro),
             ("grad_accum", self.grad_accum),
+            ("max_micro", self.max_micro),
         ] {
             if value == Some(0) {
                 return Err(BatchError::Zero { key });
             }
+        }
+        if self.micro_auto {
+            if self.global.is_none() {
+                return Err(BatchError::Auto {
+                    key: "micro",
+                    problem: "\"auto\" needs batch.global (the batch it keeps while choosing micro and grad_accum)".into(),
+                });
+            }
+            if let Some(a) = self.grad_accum {
+                return Err(BatchError::Auto {
+                    key: "grad_accum",
+                    problem: format!("is chosen when batch.micro = \"auto\"; remove it (got {a})"),
+                });
+            }
+        } else if let Some(m) = self.max_micro {
+            return Err(BatchError::Auto {
+                key: "max_micro",
+                problem: format!("only applies with batch.micro = \"auto\" (got {m})"),
+            });
         }
         if self.global.is_none() && self.micro.is_none() {
             return Err(BatchError::Underdetermined {
@@ -231,6 +363,16 @@ impl BatchSpec {
             return Err(BatchError::ZeroWorld);
         }
         self.check()?;
+        if self.micro_auto {
+            return self
+                .auto_candidates(w)?
+                .first()
+                .copied()
+                .ok_or_else(|| BatchError::Auto {
+                    key: "max_micro",
+                    problem: "leaves no micro batch to try".into(),
+                });
+        }
         let plan = |global, micro, grad_accum| BatchPlan {
             global,
             micro,
@@ -276,7 +418,7 @@ impl BatchSpec {
                 }
                 suggestions.extend(keep);
                 Err(BatchError::Mismatch {
-                    spec: self.clone(),
+                    spec: Box::new(self.clone()),
                     world_size: w,
                     detail,
                     suggestions,
@@ -356,6 +498,50 @@ impl BatchSpec {
         }
     }
 
+    /// With `micro = "auto"`: every plan that keeps `global` on `world_size` workers with
+    /// `micro <= max_micro`, largest micro first (the order in which they are tried). The first
+    /// one is what [`BatchSpec::resolve`] returns before anything was measured.
+    pub fn auto_candidates(&self, world_size: u64) -> Result<Vec<BatchPlan>, BatchError> {
+        if world_size == 0 {
+            return Err(BatchError::ZeroWorld);
+        }
+        self.check()?;
+        let Some(g) = self.global else {
+            return Err(BatchError::Underdetermined { grad_accum: None });
+        };
+        if g % world_size != 0 {
+            let near: Vec<BatchPlan> = neighbour_multiples(g, world_size)
+                .into_iter()
+                .map(|n| BatchPlan {
+                    global: n,
+                    micro: n / world_size,
+                    grad_accum: 1,
+                    world_size,
+                })
+                .collect();
+            let texts: Vec<String> = near.iter().map(|p| p.global.to_string()).collect();
+            let detail = format!(
+                "global {g} is not divisible by world {world_size} ({g} / {world_size} = {}), so no micro batch keeps it; nearest valid: global {}",
+                ratio(g, world_size),
+                join_or(&texts)
+            );
+            return self
+                .not_divisible(world_size, detail, near)
+                .map(|p| vec![p]);
+        }
+        if g / world_size > SUGGESTION_SEARCH_LIMIT {
+            return Err(BatchError::Overflow {
+                expression: format!("global {g} / world {world_size} (too large to search)"),
+            });
+        }
+        let cap = self.max_micro.unwrap_or(u64::MAX);
+        let plans: Vec<BatchPlan> = BatchPlan::plans_keeping_global(g, world_size)
+            .into_iter()
+            .filter(|p| p.micro <= cap)
+            .collect();
+        Ok(plans)
+    }
+
     fn not_divisible(
         &self,
         world_size: u64,
@@ -363,7 +549,7 @@ impl BatchSpec {
         suggestions: Vec<BatchPlan>,
     ) -> Result<BatchPlan, BatchError> {
         Err(BatchError::NotDivisible {
-            spec: self.clone(),
+            spec: Box::new(self.clone()),
             world_size,
             detail,
             suggestions,
@@ -485,7 +671,83 @@ mod tests {
             global: g,
             micro: m,
             grad_accum: a,
+            ..Default::default()
         }
+    }
+
+    fn auto(g: u64, max_micro: Option<u64>) -> BatchSpec {
+        BatchSpec {
+            global: Some(g),
+            micro_auto: true,
+            max_micro,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn auto_tries_every_plan_keeping_global_largest_micro_first() {
+        let plans = auto(192, None).auto_candidates(2).unwrap();
+        let micros: Vec<u64> = plans.iter().map(|p| p.micro).collect();
+        assert_eq!(micros, vec![96, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1]);
+        assert!(plans.iter().all(|p| p.is_consistent() && p.global == 192));
+        // The cap keeps only micro batches up to it; resolve gives the largest.
+        let capped = auto(192, Some(40)).auto_candidates(2).unwrap();
+        assert_eq!(capped[0].micro, 32);
+        assert_eq!(auto(192, Some(40)).resolve(2).unwrap(), plan(192, 32, 3, 2));
+        assert_eq!(auto(192, None).resolve(3).unwrap(), plan(192, 64, 1, 3));
+    }
+
+    #[test]
+    fn auto_errors_name_the_key() {
+        let e = auto(100, None).resolve(3).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("global 100 is not divisible by world 3"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("99 or 102"), "{e}");
+        let mut s = auto(64, None);
+        s.grad_accum = Some(2);
+        let e = s.check().unwrap_err();
+        assert_eq!(e.key_path(), "batch.grad_accum");
+        assert!(e.to_string().contains("remove it"), "{e}");
+        let s = BatchSpec {
+            micro_auto: true,
+            ..Default::default()
+        };
+        assert!(s
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("needs batch.global"));
+        let s = BatchSpec {
+            global: Some(64),
+            micro: Some(8),
+            max_micro: Some(8),
+            ..Default::default()
+        };
+        assert_eq!(s.check().unwrap_err().key_path(), "batch.max_micro");
+        assert_eq!(
+            auto(64, Some(0)).check().unwrap_err().key_path(),
+            "batch.max_micro"
+        );
+    }
+
+    #[test]
+    fn auto_reads_and_writes_as_the_word() {
+        let s: BatchSpec = toml::from_str("global = 64\nmicro = \"auto\"\nmax_micro = 16").unwrap();
+        assert_eq!(s, auto(64, Some(16)));
+        let text = toml::to_string(&s).unwrap();
+        assert!(text.contains("micro = \"auto\""), "{text}");
+        assert_eq!(toml::from_str::<BatchSpec>(&text).unwrap(), s);
+        let e = toml::from_str::<BatchSpec>("global = 64\nmicro = \"big\"").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("must be a number of samples or \"auto\" (got \"big\")"),
+            "{e}"
+        );
+        let e = toml::from_str::<BatchSpec>("global = 64\nmikro = 2").unwrap_err();
+        assert!(e.to_string().contains("mikro"), "{e}");
     }
 
     fn plan(global: u64, micro: u64, grad_accum: u64, world_size: u64) -> BatchPlan {

@@ -5,8 +5,9 @@
 //!   place where field values are checked, with errors that name the file, line and key;
 //! - the batch plan ([`batch`]): `micro x grad_accum x world = global`, derived and checked
 //!   without ever truncating;
-//! - the worker environment contract (torchrun-compatible variables), and later the memory
-//!   estimate arithmetic and shared error types.
+//! - the worker environment contract (torchrun-compatible variables);
+//! - the memory estimate ([`memory`]): each term of a worker's memory from the config and the
+//!   batch plan, and the plans that keep the global batch with less memory.
 //!
 //! It must not depend on libtorch (`tch`) or anything heavy: the launcher links it and must build
 //! and start fast. It does no I/O beyond reading a config file, spawns nothing, touches no
@@ -14,4 +15,6 @@
 
 pub mod batch;
 pub mod config;
+pub mod cuda_visible;
 pub mod env_contract;
+pub mod memory;

@@ -95,6 +95,12 @@ fn launch(cli: &Cli) -> i32 {
     if let Some(wc) = &plan.config {
         info!("{}: {}", wc.path.display(), wc.batch.derivation());
     }
+    // Only where the devices were looked up (`--num-processes auto`): a start stays fast.
+    if let Some(check) = plan.gpus.is_some().then(|| plan.memory_check()).flatten() {
+        for w in &check.warnings {
+            warn!("{w}");
+        }
+    }
 
     let events = crossbeam_channel::unbounded();
     let mut signals = match signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) {

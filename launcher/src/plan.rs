@@ -12,6 +12,10 @@ use std::time::Duration;
 use common::batch::BatchPlan;
 use common::config::Config;
 use common::env_contract::WorkerEnv;
+use common::memory::{
+    change_text, estimate, largest_fitting_plan, mib_text, other_levers, usable, DataShape,
+    DeviceKind, SAFETY_MARGIN,
+};
 
 use crate::cli::{Cli, NumProcesses};
 use crate::gpu::{self, Gpu};
@@ -191,7 +195,135 @@ impl Plan {
         if std::env::var_os("PYTHONUNBUFFERED").is_none() {
             vars.push(("PYTHONUNBUFFERED", "1".to_string()));
         }
+        // Growable segments instead of fixed blocks: far less fragmentation in libtorch's CUDA
+        // caching allocator (a user's own setting passes through unchanged).
+        if std::env::var_os("PYTORCH_CUDA_ALLOC_CONF").is_none() {
+            vars.push((
+                "PYTORCH_CUDA_ALLOC_CONF",
+                DEFAULT_CUDA_ALLOC_CONF.to_string(),
+            ));
+        }
         vars
+    }
+
+    /// The memory estimate of one worker next to what each local rank's device has (NVML's
+    /// figures for GPUs; available RAM shared by the workers on a CPU-only node): the table and
+    /// one warning per local rank whose estimate leaves less than the safety margin, with the
+    /// plan change that keeps the global batch. `None` when no config is run.
+    pub fn memory_check(&self) -> Option<MemoryCheck> {
+        let wc = self.config.as_ref()?;
+        let config = &wc.config;
+        let data = DataShape::assumed(config);
+        let gpus: &[Gpu] = self.gpus.as_deref().unwrap_or(&[]);
+        let kind = if gpus.is_empty() {
+            DeviceKind::Cpu
+        } else {
+            DeviceKind::Cuda
+        };
+        let ram = memory_info();
+        // The same simulation knob the workers read (tests, and "what if this GPU were smaller").
+        let limit = std::env::var("GPTREC_MEMORY_LIMIT_MB")
+            .ok()
+            .and_then(|t| common::memory::parse_memory_limit(&t).ok());
+        let budgets: Vec<(String, Option<(u64, u64)>)> = (0..self.nproc)
+            .map(|local_rank| {
+                let rank = self.node_rank * self.nproc + local_rank;
+                match limit {
+                    Some((bytes, only)) if only.is_none_or(|r| r == rank) => (
+                        format!("local rank {local_rank} (GPTREC_MEMORY_LIMIT_MB)"),
+                        Some((bytes, bytes)),
+                    ),
+                    _ => self.device_budget(kind, gpus, ram, local_rank),
+                }
+            })
+            .collect();
+        let mut plan = wc.batch;
+        let mut lines = Vec::new();
+        let mut warnings = Vec::new();
+        if config.batch.micro_auto {
+            // What `auto` would choose from the estimate: the smallest over the ranks.
+            let chosen = budgets
+                .iter()
+                .filter_map(|(_, b)| b.map(|(free, _)| free))
+                .filter_map(|free| largest_fitting_plan(config, &wc.batch, &data, kind, free))
+                .min_by_key(|p| p.micro);
+            match chosen {
+                Some(p) => {
+                    lines.push(format!(
+                        "micro \"auto\": by the estimate, {} (each worker checks on its own device at start)",
+                        p.derivation()
+                    ));
+                    plan = p;
+                }
+                None => lines.push(
+                    "micro \"auto\": by the estimate no micro batch fits; the workers will stop with the reason"
+                        .to_string(),
+                ),
+            }
+        }
+        let estimate = estimate(config, &plan, &data, kind);
+        let peak = estimate.peak_bytes();
+        lines.push(format!(
+            "estimate per worker ({}, {}; {}):",
+            match kind {
+                DeviceKind::Cuda => "GPU",
+                DeviceKind::Cpu => "CPU",
+            },
+            plan.derivation(),
+            data.source
+        ));
+        lines.extend(estimate.table("  ").lines().map(str::to_string));
+        for (local_rank, (device, budget)) in budgets.iter().enumerate() {
+            let Some((free, total)) = *budget else {
+                lines.push(format!("local rank {local_rank}: {device}: memory unknown"));
+                continue;
+            };
+            let what = match kind {
+                DeviceKind::Cuda => format!("{} free of {}", mib_text(free), mib_text(total)),
+                DeviceKind::Cpu => format!(
+                    "{} of available RAM per worker ({} in all)",
+                    mib_text(free),
+                    mib_text(total)
+                ),
+            };
+            let fits = peak <= usable(free);
+            lines.push(format!(
+                "local rank {local_rank}: {device}: {what}; estimate {} = {:.0}% {}",
+                mib_text(peak),
+                peak as f64 / free.max(1) as f64 * 100.0,
+                if fits {
+                    "fits"
+                } else {
+                    "does NOT fit with the 10% margin"
+                }
+            ));
+            if !fits {
+                let mut w = format!(
+                    "local rank {local_rank} ({device}): the estimate {} leaves less than {:.0}% of {} free",
+                    mib_text(peak),
+                    SAFETY_MARGIN * 100.0,
+                    mib_text(free)
+                );
+                match largest_fitting_plan(config, &plan, &data, kind, free) {
+                    Some(p) => w.push_str(&format!(
+                        "; set batch.micro = {} ({}, estimate {})",
+                        p.micro,
+                        change_text(&plan, &p),
+                        mib_text(estimate_peak(config, &p, &data, kind))
+                    )),
+                    None => w.push_str(&format!(
+                        "; no micro batch keeping global {} fits",
+                        plan.global
+                    )),
+                }
+                let levers = other_levers(config, &plan, &data, kind);
+                if !levers.is_empty() {
+                    w.push_str(&format!("; or {}", levers.join("; ")));
+                }
+                warnings.push(w);
+            }
+        }
+        Some(MemoryCheck { lines, warnings })
     }
 
     /// Makes sure the rendezvous port can be used, on the node that hosts it. On a single-node
@@ -268,6 +400,15 @@ impl Plan {
             );
             let _ = writeln!(out, "  batch:        {}", wc.batch.derivation());
         }
+        if let Some(check) = self.memory_check() {
+            let _ = writeln!(out, "  memory:");
+            for line in &check.lines {
+                let _ = writeln!(out, "    {line}");
+            }
+            for w in &check.warnings {
+                let _ = writeln!(out, "  warning:      {w}");
+            }
+        }
         if let Some((threads, cores)) = self.omp_threads {
             let _ = writeln!(
                 out,
@@ -299,6 +440,30 @@ impl Plan {
         out
     }
 
+    /// A local rank's device name and (free, total) bytes: NVML's figures for its GPU, or its
+    /// share of the node's available RAM.
+    fn device_budget(
+        &self,
+        kind: DeviceKind,
+        gpus: &[Gpu],
+        ram: Option<(u64, u64)>,
+        local_rank: u32,
+    ) -> (String, Option<(u64, u64)>) {
+        match kind {
+            DeviceKind::Cuda => match gpus.get(local_rank as usize) {
+                Some(g) => (
+                    format!("cuda:{} ({})", g.cuda_index, g.name),
+                    Some((g.free_bytes, g.total_bytes)),
+                ),
+                None => (format!("cuda:{local_rank} (missing)"), None),
+            },
+            DeviceKind::Cpu => (
+                "cpu".to_string(),
+                ram.map(|(avail, total)| (avail / u64::from(self.nproc.max(1)), total)),
+            ),
+        }
+    }
+
     fn device_of(&self, local_rank: u32) -> String {
         match &self.gpus {
             Some(gpus) if !gpus.is_empty() => match gpus.get(local_rank as usize) {
@@ -321,6 +486,32 @@ impl Plan {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// What `launch` sets `PYTORCH_CUDA_ALLOC_CONF` to when the user has not.
+pub const DEFAULT_CUDA_ALLOC_CONF: &str = "expandable_segments:True";
+
+/// The memory section of a plan: table lines and warnings (each one line).
+#[derive(Debug, Clone)]
+pub struct MemoryCheck {
+    pub lines: Vec<String>,
+    pub warnings: Vec<String>,
+}
+
+fn estimate_peak(config: &Config, plan: &BatchPlan, data: &DataShape, kind: DeviceKind) -> u64 {
+    estimate(config, plan, data, kind).peak_bytes()
+}
+
+/// (MemAvailable, MemTotal) in bytes from `/proc/meminfo`.
+fn memory_info() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |key: &str| -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    Some((field("MemAvailable:")?, field("MemTotal:")?))
+}
 
 fn command_and_config(
     cli: &Cli,

@@ -670,31 +670,8 @@ pub fn sample_negative(
 // Synthetic generator
 // ---------------------------------------------------------------------------------------------
 
-struct SizeSpec {
-    users: usize,
-    movies: usize,
-    /// Mean ratings per user (>= 20 each).
-    mean_ratings: f64,
-}
-
-fn spec(size: SyntheticSize) -> SizeSpec {
-    match size {
-        SyntheticSize::Tiny => SizeSpec {
-            users: 200,
-            movies: 150,
-            mean_ratings: 30.0,
-        },
-        SyntheticSize::Small => SizeSpec {
-            users: 1000,
-            movies: 800,
-            mean_ratings: 60.0,
-        },
-        SyntheticSize::Full => SizeSpec {
-            users: 6040,
-            movies: 3883,
-            mean_ratings: 165.6,
-        },
-    }
+fn spec(size: SyntheticSize) -> common::memory::SyntheticSpec {
+    size.spec()
 }
 
 const TITLE_ADJ: [&str; 24] = [

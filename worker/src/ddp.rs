@@ -9,6 +9,7 @@ use std::time::Duration;
 use tch::{nn, Tensor};
 
 use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
+use crate::memory::{self, Phase};
 use crate::optim::{clip_grad_norm, AdamW};
 
 /// Engine settings (from `[train]`, `[batch]` and `[dist]`).
@@ -165,15 +166,18 @@ impl Ddp {
         let mut local_loss = 0.0;
         let mut bad_loss = None;
         for micro in window {
-            let loss = loss_fn(micro)?;
+            memory::enter(Phase::Forward);
+            let loss = memory::check(loss_fn(micro))?;
             let value = loss.f_double_value(&[])?;
             if !value.is_finite() {
                 bad_loss = Some(value);
                 break;
             }
             local_loss += value * scale;
-            (loss * scale).f_backward()?;
+            memory::enter(Phase::Backward);
+            memory::check((loss * scale).f_backward())?;
         }
+        memory::enter(Phase::Optimizer);
         // Loss and a "bad loss" flag travel together first, so that every rank stops together
         // when any rank's loss is not finite (instead of the others waiting for its gradients).
         let ctx = self.ctx(step + 1);

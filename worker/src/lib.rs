@@ -8,6 +8,7 @@ pub mod collective;
 pub mod data;
 pub mod ddp;
 pub mod eval;
+pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod rec;

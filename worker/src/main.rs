@@ -17,6 +17,7 @@ use common::env_contract::WorkerEnv;
 use tch::{nn, Kind, Tensor};
 use tracing::info;
 use worker::collective::{OpContext, ReduceOp};
+use worker::memory::{self, Phase};
 use worker::rec;
 use worker::train::{self, Split, TrainSetup};
 
@@ -32,6 +33,9 @@ struct Cli {
     config: PathBuf,
 }
 
+/// Exit code of a worker that ran out of memory (its message says what to change).
+const EXIT_OUT_OF_MEMORY: u8 = worker::memory::EXIT_OUT_OF_MEMORY as u8;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -40,18 +44,45 @@ fn main() -> ExitCode {
         .without_time()
         .with_target(false)
         .init();
-    match run(&cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            // One line, the whole chain of context: what was being done and why it failed.
-            eprintln!("worker: error: {:#}", e.error);
-            ExitCode::from(e.code)
+    // libtorch reports a failed allocation by an error that tch's infallible calls turn into a
+    // panic: those are caught below and explained; the default hook stays for real bugs.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let text = panic_text(info.payload());
+        // Reported and exited here, before unwinding closes the connections to the others.
+        worker::memory::exit_if_oom(&text);
+        if !worker::memory::is_oom(&text) {
+            default_hook(info);
         }
-    }
+    }));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&cli)));
+    let failure = match outcome {
+        Ok(Ok(())) => return ExitCode::SUCCESS,
+        Ok(Err(e)) => e,
+        Err(payload) => Failure {
+            error: anyhow::anyhow!("{}", panic_text(payload.as_ref())),
+            code: 1,
+        },
+    };
+    let text = format!("{:#}", failure.error);
+    worker::memory::exit_if_oom(&text);
+    // One line, the whole chain of context: what was being done and why it failed.
+    eprintln!("worker: error: {text}");
+    ExitCode::from(failure.code)
+}
+
+/// The message of a panic payload (`&str` or `String`), or a placeholder.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
 }
 
 /// An error and the exit code it maps to: 2 for what the user gave us (environment, config,
-/// batch plan), 1 for a failure while running.
+/// batch plan), 1 for a failure while running (3 for running out of memory, decided in
+/// `main`).
 struct Failure {
     error: anyhow::Error,
     code: u8,
@@ -74,16 +105,30 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     let env = WorkerEnv::from_env()
         .context("reading the launch environment")
         .map_err(usage)?;
-    let config = Config::load(&cli.config, &cli.overrides)
+    let mut config = Config::load(&cli.config, &cli.overrides)
         .context("loading the config")
         .map_err(usage)?;
-    let batch = config
+    memory::init(env.rank).map_err(|e| usage(anyhow::anyhow!(e)))?;
+    let memory_limit = memory::simulated_limit(env.rank).map_err(|e| usage(anyhow::anyhow!(e)))?;
+    let mut batch = config
         .batch
         .resolve(u64::from(env.world_size))
         .with_context(|| format!("{}: checking the batch plan", cli.config.display()))
         .map_err(usage)?;
     let device = pick_device(&env).map_err(usage)?;
     let leader = env.rank == 0;
+    if config.train.bf16 && !device.is_cuda() && leader {
+        tracing::warn!("train.bf16 applies to CUDA only; this run is on the CPU and stays in f32");
+    }
+    memory::record(|f| {
+        *f = Some(memory::RunFacts {
+            config: config.clone(),
+            plan: batch,
+            device,
+            data: None,
+            last_checkpoint: None,
+        })
+    });
     println!(
         "worker rank {}/{} (local {}/{}, node {}/{}), pid {}, rendezvous {}:{} run id {}, restart {}/{}",
         env.rank,
@@ -141,8 +186,16 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         env.world_size
     );
 
+    let runtime_rss = memory::rss_bytes();
     // Data: the same on every rank (the split is seeded), read or generated.
     let data = rec::load_data(&config, comm.as_mut(), ctx).context("loading the data")?;
+    let shape =
+        rec::data_shape(&config, &data).context("measuring the data for the memory estimate")?;
+    memory::record(|f| {
+        if let Some(f) = f {
+            f.data = Some(shape.clone());
+        }
+    });
     let ds = &data.dataset;
     if leader {
         info!(
@@ -187,9 +240,65 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         return Ok(());
     }
 
+    let data_rss = memory::rss_bytes();
+    memory::enter(Phase::ModelBuild);
     let vs = nn::VarStore::new(device);
-    let mut task = rec::RecTask::new(&config, &data, &vs, device, comm.as_mut(), ctx)
-        .context("building the model")?;
+    let mut task = memory::check(rec::RecTask::new(
+        &config,
+        &data,
+        &vs,
+        device,
+        comm.as_mut(),
+        ctx,
+    ))
+    .context("building the model")?;
+    let model_rss = memory::rss_bytes();
+    let model_peak = memory::peak_bytes(device);
+    if config.batch.micro_auto {
+        batch = auto_micro(
+            &config,
+            &shape,
+            &mut task,
+            &vs,
+            device,
+            memory_limit,
+            &env,
+            comm.as_mut(),
+            ctx,
+        )?;
+        config.batch = common::batch::BatchSpec {
+            global: Some(batch.global),
+            micro: Some(batch.micro),
+            grad_accum: Some(batch.grad_accum),
+            ..Default::default()
+        };
+        memory::record(|f| {
+            if let Some(f) = f {
+                f.plan = batch;
+                f.config = config.clone();
+            }
+        });
+    }
+    let estimate = common::memory::estimate(&config, &batch, &shape, memory::device_kind(device));
+    if leader {
+        let (u, name) = memory::usage(device);
+        let budget = memory_limit.unwrap_or(if device.is_cuda() {
+            u.total
+        } else {
+            u.free / u64::from(env.local_world_size) + u.used
+        });
+        info!(
+            "memory estimate per worker on {name}: peak {} for {} (budget {}{})",
+            common::memory::mib_text(estimate.peak_bytes()),
+            batch.derivation(),
+            common::memory::mib_text(budget),
+            if memory_limit.is_some() {
+                ", GPTREC_MEMORY_LIMIT_MB"
+            } else {
+                ""
+            }
+        );
+    }
     if leader {
         let count = |trainable: bool| -> i64 {
             vs.variables()
@@ -218,6 +327,31 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     let report = train::train(&mut task, &vs, comm, &setup).context("training")?;
     if leader {
         let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        // The estimate next to what rank 0 measured, term by term where a measurement exists.
+        let measured = serde_json::json!({
+            "runtime_rss_mib": mib(runtime_rss),
+            "after_data_rss_mib": mib(data_rss),
+            "after_model_rss_mib": mib(model_rss),
+            "after_model_peak_mib": mib(model_peak),
+            "peak_rss_mib": report.peak_rss.iter().map(|&b| mib(b)).collect::<Vec<f64>>(),
+            "peak_device_mib": report.peak_device.as_ref().map(|v| v.iter().map(|&b| mib(b)).collect::<Vec<f64>>()),
+        });
+        let terms: Vec<serde_json::Value> = estimate
+            .terms
+            .iter()
+            .map(|t| serde_json::json!({"name": t.name, "mib": mib(t.bytes), "phase": format!("{:?}", t.phase).to_lowercase(), "detail": t.detail}))
+            .collect();
+        let record = serde_json::json!({
+            "device": format!("{device:?}"),
+            "plan": {"global": batch.global, "micro": batch.micro, "grad_accum": batch.grad_accum, "world": batch.world_size},
+            "data": {"users": shape.users, "items": shape.items, "interactions": shape.interactions, "user_tokens": shape.user_tokens, "item_tokens": shape.item_tokens},
+            "estimate": {"peak_mib": mib(estimate.peak_bytes()), "terms": terms},
+            "measured": measured,
+        });
+        let path = run_dir.join("memory.json");
+        if let Err(e) = std::fs::write(&path, format!("{record:#}\n")) {
+            tracing::warn!("could not write {}: {e}", path.display());
+        }
         let peak: Vec<String> = report
             .peak_rss
             .iter()
@@ -232,6 +366,8 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             "samples_per_s": report.samples_per_s,
             "seconds_per_epoch": report.seconds_per_epoch,
             "peak_rss_mib": report.peak_rss.iter().map(|&b| mib(b)).collect::<Vec<f64>>(),
+            "peak_device_mib": report.peak_device.as_ref().map(|v| v.iter().map(|&b| mib(b)).collect::<Vec<f64>>()),
+            "estimated_peak_mib": mib(estimate.peak_bytes()),
             "world_size": env.world_size,
         });
         let path = run_dir.join("metrics.jsonl");
@@ -252,6 +388,20 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             report.samples_per_s,
             report.seconds_per_epoch.map_or("-".into(), |s| format!("{s:.1}")),
             peak.join(", ")
+        );
+        let measured_peak = match &report.peak_device {
+            Some(dev) => dev.iter().copied().max().unwrap_or(0),
+            None => report.peak_rss.iter().copied().max().unwrap_or(0),
+        };
+        println!(
+            "  memory: estimated peak {} per worker, measured {} ({}; memory.json has each term)",
+            common::memory::mib_text(estimate.peak_bytes()),
+            common::memory::mib_text(measured_peak),
+            if report.peak_device.is_some() {
+                "device memory, NVML"
+            } else {
+                "peak RSS"
+            }
         );
         if let Some(best) = &report.best {
             println!(
@@ -284,6 +434,148 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         }
     }
     Ok(())
+}
+
+/// `batch.micro = "auto"`: every rank finds the largest micro batch (among those that keep
+/// `batch.global` exactly, up to `batch.max_micro`) whose estimate fits its memory with the
+/// safety margin — and, on a GPU, that really runs a forward and backward pass with the
+/// optimizer's state allocated — then the ranks agree on the smallest, and `grad_accum` follows.
+#[allow(clippy::too_many_arguments)]
+fn auto_micro(
+    config: &Config,
+    shape: &common::memory::DataShape,
+    task: &mut rec::RecTask,
+    vs: &nn::VarStore,
+    device: tch::Device,
+    memory_limit: Option<u64>,
+    env: &WorkerEnv,
+    comm: &mut dyn worker::collective::Collective,
+    ctx: OpContext,
+) -> Result<common::batch::BatchPlan, Failure> {
+    use common::memory::{estimate, mib_text, usable};
+    let candidates = config
+        .batch
+        .auto_candidates(u64::from(env.world_size))
+        .context("batch.micro = \"auto\"")
+        .map_err(usage)?;
+    let kind = memory::device_kind(device);
+    let name = memory::usage(device).1;
+    let budget = memory::budget(device, memory_limit, env.local_world_size);
+    let mut mine = None;
+    let mut tried = Vec::new();
+    for plan in &candidates {
+        let need = estimate(config, plan, shape, kind).peak_bytes();
+        if need > usable(budget) {
+            tried.push(format!("micro {} needs {}", plan.micro, mib_text(need)));
+            continue;
+        }
+        if device.is_cuda() {
+            match probe_step(task, vs, plan.micro as usize, device) {
+                Ok(used) => info!(
+                    "batch.micro = \"auto\": rank {} ran micro {} using {} of {name}",
+                    env.rank,
+                    plan.micro,
+                    mib_text(used)
+                ),
+                Err(why) => {
+                    tried.push(format!("micro {} ran out of memory ({why})", plan.micro));
+                    continue;
+                }
+            }
+        }
+        mine = Some(*plan);
+        break;
+    }
+    let my_micro = mine.map_or(0, |p| p.micro);
+    let all = comm
+        .all_gather(&Tensor::from_slice(&[my_micro as i64]), ctx)
+        .context("agreeing on the micro batch")?
+        .iter()
+        .map(|t| t.f_int64_value(&[0]).map(|v| v.max(0) as u64))
+        .collect::<Result<Vec<u64>, _>>()
+        .context("agreeing on the micro batch")?;
+    let chosen = all.iter().copied().min().unwrap_or(0);
+    let Some(plan) = candidates.iter().find(|p| p.micro == chosen).copied() else {
+        let short: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, &m)| m == 0)
+            .map(|(r, _)| r.to_string())
+            .collect();
+        let levers =
+            common::memory::other_levers(config, &candidates[candidates.len() - 1], shape, kind);
+        return Err(Failure {
+            error: anyhow::anyhow!(
+                "batch.micro = \"auto\": no micro batch that keeps global {} fits on rank(s) {} ({name}, budget {} with a {:.0}% margin){}{}; lower batch.global{}",
+                config.batch.global.unwrap_or(0),
+                short.join(", "),
+                mib_text(budget),
+                common::memory::SAFETY_MARGIN * 100.0,
+                if short.contains(&env.rank.to_string()) { ": " } else { "" },
+                if short.contains(&env.rank.to_string()) { tried.join(", ") } else { String::new() },
+                if levers.is_empty() { String::new() } else { format!(" or try {}", levers.join("; ")) }
+            ),
+            code: EXIT_OUT_OF_MEMORY,
+        });
+    };
+    if env.rank == 0 {
+        info!(
+            "batch.micro = \"auto\": largest micro per rank {all:?} (budget {} per worker{}); using {}",
+            mib_text(budget),
+            if memory_limit.is_some() { ", GPTREC_MEMORY_LIMIT_MB" } else { "" },
+            plan.derivation()
+        );
+    }
+    Ok(plan)
+}
+
+/// One forward and backward pass of `micro` training samples with AdamW's two moments
+/// allocated, without changing any weight; the device memory this process then uses, or why
+/// it ran out.
+fn probe_step(
+    task: &mut rec::RecTask,
+    vs: &nn::VarStore,
+    micro: usize,
+    device: tch::Device,
+) -> Result<u64, String> {
+    use worker::train::Task as _;
+    memory::enter(Phase::AutoProbe);
+    let n = task.train_len().max(1);
+    let indices: Vec<usize> = (0..micro).map(|i| i % n).collect();
+    let params = vs.trainable_variables();
+    memory::set_probing(true);
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let loss = task.loss(&indices)?;
+        loss.f_backward()?;
+        let moments: Vec<Tensor> = params
+            .iter()
+            .flat_map(|p| [p.zeros_like(), p.zeros_like()])
+            .collect();
+        if let tch::Device::Cuda(i) = device {
+            tch::Cuda::synchronize(i as i64);
+        }
+        let used = memory::usage(device).0.used;
+        drop(moments);
+        Ok::<u64, tch::TchError>(used)
+    }));
+    memory::set_probing(false);
+    for p in &params {
+        let mut p = p.shallow_clone();
+        p.zero_grad();
+    }
+    match outcome {
+        Ok(Ok(used)) => Ok(used),
+        Ok(Err(e)) if memory::is_oom(&e.to_string()) => Err(e.to_string()),
+        Ok(Err(e)) => Err(format!("the probe step failed: {e}")),
+        Err(payload) => {
+            let text = panic_text(payload.as_ref());
+            if memory::is_oom(&text) {
+                Err(text.lines().next().unwrap_or("").to_string())
+            } else {
+                std::panic::resume_unwind(payload)
+            }
+        }
+    }
 }
 
 /// `cuda:LOCAL_RANK` when CUDA is usable, otherwise the CPU.

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::config::{Config, Gpt2Preset, ModelKind, ScorerKind, TextMode};
+use common::memory::DataShape;
 use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 
@@ -246,6 +247,7 @@ pub fn cached_text_features(
     comm: &mut dyn Collective,
     ctx: OpContext,
 ) -> Result<TextFeatures, RecError> {
+    crate::memory::enter(crate::memory::Phase::TextCaching);
     // The same weights on every rank: one seed (or the file) for all.
     tch::manual_seed(config.run.seed as i64);
     let vs = nn::VarStore::new(device);
@@ -284,7 +286,36 @@ pub fn cached_text_features(
     };
     let users = encode(&data.user_texts)?;
     let items = encode(&data.item_texts)?;
+    crate::memory::enter(crate::memory::Phase::ModelBuild);
     Ok(TextFeatures { users, items })
+}
+
+/// The data's shape for the memory estimate: counts from the data, and (when the model reads
+/// text) the longest user and item text in tokens after `model.max_text_tokens`.
+pub fn data_shape(config: &Config, data: &RecData) -> Result<DataShape, RecError> {
+    let ds = &data.dataset;
+    let mut shape = DataShape::assumed(config);
+    shape.users = u64::from(ds.n_users);
+    shape.items = u64::from(ds.n_items);
+    shape.interactions = [&ds.train, &ds.valid, &ds.test]
+        .iter()
+        .map(|lists| lists.iter().map(Vec::len).sum::<usize>() as u64)
+        .sum();
+    shape.source = format!("measured on {}", data.source.display());
+    if config.model.kind == ModelKind::Gpt2rec {
+        let tok = Tokenizer::new()?;
+        let cap = config.model.max_text_tokens;
+        let longest = |texts: &[String]| -> u64 {
+            texts
+                .iter()
+                .map(|t| tok.encode(t).len().min(cap))
+                .max()
+                .unwrap_or(1) as u64
+        };
+        shape.user_tokens = longest(&data.user_texts);
+        shape.item_tokens = longest(&data.item_texts);
+    }
+    Ok(shape)
 }
 
 /// The recommender as a [`Task`]: BPR over (user, positive, negative) triples.
@@ -303,6 +334,8 @@ pub struct RecTask {
     ks: Vec<usize>,
     batch_users: usize,
     hash: String,
+    /// Forward passes under bf16 autocast (`train.bf16` on CUDA).
+    bf16: bool,
 }
 
 impl RecTask {
@@ -360,6 +393,9 @@ impl RecTask {
             },
         };
         let model = Recommender::new(&vs.root(), rec_config, text);
+        if config.train.bf16 && device.is_cuda() {
+            crate::model::use_bf16_autocast();
+        }
         let pairs = ds
             .train
             .iter()
@@ -380,6 +416,7 @@ impl RecTask {
             ks: config.eval.topk.clone(),
             batch_users: config.eval.batch_users,
             hash: model_hash(config, ds),
+            bf16: config.train.bf16 && device.is_cuda(),
         })
     }
 }
@@ -450,9 +487,10 @@ impl Task for RecTask {
             neg.push(i64::from(negative));
         }
         let t = |v: &[i64]| Tensor::from_slice(v).to_device(self.device);
-        Ok(self
-            .model
-            .bpr_loss(&t(&users), &t(&pos), &t(&neg), self.l2, true))
+        let (users, pos, neg) = (t(&users), t(&pos), t(&neg));
+        Ok(tch::autocast(self.bf16, || {
+            self.model.bpr_loss(&users, &pos, &neg, self.l2, true)
+        }))
     }
 
     fn model_hash(&self) -> String {

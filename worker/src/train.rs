@@ -21,6 +21,7 @@ use crate::checkpoint::{self, BestRecord, NamedTensors, TrainState};
 use crate::collective::{Collective, CollectiveError, OpContext};
 use crate::ddp::{Ddp, DdpConfig, DdpError};
 use crate::eval::Metrics;
+use crate::memory::{self, Phase};
 use crate::optim::{AdamW, LrSchedule, Schedule};
 use crate::sampler::DistributedSampler;
 
@@ -121,6 +122,12 @@ pub struct StepRecord {
     pub lr: f64,
     pub grad_norm: f64,
     pub samples_per_s: f64,
+    /// At logged steps: the largest peak memory over the ranks so far (MiB; RSS on the CPU,
+    /// device memory on GPUs) and the rank that has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_mem_mib: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_mem_rank: Option<u64>,
 }
 
 /// How the run ended.
@@ -139,6 +146,8 @@ pub struct TrainReport {
     pub stopped_early: bool,
     /// Peak resident memory of each rank (bytes, from the kernel's high-water mark).
     pub peak_rss: Vec<u64>,
+    /// Peak device memory of each rank (bytes, NVML) when training ran on GPUs.
+    pub peak_device: Option<Vec<u64>>,
     /// Mean samples per second over the steps this run took (0 when it took none).
     pub samples_per_s: f64,
     /// Mean seconds per epoch over the epochs this run trained in full.
@@ -191,6 +200,7 @@ pub fn train(
         timeout: timeout.max(SLOW_WORK_TIMEOUT),
     };
     let leader = rank == 0;
+    let device = vs.device();
 
     let sampler =
         DistributedSampler::new(task.train_len(), world, rank, config.run.seed, true, false)
@@ -296,6 +306,12 @@ pub fn train(
                 state.world_size
             );
         }
+        memory::record(|f| {
+            if let Some(f) = f {
+                f.last_checkpoint = Some(path.display().to_string());
+            }
+        });
+        memory::set_step(state.step);
         start = state;
     }
 
@@ -339,7 +355,14 @@ pub fn train(
             state,
             config.checkpoint.keep as usize,
             slow_ctx(step),
-        )
+        )?;
+        let path = checkpoints.join(format!("step-{step:06}"));
+        memory::record(|f| {
+            if let Some(f) = f {
+                f.last_checkpoint = Some(path.display().to_string());
+            }
+        });
+        Ok::<(), TrainError>(())
     };
     let metric = config.eval.metric.trim().to_ascii_lowercase();
     let mut step = start.step;
@@ -404,9 +427,21 @@ pub fn train(
                 step,
             )?;
             step += 1;
+            memory::set_step(step);
             steps_run += 1;
             samples_in_epoch += batch.global;
             last_loss = Some(stats.loss);
+            let log_now = step % log_every == 0 || step == total_steps;
+            // At logged steps every rank reports its peak; rank 0 logs the largest.
+            let peak = if log_now {
+                let all = gather_u64(ddp.comm(), memory::peak_bytes(device), ctx(step))?;
+                all.iter()
+                    .enumerate()
+                    .max_by_key(|(_, &b)| b)
+                    .map(|(r, &b)| (r as u64, b))
+            } else {
+                None
+            };
             if let Some(file) = metrics.as_mut() {
                 let record = StepRecord {
                     kind: "step".into(),
@@ -416,6 +451,8 @@ pub fn train(
                     lr,
                     grad_norm: stats.grad_norm,
                     samples_per_s: batch.global as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+                    peak_mem_mib: peak.map(|(_, b)| mib(b)),
+                    peak_mem_rank: peak.map(|(r, _)| r),
                 };
                 if let Ok(line) = serde_json::to_string(&record) {
                     let _ = writeln!(file, "{line}");
@@ -429,13 +466,16 @@ pub fn train(
                         epoch + 1,
                         stats.loss
                     ));
-                } else if step % log_every == 0 || step == total_steps {
+                } else if log_now {
                     let eta = elapsed / steps_run as f64 * (total_steps - step) as f64;
+                    let (peak_rank, peak_bytes) = peak.unwrap_or_default();
                     info!(
-                        "epoch {}/{epochs} step {step}/{total_steps} loss {:.6} lr {lr:.3e} grad_norm {:.4} {rate:.0} samples/s ETA {}",
+                        "epoch {}/{epochs} step {step}/{total_steps} loss {:.6} lr {lr:.3e} grad_norm {:.4} {rate:.0} samples/s {:.1} ms/step, peak mem {:.0} MiB (rank {peak_rank}) ETA {}",
                         epoch + 1,
                         stats.loss,
                         stats.grad_norm,
+                        elapsed * 1000.0 / steps_run as f64,
+                        mib(peak_bytes),
                         format_duration(eta)
                     );
                 }
@@ -470,7 +510,9 @@ pub fn train(
         let every = u64::from(config.eval.every_n_epochs);
         if epochs_done % every == 0 || epochs_done == epochs {
             let t0 = Instant::now();
-            if let Some(m) = task.evaluate(Split::Valid, ddp.comm(), slow_ctx(step))? {
+            memory::enter(Phase::Evaluation);
+            if let Some(m) = memory::check(task.evaluate(Split::Valid, ddp.comm(), slow_ctx(step)))?
+            {
                 let secs = t0.elapsed().as_secs_f64();
                 let value = m.get(&metric).unwrap_or(f64::NAN);
                 let improved = progress.best.as_ref().is_none_or(|b| value > b.value);
@@ -586,7 +628,8 @@ pub fn train(
     let test = if interrupted {
         None
     } else {
-        task.evaluate(Split::Test, ddp.comm(), slow_ctx(step))?
+        memory::enter(Phase::Evaluation);
+        memory::check(task.evaluate(Split::Test, ddp.comm(), slow_ctx(step)))?
     };
     if let (Some(m), Some(file)) = (&test, metrics.as_mut()) {
         let epoch = progress.best.as_ref().map_or(epochs_done, |b| b.epoch);
@@ -595,13 +638,16 @@ pub fn train(
     }
 
     // Peak memory of every rank, for the report.
-    let mine = Tensor::from_slice(&[peak_rss_bytes() as i64]);
-    let peak_rss = ddp
-        .comm()
-        .all_gather(&mine, ctx(step))?
-        .iter()
-        .map(|t| t.f_int64_value(&[0]).map(|v| v.max(0) as u64))
-        .collect::<Result<Vec<u64>, _>>()?;
+    let peak_rss = gather_u64(ddp.comm(), memory::peak_rss_bytes(), ctx(step))?;
+    let peak_device = if device.is_cuda() {
+        Some(gather_u64(
+            ddp.comm(),
+            memory::peak_bytes(device),
+            ctx(step),
+        )?)
+    } else {
+        None
+    };
     let secs = train_start.elapsed().as_secs_f64();
     Ok(TrainReport {
         steps: step,
@@ -612,6 +658,7 @@ pub fn train(
         test,
         stopped_early: progress.stopped_early,
         peak_rss,
+        peak_device,
         samples_per_s: if steps_run > 0 {
             (steps_run * batch.global) as f64 / secs.max(1e-9)
         } else {
@@ -663,16 +710,22 @@ fn format_duration(secs: f64) -> String {
     }
 }
 
-/// This process's peak resident set size (`VmHWM`), 0 where the kernel does not say.
-pub fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
+/// One number from every rank, in rank order.
+fn gather_u64(
+    comm: &mut dyn Collective,
+    value: u64,
+    ctx: OpContext,
+) -> Result<Vec<u64>, TrainError> {
+    let mine = Tensor::from_slice(&[value.min(i64::MAX as u64) as i64]);
+    Ok(comm
+        .all_gather(&mine, ctx)?
+        .iter()
+        .map(|t| t.f_int64_value(&[0]).map(|v| v.max(0) as u64))
+        .collect::<Result<Vec<u64>, _>>()?)
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// Rank 0 writes the checkpoint; then every rank learns whether it succeeded (the exchange is

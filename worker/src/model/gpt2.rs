@@ -697,3 +697,36 @@ mod tests {
         assert_eq!(report.unexpected, vec!["extra".to_string()]);
     }
 }
+
+#[cfg(test)]
+mod preset_tests {
+    use common::config::Gpt2Preset;
+    use common::memory::Gpt2Dims;
+
+    #[test]
+    fn the_memory_estimate_knows_the_presets() {
+        for (preset, config) in [
+            (Gpt2Preset::Tiny, super::Config::tiny()),
+            (Gpt2Preset::Gpt2, super::Config::gpt2()),
+        ] {
+            let dims = Gpt2Dims::of(preset);
+            assert_eq!(
+                (
+                    dims.n_layer,
+                    dims.n_head,
+                    dims.n_embd,
+                    dims.n_positions,
+                    dims.vocab_size
+                ),
+                (
+                    config.n_layer as u64,
+                    config.n_head as u64,
+                    config.n_embd as u64,
+                    config.n_positions as u64,
+                    config.vocab_size as u64
+                ),
+                "{preset:?}"
+            );
+        }
+    }
+}

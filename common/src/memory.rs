@@ -1,0 +1,975 @@
+//! The memory estimate of one worker, from the config, the batch plan and the data's shape alone
+//! (no libtorch, no device): what `launch --dry-run` prints, what the OOM message and
+//! `batch.micro = "auto"` reason with, and what the smaller-micro-batch suggestions come from.
+//!
+//! Each term is kept separate ([`MemoryTerm`]) so a user sees where the memory goes and the
+//! estimate can be checked term by term against a measured run. Terms belong to a phase: the
+//! persistent ones (runtime, data, parameters, ...) add up, and on top of them the largest of
+//! the transient phases counts (caching the text features happens before training and is freed;
+//! an evaluation happens between steps).
+//!
+//! This module does arithmetic only: it measures nothing, touches no device and never panics.
+//! The constants that are not sizes of tensors (the runtime's own memory, the allocator's
+//! reserve, how many activation copies autograd keeps) say where they come from.
+
+use std::fmt::Write as _;
+
+use crate::batch::BatchPlan;
+use crate::config::{Config, Gpt2Preset, ModelKind, ScorerKind, SyntheticSize, TextMode};
+
+const MIB: f64 = 1024.0 * 1024.0;
+const F32: u64 = 4;
+
+/// Where the worker's tensors live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// Host memory; compared with available RAM, measured as peak RSS.
+    Cpu,
+    /// A CUDA GPU; compared with the device's memory, measured with NVML.
+    Cuda,
+}
+
+/// Sizes of GPT-2 (Hugging Face names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gpt2Dims {
+    /// Blocks (`n_layer`).
+    pub n_layer: u64,
+    /// Attention heads (`n_head`).
+    pub n_head: u64,
+    /// Width (`n_embd`).
+    pub n_embd: u64,
+    /// Learned positions (`n_positions`).
+    pub n_positions: u64,
+    /// Vocabulary (`vocab_size`).
+    pub vocab_size: u64,
+}
+
+impl Gpt2Dims {
+    /// The dimensions of a preset (the worker's `model::gpt2::Config` presets; a worker test
+    /// checks that the two agree).
+    pub fn of(preset: Gpt2Preset) -> Gpt2Dims {
+        match preset {
+            Gpt2Preset::Tiny => Gpt2Dims {
+                n_layer: 2,
+                n_head: 2,
+                n_embd: 64,
+                n_positions: 128,
+                vocab_size: 50257,
+            },
+            Gpt2Preset::Gpt2 => Gpt2Dims {
+                n_layer: 12,
+                n_head: 12,
+                n_embd: 768,
+                n_positions: 1024,
+                vocab_size: 50257,
+            },
+        }
+    }
+
+    /// Parameters of one block: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj = 12d² + 13d.
+    pub fn block_params(&self) -> u64 {
+        let d = self.n_embd;
+        12 * d * d + 13 * d
+    }
+
+    /// All parameters: wte + wpe + blocks + ln_f (124,439,808 for `gpt2`).
+    pub fn params(&self) -> u64 {
+        let d = self.n_embd;
+        self.vocab_size * d + self.n_positions * d + self.n_layer * self.block_params() + 2 * d
+    }
+}
+
+/// The data's shape as far as memory goes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DataShape {
+    pub users: u64,
+    pub items: u64,
+    /// Training + validation + test interactions.
+    pub interactions: u64,
+    /// Tokens of the longest user text (after `max_text_tokens`): dynamic batches are cut to it.
+    pub user_tokens: u64,
+    /// Tokens of the longest item text (after `max_text_tokens`).
+    pub item_tokens: u64,
+    /// Where the numbers come from, for the table ("ML-1M, published counts", "measured").
+    pub source: String,
+}
+
+/// Longest user text in tokens ("User: female, aged 25-34, works as programmer."): measured on
+/// the ML-1M metadata with GPT-2's tokenizer.
+const USER_TEXT_TOKENS: u64 = 16;
+/// Longest item text in tokens (title, year and genres): measured on the ML-1M metadata.
+const ITEM_TEXT_TOKENS: u64 = 40;
+
+impl DataShape {
+    /// The shape the config implies before any data is read: the generator's sizes for
+    /// synthetic data, MovieLens-1M's published counts (REFERENCE.md) for `data.dir`.
+    pub fn assumed(config: &Config) -> DataShape {
+        let cap = config.model.max_text_tokens as u64;
+        let (users, items, interactions, source) = match &config.data.dir {
+            Some(_) => (
+                6040,
+                3629,
+                836_478,
+                "MovieLens-1M's counts at ratings >= 3".to_string(),
+            ),
+            None => {
+                let spec = config.data.synthetic.spec();
+                let users = spec.users as u64;
+                // About 84% of ML-1M's ratings are >= 3; the generator follows its rating mix.
+                let all = spec.users as f64 * spec.mean_ratings;
+                (
+                    users,
+                    spec.movies as u64,
+                    (all * 0.84) as u64,
+                    format!("synthetic {:?} data", config.data.synthetic).to_lowercase(),
+                )
+            }
+        };
+        DataShape {
+            users,
+            items,
+            interactions,
+            user_tokens: USER_TEXT_TOKENS.min(cap),
+            item_tokens: ITEM_TEXT_TOKENS.min(cap),
+            source,
+        }
+    }
+}
+
+impl SyntheticSize {
+    /// Users, movies and mean ratings per user of the generated data set.
+    pub fn spec(self) -> SyntheticSpec {
+        match self {
+            SyntheticSize::Tiny => SyntheticSpec {
+                users: 200,
+                movies: 150,
+                mean_ratings: 30.0,
+            },
+            SyntheticSize::Small => SyntheticSpec {
+                users: 1000,
+                movies: 800,
+                mean_ratings: 60.0,
+            },
+            SyntheticSize::Full => SyntheticSpec {
+                users: 6040,
+                movies: 3883,
+                mean_ratings: 165.6,
+            },
+        }
+    }
+}
+
+/// Size of a synthetic data set (the generator's parameters).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SyntheticSpec {
+    pub users: usize,
+    pub movies: usize,
+    /// Mean ratings per user (>= 20 each).
+    pub mean_ratings: f64,
+}
+
+/// When a term's memory is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// From start-up to the end (parameters, optimizer state, ...).
+    Always,
+    /// Only while training steps run (gradients of activations, activations).
+    Training,
+    /// Only while the model is built (the frozen encoder that caches text features,
+    /// initialisation copies), before training; freed afterwards.
+    Build,
+    /// Only while rank 0 writes a checkpoint (snapshots and serialised bytes).
+    Checkpoint,
+    /// Only while an evaluation runs.
+    Eval,
+}
+
+/// One line of the estimate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryTerm {
+    /// Short name: `parameters`, `gradients`, `optimizer (AdamW)`, ...
+    pub name: &'static str,
+    pub bytes: u64,
+    pub phase: Phase,
+    /// How it was computed, e.g. `3 x 64 x 40 tokens x 64 wide x 2 layers x 26 copies x 4 B`.
+    pub detail: String,
+}
+
+/// The estimate for one worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryEstimate {
+    pub device: DeviceKind,
+    pub plan: BatchPlan,
+    pub terms: Vec<MemoryTerm>,
+}
+
+impl MemoryEstimate {
+    /// The expected peak. On a GPU: the persistent terms plus the largest transient phase
+    /// (the caching allocator reuses what a finished phase freed). On the CPU: the persistent
+    /// terms plus all transient phases, because freed memory mostly stays in the process (the C
+    /// allocator keeps it; measured with `scripts/bench/memory.sh`, where "the largest phase"
+    /// underestimated peak RSS by up to 35%).
+    pub fn peak_bytes(&self) -> u64 {
+        let sum = |phase| -> u64 {
+            self.terms
+                .iter()
+                .filter(|t| t.phase == phase)
+                .map(|t| t.bytes)
+                .sum()
+        };
+        let phases = [
+            Phase::Training,
+            Phase::Build,
+            Phase::Checkpoint,
+            Phase::Eval,
+        ]
+        .map(sum);
+        let transient = match self.device {
+            DeviceKind::Cuda => phases.into_iter().max().unwrap_or(0),
+            DeviceKind::Cpu => phases.into_iter().sum(),
+        };
+        sum(Phase::Always) + transient
+    }
+
+    /// Bytes of the term named `name` (0 when absent).
+    pub fn term(&self, name: &str) -> u64 {
+        self.terms
+            .iter()
+            .filter(|t| t.name == name)
+            .map(|t| t.bytes)
+            .sum()
+    }
+
+    /// The estimate as an aligned table, one term per line, then the peak.
+    pub fn table(&self, indent: &str) -> String {
+        let mut out = String::new();
+        for t in &self.terms {
+            let when = match t.phase {
+                Phase::Always => "",
+                Phase::Training => " (training)",
+                Phase::Build => " (model build, freed)",
+                Phase::Checkpoint => " (checkpoint, freed)",
+                Phase::Eval => " (evaluation)",
+            };
+            let _ = writeln!(
+                out,
+                "{indent}{:<24} {:>10}  {}{when}",
+                t.name,
+                mib_text(t.bytes),
+                t.detail
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{indent}{:<24} {:>10}  persistent terms + {}",
+            "estimated peak",
+            mib_text(self.peak_bytes()),
+            match self.device {
+                DeviceKind::Cuda => "the largest phase",
+                DeviceKind::Cpu => "every phase (freed memory stays in the process)",
+            }
+        );
+        out
+    }
+}
+
+/// `123.4 MiB`, or `1.23 GiB` from 10 GiB up.
+pub fn mib_text(bytes: u64) -> String {
+    let mib = bytes as f64 / MIB;
+    if mib >= 10.0 * 1024.0 {
+        format!("{:.2} GiB", mib / 1024.0)
+    } else {
+        format!("{mib:.1} MiB")
+    }
+}
+
+/// Resident memory of a worker process on the CPU before it builds anything: libtorch's code
+/// and thread pools, the collective. Measured on this project's CI machine (RSS of the
+/// `worker` after its collective check, 349 MiB, `scripts/bench/memory.sh`).
+pub const CPU_RUNTIME_BYTES: u64 = 349 << 20;
+/// GPT-2's BPE tables in tiktoken-rs (host memory). Measured: 9 MiB.
+pub const TOKENIZER_BYTES: u64 = 9 << 20;
+/// CUDA context and libtorch's kernels on the device: about 500 MiB on recent GPUs with
+/// CUDA 12's lazy module loading (PyTorch's documentation and common measurements; not measured
+/// here: no GPU was available).
+pub const CUDA_CONTEXT_BYTES: u64 = 500 << 20;
+/// The caching allocator keeps freed blocks and rounds sizes up; what it holds beyond the live
+/// tensors, as a fraction of them (a planning margin, not a measurement).
+pub const CUDA_ALLOCATOR_RESERVE: f64 = 0.15;
+/// Host bytes per interaction held by the worker: the parsed ratings, the split lists (and
+/// the task's copies), the training pairs. Measured with `scripts/bench/memory.sh` (48 MiB for
+/// the 953,537 interactions of the full-size synthetic set).
+const HOST_BYTES_PER_INTERACTION: u64 = 50;
+/// f32 values autograd keeps per token and per unit of width in one GPT-2 block during training
+/// (this model's block in f32: the layer-norm inputs and outputs, q/k/v and their contiguous
+/// copies, the attention output, the MLP's 4d input and GELU output, dropout outputs and masks
+/// and the residual sums;
+const BLOCK_ACTIVATION_COPIES: u64 = 26;
+/// The same per attention score (per head, per query and key): scores, softmax output, dropout
+/// output and mask.
+const ATTENTION_SCORE_COPIES: u64 = 4;
+/// f32 values per token and unit of width outside the blocks (embedding sum and dropout,
+/// final layer norm, mean pooling).
+const EMBEDDING_COPIES: u64 = 5;
+/// f32 copies per row and embedding dimension of the ID part (embedding lookups, projections,
+/// sums, products, the L2 squares) and the MLP scorer's hidden layer.
+const ID_ROW_COPIES: u64 = 8;
+
+/// The estimate of one worker's memory for `config` run with `plan` on `device`.
+pub fn estimate(
+    config: &Config,
+    plan: &BatchPlan,
+    data: &DataShape,
+    device: DeviceKind,
+) -> MemoryEstimate {
+    let m = &config.model;
+    let mut terms = Vec::new();
+    let gpt2 = Gpt2Dims::of(m.preset);
+    let d = gpt2.n_embd;
+    let dim = m.embedding_dim as u64;
+    let (users, items) = (data.users, data.items);
+    let cuda = device == DeviceKind::Cuda;
+    let bf16 = cuda && config.train.bf16;
+    let text = match m.kind {
+        ModelKind::Gpt2rec => Some(m.text_mode),
+        _ => None,
+    };
+
+    terms.push(MemoryTerm {
+        name: if cuda {
+            "CUDA context"
+        } else {
+            "runtime (libtorch)"
+        },
+        bytes: if cuda {
+            CUDA_CONTEXT_BYTES
+        } else {
+            CPU_RUNTIME_BYTES
+        },
+        phase: Phase::Always,
+        detail: if cuda {
+            "context and kernels, assumed".into()
+        } else {
+            "process baseline, measured".into()
+        },
+    });
+    if !cuda {
+        terms.push(MemoryTerm {
+            name: "data (host)",
+            bytes: data.interactions * HOST_BYTES_PER_INTERACTION,
+            phase: Phase::Always,
+            detail: format!(
+                "{} interactions x {HOST_BYTES_PER_INTERACTION} B ({})",
+                data.interactions, data.source
+            ),
+        });
+    }
+    if !cuda && m.kind == ModelKind::Gpt2rec {
+        terms.push(MemoryTerm {
+            name: "tokenizer (host)",
+            bytes: TOKENIZER_BYTES,
+            phase: Phase::Always,
+            detail: "GPT-2 BPE tables, measured".into(),
+        });
+    }
+    if m.kind == ModelKind::Pop {
+        return MemoryEstimate {
+            device,
+            plan: *plan,
+            terms,
+        };
+    }
+
+    // Parameters: ID embeddings, text projections, MLP scorer, GPT-2 in dynamic mode.
+    let ids = (users + items) * dim;
+    let proj = if text.is_some() {
+        2 * (d * dim + dim)
+    } else {
+        0
+    };
+    let mlp = if m.scorer == ScorerKind::Mlp {
+        2 * dim * dim + dim + dim + 1
+    } else {
+        0
+    };
+    let (gpt2_params, gpt2_trainable, trained_blocks) = match text {
+        Some(TextMode::Dynamic) => {
+            let all = gpt2.params();
+            let blocks = if m.freeze_gpt2 {
+                0
+            } else {
+                m.trainable_layers
+                    .map_or(gpt2.n_layer, |n| u64::from(n).min(gpt2.n_layer))
+            };
+            let trainable = if m.freeze_gpt2 {
+                0
+            } else if m.trainable_layers.is_some() {
+                blocks * gpt2.block_params() + if blocks > 0 { 2 * d } else { 0 }
+            } else {
+                all
+            };
+            (all, trainable, blocks)
+        }
+        _ => (0, 0, 0),
+    };
+    let params = ids + proj + mlp + gpt2_params;
+    let trainable = ids + proj + mlp + gpt2_trainable;
+    let mut parts = vec![format!("IDs ({users}+{items}) x {dim}")];
+    if proj > 0 {
+        parts.push(format!("projections 2 x {d} x {dim}"));
+    }
+    if mlp > 0 {
+        parts.push("MLP scorer".into());
+    }
+    if gpt2_params > 0 {
+        parts.push(format!("GPT-2 {:?} {}", m.preset, gpt2_params).to_lowercase());
+    }
+    terms.push(MemoryTerm {
+        name: "parameters",
+        bytes: params * F32,
+        phase: Phase::Always,
+        detail: format!("{params} f32: {}", parts.join(" + ")),
+    });
+    terms.push(MemoryTerm {
+        name: "gradients",
+        bytes: trainable * F32,
+        phase: Phase::Always,
+        detail: format!("{trainable} trainable f32"),
+    });
+    terms.push(MemoryTerm {
+        name: "optimizer (AdamW)",
+        bytes: 2 * trainable * F32,
+        phase: Phase::Always,
+        detail: "2 moments per trainable value".into(),
+    });
+    // AdamW works parameter by parameter; three temporaries the size of the largest one.
+    let largest = [users * dim, items * dim, proj / 2, mlp]
+        .into_iter()
+        .chain((gpt2_trainable > 0).then_some(gpt2.vocab_size * d))
+        .max()
+        .unwrap_or(0);
+    terms.push(MemoryTerm {
+        name: "optimizer temporaries",
+        bytes: 3 * largest * F32,
+        phase: Phase::Training,
+        detail: format!("3 x the largest trainable tensor ({largest} f32)"),
+    });
+    // Rank 0's checkpoint: snapshots of the optimizer state, then each file's bytes.
+    terms.push(MemoryTerm {
+        name: "checkpoint (rank 0)",
+        bytes: (2 * trainable + params.max(2 * trainable)) * F32,
+        phase: Phase::Checkpoint,
+        detail: "optimizer snapshot + the larger file's bytes".into(),
+    });
+    if plan.world_size > 1 {
+        let bucket = (config.dist.bucket_mb * MIB) as u64;
+        let bytes = 2 * bucket.min(trainable * F32);
+        terms.push(MemoryTerm {
+            name: "all-reduce buffers",
+            bytes,
+            phase: Phase::Training,
+            detail: format!("2 x one bucket (dist.bucket_mb {})", config.dist.bucket_mb),
+        });
+    }
+    if bf16 && gpt2_params > 0 {
+        terms.push(MemoryTerm {
+            name: "bf16 weight copies",
+            bytes: gpt2_params * 2,
+            phase: Phase::Training,
+            detail: "autocast's bf16 copies of GPT-2's weights".into(),
+        });
+    }
+
+    match text {
+        Some(TextMode::Cached) => {
+            terms.push(MemoryTerm {
+                name: "cached text features",
+                bytes: (users + items) * d * F32,
+                phase: Phase::Always,
+                detail: format!("({users}+{items}) x {d} f32"),
+            });
+            // Building them: a frozen GPT-2, the gathered and standardised copies of a table.
+            let rows = users.max(items);
+            let encode = CACHE_ROWS
+                * data.item_tokens.max(data.user_tokens)
+                * d
+                * (EMBEDDING_COPIES + 8)
+                * F32;
+            terms.push(MemoryTerm {
+                name: "text encoder (caching)",
+                bytes: gpt2.params() * F32 + 4 * rows * d * F32 + encode,
+                phase: Phase::Build,
+                detail: format!(
+                    "frozen GPT-2 {:?} {} f32 + 4 copies of a {rows} x {d} table",
+                    m.preset,
+                    gpt2.params()
+                )
+                .to_lowercase(),
+            });
+        }
+        Some(TextMode::Dynamic) => {
+            terms.push(MemoryTerm {
+                name: "GPT-2 initialisation",
+                bytes: gpt2.vocab_size * d * F32,
+                phase: Phase::Build,
+                detail: "a copy of the token embedding while it is initialised".into(),
+            });
+            terms.push(MemoryTerm {
+                name: "token tables",
+                bytes: (users + items) * m.max_text_tokens as u64 * 16,
+                phase: Phase::Always,
+                detail: format!(
+                    "({users}+{items}) x {} tokens x (i64 id + i64 mask)",
+                    m.max_text_tokens
+                ),
+            });
+        }
+        None => {}
+    }
+
+    // Activations of one micro-batch: B users, B positives and B negatives.
+    let b = plan.micro;
+    let id_rows = 3 * b;
+    let width = if text.is_some() { dim + d } else { dim };
+    let mut id_bytes = id_rows * width * ID_ROW_COPIES * F32;
+    if mlp > 0 {
+        id_bytes += 2 * b * 4 * dim * F32;
+    }
+    terms.push(MemoryTerm {
+        name: "activations (IDs)",
+        bytes: id_bytes,
+        phase: Phase::Training,
+        detail: format!("3 x micro {b} rows x {width} x {ID_ROW_COPIES} copies x 4 B"),
+    });
+    if text == Some(TextMode::Dynamic) {
+        // Users' texts and items' (positives and negatives together) go through GPT-2 as two
+        // batches, each cut to its longest text. Only blocks above the frozen ones keep
+        // activations for backward; a frozen stack still needs one block's working set.
+        let (lu, li) = (data.user_tokens, data.item_tokens);
+        let token_rows = b * lu + 2 * b * li;
+        let score_rows = b * lu * lu + 2 * b * li * li;
+        let kept = trained_blocks.max(1);
+        let dtype = if bf16 { 2 } else { F32 };
+        let per_block = token_rows * d * BLOCK_ACTIVATION_COPIES * dtype
+            + score_rows * gpt2.n_head * ATTENTION_SCORE_COPIES * F32;
+        let embed = if trained_blocks > 0 {
+            token_rows * d * EMBEDDING_COPIES * F32
+        } else {
+            0
+        };
+        terms.push(MemoryTerm {
+            name: "activations (GPT-2)",
+            bytes: kept * per_block + embed,
+            phase: Phase::Training,
+            detail: format!(
+                "micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x {kept} block(s) x {BLOCK_ACTIVATION_COPIES} copies{}",
+                if bf16 { " in bf16" } else { "" }
+            ),
+        });
+    }
+
+    // Evaluation: every user's and item's representation, and a block of scores.
+    let eval_users = config.eval.batch_users as u64;
+    let mut eval = (users + items) * dim * F32 + 3 * eval_users * items * F32;
+    if m.scorer == ScorerKind::Mlp {
+        eval += eval_users * items * 2 * dim * F32;
+    }
+    if text == Some(TextMode::Dynamic) {
+        eval +=
+            ENCODE_ROWS * data.item_tokens.max(data.user_tokens) * d * (EMBEDDING_COPIES + 8) * F32;
+    }
+    terms.push(MemoryTerm {
+        name: "evaluation",
+        bytes: eval,
+        phase: Phase::Eval,
+        detail: format!("tables + {eval_users} users x {items} items x 3 copies"),
+    });
+
+    if cuda {
+        let tensors: u64 = terms
+            .iter()
+            .filter(|t| t.name != "CUDA context")
+            .map(|t| t.bytes)
+            .sum();
+        terms.push(MemoryTerm {
+            name: "allocator reserve",
+            bytes: (tensors as f64 * CUDA_ALLOCATOR_RESERVE) as u64,
+            phase: Phase::Always,
+            detail: format!(
+                "{:.0}% of the tensors (caching allocator)",
+                CUDA_ALLOCATOR_RESERVE * 100.0
+            ),
+        });
+    }
+    MemoryEstimate {
+        device,
+        plan: *plan,
+        terms,
+    }
+}
+
+/// Rows of text the worker encodes at once while caching features (worker `rec::CACHE_ROWS`).
+const CACHE_ROWS: u64 = 64;
+/// Rows of text encoded at once while building evaluation tables (worker `ENCODE_ROWS`).
+const ENCODE_ROWS: u64 = 128;
+
+/// The fraction of a device's (or the RAM's) memory an estimate may use before `launch` warns
+/// and `micro = "auto"` steps down: 10% stays free for what the estimate does not see.
+pub const SAFETY_MARGIN: f64 = 0.10;
+
+/// `GPTREC_MEMORY_LIMIT_MB`'s value, `N` or `N@rank`: pretend a device (or a CPU worker's share
+/// of RAM) has N MiB, on every rank or only on `rank`. Returns (bytes, rank).
+pub fn parse_memory_limit(text: &str) -> Result<(u64, Option<u32>), String> {
+    let bad = || {
+        format!("GPTREC_MEMORY_LIMIT_MB={text}: expected MiB, optionally @rank (e.g. 900 or 900@1)")
+    };
+    let (mb, rank) = match text.trim().split_once('@') {
+        Some((mb, r)) => (mb, Some(r.trim().parse::<u32>().map_err(|_| bad())?)),
+        None => (text.trim(), None),
+    };
+    let mb: u64 = mb.trim().parse().map_err(|_| bad())?;
+    if mb == 0 || mb > (1 << 40) {
+        return Err(bad());
+    }
+    Ok((mb << 20, rank))
+}
+
+/// What `budget` bytes allow: the usable part after the safety margin.
+pub fn usable(budget: u64) -> u64 {
+    (budget as f64 * (1.0 - SAFETY_MARGIN)) as u64
+}
+
+/// Plans that keep `plan.global` with a smaller micro batch, largest first (each satisfies the
+/// invariant). The first `n` of them are "the nearest".
+pub fn smaller_micro_plans(plan: &BatchPlan) -> Vec<BatchPlan> {
+    BatchPlan::plans_keeping_global(plan.global, plan.world_size)
+        .into_iter()
+        .filter(|p| p.micro < plan.micro)
+        .collect()
+}
+
+/// The largest plan keeping `plan.global` (micro <= `plan.micro`) whose estimate fits in
+/// `usable(budget)`, or `None` when not even micro 1 fits.
+pub fn largest_fitting_plan(
+    config: &Config,
+    plan: &BatchPlan,
+    data: &DataShape,
+    device: DeviceKind,
+    budget: u64,
+) -> Option<BatchPlan> {
+    std::iter::once(*plan)
+        .chain(smaller_micro_plans(plan))
+        .find(|p| estimate(config, p, data, device).peak_bytes() <= usable(budget))
+}
+
+/// `micro 32 -> 16, grad_accum 2 -> 4 keeps global 192`.
+pub fn change_text(from: &BatchPlan, to: &BatchPlan) -> String {
+    format!(
+        "micro {} -> {}, grad_accum {} -> {} keeps global {}",
+        from.micro, to.micro, from.grad_accum, to.grad_accum, to.global
+    )
+}
+
+/// Other ways to need less memory than `config` does, each with the estimate it would give:
+/// cached instead of dynamic text, frozen GPT-2 layers, bf16 on CUDA.
+pub fn other_levers(
+    config: &Config,
+    plan: &BatchPlan,
+    data: &DataShape,
+    device: DeviceKind,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let m = &config.model;
+    let mut try_lever = |text: &str, change: &dyn Fn(&mut Config)| {
+        let mut c = config.clone();
+        change(&mut c);
+        let e = estimate(&c, plan, data, device);
+        out.push(format!("{text} (estimate {})", mib_text(e.peak_bytes())));
+    };
+    if m.kind == ModelKind::Gpt2rec && m.text_mode == TextMode::Dynamic {
+        try_lever("model.text_mode = \"cached\"", &|c| {
+            c.model.text_mode = TextMode::Cached;
+            c.model.trainable_layers = None;
+            c.model.freeze_gpt2 = false;
+        });
+        if !m.freeze_gpt2 && m.trainable_layers.is_none_or(|n| n > 1) {
+            try_lever("model.trainable_layers = 1", &|c| {
+                c.model.trainable_layers = Some(1)
+            });
+        }
+        if !m.freeze_gpt2 {
+            try_lever("model.freeze_gpt2 = true", &|c| {
+                c.model.freeze_gpt2 = true;
+                c.model.trainable_layers = None;
+            });
+        }
+        if device == DeviceKind::Cuda && !config.train.bf16 {
+            try_lever("train.bf16 = true", &|c| c.train.bf16 = true);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(global: u64, micro: u64, grad_accum: u64, world_size: u64) -> BatchPlan {
+        BatchPlan {
+            global,
+            micro,
+            grad_accum,
+            world_size,
+        }
+    }
+
+    fn shape(users: u64, items: u64) -> DataShape {
+        DataShape {
+            users,
+            items,
+            interactions: 1000,
+            user_tokens: 16,
+            item_tokens: 40,
+            source: "test".into(),
+        }
+    }
+
+    #[test]
+    fn gpt2_parameter_counts_match_the_published_ones() {
+        // Hugging Face's `gpt2`: 124,439,808 parameters.
+        assert_eq!(Gpt2Dims::of(Gpt2Preset::Gpt2).params(), 124_439_808);
+        // tiny: 50257 x 64 + 128 x 64 + 2 x (12 x 64² + 13 x 64) + 2 x 64.
+        assert_eq!(
+            Gpt2Dims::of(Gpt2Preset::Tiny).params(),
+            50257 * 64 + 128 * 64 + 2 * (12 * 4096 + 13 * 64) + 128
+        );
+    }
+
+    #[test]
+    fn bpr_terms_by_hand() {
+        let mut c = Config::default();
+        c.model.kind = ModelKind::Bpr;
+        c.model.embedding_dim = 64;
+        let e = estimate(
+            &c,
+            &plan(256, 64, 2, 2),
+            &shape(6040, 3629),
+            DeviceKind::Cpu,
+        );
+        let params = (6040 + 3629) * 64;
+        assert_eq!(e.term("parameters"), params * 4);
+        assert_eq!(e.term("gradients"), params * 4);
+        assert_eq!(e.term("optimizer (AdamW)"), params * 8);
+        // All gradients fit in one 25 MiB bucket: two copies of them.
+        assert_eq!(e.term("all-reduce buffers"), 2 * params * 4);
+        assert_eq!(e.term("activations (IDs)"), 3 * 64 * 64 * 8 * 4);
+        assert_eq!(e.term("runtime (libtorch)"), CPU_RUNTIME_BYTES);
+        assert_eq!(e.term("data (host)"), 1000 * HOST_BYTES_PER_INTERACTION);
+        assert_eq!(e.term("tokenizer (host)"), 0, "BPR reads no text");
+        // AdamW's temporaries: 3 x the user table; rank 0's checkpoint: 2 moments + 2 moments.
+        assert_eq!(e.term("optimizer temporaries"), 3 * 6040 * 64 * 4);
+        assert_eq!(e.term("checkpoint (rank 0)"), 4 * params * 4);
+        assert_eq!(e.term("cached text features"), 0);
+        assert_eq!(
+            e.term("evaluation"),
+            (6040 + 3629) * 64 * 4 + 3 * 128 * 3629 * 4
+        );
+        // One process: no all-reduce.
+        let e1 = estimate(
+            &c,
+            &plan(256, 64, 4, 1),
+            &shape(6040, 3629),
+            DeviceKind::Cpu,
+        );
+        assert_eq!(e1.term("all-reduce buffers"), 0);
+    }
+
+    #[test]
+    fn gpt2_cached_terms_by_hand() {
+        let mut c = Config::default();
+        c.model.preset = Gpt2Preset::Gpt2;
+        let e = estimate(
+            &c,
+            &plan(2048, 512, 1, 4),
+            &shape(6040, 3629),
+            DeviceKind::Cuda,
+        );
+        // The recommender trains IDs and the two projections 768 -> 64; GPT-2 is not in it.
+        let trainable = (6040 + 3629) * 64 + 2 * (768 * 64 + 64);
+        assert_eq!(e.term("parameters"), trainable * 4);
+        assert_eq!(e.term("optimizer (AdamW)"), trainable * 8);
+        assert_eq!(e.term("cached text features"), (6040 + 3629) * 768 * 4);
+        assert_eq!(e.term("CUDA context"), CUDA_CONTEXT_BYTES);
+        assert_eq!(e.term("data (host)"), 0, "host data is not on the device");
+        // Caching needs the whole frozen GPT-2 for a while.
+        assert!(e.term("text encoder (caching)") > 124_439_808 * 4);
+        // The reserve is 15% of every tensor term.
+        let tensors: u64 = e
+            .terms
+            .iter()
+            .filter(|t| t.name != "CUDA context" && t.name != "allocator reserve")
+            .map(|t| t.bytes)
+            .sum();
+        assert_eq!(
+            e.term("allocator reserve"),
+            (tensors as f64 * CUDA_ALLOCATOR_RESERVE) as u64
+        );
+    }
+
+    #[test]
+    fn gpt2_dynamic_activations_scale_with_micro_tokens_width_and_blocks() {
+        let mut c = Config::default();
+        c.model.preset = Gpt2Preset::Gpt2;
+        c.model.text_mode = TextMode::Dynamic;
+        let data = shape(6040, 3629);
+        let act = |c: &Config, micro| {
+            estimate(
+                c,
+                &plan(192, micro, 192 / micro, 1),
+                &data,
+                DeviceKind::Cuda,
+            )
+            .term("activations (GPT-2)")
+        };
+        // micro 16: 16 x 16 user tokens + 32 x 40 item tokens = 1536 token rows.
+        let tokens = 16 * 16 + 2 * 16 * 40;
+        let scores = 16 * 16 * 16 + 2 * 16 * 40 * 40;
+        let block = tokens * 768 * BLOCK_ACTIVATION_COPIES * 4 + scores * 12 * 4 * 4;
+        assert_eq!(
+            act(&c, 16),
+            12 * block + tokens * 768 * EMBEDDING_COPIES * 4
+        );
+        // Linear in the micro batch.
+        assert_eq!(act(&c, 32), 2 * act(&c, 16));
+        // Only the trained blocks keep activations.
+        c.model.trainable_layers = Some(3);
+        assert_eq!(act(&c, 16), 3 * block + tokens * 768 * EMBEDDING_COPIES * 4);
+        let e = estimate(&c, &plan(192, 16, 12, 1), &data, DeviceKind::Cuda);
+        let g = Gpt2Dims::of(Gpt2Preset::Gpt2);
+        let ids = (6040 + 3629) * 64 + 2 * (768 * 64 + 64);
+        assert_eq!(
+            e.term("gradients"),
+            (ids + 3 * g.block_params() + 2 * 768) * 4
+        );
+        assert_eq!(e.term("parameters"), (ids + g.params()) * 4);
+        // Frozen: one block's working set, no gradients for GPT-2.
+        c.model.trainable_layers = None;
+        c.model.freeze_gpt2 = true;
+        assert_eq!(act(&c, 16), block);
+        // bf16 halves the block copies.
+        c.model.freeze_gpt2 = false;
+        c.train.bf16 = true;
+        let bf = block - tokens * 768 * BLOCK_ACTIVATION_COPIES * 2;
+        assert_eq!(act(&c, 16), 12 * bf + tokens * 768 * EMBEDDING_COPIES * 4);
+        assert!(
+            estimate(&c, &plan(192, 16, 12, 1), &data, DeviceKind::Cuda).term("bf16 weight copies")
+                > 0
+        );
+    }
+
+    #[test]
+    fn peak_is_persistent_plus_the_largest_phase() {
+        let c = Config::default();
+        let e = estimate(
+            &c,
+            &plan(256, 64, 2, 2),
+            &DataShape::assumed(&c),
+            DeviceKind::Cpu,
+        );
+        let sum = |p| -> u64 {
+            e.terms
+                .iter()
+                .filter(|t| t.phase == p)
+                .map(|t| t.bytes)
+                .sum()
+        };
+        let phases = [
+            Phase::Training,
+            Phase::Build,
+            Phase::Checkpoint,
+            Phase::Eval,
+        ];
+        // CPU: every phase adds up.
+        let expected = sum(Phase::Always) + phases.into_iter().map(sum).sum::<u64>();
+        assert_eq!(e.peak_bytes(), expected);
+        // GPU: only the largest phase counts.
+        let g = estimate(
+            &c,
+            &plan(256, 64, 2, 2),
+            &DataShape::assumed(&c),
+            DeviceKind::Cuda,
+        );
+        let gsum = |p| -> u64 {
+            g.terms
+                .iter()
+                .filter(|t| t.phase == p)
+                .map(|t| t.bytes)
+                .sum()
+        };
+        let largest = phases.into_iter().map(gsum).max().unwrap();
+        assert_eq!(g.peak_bytes(), gsum(Phase::Always) + largest);
+        let table = e.table("  ");
+        assert!(table.contains("estimated peak"), "{table}");
+        assert!(table.contains("parameters"), "{table}");
+    }
+
+    #[test]
+    fn memory_limits_parse() {
+        assert_eq!(parse_memory_limit("900").unwrap(), (900 << 20, None));
+        assert_eq!(parse_memory_limit(" 512@1 ").unwrap(), (512 << 20, Some(1)));
+        for bad in ["", "x", "0", "12@", "12@x", "-5"] {
+            assert!(parse_memory_limit(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn suggestions_keep_the_global_batch() {
+        let p = plan(192, 32, 2, 3);
+        let smaller = smaller_micro_plans(&p);
+        assert_eq!(
+            smaller.iter().map(|p| p.micro).collect::<Vec<_>>(),
+            vec![16, 8, 4, 2, 1]
+        );
+        for s in &smaller {
+            assert!(s.is_consistent(), "{s:?}");
+            assert_eq!(s.global, 192);
+            assert_eq!(s.world_size, 3);
+        }
+        assert_eq!(
+            change_text(&p, &smaller[0]),
+            "micro 32 -> 16, grad_accum 2 -> 4 keeps global 192"
+        );
+        // Every plan any search returns satisfies the invariant, for many shapes.
+        for global in 1..=300u64 {
+            for world in 1..=8u64 {
+                for p in BatchPlan::plans_keeping_global(global, world) {
+                    for s in smaller_micro_plans(&p) {
+                        assert!(s.is_consistent() && s.global == global && s.micro < p.micro);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_largest_fitting_plan_is_found_and_fits() {
+        let mut c = Config::default();
+        c.model.text_mode = TextMode::Dynamic;
+        let data = DataShape::assumed(&c);
+        let top = plan(256, 128, 1, 2);
+        let need = |m| estimate(&c, &plan(256, m, 128 / m, 2), &data, DeviceKind::Cpu).peak_bytes();
+        // A budget between micro 32's and micro 64's needs picks 32.
+        let budget = ((need(32) + need(64)) as f64 / 2.0 / (1.0 - SAFETY_MARGIN)) as u64;
+        let got = largest_fitting_plan(&c, &top, &data, DeviceKind::Cpu, budget).unwrap();
+        assert_eq!((got.micro, got.grad_accum), (32, 4));
+        assert!(largest_fitting_plan(&c, &top, &data, DeviceKind::Cpu, 1).is_none());
+        let levers = other_levers(&c, &top, &data, DeviceKind::Cpu);
+        assert!(
+            levers[0].starts_with("model.text_mode = \"cached\""),
+            "{levers:?}"
+        );
+        assert!(levers
+            .iter()
+            .any(|l| l.starts_with("model.trainable_layers = 1")));
+    }
+}

@@ -1,0 +1,234 @@
+//! Memory end to end: the dry run's estimate table and its warning, an out-of-memory failure
+//! simulated in every phase (`GPTREC_FAULT_OOM`) — its message, exit code, the launcher's
+//! summary, no process left, the last checkpoint intact — and `batch.micro = "auto"` under a
+//! simulated memory cap (`GPTREC_MEMORY_LIMIT_MB`).
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use support::*;
+
+/// `launch` on the default config with 2 workers and tiny data, `extra` as `--set`s.
+fn run(out_dir: &Path, name: &str, run_id: &str, env: &[(&str, &str)], extra: &[&str]) -> Output {
+    let output_dir = format!("run.output_dir={:?}", out_dir.display().to_string());
+    let run_name = format!("run.name={name:?}");
+    let mut args = vec![
+        "--num-processes",
+        "2",
+        "--master-port",
+        "0",
+        "--run-id",
+        run_id,
+        "configs/default.toml",
+        "--set",
+        &output_dir,
+        "--set",
+        &run_name,
+        "--set",
+        "data.synthetic=\"tiny\"",
+    ];
+    for e in extra {
+        args.push("--set");
+        args.push(e);
+    }
+    let mut cmd = launch_cmd(&args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    wait_output(cmd.spawn().expect("start launch"), Duration::from_secs(600))
+}
+
+#[test]
+fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch() {
+    let out = launch(
+        &["--dry-run", "--num-processes", "2", "configs/default.toml"],
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    for needle in [
+        "memory:",
+        "estimate per worker (",
+        "parameters",
+        "optimizer (AdamW)",
+        "cached text features",
+        "activations (IDs)",
+        "estimated peak",
+        "local rank 1:",
+    ] {
+        assert!(
+            out.stdout.contains(needle),
+            "{needle:?} missing:\n{}",
+            out.stdout
+        );
+    }
+    assert!(!out.stdout.contains("warning:"), "{}", out.stdout);
+
+    // Dynamic GPT-2 with 690 MiB per worker: micro 64 does not fit; a smaller micro with the
+    // same global batch is named, and so is the cached mode.
+    let out = {
+        let mut cmd = launch_cmd(&[
+            "--dry-run",
+            "--num-processes",
+            "2",
+            "configs/default.toml",
+            "--set",
+            "model.text_mode=\"dynamic\"",
+        ]);
+        cmd.env("GPTREC_MEMORY_LIMIT_MB", "690");
+        wait_output(cmd.spawn().unwrap(), Duration::from_secs(60))
+    };
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(out.stdout.contains("activations (GPT-2)"), "{}", out.stdout);
+    let warning = out
+        .stdout
+        .lines()
+        .find(|l| l.contains("warning:") && l.contains("local rank 0"))
+        .unwrap_or_else(|| panic!("no warning:\n{}", out.stdout));
+    assert!(warning.contains("keeps global 256"), "{warning}");
+    assert!(warning.contains("micro 64 -> "), "{warning}");
+    assert!(
+        warning.contains("model.text_mode = \"cached\""),
+        "{warning}"
+    );
+}
+
+#[test]
+fn an_out_of_memory_error_in_any_phase_is_explained_and_stops_the_group() {
+    let dir = tempfile::tempdir().unwrap();
+    // Tiny data, global 256: 17 steps per epoch; a checkpoint at step 17.
+    for (phase, fault, description) in [
+        ("build", "build@1", "while building the model"),
+        ("caching", "caching@1", "while caching the text features"),
+        ("forward", "forward@1:20", "during the forward pass"),
+        ("backward", "backward@1:20", "during the backward pass"),
+        ("optimizer", "optimizer@1:20", "during the optimizer step"),
+        ("eval", "eval@1", "during evaluation"),
+    ] {
+        let run_id = unique_run_id(&format!("oom-{phase}"));
+        let out = run(
+            dir.path(),
+            phase,
+            &run_id,
+            &[("GPTREC_FAULT_OOM", fault)],
+            &["train.epochs=2"],
+        );
+        let all = format!("{}\n{}", out.stdout, out.stderr);
+        assert_eq!(out.code(), Some(3), "{phase}: {all}");
+        assert!(
+            out.stderr
+                .contains(&format!("out of memory on rank 1 (cpu) {description}")),
+            "{phase}: {all}"
+        );
+        assert!(
+            out.stderr.contains("libtorch said: CUDA out of memory"),
+            "{phase}: {all}"
+        );
+        assert!(
+            out.stderr
+                .contains("batch plan: micro 64 x grad_accum 2 x world 2 = global 256"),
+            "{phase}: {all}"
+        );
+        assert!(
+            out.stderr.contains(
+                "nearest plans keeping global 256: micro 64 -> 32, grad_accum 2 -> 4 keeps global 256"
+            ),
+            "{phase}: {all}"
+        );
+        // The launcher names the rank that ran out as the root cause.
+        assert!(
+            out.stderr.contains("root cause: rank 1 (local_rank 1"),
+            "{phase}: {all}"
+        );
+        assert!(out.stderr.contains("exit code 3"), "{phase}: {all}");
+        assert!(
+            wait_no_processes(&run_id, Duration::from_secs(10)).is_empty(),
+            "{phase}: processes left"
+        );
+        // In a training step of epoch 2, the epoch-1 checkpoint is named, intact and resumable.
+        if fault.ends_with(":20") {
+            let ckpt = dir
+                .path()
+                .join(phase)
+                .join("checkpoints")
+                .join("step-000017");
+            assert!(
+                out.stderr
+                    .contains(&format!("the last checkpoint {} is intact", ckpt.display())),
+                "{phase}: {all}"
+            );
+            assert!(ckpt.join("state.json").is_file(), "{phase}");
+        }
+    }
+    // The run that failed in its forward pass resumes from that checkpoint and finishes.
+    let run_id = unique_run_id("oom-resume");
+    let out = run(dir.path(), "forward", &run_id, &[], &["train.epochs=2"]);
+    assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("resuming from") || out.stderr.contains("resuming from"));
+    assert!(out.stderr.contains("step-000017") || out.stdout.contains("step-000017"));
+}
+
+#[test]
+fn micro_auto_picks_the_largest_micro_that_fits_every_rank_and_keeps_the_global_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 1 gets 700 MiB: dynamic GPT-2 at micro 128 does not fit by the estimate, smaller
+    // micro batches do; rank 0 is unconstrained. Both must use rank 1's choice.
+    let run_id = unique_run_id("auto");
+    let out = run(
+        dir.path(),
+        "auto",
+        &run_id,
+        &[("GPTREC_MEMORY_LIMIT_MB", "700@1")],
+        &[
+            "model.text_mode=\"dynamic\"",
+            "batch.micro=\"auto\"",
+            "train.epochs=1",
+        ],
+    );
+    let all = format!("{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.code(), Some(0), "{all}");
+    let line = all
+        .lines()
+        .find(|l| l.contains("largest micro per rank"))
+        .unwrap_or_else(|| panic!("no auto line:\n{all}"));
+    // Rank 0 fits the largest candidate (global 256 / world 2 = 128); rank 1 fits less.
+    assert!(line.contains("[128, "), "{line}");
+    let resolved =
+        std::fs::read_to_string(dir.path().join("auto").join("config.resolved.toml")).unwrap();
+    let field = |key: &str| -> u64 {
+        resolved
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{key} = ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{key} missing:\n{resolved}"))
+    };
+    let (micro, accum, global) = (field("micro"), field("grad_accum"), field("global"));
+    assert!(micro < 128, "{resolved}");
+    assert_eq!(micro * accum * 2, 256, "{resolved}");
+    assert_eq!(global, 256);
+    assert!(
+        line.contains(&format!(
+            "micro {micro} x grad_accum {accum} x world 2 = global 256"
+        )),
+        "{line}"
+    );
+
+    // A cap nothing fits in: a clear stop, exit code 3, no process left.
+    let run_id = unique_run_id("auto-none");
+    let out = run(
+        dir.path(),
+        "auto-none",
+        &run_id,
+        &[("GPTREC_MEMORY_LIMIT_MB", "100")],
+        &["batch.micro=\"auto\"", "train.epochs=1"],
+    );
+    assert_eq!(out.code(), Some(3), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("no micro batch that keeps global 256 fits on rank(s) 0, 1"),
+        "{}",
+        out.stderr
+    );
+    assert!(wait_no_processes(&run_id, Duration::from_secs(10)).is_empty());
+}
