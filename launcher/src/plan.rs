@@ -230,7 +230,7 @@ impl Plan {
                 let rank = self.node_rank * self.nproc + local_rank;
                 match limit {
                     Some((bytes, only)) if only.is_none_or(|r| r == rank) => (
-                        format!("local rank {local_rank} (GPTREC_MEMORY_LIMIT_MB)"),
+                        "simulated limit GPTREC_MEMORY_LIMIT_MB".to_string(),
                         Some((bytes, bytes)),
                     ),
                     _ => self.device_budget(kind, gpus, ram, local_rank),
