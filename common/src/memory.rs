@@ -231,6 +231,15 @@ impl MemoryEstimate {
         sum(Phase::Always) + transient
     }
 
+    /// Bytes of all terms held in `phase`.
+    pub fn phase_bytes(&self, phase: Phase) -> u64 {
+        self.terms
+            .iter()
+            .filter(|t| t.phase == phase)
+            .map(|t| t.bytes)
+            .sum()
+    }
+
     /// Bytes of the term named `name` (0 when absent).
     pub fn term(&self, name: &str) -> u64 {
         self.terms
@@ -876,13 +885,7 @@ mod tests {
             &DataShape::assumed(&c),
             DeviceKind::Cpu,
         );
-        let sum = |p| -> u64 {
-            e.terms
-                .iter()
-                .filter(|t| t.phase == p)
-                .map(|t| t.bytes)
-                .sum()
-        };
+        let sum = |p| e.phase_bytes(p);
         let phases = [
             Phase::Training,
             Phase::Build,
@@ -899,13 +902,7 @@ mod tests {
             &DataShape::assumed(&c),
             DeviceKind::Cuda,
         );
-        let gsum = |p| -> u64 {
-            g.terms
-                .iter()
-                .filter(|t| t.phase == p)
-                .map(|t| t.bytes)
-                .sum()
-        };
+        let gsum = |p| g.phase_bytes(p);
         let largest = phases.into_iter().map(gsum).max().unwrap();
         assert_eq!(g.peak_bytes(), gsum(Phase::Always) + largest);
         let table = e.table("  ");

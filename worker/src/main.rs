@@ -120,14 +120,12 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     if config.train.bf16 && !device.is_cuda() && leader {
         tracing::warn!("train.bf16 applies to CUDA only; this run is on the CPU and stays in f32");
     }
-    memory::record(|f| {
-        *f = Some(memory::RunFacts {
-            config: config.clone(),
-            plan: batch,
-            device,
-            data: None,
-            last_checkpoint: None,
-        })
+    memory::record(memory::RunFacts {
+        config: config.clone(),
+        plan: batch,
+        device,
+        data: None,
+        last_checkpoint: None,
     });
     println!(
         "worker rank {}/{} (local {}/{}, node {}/{}), pid {}, rendezvous {}:{} run id {}, restart {}/{}",
@@ -191,11 +189,7 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     let data = rec::load_data(&config, comm.as_mut(), ctx).context("loading the data")?;
     let shape =
         rec::data_shape(&config, &data).context("measuring the data for the memory estimate")?;
-    memory::record(|f| {
-        if let Some(f) = f {
-            f.data = Some(shape.clone());
-        }
-    });
+    memory::update(|f| f.data = Some(shape.clone()));
     let ds = &data.dataset;
     if leader {
         info!(
@@ -272,11 +266,9 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             grad_accum: Some(batch.grad_accum),
             ..Default::default()
         };
-        memory::record(|f| {
-            if let Some(f) = f {
-                f.plan = batch;
-                f.config = config.clone();
-            }
+        memory::update(|f| {
+            f.plan = batch;
+            f.config = config.clone();
         });
     }
     let estimate = common::memory::estimate(&config, &batch, &shape, memory::device_kind(device));
@@ -487,13 +479,7 @@ fn auto_micro(
         break;
     }
     let my_micro = mine.map_or(0, |p| p.micro);
-    let all = comm
-        .all_gather(&Tensor::from_slice(&[my_micro as i64]), ctx)
-        .context("agreeing on the micro batch")?
-        .iter()
-        .map(|t| t.f_int64_value(&[0]).map(|v| v.max(0) as u64))
-        .collect::<Result<Vec<u64>, _>>()
-        .context("agreeing on the micro batch")?;
+    let all = train::gather_u64(comm, my_micro, ctx).context("agreeing on the micro batch")?;
     let chosen = all.iter().copied().min().unwrap_or(0);
     let Some(plan) = candidates.iter().find(|p| p.micro == chosen).copied() else {
         let short: Vec<String> = all

@@ -329,10 +329,19 @@ pub struct RunFacts {
 
 static FACTS: Mutex<Option<RunFacts>> = Mutex::new(None);
 
-/// Records (or updates) what the report needs.
-pub fn record(update: impl FnOnce(&mut Option<RunFacts>)) {
-    if let Ok(mut facts) = FACTS.lock() {
-        update(&mut facts);
+/// Records what the report needs (at start-up).
+pub fn record(facts: RunFacts) {
+    if let Ok(mut slot) = FACTS.lock() {
+        *slot = Some(facts);
+    }
+}
+
+/// Updates the recorded facts (nothing before [`record`]).
+pub fn update(change: impl FnOnce(&mut RunFacts)) {
+    if let Ok(mut slot) = FACTS.lock() {
+        if let Some(facts) = slot.as_mut() {
+            change(facts);
+        }
     }
 }
 

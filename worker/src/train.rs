@@ -306,11 +306,7 @@ pub fn train(
                 state.world_size
             );
         }
-        memory::record(|f| {
-            if let Some(f) = f {
-                f.last_checkpoint = Some(path.display().to_string());
-            }
-        });
+        memory::update(|f| f.last_checkpoint = Some(path.display().to_string()));
         memory::set_step(state.step);
         start = state;
     }
@@ -357,11 +353,7 @@ pub fn train(
             slow_ctx(step),
         )?;
         let path = checkpoints.join(format!("step-{step:06}"));
-        memory::record(|f| {
-            if let Some(f) = f {
-                f.last_checkpoint = Some(path.display().to_string());
-            }
-        });
+        memory::update(|f| f.last_checkpoint = Some(path.display().to_string()));
         Ok::<(), TrainError>(())
     };
     let metric = config.eval.metric.trim().to_ascii_lowercase();
@@ -711,7 +703,7 @@ fn format_duration(secs: f64) -> String {
 }
 
 /// One number from every rank, in rank order.
-fn gather_u64(
+pub fn gather_u64(
     comm: &mut dyn Collective,
     value: u64,
     ctx: OpContext,
