@@ -181,6 +181,12 @@ pub struct ModelConfig {
     /// frozen). Default: unset (all of GPT-2 trains).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trainable_layers: Option<u32>,
+    /// Dynamic mode: activation checkpointing of the GPT-2 blocks that train. A training step
+    /// keeps only each block's input and recomputes the block during backward: the blocks'
+    /// activations shrink to about one block's worth for about a third more compute per
+    /// step. Gradients are the same as without it. Default: `false`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub activation_checkpointing: bool,
 }
 
 impl Default for ModelConfig {
@@ -196,6 +202,7 @@ impl Default for ModelConfig {
             max_text_tokens: 64,
             freeze_gpt2: false,
             trainable_layers: None,
+            activation_checkpointing: false,
         }
     }
 }
@@ -692,6 +699,23 @@ impl Config {
                 "model.trainable_layers",
                 "contradicts model.freeze_gpt2 = true; set one of them",
             ));
+        }
+        if model.activation_checkpointing {
+            let nothing = if model.kind != ModelKind::Gpt2rec {
+                Some("model.kind is not \"gpt2rec\"")
+            } else if model.text_mode != TextMode::Dynamic {
+                Some("model.text_mode is not \"dynamic\" (cached mode keeps no GPT-2 activations)")
+            } else if model.freeze_gpt2 || model.trainable_layers == Some(0) {
+                Some("no GPT-2 block trains (a frozen block keeps no activations)")
+            } else {
+                None
+            };
+            if let Some(why) = nothing {
+                return Err(ConfigError::invalid(
+                    "model.activation_checkpointing",
+                    format!("has nothing to checkpoint: {why}; remove it"),
+                ));
+            }
         }
 
         let eval = &self.eval;
@@ -1570,6 +1594,29 @@ timeout_s = 60
         assert!(err(&["model.max_text_tokens=2000"]).contains("between 1 and 1024"));
         assert!(err(&["model.freeze_gpt2=true", "model.trainable_layers=2"])
             .contains("contradicts model.freeze_gpt2"));
+        assert!(err(&["model.activation_checkpointing=true"]).contains(
+            "`model.activation_checkpointing` has nothing to checkpoint: model.text_mode is not \"dynamic\""
+        ));
+        assert!(err(&[
+            "model.text_mode=\"dynamic\"",
+            "model.trainable_layers=0",
+            "model.activation_checkpointing=true"
+        ])
+        .contains("no GPT-2 block trains"));
+        assert!(
+            err(&["model.kind=\"bpr\"", "model.activation_checkpointing=true"])
+                .contains("model.kind is not \"gpt2rec\"")
+        );
+        let c = parse_with(
+            MINIMAL,
+            &[
+                "model.text_mode=\"dynamic\"",
+                "model.trainable_layers=1",
+                "model.activation_checkpointing=true",
+            ],
+        )
+        .unwrap();
+        assert!(c.model.activation_checkpointing);
         assert!(err(&["model.scorer=\"cosine\""]).contains("unknown variant `cosine`"));
         let c = parse_with(MINIMAL, &["eval.topk=[5, 50]", "eval.metric=\"Recall@50\""]).unwrap();
         assert_eq!(
@@ -1881,7 +1928,7 @@ timeout_s = 60
             Config {
                 run: RunConfig { name, output_dir, seed },
                 data: DataConfig { dir, synthetic, min_rating },
-                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, max_text_tokens, freeze_gpt2: false, trainable_layers },
+                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
                 dist: DistConfig { backend, timeout_s, bucket_mb, check_params_every },

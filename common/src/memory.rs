@@ -314,6 +314,9 @@ const HOST_BYTES_PER_INTERACTION: u64 = 50;
 /// copies, the attention output, the MLP's 4d input and GELU output, dropout outputs and masks
 /// and the residual sums;
 const BLOCK_ACTIVATION_COPIES: u64 = 26;
+/// f32 values per token and unit of width that activation checkpointing holds besides the
+/// block inputs while it recomputes: the gradients at a block's output and at its input.
+const CHECKPOINT_BOUNDARY_COPIES: u64 = 2;
 /// The same per attention score (per head, per query and key): scores, softmax output, dropout
 /// output and mask.
 const ATTENTION_SCORE_COPIES: u64 = 4;
@@ -566,14 +569,30 @@ pub fn estimate(
         } else {
             0
         };
+        let in_bf16 = if bf16 { " in bf16" } else { "" };
+        let (bytes, detail) = if m.activation_checkpointing && trained_blocks > 0 {
+            // Each trained block keeps its f32 input; backward recomputes one block at a time
+            // and passes the gradient at its input and output on.
+            let inputs = (trained_blocks + CHECKPOINT_BOUNDARY_COPIES) * token_rows * d * F32;
+            (
+                inputs + per_block + embed,
+                format!(
+                    "checkpointed: micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x ({trained_blocks} block inputs + {CHECKPOINT_BOUNDARY_COPIES} gradients) + one block x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
+                ),
+            )
+        } else {
+            (
+                kept * per_block + embed,
+                format!(
+                    "micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x {kept} block(s) x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
+                ),
+            )
+        };
         terms.push(MemoryTerm {
             name: "activations (GPT-2)",
-            bytes: kept * per_block + embed,
+            bytes,
             phase: Phase::Training,
-            detail: format!(
-                "micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x {kept} block(s) x {BLOCK_ACTIVATION_COPIES} copies{}",
-                if bf16 { " in bf16" } else { "" }
-            ),
+            detail,
         });
     }
 
@@ -680,7 +699,8 @@ pub fn change_text(from: &BatchPlan, to: &BatchPlan) -> String {
 }
 
 /// Other ways to need less memory than `config` does, each with the estimate it would give:
-/// cached instead of dynamic text, frozen GPT-2 layers, bf16 on CUDA.
+/// cached instead of dynamic text, frozen GPT-2 layers, bf16 on CUDA, activation
+/// checkpointing.
 pub fn other_levers(
     config: &Config,
     plan: &BatchPlan,
@@ -700,6 +720,7 @@ pub fn other_levers(
             c.model.text_mode = TextMode::Cached;
             c.model.trainable_layers = None;
             c.model.freeze_gpt2 = false;
+            c.model.activation_checkpointing = false;
         });
         if !m.freeze_gpt2 && m.trainable_layers.is_none_or(|n| n > 1) {
             try_lever("model.trainable_layers = 1", &|c| {
@@ -710,10 +731,16 @@ pub fn other_levers(
             try_lever("model.freeze_gpt2 = true", &|c| {
                 c.model.freeze_gpt2 = true;
                 c.model.trainable_layers = None;
+                c.model.activation_checkpointing = false;
             });
         }
         if device == DeviceKind::Cuda && !config.train.bf16 {
             try_lever("train.bf16 = true", &|c| c.train.bf16 = true);
+        }
+        if !m.freeze_gpt2 && m.trainable_layers != Some(0) && !m.activation_checkpointing {
+            try_lever("model.activation_checkpointing = true", &|c| {
+                c.model.activation_checkpointing = true
+            });
         }
     }
     out
@@ -874,6 +901,19 @@ mod tests {
             estimate(&c, &plan(192, 16, 12, 1), &data, DeviceKind::Cuda).term("bf16 weight copies")
                 > 0
         );
+        // Checkpointing: each trained block's f32 input, two gradients, one block's copies.
+        c.train.bf16 = false;
+        c.model.activation_checkpointing = true;
+        assert_eq!(
+            act(&c, 16),
+            (12 + 2) * tokens * 768 * 4 + block + tokens * 768 * EMBEDDING_COPIES * 4
+        );
+        assert_eq!(act(&c, 32), 2 * act(&c, 16));
+        c.model.trainable_layers = Some(3);
+        assert_eq!(
+            act(&c, 16),
+            (3 + 2) * tokens * 768 * 4 + block + tokens * 768 * EMBEDDING_COPIES * 4
+        );
     }
 
     #[test]
@@ -968,5 +1008,12 @@ mod tests {
         assert!(levers
             .iter()
             .any(|l| l.starts_with("model.trainable_layers = 1")));
+        assert!(levers
+            .iter()
+            .any(|l| l.starts_with("model.activation_checkpointing = true")));
+        c.model.activation_checkpointing = true;
+        assert!(!other_levers(&c, &top, &data, DeviceKind::Cpu)
+            .iter()
+            .any(|l| l.contains("activation_checkpointing")));
     }
 }

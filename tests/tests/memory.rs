@@ -1,7 +1,8 @@
 //! Memory end to end: the dry run's estimate table and its warning, an out-of-memory failure
 //! simulated in every phase (`GPTREC_FAULT_OOM`) — its message, exit code, the launcher's
-//! summary, no process left, the last checkpoint intact — and `batch.micro = "auto"` under a
-//! simulated memory cap (`GPTREC_MEMORY_LIMIT_MB`).
+//! summary, no process left, the last checkpoint intact — `batch.micro = "auto"` under a
+//! simulated memory cap (`GPTREC_MEMORY_LIMIT_MB`), and activation checkpointing training the
+//! same model as without it.
 
 mod support;
 
@@ -231,4 +232,68 @@ fn micro_auto_picks_the_largest_micro_that_fits_every_rank_and_keeps_the_global_
         out.stderr
     );
     assert!(wait_no_processes(&run_id, Duration::from_secs(10)).is_empty());
+}
+
+/// (kind, step, loss, grad_norm, ndcg@10) of each record of a run's `metrics.jsonl`.
+fn records(path: &Path) -> Vec<(String, u64, f64, f64, f64)> {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            let num = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+            (
+                v["kind"].as_str().unwrap_or("").to_string(),
+                v["step"].as_u64().unwrap_or(0),
+                num("loss"),
+                num("grad_norm"),
+                num("ndcg@10"),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn activation_checkpointing_trains_the_same_model() {
+    // Dynamic GPT-2 with micro 64 x grad_accum 2 x world 2: the checkpointed run recomputes
+    // every block (dropout on) during backward and must follow the plain run step by step.
+    let dir = tempfile::tempdir().unwrap();
+    let mut runs = Vec::new();
+    for on in [false, true] {
+        let name = format!("ckpt-{on}");
+        let run_id = unique_run_id(&name);
+        let out = run(
+            dir.path(),
+            &name,
+            &run_id,
+            &[],
+            &[
+                "model.text_mode=\"dynamic\"",
+                "train.epochs=1",
+                &format!("model.activation_checkpointing={on}"),
+            ],
+        );
+        let all = format!("{}\n{}", out.stdout, out.stderr);
+        assert_eq!(out.code(), Some(0), "{all}");
+        // Tiny GPT-2 has 2 blocks, both trained: both are recomputed.
+        assert_eq!(
+            all.contains("activation checkpointing: 2 GPT-2 block(s)"),
+            on,
+            "{all}"
+        );
+        runs.push(records(&dir.path().join(&name).join("metrics.jsonl")));
+    }
+    let (plain, ckpt) = (&runs[0], &runs[1]);
+    let close =
+        |a: f64, b: f64| (a.is_nan() && b.is_nan()) || (a - b).abs() <= 1e-4 * a.abs().max(b.abs());
+    let steps = plain.iter().filter(|r| r.0 == "step").count();
+    assert!(steps >= 10, "{plain:?}");
+    assert_eq!(plain.len(), ckpt.len(), "{plain:?}\n{ckpt:?}");
+    for (p, c) in plain.iter().zip(ckpt) {
+        assert_eq!((&p.0, p.1), (&c.0, c.1));
+        assert!(
+            close(p.2, c.2) && close(p.3, c.3) && close(p.4, c.4),
+            "plain {p:?} vs checkpointed {c:?}"
+        );
+    }
 }

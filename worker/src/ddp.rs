@@ -41,6 +41,19 @@ pub enum DdpError {
     Window { expected: usize, got: usize },
 }
 
+/// What the engine runs on each micro-batch: the forward pass that gives its loss, and the end
+/// of its backward pass for a model that leaves part of it to itself (activation checkpointing
+/// recomputes what the forward did not keep, after the engine's `loss.backward()`).
+pub trait MicroBatchLoss<B> {
+    /// Mean loss over `micro`, ready for backward.
+    fn loss(&mut self, micro: &B) -> Result<Tensor, tch::TchError>;
+    /// Called after each `loss.backward()`; gradients accumulate as backward's do. Default:
+    /// nothing left to do.
+    fn finish_backward(&mut self) -> Result<(), tch::TchError> {
+        Ok(())
+    }
+}
+
 /// What one optimizer step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepStats {
@@ -148,7 +161,7 @@ impl Ddp {
     pub fn step<B>(
         &mut self,
         window: &[B],
-        mut loss_fn: impl FnMut(&B) -> Result<Tensor, tch::TchError>,
+        model: &mut impl MicroBatchLoss<B>,
         optimizer: &mut AdamW,
         lr: f64,
         step: u64,
@@ -167,7 +180,7 @@ impl Ddp {
         let mut bad_loss = None;
         for micro in window {
             memory::enter(Phase::Forward);
-            let loss = memory::check(loss_fn(micro))?;
+            let loss = memory::check(model.loss(micro))?;
             let value = loss.f_double_value(&[])?;
             if !value.is_finite() {
                 bad_loss = Some(value);
@@ -176,6 +189,7 @@ impl Ddp {
             local_loss += value * scale;
             memory::enter(Phase::Backward);
             memory::check((loss * scale).f_backward())?;
+            memory::check(model.finish_backward())?;
         }
         memory::enter(Phase::Optimizer);
         // Loss and a "bad loss" flag travel together first, so that every rank stops together

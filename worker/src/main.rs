@@ -309,6 +309,12 @@ fn run(cli: &Cli) -> Result<(), Failure> {
             count(true),
             count(false)
         );
+        if config.model.activation_checkpointing {
+            info!(
+                "activation checkpointing: {} GPT-2 block(s) keep only their inputs and are recomputed during backward",
+                task.checkpointed_blocks()
+            );
+        }
     }
     let setup = TrainSetup {
         config: &config,
@@ -533,6 +539,7 @@ fn probe_step(
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let loss = task.loss(&indices)?;
         loss.f_backward()?;
+        task.finish_backward()?;
         let moments: Vec<Tensor> = params
             .iter()
             .flat_map(|p| [p.zeros_like(), p.zeros_like()])

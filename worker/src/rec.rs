@@ -362,8 +362,9 @@ impl RecTask {
             }
             (ModelKind::Gpt2rec, TextMode::Dynamic) => {
                 tch::manual_seed(config.run.seed as i64);
-                let gpt2 = build_gpt2(vs, Some("gpt2"), config, device)?;
+                let mut gpt2 = build_gpt2(vs, Some("gpt2"), config, device)?;
                 freeze_gpt2_layers(vs, config, gpt2.config().n_layer);
+                gpt2.set_activation_checkpointing(config.model.activation_checkpointing);
                 let tok = Tokenizer::new()?;
                 Text::Dynamic {
                     users: token_table(
@@ -378,7 +379,7 @@ impl RecTask {
                         config.model.max_text_tokens,
                         device,
                     ),
-                    gpt2,
+                    gpt2: Box::new(gpt2),
                 }
             }
         };
@@ -421,6 +422,13 @@ impl RecTask {
     }
 }
 
+impl RecTask {
+    /// GPT-2 blocks recomputed during backward (activation checkpointing), 0 when off.
+    pub fn checkpointed_blocks(&self) -> usize {
+        self.model.checkpointed_blocks()
+    }
+}
+
 /// Dynamic mode: `freeze_gpt2` freezes every GPT-2 variable; `trainable_layers = N` leaves only
 /// the top N blocks and the final layer norm trainable.
 fn freeze_gpt2_layers(vs: &nn::VarStore, config: &Config, n_layer: i64) {
@@ -450,9 +458,15 @@ fn freeze_gpt2_layers(vs: &nn::VarStore, config: &Config, n_layer: i64) {
 /// shape (another data set gives other embedding tables).
 fn model_hash(config: &Config, ds: &Dataset) -> String {
     use sha2::Digest;
+    // Activation checkpointing changes how gradients are computed, not the model: a run may
+    // turn it on and resume.
+    let model = common::config::ModelConfig {
+        activation_checkpointing: false,
+        ..config.model.clone()
+    };
     let text = format!(
         "{}/{}x{}",
-        serde_json::to_string(&config.model).unwrap_or_default(),
+        serde_json::to_string(&model).unwrap_or_default(),
         ds.n_users,
         ds.n_items
     );
@@ -466,6 +480,8 @@ impl Task for RecTask {
     }
 
     fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
+        // A previous micro-batch abandoned before its backward leaves nothing behind.
+        self.model.discard_pending();
         // Negatives come from torch's generator, which the trainer reseeds every step: the
         // same numbers after a resume, different ones every batch.
         let mut state = Tensor::f_randint(i64::MAX, [1], (Kind::Int64, Device::Cpu))?
@@ -491,6 +507,11 @@ impl Task for RecTask {
         Ok(tch::autocast(self.bf16, || {
             self.model.bpr_loss(&users, &pos, &neg, self.l2, true)
         }))
+    }
+
+    fn finish_backward(&mut self) -> Result<(), tch::TchError> {
+        // The recompute runs under the forward's autocast setting.
+        tch::autocast(self.bf16, || self.model.finish_backward())
     }
 
     fn model_hash(&self) -> String {

@@ -19,7 +19,7 @@ use tracing::{info, warn};
 
 use crate::checkpoint::{self, BestRecord, NamedTensors, TrainState};
 use crate::collective::{Collective, CollectiveError, OpContext};
-use crate::ddp::{Ddp, DdpConfig, DdpError};
+use crate::ddp::{Ddp, DdpConfig, DdpError, MicroBatchLoss};
 use crate::eval::Metrics;
 use crate::memory::{self, Phase};
 use crate::optim::{AdamW, LrSchedule, Schedule};
@@ -31,6 +31,11 @@ pub trait Task {
     fn train_len(&self) -> usize;
     /// Mean loss over the samples `indices` (one micro-batch), ready for backward.
     fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError>;
+    /// Completes the backward pass after `loss(..).backward()` (activation checkpointing
+    /// recomputes here). Default: nothing to do.
+    fn finish_backward(&mut self) -> Result<(), tch::TchError> {
+        Ok(())
+    }
     /// A fingerprint of the model's configuration; a checkpoint of another model is refused.
     fn model_hash(&self) -> String;
     /// Metrics of the current model on `split`. Every rank calls it together (the task may
@@ -407,17 +412,15 @@ pub fn train(
             .enumerate()
         {
             let t0 = Instant::now();
-            // Any randomness of the task (dropout, negative sampling) is a function of
-            // (seed, step, rank): an interrupted and resumed run draws exactly the same numbers.
-            tch::manual_seed(step_seed(config.run.seed, step, rank));
             let lr = schedule.lr_at(step);
-            let stats = ddp.step(
-                window,
-                |indices| task.loss(indices),
-                &mut optimizer,
-                lr,
+            let mut micro_batches = TaskMicroBatches {
+                task: &mut *task,
+                seed: config.run.seed,
                 step,
-            )?;
+                rank,
+                next: 0,
+            };
+            let stats = ddp.step(window, &mut micro_batches, &mut optimizer, lr, step)?;
             step += 1;
             memory::set_step(step);
             steps_run += 1;
@@ -868,6 +871,35 @@ const RNG_SCHEME: &str = "torch generator reseeded before every optimizer step f
 const SLOW_WORK_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The torch seed of optimizer step `step` on `rank`.
+/// A window's micro-batches as the DDP engine runs them. Any randomness of the task (dropout,
+/// negative sampling) is a function of (seed, step, rank, micro-batch): an interrupted and
+/// resumed run draws exactly the same numbers, and what one micro-batch's backward draws
+/// (activation checkpointing reseeds) does not change the next one's.
+struct TaskMicroBatches<'a> {
+    task: &'a mut dyn Task,
+    seed: u64,
+    step: u64,
+    rank: usize,
+    /// Index of the next micro-batch in the window.
+    next: u64,
+}
+
+impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
+    fn loss(&mut self, indices: &Vec<usize>) -> Result<Tensor, tch::TchError> {
+        // Micro-batch 0 keeps the seed of the whole step (as before per-micro seeds).
+        let seed = self
+            .seed
+            .wrapping_add(self.next.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        tch::manual_seed(step_seed(seed, self.step, self.rank));
+        self.next += 1;
+        self.task.loss(indices)
+    }
+
+    fn finish_backward(&mut self) -> Result<(), tch::TchError> {
+        self.task.finish_backward()
+    }
+}
+
 fn step_seed(seed: u64, step: u64, rank: usize) -> i64 {
     // SplitMix64 of the three, so nearby steps and ranks get unrelated streams.
     let mut x = seed

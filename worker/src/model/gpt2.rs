@@ -2,8 +2,9 @@
 //!
 //! Owns: the architecture, its parameter names/layouts (exactly Hugging Face's `GPT2Model`
 //! safetensors: `wte.weight`, `h.{i}.attn.c_attn.weight` [in, out], ...), HF-style
-//! initialisation, loading a HF safetensors file into a `VarStore`, mean pooling, and the
-//! GPT-2 tokenizer (tiktoken's `r50k_base`, embedded in the binary — no network).
+//! initialisation, loading a HF safetensors file into a `VarStore`, mean pooling, activation
+//! checkpointing of the blocks (recomputed during backward, see [`Gpt2::finish_backward`]), and
+//! the GPT-2 tokenizer (tiktoken's `r50k_base`, embedded in the binary — no network).
 //!
 //! Must not: know about training loops, DDP, optimizers or the recommender's head; download
 //! anything; transpose weights on load (Conv1D weights are *stored* [in, out] and computed as
@@ -11,6 +12,7 @@
 //! unprefixed) for `load_hf_safetensors` to find it; other variables in the store (e.g. a head
 //! under its own path) are left alone and listed in the report.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -255,6 +257,46 @@ impl Block {
         let h = self.mlp.forward(&self.ln_2.forward(&x), train);
         x + h
     }
+
+    /// Whether any of the block's weights trains (a frozen block keeps no activations).
+    fn trains(&self) -> bool {
+        [
+            &self.ln_1.weight,
+            &self.ln_1.bias,
+            &self.attn.c_attn.weight,
+            &self.attn.c_attn.bias,
+            &self.attn.c_proj.weight,
+            &self.attn.c_proj.bias,
+            &self.ln_2.weight,
+            &self.ln_2.bias,
+            &self.mlp.c_fc.weight,
+            &self.mlp.c_fc.bias,
+            &self.mlp.c_proj.weight,
+            &self.mlp.c_proj.bias,
+        ]
+        .iter()
+        .any(|w| w.requires_grad())
+    }
+}
+
+/// What the backward pass needs to recompute the checkpointed blocks of one training forward:
+/// each block's input (the only activations kept), the dropout seeds, the attention mask.
+#[derive(Debug)]
+struct Recompute {
+    /// Index of the first checkpointed block.
+    first: usize,
+    /// `inputs[k]`: the (detached) input of block `first + k`.
+    inputs: Vec<Tensor>,
+    /// `seeds[k]`: the generator seed block `first + k` ran its dropout with.
+    seeds: Vec<i64>,
+    masked: Tensor,
+    /// The segment's input as the graph below it sees it (embeddings or frozen blocks that
+    /// lead back to trainable weights), or `None` when nothing below trains.
+    below: Option<Tensor>,
+    /// The segment's output: a leaf the rest of the forward continued from, so the loss's
+    /// backward leaves the gradient with respect to it here.
+    output: Tensor,
+    train: bool,
 }
 
 /// The GPT-2 transformer (HF `GPT2Model`): token + learned position embeddings, pre-norm
@@ -267,6 +309,10 @@ pub struct Gpt2 {
     ln_f: LayerNorm,
     embd_pdrop: f64,
     config: Config,
+    /// Run the trainable blocks without keeping their activations (see `forward`).
+    checkpointing: bool,
+    /// Checkpointed segments of the forward passes since the last `finish_backward`.
+    pending: RefCell<Vec<Recompute>>,
 }
 
 impl Gpt2 {
@@ -293,7 +339,17 @@ impl Gpt2 {
             ln_f: LayerNorm::new(vs / "ln_f", config.n_embd, config.layer_norm_epsilon),
             embd_pdrop: config.embd_pdrop,
             config: config.clone(),
+            checkpointing: false,
+            pending: RefCell::new(Vec::new()),
         }
+    }
+
+    /// Activation checkpointing: training forwards keep only each trainable block's input and
+    /// recompute the block during backward (one block's activations at a time instead of all
+    /// of them), at the cost of a second forward of those blocks. A model using it must have
+    /// [`Gpt2::finish_backward`] called after each `loss.backward()`.
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
     }
 
     pub fn config(&self) -> &Config {
@@ -302,6 +358,12 @@ impl Gpt2 {
 
     /// `input_ids` [b, t] i64, `attention_mask` [b, t] (1 real, 0 pad; any numeric kind) →
     /// last hidden state [b, t, d]. Dropout is active only when `train`.
+    ///
+    /// In training, each block's dropout draws from a seed taken from torch's generator at the
+    /// start of the pass, so a checkpointed block recomputes exactly the masks it used (with
+    /// checkpointing on or off the model computes the same numbers). With checkpointing on and
+    /// gradients enabled, the blocks from the first trainable one up run without autograd and
+    /// the pass is recorded for [`Gpt2::finish_backward`].
     ///
     /// Panics if `t` exceeds `n_positions`.
     pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor, train: bool) -> Tensor {
@@ -322,10 +384,97 @@ impl Gpt2 {
         let pad_key = attention_mask.to_device(device).eq(0).view([b, 1, 1, t]);
         let masked = future.view([1, 1, t, t]).logical_or(&pad_key);
 
-        for block in &self.h {
+        let seeds = block_seeds(self.h.len(), train);
+        let seed = |i: usize| {
+            if let Some(s) = seeds.get(i) {
+                tch::manual_seed(*s);
+            }
+        };
+        let first = if self.checkpointing && train && grad_enabled() {
+            (0..self.h.len()).find(|&i| x.requires_grad() || self.h[i].trains())
+        } else {
+            None
+        };
+        let end = first.unwrap_or(self.h.len());
+        for (i, block) in self.h[..end].iter().enumerate() {
+            seed(i);
             x = block.forward(&x, &masked, train);
         }
+        if let Some(first) = first {
+            let below = x.requires_grad().then(|| x.shallow_clone());
+            let mut inputs = Vec::with_capacity(self.h.len() - first);
+            let mut h = x.detach();
+            {
+                let _no_grad = tch::no_grad_guard();
+                for (i, block) in self.h.iter().enumerate().skip(first) {
+                    inputs.push(h.shallow_clone());
+                    seed(i);
+                    h = block.forward(&h, &masked, train);
+                }
+            }
+            let output = h.set_requires_grad(true);
+            self.pending.borrow_mut().push(Recompute {
+                first,
+                inputs,
+                seeds: seeds.get(first..).map(<[i64]>::to_vec).unwrap_or_default(),
+                masked: masked.shallow_clone(),
+                below,
+                output: output.shallow_clone(),
+                train,
+            });
+            x = output;
+        }
         self.ln_f.forward(&x)
+    }
+
+    /// How many blocks a training forward checkpoints: from the first one that trains (or that
+    /// trainable embeddings feed) to the top; 0 without checkpointing.
+    pub fn checkpointed_blocks(&self) -> usize {
+        if !self.checkpointing {
+            return 0;
+        }
+        let first = if self.wte.requires_grad() || self.wpe.requires_grad() {
+            Some(0)
+        } else {
+            self.h.iter().position(Block::trains)
+        };
+        first.map_or(0, |f| self.h.len() - f)
+    }
+
+    /// Completes the backward pass of the checkpointed forwards since the last call, after the
+    /// caller's `loss.backward()` left gradients at their outputs: each block, top down, runs
+    /// again from its saved input with its dropout seed, and its part of the backward is taken
+    /// (weights' gradients accumulate as usual). Leaves torch's generator reseeded. Nothing
+    /// to do without checkpointing. Must run under the same autocast setting as the forward.
+    pub fn finish_backward(&self) -> Result<(), tch::TchError> {
+        let pending = std::mem::take(&mut *self.pending.borrow_mut());
+        for r in pending.into_iter().rev() {
+            let mut grad = r.output.grad();
+            if !grad.defined() {
+                // This pass did not reach the loss.
+                continue;
+            }
+            for (k, block) in self.h.iter().enumerate().skip(r.first).rev() {
+                let x = r.inputs[k - r.first].detach().set_requires_grad(true);
+                if let Some(s) = r.seeds.get(k - r.first) {
+                    tch::manual_seed(*s);
+                }
+                let y = block.forward(&x, &r.masked, r.train);
+                // d(sum(y * g))/dθ = gᵀ ∂y/∂θ: the vector-Jacobian product backward needs.
+                (y * &grad).f_sum(Kind::Float)?.f_backward()?;
+                grad = x.grad();
+            }
+            if let Some(below) = r.below {
+                (below * grad).f_sum(Kind::Float)?.f_backward()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the checkpointed passes not yet finished (a micro-batch abandoned before its
+    /// backward).
+    pub fn discard_pending(&self) {
+        self.pending.borrow_mut().clear();
     }
 
     /// Mean of `hidden` [b, t, d] over the real tokens of `attention_mask` [b, t] → [b, d].
@@ -339,6 +488,30 @@ impl Gpt2 {
         let count = m.sum_dim_intlist([1i64].as_slice(), false, hidden.kind());
         sum / count.clamp_min(1.0)
     }
+}
+
+/// One dropout seed per block for a training pass, drawn from torch's generator (so a
+/// reseeded generator gives the same seeds); none outside training.
+fn block_seeds(n: usize, train: bool) -> Vec<i64> {
+    if !train {
+        return Vec::new();
+    }
+    let base = Tensor::randint(i64::MAX, [1], (Kind::Int64, tch::Device::Cpu)).int64_value(&[0]);
+    (0..n as u64)
+        .map(|i| {
+            // SplitMix64's finaliser: unrelated seeds for neighbouring blocks.
+            let mut z = (base as u64).wrapping_add((i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) >> 1) as i64
+        })
+        .collect()
+}
+
+/// Whether autograd records operations here (not under `no_grad`).
+fn grad_enabled() -> bool {
+    let probe = Tensor::zeros([1], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+    (probe * 1.0).requires_grad()
 }
 
 /// What `load_hf_safetensors` did.
@@ -491,6 +664,7 @@ impl Tokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rusty_fork::rusty_fork_test;
     use tch::Device;
 
     fn tiny() -> (nn::VarStore, Gpt2) {
@@ -695,6 +869,87 @@ mod tests {
         });
         let report = load_hf_safetensors(&mut vs, &path).unwrap();
         assert_eq!(report.unexpected, vec!["extra".to_string()]);
+    }
+
+    /// Loss and every trainable variable's gradient after one training step of two forward
+    /// passes (as the recommender does: users, then items) with dropout on; `frozen` names
+    /// variable prefixes that do not train.
+    fn step_grads(checkpointing: bool, frozen: &[&str]) -> (f64, BTreeMap<String, Tensor>) {
+        let (vs, mut m) = tiny();
+        for (name, var) in vs.variables() {
+            if frozen.iter().any(|f| name.starts_with(f)) {
+                let _ = var.set_requires_grad(false);
+            }
+        }
+        m.set_activation_checkpointing(checkpointing);
+        let expected = match (checkpointing, frozen) {
+            (false, _) => 0,
+            (true, [.., "h.0."]) => 1,
+            (true, _) => 2,
+        };
+        assert_eq!(m.checkpointed_blocks(), expected, "{frozen:?}");
+        let a = Tensor::from_slice(&[5i64, 6, 7, 8, 9, 10, 11, 12]).view([2, 4]);
+        let mask_a = Tensor::from_slice(&[1i64, 1, 1, 1, 1, 1, 0, 0]).view([2, 4]);
+        let b = Tensor::from_slice(&[300i64, 301, 302]).view([1, 3]);
+        let mask_b = Tensor::ones([1, 3], (Kind::Int64, Device::Cpu));
+        tch::manual_seed(42);
+        let ha = Gpt2::mean_pool(&m.forward(&a, &mask_a, true), &mask_a);
+        let hb = Gpt2::mean_pool(&m.forward(&b, &mask_b, true), &mask_b);
+        let loss = (ha.square().sum(Kind::Float) - (ha * hb).sum(Kind::Float)).sin();
+        loss.backward();
+        if checkpointing && frozen.is_empty() {
+            // Before the recompute the blocks have no gradient: autograd kept nothing of them.
+            assert!(!vs.variables()["h.0.mlp.c_fc.weight"].grad().defined());
+            assert!(vs.variables()["ln_f.weight"].grad().defined());
+        }
+        m.finish_backward().unwrap();
+        assert!(m.pending.borrow().is_empty());
+        let grads = vs
+            .variables()
+            .into_iter()
+            .filter(|(_, v)| v.requires_grad())
+            .map(|(n, v)| (n, v.grad()))
+            .collect();
+        (loss.double_value(&[]), grads)
+    }
+
+    // In its own process: the comparison needs torch's global generator to itself (other tests
+    // running in parallel threads draw from it and reseed it).
+    rusty_fork_test! {
+        #[test]
+        fn checkpointing_gives_the_same_loss_and_gradients() {
+            for frozen in [&[][..], &["wte.", "wpe.", "h.0."][..], &["h.1."][..]] {
+                let (loss, plain) = step_grads(false, frozen);
+                let (loss_ckpt, ckpt) = step_grads(true, frozen);
+                assert_eq!(loss, loss_ckpt, "frozen {frozen:?}");
+                assert_eq!(plain.len(), ckpt.len());
+                for (name, g) in &plain {
+                    let c = &ckpt[name];
+                    assert!(g.defined() && c.defined(), "{name} has no gradient");
+                    assert!(
+                        g.allclose(c, 1e-5, 1e-8, false),
+                        "frozen {frozen:?}: {name} differs by {}",
+                        (g - c).abs().max().double_value(&[])
+                    );
+                    assert!(g.abs().sum(Kind::Float).double_value(&[]) > 0.0, "{name}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn evaluation_and_no_grad_passes_record_nothing() {
+        let (_vs, mut m) = tiny();
+        m.set_activation_checkpointing(true);
+        let x = ids(&[1, 2, 3]);
+        let mask = Tensor::ones([1, 3], (Kind::Int64, Device::Cpu));
+        let _ = m.forward(&x, &mask, false);
+        let _ = tch::no_grad(|| m.forward(&x, &mask, true));
+        assert!(m.pending.borrow().is_empty());
+        let _ = m.forward(&x, &mask, true);
+        assert_eq!(m.pending.borrow().len(), 1);
+        m.discard_pending();
+        assert!(m.pending.borrow().is_empty());
     }
 }
 

@@ -49,7 +49,7 @@ pub enum Text {
     /// GPT-2 runs in the forward pass on the batch's texts (`dynamic` mode); its variables are
     /// the caller's (under the recommender's `VarStore`), trainable or frozen as it decided.
     Dynamic {
-        gpt2: Gpt2,
+        gpt2: Box<Gpt2>,
         users: TokenTable,
         items: TokenTable,
     },
@@ -135,6 +135,30 @@ impl Recommender {
         self.config
     }
 
+    /// Completes the backward pass of GPT-2's checkpointed blocks (dynamic mode with activation
+    /// checkpointing) after `loss.backward()`; nothing to do otherwise.
+    pub fn finish_backward(&self) -> Result<(), tch::TchError> {
+        match &self.text {
+            Text::Dynamic { gpt2, .. } => gpt2.finish_backward(),
+            _ => Ok(()),
+        }
+    }
+
+    /// GPT-2 blocks each training forward checkpoints (0 without checkpointing or GPT-2).
+    pub fn checkpointed_blocks(&self) -> usize {
+        match &self.text {
+            Text::Dynamic { gpt2, .. } => gpt2.checkpointed_blocks(),
+            _ => 0,
+        }
+    }
+
+    /// Forgets checkpointed passes whose backward never ran.
+    pub fn discard_pending(&self) {
+        if let Text::Dynamic { gpt2, .. } = &self.text {
+            gpt2.discard_pending();
+        }
+    }
+
     /// Text features (before projection) of rows `ids` of one side, or `None` without text.
     /// In dynamic mode GPT-2 runs on those rows' tokens, cut to their longest real text.
     fn text_rows(&self, side: Side, ids: &Tensor, train: bool) -> Option<Tensor> {
@@ -153,7 +177,7 @@ impl Recommender {
                     Side::User => users,
                     Side::Item => items,
                 };
-                Some(encode_rows(gpt2, table, ids, train))
+                Some(encode_rows(gpt2.as_ref(), table, ids, train))
             }
         }
     }
