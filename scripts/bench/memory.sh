@@ -11,9 +11,11 @@
 #            training, checkpoint and evaluation phases
 #   total    peak RSS                                                vs "estimated peak"
 # and for dynamic GPT-2 the activations' slope (MiB per sample of micro batch) from runs that
-# differ only in the micro batch.
+# differ only in the micro batch, without and with activation checkpointing
+# (model.activation_checkpointing), and what checkpointing saves and costs at each micro batch
+# (peak RSS, estimate, samples/s).
 #
-# Usage: scripts/bench/memory.sh            (about 3 minutes here)
+# Usage: scripts/bench/memory.sh            (about 4 minutes here)
 # On a GPU machine the same runs report device memory (NVML) in memory.json's
 # measured.peak_device_mib; the table below then compares that with the GPU estimate.
 set -eu
@@ -46,12 +48,15 @@ run_case bpr-full 1 model.kind=\"bpr\" data.synthetic=\"full\"
 run_case cached-full 1 data.synthetic=\"full\"
 for m in 32 64 128; do
   run_case dynamic-m$m 1 model.text_mode=\"dynamic\" data.synthetic=\"tiny\" batch.global=128 batch.micro=$m
+  run_case dynamic-ckpt-m$m 1 model.text_mode=\"dynamic\" data.synthetic=\"tiny\" batch.global=128 batch.micro=$m \
+    model.activation_checkpointing=true
 done
 
 python3 - "$out" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-names = ["default-p2", "default-p1", "bpr-full", "cached-full", "dynamic-m32", "dynamic-m64", "dynamic-m128"]
+names = ["default-p2", "default-p1", "bpr-full", "cached-full", "dynamic-m32", "dynamic-m64",
+         "dynamic-m128", "dynamic-ckpt-m32", "dynamic-ckpt-m64", "dynamic-ckpt-m128"]
 def load(n):
     return json.load(open(os.path.join(out, n, "memory.json")))
 def err(est, got):
@@ -80,14 +85,30 @@ for n in names:
             ("total", d["estimate"]["peak_mib"], peak)]
     for part, e, g in rows:
         print("| %s | %s | %s | %.1f | %.1f | %s |" % (n, plan, part, e, g, err(e, g)))
-act = {}
-for mm in (32, 64, 128):
-    d = load("dynamic-m%d" % mm)
-    t = {x["name"]: x["mib"] for x in d["estimate"]["terms"]}
-    act[mm] = (t["activations (GPT-2)"] + t["activations (IDs)"], max(d["measured"]["peak_rss_mib"]))
-se = (act[128][0] - act[32][0]) / 96
-sm = (act[128][1] - act[32][1]) / 96
+def speed(n):
+    # Mean samples/s of the step records after the first (start-up and warm-up).
+    steps = [json.loads(l) for l in open(os.path.join(out, n, "metrics.jsonl"))]
+    rates = [r["samples_per_s"] for r in steps if r.get("kind") == "step"][1:]
+    return sum(rates) / len(rates) if rates else float("nan")
 print()
-print("dynamic GPT-2 activations, micro 32 -> 128: estimate %.3f MiB/sample, measured %.3f MiB/sample (%s)"
-      % (se, sm, err(se, sm)))
+acts = {}
+for prefix, label in (("dynamic-m", "plain"), ("dynamic-ckpt-m", "checkpointed")):
+    act = {}
+    for mm in (32, 64, 128):
+        d = load(prefix + str(mm))
+        t = {x["name"]: x["mib"] for x in d["estimate"]["terms"]}
+        act[mm] = (t["activations (GPT-2)"] + t["activations (IDs)"],
+                   max(d["measured"]["peak_rss_mib"]), d["estimate"]["peak_mib"], speed(prefix + str(mm)))
+    acts[label] = act
+    se = (act[128][0] - act[32][0]) / 96
+    sm = (act[128][1] - act[32][1]) / 96
+    print("dynamic GPT-2 activations (%s), micro 32 -> 128: estimate %.3f MiB/sample, measured %.3f MiB/sample (%s)"
+          % (label, se, sm, err(se, sm)))
+print()
+print("| micro | peak RSS plain MiB | peak RSS checkpointed MiB | saved (measured) | saved (estimate) | samples/s plain | samples/s checkpointed |")
+print("|---|---|---|---|---|---|---|")
+for mm in (32, 64, 128):
+    p, c = acts["plain"][mm], acts["checkpointed"][mm]
+    print("| %d | %.1f | %.1f | %.1f | %.1f | %.0f | %.0f (%+.0f%%) |"
+          % (mm, p[1], c[1], p[1] - c[1], p[2] - c[2], p[3], c[3], (c[3] / p[3] - 1) * 100))
 PY

@@ -412,15 +412,17 @@ pub fn train(
             .enumerate()
         {
             let t0 = Instant::now();
+            // Any randomness of the task (dropout, negative sampling) is a function of
+            // (seed, step, rank): an interrupted and resumed run draws exactly the same numbers.
+            tch::manual_seed(step_seed(config.run.seed, step, rank));
             let lr = schedule.lr_at(step);
-            let mut micro_batches = TaskMicroBatches {
-                task: &mut *task,
-                seed: config.run.seed,
+            let stats = ddp.step(
+                window,
+                &mut TaskMicroBatches(&mut *task),
+                &mut optimizer,
+                lr,
                 step,
-                rank,
-                next: 0,
-            };
-            let stats = ddp.step(window, &mut micro_batches, &mut optimizer, lr, step)?;
+            )?;
             step += 1;
             memory::set_step(step);
             steps_run += 1;
@@ -871,32 +873,16 @@ const RNG_SCHEME: &str = "torch generator reseeded before every optimizer step f
 const SLOW_WORK_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The torch seed of optimizer step `step` on `rank`.
-/// A window's micro-batches as the DDP engine runs them. Any randomness of the task (dropout,
-/// negative sampling) is a function of (seed, step, rank, micro-batch): an interrupted and
-/// resumed run draws exactly the same numbers, and what one micro-batch's backward draws
-/// (activation checkpointing reseeds) does not change the next one's.
-struct TaskMicroBatches<'a> {
-    task: &'a mut dyn Task,
-    seed: u64,
-    step: u64,
-    rank: usize,
-    /// Index of the next micro-batch in the window.
-    next: u64,
-}
+/// A task as the DDP engine runs it, micro-batch by micro-batch.
+struct TaskMicroBatches<'a>(&'a mut dyn Task);
 
 impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
     fn loss(&mut self, indices: &Vec<usize>) -> Result<Tensor, tch::TchError> {
-        // Micro-batch 0 keeps the seed of the whole step (as before per-micro seeds).
-        let seed = self
-            .seed
-            .wrapping_add(self.next.wrapping_mul(0x2545_f491_4f6c_dd1d));
-        tch::manual_seed(step_seed(seed, self.step, self.rank));
-        self.next += 1;
-        self.task.loss(indices)
+        self.0.loss(indices)
     }
 
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
-        self.task.finish_backward()
+        self.0.finish_backward()
     }
 }
 

@@ -12,7 +12,7 @@
 //! unprefixed) for `load_hf_safetensors` to find it; other variables in the store (e.g. a head
 //! under its own path) are left alone and listed in the report.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -313,6 +313,8 @@ pub struct Gpt2 {
     checkpointing: bool,
     /// Checkpointed segments of the forward passes since the last `finish_backward`.
     pending: RefCell<Vec<Recompute>>,
+    /// A training forward ran since the last `finish_backward` (checkpointing or not).
+    trained: Cell<bool>,
 }
 
 impl Gpt2 {
@@ -341,6 +343,7 @@ impl Gpt2 {
             config: config.clone(),
             checkpointing: false,
             pending: RefCell::new(Vec::new()),
+            trained: Cell::new(false),
         }
     }
 
@@ -385,6 +388,9 @@ impl Gpt2 {
         let masked = future.view([1, 1, t, t]).logical_or(&pad_key);
 
         let seeds = block_seeds(self.h.len(), train);
+        if train {
+            self.trained.set(true);
+        }
         let seed = |i: usize| {
             if let Some(s) = seeds.get(i) {
                 tch::manual_seed(*s);
@@ -444,9 +450,24 @@ impl Gpt2 {
     /// Completes the backward pass of the checkpointed forwards since the last call, after the
     /// caller's `loss.backward()` left gradients at their outputs: each block, top down, runs
     /// again from its saved input with its dropout seed, and its part of the backward is taken
-    /// (weights' gradients accumulate as usual). Leaves torch's generator reseeded. Nothing
-    /// to do without checkpointing. Must run under the same autocast setting as the forward.
+    /// (weights' gradients accumulate as usual). Must run under the same autocast setting as
+    /// the forward.
+    ///
+    /// After a training forward, checkpointing or not, it draws one number from torch's
+    /// generator and reseeds it with that at the end, so the generator's stream after it is the
+    /// same with checkpointing on or off.
     pub fn finish_backward(&self) -> Result<(), tch::TchError> {
+        if !self.trained.replace(false) {
+            return Ok(());
+        }
+        let next = Tensor::f_randint(i64::MAX, [1], (Kind::Int64, tch::Device::Cpu))?
+            .f_int64_value(&[0])?;
+        let result = self.recompute_pending();
+        tch::manual_seed(next);
+        result
+    }
+
+    fn recompute_pending(&self) -> Result<(), tch::TchError> {
         let pending = std::mem::take(&mut *self.pending.borrow_mut());
         for r in pending.into_iter().rev() {
             let mut grad = r.output.grad();
@@ -475,6 +496,7 @@ impl Gpt2 {
     /// backward).
     pub fn discard_pending(&self) {
         self.pending.borrow_mut().clear();
+        self.trained.set(false);
     }
 
     /// Mean of `hidden` [b, t, d] over the real tokens of `attention_mask` [b, t] → [b, d].
@@ -874,7 +896,7 @@ mod tests {
     /// Loss and every trainable variable's gradient after one training step of two forward
     /// passes (as the recommender does: users, then items) with dropout on; `frozen` names
     /// variable prefixes that do not train.
-    fn step_grads(checkpointing: bool, frozen: &[&str]) -> (f64, BTreeMap<String, Tensor>) {
+    fn step_grads(checkpointing: bool, frozen: &[&str]) -> (f64, BTreeMap<String, Tensor>, i64) {
         let (vs, mut m) = tiny();
         for (name, var) in vs.variables() {
             if frozen.iter().any(|f| name.starts_with(f)) {
@@ -904,13 +926,15 @@ mod tests {
         }
         m.finish_backward().unwrap();
         assert!(m.pending.borrow().is_empty());
+        // What the generator gives next (negatives of the next micro-batch, say).
+        let next = Tensor::randint(1 << 40, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]);
         let grads = vs
             .variables()
             .into_iter()
             .filter(|(_, v)| v.requires_grad())
             .map(|(n, v)| (n, v.grad()))
             .collect();
-        (loss.double_value(&[]), grads)
+        (loss.double_value(&[]), grads, next)
     }
 
     // In its own process: the comparison needs torch's global generator to itself (other tests
@@ -919,9 +943,10 @@ mod tests {
         #[test]
         fn checkpointing_gives_the_same_loss_and_gradients() {
             for frozen in [&[][..], &["wte.", "wpe.", "h.0."][..], &["h.1."][..]] {
-                let (loss, plain) = step_grads(false, frozen);
-                let (loss_ckpt, ckpt) = step_grads(true, frozen);
+                let (loss, plain, next) = step_grads(false, frozen);
+                let (loss_ckpt, ckpt, next_ckpt) = step_grads(true, frozen);
                 assert_eq!(loss, loss_ckpt, "frozen {frozen:?}");
+                assert_eq!(next, next_ckpt, "the generator's stream differs after backward");
                 assert_eq!(plain.len(), ckpt.len());
                 for (name, g) in &plain {
                     let c = &ckpt[name];
