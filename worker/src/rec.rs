@@ -638,6 +638,7 @@ mod tests {
     use crate::eval::evaluate_all;
     use crate::store::{StoreClient, StoreServer};
     use common::env_contract::WorkerEnv;
+    use rusty_fork::rusty_fork_test;
 
     const CTX: OpContext = OpContext {
         step: 0,
@@ -718,30 +719,34 @@ mod tests {
         assert!(d.user_texts.iter().all(|t| t.starts_with("User: ")));
     }
 
-    #[test]
-    fn negatives_are_never_train_items_and_change_every_batch() {
-        let dir = tempfile::tempdir().unwrap();
-        let d = tiny_data(&dir.path().join("d"));
-        let mut config = Config::default();
-        config.model.kind = ModelKind::Bpr;
-        let vs = nn::VarStore::new(Device::Cpu);
-        let mut comm = with_single();
-        let mut task = RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX).unwrap();
-        let idx: Vec<usize> = (0..task.train_len()).step_by(7).collect();
-        // Recompute the negatives the loss drew by replaying torch's generator.
-        for seed in [1i64, 2] {
-            tch::manual_seed(seed);
-            let mut state =
-                Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]) as u64;
-            for &i in &idx {
-                let (u, _) = task.pairs[i];
-                let n = data::sample_negative(&task.train[u as usize], task.n_items, &mut state)
-                    .unwrap();
-                assert!(task.train[u as usize].binary_search(&n).is_err());
+    // In its own process: the replay needs torch's global generator to itself (other tests
+    // running in parallel threads draw from it and reseed it).
+    rusty_fork_test! {
+        #[test]
+        fn negatives_are_never_train_items_and_change_every_batch() {
+            let dir = tempfile::tempdir().unwrap();
+            let d = tiny_data(&dir.path().join("d"));
+            let mut config = Config::default();
+            config.model.kind = ModelKind::Bpr;
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut comm = with_single();
+            let mut task = RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX).unwrap();
+            let idx: Vec<usize> = (0..task.train_len()).step_by(7).collect();
+            // Recompute the negatives the loss drew by replaying torch's generator.
+            for seed in [1i64, 2] {
+                tch::manual_seed(seed);
+                let mut state =
+                    Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]) as u64;
+                for &i in &idx {
+                    let (u, _) = task.pairs[i];
+                    let n = data::sample_negative(&task.train[u as usize], task.n_items, &mut state)
+                        .unwrap();
+                    assert!(task.train[u as usize].binary_search(&n).is_err());
+                }
+                tch::manual_seed(seed);
+                let loss = task.loss(&idx).unwrap().double_value(&[]);
+                assert!(loss.is_finite() && loss > 0.0);
             }
-            tch::manual_seed(seed);
-            let loss = task.loss(&idx).unwrap().double_value(&[]);
-            assert!(loss.is_finite() && loss > 0.0);
         }
     }
 
