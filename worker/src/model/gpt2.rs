@@ -519,14 +519,10 @@ fn block_seeds(n: usize, train: bool) -> Vec<i64> {
         return Vec::new();
     }
     let base = Tensor::randint(i64::MAX, [1], (Kind::Int64, tch::Device::Cpu)).int64_value(&[0]);
-    (0..n as u64)
-        .map(|i| {
-            // SplitMix64's finaliser: unrelated seeds for neighbouring blocks.
-            let mut z = (base as u64).wrapping_add((i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) >> 1) as i64
-        })
+    // A SplitMix64 stream from the base: unrelated seeds for neighbouring blocks.
+    let mut state = base as u64;
+    (0..n)
+        .map(|_| (crate::data::splitmix64(&mut state) >> 1) as i64)
         .collect()
 }
 
