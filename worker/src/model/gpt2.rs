@@ -296,7 +296,6 @@ struct Recompute {
     /// The segment's output: a leaf the rest of the forward continued from, so the loss's
     /// backward leaves the gradient with respect to it here.
     output: Tensor,
-    train: bool,
 }
 
 /// The GPT-2 transformer (HF `GPT2Model`): token + learned position embeddings, pre-norm
@@ -426,7 +425,6 @@ impl Gpt2 {
                 masked: masked.shallow_clone(),
                 below,
                 output: output.shallow_clone(),
-                train,
             });
             x = output;
         }
@@ -480,7 +478,8 @@ impl Gpt2 {
                 if let Some(s) = r.seeds.get(k - r.first) {
                     tch::manual_seed(*s);
                 }
-                let y = block.forward(&x, &r.masked, r.train);
+                // Only training passes are checkpointed: dropout is on.
+                let y = block.forward(&x, &r.masked, true);
                 // d(sum(y * g))/dθ = gᵀ ∂y/∂θ: the vector-Jacobian product backward needs.
                 (y * &grad).f_sum(Kind::Float)?.f_backward()?;
                 grad = x.grad();
