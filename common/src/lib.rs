@@ -6,6 +6,8 @@
 //! - the batch plan ([`batch`]): `micro x grad_accum x world = global`, derived and checked
 //!   without ever truncating;
 //! - the worker environment contract (torchrun-compatible variables);
+//! - the job shape ([`job_shape`]): nodes, node rank, rendezvous, run id and processes per node
+//!   from flags, Slurm ([`hostlist`]) or torchrun's `PET_*` variables, each with its source;
 //! - the memory estimate ([`memory`]): each term of a worker's memory from the config and the
 //!   batch plan, and the plans that keep the global batch with less memory.
 //!
@@ -17,4 +19,6 @@ pub mod batch;
 pub mod config;
 pub mod cuda_visible;
 pub mod env_contract;
+pub mod hostlist;
+pub mod job_shape;
 pub mod memory;

@@ -19,46 +19,49 @@ use clap::Parser;
 )]
 pub struct Cli {
     /// Workers on this node: a number, `auto` (= visible GPUs, 1 without GPUs), `gpu` (same) or
-    /// `cpu` (= CPU cores).
+    /// `cpu` (= CPU cores). Default: the GPUs Slurm gave the step, `PET_NPROC_PER_NODE`, or 1.
     #[arg(
         long = "num-processes",
         visible_alias = "nproc-per-node",
         alias = "nproc_per_node",
         alias = "num_processes",
         value_name = "N|auto",
-        default_value = "1",
         value_parser = parse_num_processes
     )]
-    pub num_processes: NumProcesses,
+    pub num_processes: Option<NumProcesses>,
 
-    /// Number of nodes in the job.
-    #[arg(long, default_value_t = 1, value_parser = parse_positive)]
-    pub nnodes: u32,
+    /// One worker per listed GPU, e.g. `0,2,5` (as nvidia-smi numbers them; indices into
+    /// CUDA_VISIBLE_DEVICES when that is set), or `all`.
+    #[arg(long = "gpu-ids", alias = "gpu_ids", value_name = "IDS", value_parser = parse_gpu_ids)]
+    pub gpu_ids: Option<GpuIds>,
 
-    /// This node's rank among the nodes (0-based).
-    #[arg(long = "node-rank", alias = "node_rank", default_value_t = 0)]
-    pub node_rank: u32,
+    /// Number of nodes in the job. Default: Slurm's step, `PET_NNODES`, or 1.
+    #[arg(long, value_parser = parse_nnodes)]
+    pub nnodes: Option<u32>,
 
-    /// Address of the node that hosts rank 0 (the rendezvous store).
-    #[arg(
-        long = "master-addr",
-        alias = "master_addr",
-        default_value = "127.0.0.1"
-    )]
-    pub master_addr: String,
+    /// This node's rank among the nodes (0-based). Default: `SLURM_NODEID`, `PET_NODE_RANK`, or 0.
+    #[arg(long = "node-rank", alias = "node_rank")]
+    pub node_rank: Option<u32>,
+
+    /// Address of the node that hosts rank 0 (the rendezvous store). Default: the first host of
+    /// the Slurm step, `PET_MASTER_ADDR`, or 127.0.0.1.
+    #[arg(long = "master-addr", alias = "master_addr")]
+    pub master_addr: Option<String>,
 
     /// Port of the rendezvous store on the master node; 0 picks a free one. On a single-node run
-    /// a port that is taken is replaced by a free one, with a notice.
-    #[arg(long = "master-port", alias = "master_port", default_value_t = 29500)]
-    pub master_port: u16,
+    /// a port that is taken is replaced by a free one, with a notice. Default: derived from the
+    /// Slurm job id, `PET_MASTER_PORT`, or 29500.
+    #[arg(long = "master-port", alias = "master_port")]
+    pub master_port: Option<u16>,
 
     /// Single-node run on a free port (torchrun's `--standalone`).
     #[arg(long)]
     pub standalone: bool,
 
-    /// Restart the whole worker group up to N times after a failure.
-    #[arg(long = "max-restarts", alias = "max_restarts", default_value_t = 0)]
-    pub max_restarts: u32,
+    /// Restart the whole worker group up to N times after a failure. Default: `PET_MAX_RESTARTS`
+    /// or 0.
+    #[arg(long = "max-restarts", alias = "max_restarts")]
+    pub max_restarts: Option<u32>,
 
     /// Seconds between SIGTERM and SIGKILL when tearing workers down.
     #[arg(long = "grace-period", value_name = "SECS", default_value = "10", value_parser = parse_seconds)]
@@ -78,7 +81,8 @@ pub struct Cli {
     pub overrides: Vec<String>,
 
     /// Job id shared by every worker (TORCHELASTIC_RUN_ID); the rendezvous store checks it.
-    /// Default: a fresh id on a single node; derived from the master address on several nodes.
+    /// Default: `LAUNCH_RUN_ID`, the Slurm job id, `PET_RDZV_ID`; a fresh id on a single node;
+    /// derived from the master address and port on several nodes.
     #[arg(
         long = "run-id",
         alias = "rdzv-id",
@@ -100,47 +104,37 @@ pub struct Cli {
     pub program: Vec<OsString>,
 }
 
-/// `--num-processes` as written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NumProcesses {
-    /// One per visible GPU (1 when there is none).
-    Auto,
-    /// One per CPU core.
-    Cpu,
-    Count(u32),
+use common::job_shape::{parse_nnodes, parse_num_processes};
+pub use common::job_shape::{NumProcesses, MAX_PROCESSES};
+
+/// `--gpu-ids` as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuIds {
+    /// `all`: every visible GPU (as `--num-processes auto`).
+    All,
+    /// These GPUs, in this order: local rank i runs on the i-th.
+    List(Vec<u32>),
 }
 
-/// More workers than this on one node is a typo, not a plan.
-pub const MAX_PROCESSES: u32 = 1024;
-
-fn parse_num_processes(text: &str) -> Result<NumProcesses, String> {
-    match text.trim() {
-        "auto" | "gpu" => Ok(NumProcesses::Auto),
-        "cpu" => Ok(NumProcesses::Cpu),
-        other => match other.parse::<u32>() {
-            Ok(0) => Err("must be at least 1".to_string()),
-            Ok(n) if n > MAX_PROCESSES => Err(format!(
-                "{n} processes on one node is more than the {MAX_PROCESSES} `launch` supports"
-            )),
-            Ok(n) => Ok(NumProcesses::Count(n)),
-            Err(_) => Err(format!(
-                "expected a positive number, `auto`, `gpu` or `cpu`, got {other:?}"
-            )),
-        },
+fn parse_gpu_ids(text: &str) -> Result<GpuIds, String> {
+    let text = text.trim();
+    if text == "all" {
+        return Ok(GpuIds::All);
     }
-}
-
-fn parse_positive(text: &str) -> Result<u32, String> {
-    if text.contains(':') {
-        return Err(format!(
-            "elastic node ranges such as {text:?} are not supported; give a fixed node count"
-        ));
+    let mut ids = Vec::new();
+    for item in text.split(',').map(str::trim) {
+        let id: u32 = item.parse().map_err(|_| {
+            format!("expected GPU indices separated by commas (e.g. 0,2,5) or `all`, got {text:?}")
+        })?;
+        if ids.contains(&id) {
+            return Err(format!("GPU {id} is listed twice in {text:?}"));
+        }
+        ids.push(id);
     }
-    match text.trim().parse::<u32>() {
-        Ok(0) => Err("must be at least 1".to_string()),
-        Ok(n) => Ok(n),
-        Err(_) => Err(format!("expected a positive number, got {text:?}")),
+    if ids.len() > MAX_PROCESSES as usize {
+        return Err(format!("more than {MAX_PROCESSES} GPUs listed"));
     }
+    Ok(GpuIds::List(ids))
 }
 
 fn parse_seconds(text: &str) -> Result<Duration, String> {
@@ -182,14 +176,24 @@ mod tests {
             "x.py",
         ])
         .unwrap();
-        assert_eq!(cli.num_processes, NumProcesses::Count(3));
-        assert_eq!(cli.master_addr, "10.1.1.1");
-        assert_eq!(cli.master_port, 1234);
-        assert_eq!(cli.max_restarts, 2);
+        assert_eq!(cli.num_processes, Some(NumProcesses::Count(3)));
+        assert_eq!(cli.master_addr.as_deref(), Some("10.1.1.1"));
+        assert_eq!(cli.master_port, Some(1234));
+        assert_eq!(cli.max_restarts, Some(2));
         assert_eq!(cli.run_id.as_deref(), Some("abc"));
         assert_eq!(cli.program, vec![OsString::from("python"), "x.py".into()]);
         let cli = parse(&["--nproc-per-node", "auto", "c.toml"]).unwrap();
-        assert_eq!(cli.num_processes, NumProcesses::Auto);
+        assert_eq!(cli.num_processes, Some(NumProcesses::Auto));
+        let cli = parse(&["--gpu_ids", "0,2,5", "c.toml"]).unwrap();
+        assert_eq!(cli.gpu_ids, Some(GpuIds::List(vec![0, 2, 5])));
+        let cli = parse(&["--gpu-ids", "all", "c.toml"]).unwrap();
+        assert_eq!(cli.gpu_ids, Some(GpuIds::All));
+        // Nothing given: the job shape decides (Slurm, PET_*, defaults).
+        let cli = parse(&["c.toml"]).unwrap();
+        assert_eq!(
+            (cli.num_processes, cli.nnodes, cli.master_port),
+            (None, None, None)
+        );
     }
 
     #[test]
@@ -201,6 +205,10 @@ mod tests {
             &["--nnodes", "1:4", "c.toml"],
             &["--grace-period", "-1", "c.toml"],
             &["--master-port", "70000", "c.toml"],
+            &["--gpu-ids", "0,,1", "c.toml"],
+            &["--gpu-ids", "0,1,0", "c.toml"],
+            &["--gpu-ids", "", "c.toml"],
+            &["--gpu-ids", "-1", "c.toml"],
             &["--bogus", "c.toml"],
         ] {
             assert!(parse(args).is_err(), "{args:?} should fail");

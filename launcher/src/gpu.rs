@@ -1,15 +1,22 @@
 //! Which GPUs this node can see, without libtorch: NVML (loaded at run time, so `launch` builds
 //! and runs on machines without NVIDIA drivers) filtered by `CUDA_VISIBLE_DEVICES`. It only
-//! reports; choosing how many workers to start is the plan's job.
+//! reports; choosing how many workers to start, and on which GPUs, is the plan's job.
 
 use common::cuda_visible::select_visible;
 use nvml_wrapper::Nvml;
 
+/// `GPTREC_SIMULATE_GPUS=N`: pretend N GPUs of [`SIMULATED_BYTES`] each are present (tests and
+/// dry runs on machines without GPUs; the workers still run on what they find).
+pub const SIMULATE_VAR: &str = "GPTREC_SIMULATE_GPUS";
+const SIMULATED_BYTES: u64 = 80 << 30;
+
 /// One GPU a worker may use, in the order CUDA numbers the visible devices.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gpu {
-    /// Index in CUDA's numbering after `CUDA_VISIBLE_DEVICES` (what `LOCAL_RANK` selects).
+    /// Index in CUDA's numbering after `CUDA_VISIBLE_DEVICES` (what `--gpu-ids` selects).
     pub cuda_index: usize,
+    /// NVML's index: the number `nvidia-smi` shows (PCI bus order).
+    pub nvml_index: u32,
     pub name: String,
     pub total_bytes: u64,
     pub free_bytes: u64,
@@ -17,6 +24,28 @@ pub struct Gpu {
 
 /// The visible GPUs, or why none were found (for the notice).
 pub fn visible_gpus() -> Result<Vec<Gpu>, String> {
+    let all = match std::env::var(SIMULATE_VAR) {
+        Ok(text) => simulated(&text)?,
+        Err(_) => nvml_gpus()?,
+    };
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let selected = select_visible(
+        visible.as_deref(),
+        &all.iter()
+            .map(|(gpu, uuid)| (gpu.nvml_index, uuid.as_str()))
+            .collect::<Vec<_>>(),
+    );
+    Ok(selected
+        .into_iter()
+        .enumerate()
+        .map(|(cuda_index, physical)| Gpu {
+            cuda_index,
+            ..all[physical].0.clone()
+        })
+        .collect())
+}
+
+fn nvml_gpus() -> Result<Vec<(Gpu, String)>, String> {
     let nvml = Nvml::init().map_err(|e| format!("NVML is not available ({e})"))?;
     let count = nvml
         .device_count()
@@ -29,30 +58,36 @@ pub fn visible_gpus() -> Result<Vec<Gpu>, String> {
         };
         let memory = device.memory_info().ok();
         all.push((
-            index,
-            device.uuid().unwrap_or_default(),
             Gpu {
                 cuda_index: 0,
+                nvml_index: index,
                 name: device.name().unwrap_or_else(|_| "unknown GPU".into()),
                 total_bytes: memory.as_ref().map_or(0, |m| m.total),
                 free_bytes: memory.as_ref().map_or(0, |m| m.free),
             },
+            device.uuid().unwrap_or_default(),
         ));
     }
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let selected = select_visible(
-        visible.as_deref(),
-        &all.iter()
-            .map(|(i, uuid, _)| (*i, uuid.as_str()))
-            .collect::<Vec<_>>(),
-    );
-    Ok(selected
-        .into_iter()
-        .enumerate()
-        .map(|(cuda_index, physical)| {
-            let mut gpu = all[physical].2.clone();
-            gpu.cuda_index = cuda_index;
-            gpu
+    Ok(all)
+}
+
+fn simulated(text: &str) -> Result<Vec<(Gpu, String)>, String> {
+    let count: u32 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{SIMULATE_VAR}={text:?} is not a number of GPUs"))?;
+    Ok((0..count.min(crate::cli::MAX_PROCESSES))
+        .map(|index| {
+            (
+                Gpu {
+                    cuda_index: 0,
+                    nvml_index: index,
+                    name: format!("simulated GPU ({SIMULATE_VAR})"),
+                    total_bytes: SIMULATED_BYTES,
+                    free_bytes: SIMULATED_BYTES,
+                },
+                format!("GPU-simulated-{index:04}"),
+            )
         })
         .collect())
 }

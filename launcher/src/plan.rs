@@ -17,7 +17,9 @@ use common::memory::{
     DeviceKind, SAFETY_MARGIN,
 };
 
-use crate::cli::{Cli, NumProcesses};
+use common::job_shape::{self, Flags, JobShape, NumProcesses, Source, RUN_ID_VAR};
+
+use crate::cli::{Cli, GpuIds};
 use crate::gpu::{self, Gpu};
 
 /// A bad command line, config or environment: reported in one line, exit code 2.
@@ -65,60 +67,67 @@ pub struct Plan {
     pub config: Option<WorkerConfig>,
     /// Visible GPUs, when they were looked up (`auto` or a dry run).
     pub gpus: Option<Vec<Gpu>>,
+    /// `CUDA_VISIBLE_DEVICES` for the workers when `--gpu-ids` chose their GPUs.
+    pub cuda_visible_devices: Option<String>,
+    /// Where each value of the job shape came from (for the dry run).
+    pub shape: JobShape,
     /// One-line notices to show before starting (e.g. "no GPU found, using 1 process").
     pub notices: Vec<String>,
 }
 
 impl Plan {
-    /// Resolves the command line into a plan. `probe_gpus` forces the NVML lookup (dry run).
+    /// Resolves the command line and the environment (Slurm, `PET_*`) into a plan. Looks the
+    /// GPUs up only when it needs them (`auto`, `--gpu-ids`, a dry run), so a start stays fast.
     pub fn from_cli(cli: &Cli) -> Result<Plan, PlanError> {
-        let mut notices = Vec::new();
-        let nnodes = if cli.standalone { 1 } else { cli.nnodes };
-        if cli.standalone && cli.nnodes > 1 {
-            return Err(PlanError::Usage(
-                "--standalone is a single-node run; it cannot be combined with --nnodes > 1".into(),
-            ));
-        }
-        if cli.node_rank >= nnodes {
-            return Err(PlanError::Usage(format!(
-                "--node-rank {} is out of range for --nnodes {nnodes} (ranks are 0..{})",
-                cli.node_rank,
-                nnodes - 1
-            )));
-        }
-        if nnodes > 1 && cli.master_port == 0 {
-            return Err(PlanError::Usage(
-                "--master-port 0 picks a port on this node only; with --nnodes > 1 every node needs the same fixed port".into(),
-            ));
-        }
-        if nnodes > 1 && is_loopback_name(&cli.master_addr) {
+        Plan::from_cli_and_env(cli, &job_shape::process_env())
+    }
+
+    /// [`Plan::from_cli`] with the environment's job-shape variables given (tests).
+    pub fn from_cli_and_env(cli: &Cli, env: &job_shape::Env) -> Result<Plan, PlanError> {
+        let flags = flags_of(cli);
+        let shape = job_shape::resolve(&flags, env).map_err(|e| PlanError::Usage(e.0))?;
+        let mut notices = shape.notices.clone();
+        let nnodes = shape.nnodes.value;
+        if nnodes > 1 && is_loopback_name(&shape.master_addr.value) {
             notices.push(format!(
-                "--master-addr {} is a loopback address but --nnodes is {nnodes}: other nodes cannot reach it",
-                cli.master_addr
+                "the master address {} ({}) is a loopback address but there are {nnodes} nodes: other nodes cannot reach it",
+                shape.master_addr.value, shape.master_addr.source
             ));
         }
 
-        let want_gpus = cli.dry_run || cli.num_processes == NumProcesses::Auto;
-        let gpus = if want_gpus {
+        let num_processes = shape.num_processes.value;
+        let want_gpus =
+            cli.dry_run || num_processes == NumProcesses::Auto || flags.gpu_ids.is_some();
+        let (gpus, gpu_error) = if want_gpus {
             match gpu::visible_gpus() {
-                Ok(gpus) => Some(gpus),
-                Err(why) => {
-                    if cli.num_processes == NumProcesses::Auto {
-                        notices.push(format!("no GPU found ({why})"));
-                    }
-                    Some(Vec::new())
-                }
+                Ok(gpus) => (Some(gpus), None),
+                Err(why) => (Some(Vec::new()), Some(why)),
             }
         } else {
-            None
+            (None, None)
+        };
+        let selection = match &flags.gpu_ids {
+            Some(ids) => Some(select_gpus(
+                ids,
+                gpus.as_deref().unwrap_or(&[]),
+                gpu_error.as_deref(),
+            )?),
+            None => None,
+        };
+        let gpus = match &selection {
+            Some(sel) => Some(sel.gpus.clone()),
+            None => gpus,
         };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let nproc = match cli.num_processes {
+        let nproc = match num_processes {
             NumProcesses::Count(n) => n,
             NumProcesses::Cpu => (cores as u32).min(crate::cli::MAX_PROCESSES),
             NumProcesses::Auto => {
                 let n = gpus.as_ref().map_or(0, Vec::len) as u32;
                 if n == 0 {
+                    if let Some(why) = &gpu_error {
+                        notices.push(format!("no GPU found ({why})"));
+                    }
                     notices.push("--num-processes auto: no visible GPU, starting 1 process".into());
                     1
                 } else {
@@ -140,30 +149,24 @@ impl Plan {
         } else {
             None
         };
-        let run_id = match &cli.run_id {
-            Some(id) if id.trim().is_empty() => {
-                return Err(PlanError::Usage("--run-id must not be empty".into()))
-            }
-            Some(id) => id.clone(),
-            // Every node must agree without talking first: derive it from what they share.
-            None if nnodes > 1 => format!("run-{}-{}", cli.master_addr, cli.master_port),
-            None => fresh_run_id(),
-        };
+        let run_id = shape.run_id.value.clone().unwrap_or_else(fresh_run_id);
         Ok(Plan {
             nnodes,
-            node_rank: cli.node_rank,
+            node_rank: shape.node_rank.value,
             nproc,
             world_size,
-            master_addr: cli.master_addr.clone(),
-            master_port: if cli.standalone { 0 } else { cli.master_port },
+            master_addr: shape.master_addr.value.clone(),
+            master_port: shape.master_port.value,
             run_id,
-            max_restarts: cli.max_restarts,
+            max_restarts: shape.max_restarts.value,
             grace_period: cli.grace_period,
             log_dir: cli.log_dir.clone(),
             command,
             omp_threads,
             config,
             gpus,
+            cuda_visible_devices: selection.map(|s| s.cuda_visible_devices),
+            shape,
             notices,
         })
     }
@@ -188,6 +191,14 @@ impl Plan {
     /// Variables beyond the contract that every worker gets.
     pub fn extra_env(&self) -> Vec<(&'static str, String)> {
         let mut vars = Vec::new();
+        if let Some(devices) = &self.cuda_visible_devices {
+            vars.push(("CUDA_VISIBLE_DEVICES", devices.clone()));
+        }
+        // CUDA's own default order is "fastest first"; nvidia-smi, NVML, Slurm and --gpu-ids
+        // number GPUs by PCI bus: make cuda:N the GPU everyone else calls N.
+        if std::env::var_os("CUDA_DEVICE_ORDER").is_none() {
+            vars.push(("CUDA_DEVICE_ORDER", "PCI_BUS_ID".to_string()));
+        }
         if let Some((threads, _)) = self.omp_threads {
             vars.push(("OMP_NUM_THREADS", threads.to_string()));
         }
@@ -379,16 +390,36 @@ impl Plan {
         } else {
             self.master_port.to_string()
         };
+        let shape = &self.shape;
+        let rows: [(&str, String, &Source); 6] = [
+            ("nodes", self.nnodes.to_string(), &shape.nnodes.source),
+            (
+                "node rank",
+                self.node_rank.to_string(),
+                &shape.node_rank.source,
+            ),
+            (
+                "processes",
+                format!("{} on this node", self.nproc),
+                &shape.num_processes.source,
+            ),
+            (
+                "master addr",
+                self.master_addr.clone(),
+                &shape.master_addr.source,
+            ),
+            ("master port", port, &shape.master_port.source),
+            ("run id", self.shown_run_id(), &shape.run_id.source),
+        ];
+        for (name, value, source) in rows {
+            let _ = writeln!(out, "  {:<13} {value}  [{source}]", format!("{name}:"));
+        }
         let _ = writeln!(
             out,
-            "  rendezvous:   {}:{port} (run id {})",
-            self.master_addr, self.run_id
-        );
-        let _ = writeln!(
-            out,
-            "  failures:     tear down with SIGTERM, SIGKILL after {:.1} s; up to {} restart(s)",
+            "  failures:     tear down with SIGTERM, SIGKILL after {:.1} s; up to {} restart(s)  [{}]",
             self.grace_period.as_secs_f64(),
-            self.max_restarts
+            self.max_restarts,
+            shape.max_restarts.source
         );
         let _ = writeln!(out, "  command:      {}", shell_words(&self.command));
         if let Some(wc) = &self.config {
@@ -433,7 +464,10 @@ impl Plan {
                 .to_vars()
                 .into_iter()
                 .chain(self.extra_env())
-                .map(|(k, v)| format!("{k}={v}"))
+                .map(|(k, v)| match k {
+                    "TORCHELASTIC_RUN_ID" => format!("{k}={}", self.shown_run_id()),
+                    _ => format!("{k}={v}"),
+                })
                 .collect();
             let _ = writeln!(out, "    {}", vars.join(" "));
         }
@@ -464,12 +498,30 @@ impl Plan {
         }
     }
 
+    /// The run id as a dry run may print it: a secret from `LAUNCH_RUN_ID` stays hidden (job
+    /// logs are often readable by others).
+    fn shown_run_id(&self) -> String {
+        match &self.shape.run_id.source {
+            Source::Env(var) if var == RUN_ID_VAR => format!("<hidden: ${RUN_ID_VAR}>"),
+            _ => self.run_id.clone(),
+        }
+    }
+
     fn device_of(&self, local_rank: u32) -> String {
+        let slurm = self
+            .shape
+            .slurm
+            .as_ref()
+            .and_then(|s| s.gpus.as_ref())
+            .and_then(|g| g.physical_of(local_rank))
+            .map(|id| format!("; Slurm's GPU {id} on this node"))
+            .unwrap_or_default();
         match &self.gpus {
             Some(gpus) if !gpus.is_empty() => match gpus.get(local_rank as usize) {
                 Some(gpu) => format!(
-                    "cuda:{} ({}, {:.1} GiB total, {:.1} GiB free)",
+                    "cuda:{} = GPU {} ({}, {:.1} GiB total, {:.1} GiB free){slurm}",
                     gpu.cuda_index,
+                    gpu.nvml_index,
                     gpu.name,
                     gpu.total_bytes as f64 / GIB,
                     gpu.free_bytes as f64 / GIB
@@ -480,6 +532,9 @@ impl Plan {
                     self.nproc
                 ),
             },
+            _ if !slurm.is_empty() => {
+                format!("cuda:{local_rank}{slurm} (NVML does not see it from here)")
+            }
             _ => "cpu (no visible GPU)".to_string(),
         }
     }
@@ -511,6 +566,88 @@ fn memory_info() -> Option<(u64, u64)> {
             .map(|kb| kb * 1024)
     };
     Some((field("MemAvailable:")?, field("MemTotal:")?))
+}
+
+/// What the command line gave explicitly, for the job shape's precedence rules.
+fn flags_of(cli: &Cli) -> Flags {
+    let (gpu_ids, num_processes) = match &cli.gpu_ids {
+        Some(GpuIds::List(ids)) => (Some(ids.clone()), cli.num_processes),
+        // `all` is `auto` unless a count was given too.
+        Some(GpuIds::All) => (None, cli.num_processes.or(Some(NumProcesses::Auto))),
+        None => (None, cli.num_processes),
+    };
+    Flags {
+        nnodes: cli.nnodes,
+        node_rank: cli.node_rank,
+        master_addr: cli.master_addr.clone(),
+        master_port: cli.master_port,
+        run_id: cli.run_id.clone(),
+        num_processes,
+        gpu_ids,
+        max_restarts: cli.max_restarts,
+        standalone: cli.standalone,
+    }
+}
+
+/// The GPUs `--gpu-ids` chose, in local-rank order, and the workers' `CUDA_VISIBLE_DEVICES`.
+#[derive(Debug)]
+struct GpuSelection {
+    gpus: Vec<Gpu>,
+    cuda_visible_devices: String,
+}
+
+/// Checks every id against the visible GPUs. The ids index CUDA's visible devices (the
+/// physical numbering when `CUDA_VISIBLE_DEVICES` is unset), so an inherited
+/// `CUDA_VISIBLE_DEVICES` (e.g. Slurm's) is narrowed, never escaped.
+fn select_gpus(
+    ids: &[u32],
+    visible: &[Gpu],
+    why_none: Option<&str>,
+) -> Result<GpuSelection, PlanError> {
+    let listed = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    if visible.is_empty() {
+        return Err(PlanError::Usage(format!(
+            "--gpu-ids {listed}: no GPU is visible on this node ({})",
+            why_none.unwrap_or("NVML found none, or CUDA_VISIBLE_DEVICES hides them all")
+        )));
+    }
+    if let Some(missing) = ids.iter().find(|&&id| id as usize >= visible.len()) {
+        let scope = if std::env::var_os("CUDA_VISIBLE_DEVICES").is_some() {
+            " (indices into CUDA_VISIBLE_DEVICES)"
+        } else {
+            ""
+        };
+        return Err(PlanError::Usage(format!(
+            "--gpu-ids {listed}: GPU {missing} does not exist; this node has {} visible GPU(s), 0..{}{scope}",
+            visible.len(),
+            visible.len() - 1
+        )));
+    }
+    let inherited: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
+        .ok()
+        .map(|t| t.split(',').map(|e| e.trim().to_string()).collect());
+    let entry = |id: u32| match &inherited {
+        Some(entries) => entries
+            .get(id as usize)
+            .cloned()
+            .unwrap_or_else(|| id.to_string()),
+        None => visible[id as usize].nvml_index.to_string(),
+    };
+    Ok(GpuSelection {
+        gpus: ids
+            .iter()
+            .enumerate()
+            .map(|(local_rank, &id)| Gpu {
+                cuda_index: local_rank,
+                ..visible[id as usize].clone()
+            })
+            .collect(),
+        cuda_visible_devices: ids
+            .iter()
+            .map(|&id| entry(id))
+            .collect::<Vec<_>>()
+            .join(","),
+    })
 }
 
 fn command_and_config(
@@ -645,7 +782,7 @@ mod tests {
     fn plan(args: &[&str]) -> Result<Plan, PlanError> {
         let cli = Cli::try_parse_from(std::iter::once("launch").chain(args.iter().copied()))
             .expect("valid CLI");
-        Plan::from_cli(&cli)
+        Plan::from_cli_and_env(&cli, &Default::default())
     }
 
     #[test]
@@ -683,6 +820,10 @@ mod tests {
             (
                 &["--nnodes", "2", "--master-port", "0", "--", "true"],
                 "same fixed port",
+            ),
+            (
+                &["--num-processes", "4", "--gpu-ids", "0,1", "--", "true"],
+                "does not match --gpu-ids 0,1",
             ),
         ] {
             let err = plan(args).unwrap_err().to_string();

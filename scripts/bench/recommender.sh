@@ -34,7 +34,8 @@ run_case() { # size procs kind mode epochs
       --set data.synthetic=\""$size"\" --set model.kind=\""$kind"\" \
       --set model.text_mode=\""$mode"\" --set train.epochs="$epochs" \
       --set model.trainable_layers=1 --set model.max_text_tokens=32 \
-      --set checkpoint.resume=\"never\" --set eval.patience=0 >"$out/$name.log" 2>&1; then
+      --set checkpoint.resume=\"never\" --set eval.patience=0 \
+      --set batch.global=256 --set batch.micro=64 >"$out/$name.log" 2>&1; then
     echo "$name failed: see $out/$name.log" >&2
     tail -5 "$out/$name.log" >&2
     return 1

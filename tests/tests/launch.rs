@@ -653,7 +653,7 @@ fn dry_run_shows_the_batch_derivation_of_the_config() {
     assert_eq!(out.code(), Some(0), "{}", out.stderr);
     assert!(
         out.stdout
-            .contains("batch:        micro 8 x grad_accum 8 x world 4 = global 256"),
+            .contains("batch:        micro 8 x grad_accum 6 x world 4 = global 192"),
         "{}",
         out.stdout
     );
@@ -668,7 +668,7 @@ fn dry_run_shows_the_batch_derivation_of_the_config() {
 #[test]
 fn dry_run_rejects_a_batch_that_does_not_divide() {
     let out = launch(
-        &["--dry-run", "--num-processes", "3", "configs/default.toml"],
+        &["--dry-run", "--num-processes", "5", "configs/default.toml"],
         T,
     );
     assert_eq!(out.code(), Some(2), "{}", out.stderr);
@@ -678,7 +678,7 @@ fn dry_run_rejects_a_batch_that_does_not_divide() {
         "{}",
         out.stderr
     );
-    assert!(first.contains("x world 3"), "{first}");
+    assert!(first.contains("world 5"), "{first}");
     assert_eq!(
         out.stderr.lines().count(),
         1,
@@ -794,7 +794,7 @@ fn worker_under_launch_reads_its_environment_and_config() {
             lines
                 .iter()
                 .any(|(r, t)| *r == rank
-                    && t.contains("micro 64 x grad_accum 2 x world 2 = global 256")),
+                    && t.contains("micro 96 x grad_accum 1 x world 2 = global 192")),
             "{}",
             out.stdout
         );

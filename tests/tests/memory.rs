@@ -11,6 +11,22 @@ use std::time::Duration;
 
 use support::*;
 
+/// The plan every figure below is for (the shipped config's batch may change):
+/// micro 64 x grad_accum 2 x world 2 = global 256.
+const PINNED_BATCH: [&str; 4] = ["--set", "batch.global=256", "--set", "batch.micro=64"];
+
+/// The dry run of the default config with 2 workers on [`PINNED_BATCH`], `extra` as arguments.
+fn dry_run(env: &[(&str, &str)], extra: &[&str]) -> Output {
+    let mut args = vec!["--dry-run", "--num-processes", "2", "configs/default.toml"];
+    args.extend(PINNED_BATCH);
+    args.extend(extra);
+    let mut cmd = launch_cmd(&args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    wait_output(cmd.spawn().expect("start launch"), Duration::from_secs(60))
+}
+
 /// `launch` on the default config with 2 workers and tiny data, `extra` as `--set`s.
 fn run(out_dir: &Path, name: &str, run_id: &str, env: &[(&str, &str)], extra: &[&str]) -> Output {
     let output_dir = format!("run.output_dir={:?}", out_dir.display().to_string());
@@ -30,6 +46,7 @@ fn run(out_dir: &Path, name: &str, run_id: &str, env: &[(&str, &str)], extra: &[
         "--set",
         "data.synthetic=\"tiny\"",
     ];
+    args.extend(PINNED_BATCH);
     for e in extra {
         args.push("--set");
         args.push(e);
@@ -43,10 +60,7 @@ fn run(out_dir: &Path, name: &str, run_id: &str, env: &[(&str, &str)], extra: &[
 
 #[test]
 fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch() {
-    let out = launch(
-        &["--dry-run", "--num-processes", "2", "configs/default.toml"],
-        Duration::from_secs(60),
-    );
+    let out = dry_run(&[], &[]);
     assert_eq!(out.code(), Some(0), "{}", out.stderr);
     for needle in [
         "memory:",
@@ -68,18 +82,10 @@ fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch
 
     // Dynamic GPT-2 with 690 MiB per worker: micro 64 does not fit; a smaller micro with the
     // same global batch is named, and so is the cached mode.
-    let out = {
-        let mut cmd = launch_cmd(&[
-            "--dry-run",
-            "--num-processes",
-            "2",
-            "configs/default.toml",
-            "--set",
-            "model.text_mode=\"dynamic\"",
-        ]);
-        cmd.env("GPTREC_MEMORY_LIMIT_MB", "690");
-        wait_output(cmd.spawn().unwrap(), Duration::from_secs(60))
-    };
+    let out = dry_run(
+        &[("GPTREC_MEMORY_LIMIT_MB", "690")],
+        &["--set", "model.text_mode=\"dynamic\""],
+    );
     assert_eq!(out.code(), Some(0), "{}", out.stderr);
     assert!(out.stdout.contains("activations (GPT-2)"), "{}", out.stdout);
     let warning = out

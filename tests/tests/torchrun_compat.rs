@@ -87,7 +87,7 @@ fn worker_runs_under_torchrun() {
     }
     assert_eq!(
         stdout
-            .matches("micro 64 x grad_accum 2 x world 2 = global 256")
+            .matches("micro 96 x grad_accum 1 x world 2 = global 192")
             .count(),
         2,
         "{stdout}"

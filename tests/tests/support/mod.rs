@@ -58,9 +58,16 @@ impl Output {
     }
 }
 
-/// `launch ARGS...`, with piped output, in the repo root.
+/// `launch ARGS...`, with piped output, in the repo root, without any job-shape variables of
+/// the environment the tests run in (Slurm's, `PET_*`, `LAUNCH_RUN_ID`): tests set their own.
 pub fn launch_cmd(args: &[&str]) -> Command {
     let mut cmd = Command::new(bin("launch"));
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        if key.starts_with("SLURM_") || key.starts_with("PET_") || key == "LAUNCH_RUN_ID" {
+            cmd.env_remove(key.as_ref());
+        }
+    }
     cmd.args(args)
         .current_dir(repo_root())
         .stdin(Stdio::null())

@@ -1,0 +1,646 @@
+//! Where the job's shape comes from: nodes, this node's rank, the rendezvous address and port,
+//! the run id, processes per node and the restart budget, each resolved with the precedence
+//! an explicit flag > Slurm's variables (inside an `srun` step) > torchrun's `PET_*` variables
+//! (Kubeflow's PyTorchJob, TorchX) > the default, and each carrying its [`Source`] so that a dry
+//! run can say where it came from.
+//!
+//! Pure logic over an environment map (no `std::env`, no I/O): the launcher passes the real
+//! environment, tests pass their own. It must not look at devices or bind ports; choosing which
+//! GPUs exist is the launcher's.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::hostlist;
+
+/// `--num-processes` as written (or as an environment gave it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NumProcesses {
+    /// One per visible GPU (1 when there is none).
+    Auto,
+    /// One per CPU core.
+    Cpu,
+    Count(u32),
+}
+
+/// More workers than this on one node is a typo, not a plan.
+pub const MAX_PROCESSES: u32 = 1024;
+
+/// torchrun's default rendezvous port.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Our own variable for the run id, read like `--run-id`: a secret shared by every node through
+/// the environment, which (unlike a command line) other users cannot read in `ps`.
+pub const RUN_ID_VAR: &str = "LAUNCH_RUN_ID";
+
+/// Parses `N`, `auto`, `gpu` or `cpu`.
+pub fn parse_num_processes(text: &str) -> Result<NumProcesses, String> {
+    match text.trim() {
+        "auto" | "gpu" => Ok(NumProcesses::Auto),
+        "cpu" => Ok(NumProcesses::Cpu),
+        other => match other.parse::<u32>() {
+            Ok(0) => Err("must be at least 1".to_string()),
+            Ok(n) if n > MAX_PROCESSES => Err(format!(
+                "{n} processes on one node is more than the {MAX_PROCESSES} `launch` supports"
+            )),
+            Ok(n) => Ok(NumProcesses::Count(n)),
+            Err(_) => Err(format!(
+                "expected a positive number, `auto`, `gpu` or `cpu`, got {other:?}"
+            )),
+        },
+    }
+}
+
+/// Parses a node count; an elastic range is accepted only when it is fixed (`2:2`).
+pub fn parse_nnodes(text: &str) -> Result<u32, String> {
+    let text = text.trim();
+    let fixed = match text.split_once(':') {
+        Some((lo, hi)) if lo.trim() == hi.trim() => lo.trim(),
+        Some(_) => {
+            return Err(format!(
+                "elastic node ranges such as {text:?} are not supported; give a fixed node count"
+            ))
+        }
+        None => text,
+    };
+    match fixed.parse::<u32>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("expected a positive number, got {text:?}")),
+    }
+}
+
+/// Where one value of the job shape came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A command-line flag, e.g. `--nnodes`.
+    Flag(&'static str),
+    /// One of our own variables (`LAUNCH_RUN_ID`).
+    Env(String),
+    /// Slurm's variables, e.g. `SLURM_NNODES=2`, or how a value was derived from them.
+    Slurm(String),
+    /// torchrun's `PET_*` variables as Kubernetes operators and TorchX set them.
+    Pet(String),
+    /// The default, with why when it depends on something (`single node`).
+    Default(&'static str),
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Flag(flag) => write!(f, "flag {flag}"),
+            Source::Env(what) => write!(f, "environment {what}"),
+            Source::Slurm(what) => write!(f, "Slurm {what}"),
+            Source::Pet(what) => write!(f, "Kubernetes/TorchX {what}"),
+            Source::Default("") => write!(f, "default"),
+            Source::Default(why) => write!(f, "default ({why})"),
+        }
+    }
+}
+
+/// A resolved value and where it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sourced<T> {
+    pub value: T,
+    pub source: Source,
+}
+
+impl<T> Sourced<T> {
+    fn new(value: T, source: Source) -> Self {
+        Sourced { value, source }
+    }
+}
+
+/// What the command line said explicitly (`None`: not given).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Flags {
+    pub nnodes: Option<u32>,
+    pub node_rank: Option<u32>,
+    pub master_addr: Option<String>,
+    pub master_port: Option<u16>,
+    pub run_id: Option<String>,
+    pub num_processes: Option<NumProcesses>,
+    /// `--gpu-ids`: one worker per listed GPU.
+    pub gpu_ids: Option<Vec<u32>>,
+    pub max_restarts: Option<u32>,
+    pub standalone: bool,
+}
+
+/// The job shape for this node, each value with its source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobShape {
+    pub nnodes: Sourced<u32>,
+    pub node_rank: Sourced<u32>,
+    pub master_addr: Sourced<String>,
+    /// `0`: pick a free port at launch (single node only).
+    pub master_port: Sourced<u16>,
+    /// `None`: a fresh id per run (single node).
+    pub run_id: Sourced<Option<String>>,
+    pub num_processes: Sourced<NumProcesses>,
+    pub max_restarts: Sourced<u32>,
+    /// The Slurm step this launch runs in, when it does.
+    pub slurm: Option<SlurmStep>,
+    /// One-line notices for the user (e.g. a run id others can guess).
+    pub notices: Vec<String>,
+}
+
+/// A bad value in the command line or the environment: one line naming the flag or variable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ShapeError(pub String);
+
+/// The environment as a map (tests build their own).
+pub type Env = BTreeMap<String, String>;
+
+/// The process environment as an [`Env`] (variables that are not UTF-8 are left out).
+pub fn process_env() -> Env {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect()
+}
+
+/// Resolves the job shape from the flags and the environment.
+pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
+    let slurm = SlurmStep::from_env(env)?;
+    let pet = Pet { env };
+    let mut notices = Vec::new();
+
+    let nnodes = if flags.standalone {
+        if flags.nnodes.is_some_and(|n| n > 1) {
+            return Err(ShapeError(
+                "--standalone is a single-node run; it cannot be combined with --nnodes > 1".into(),
+            ));
+        }
+        Sourced::new(1, Source::Flag("--standalone"))
+    } else if let Some(n) = flags.nnodes {
+        Sourced::new(n, Source::Flag("--nnodes"))
+    } else if let Some(s) = &slurm {
+        s.nnodes.clone()
+    } else if let Some(n) = pet.get("NNODES", parse_nnodes)? {
+        n
+    } else {
+        Sourced::new(1, Source::Default(""))
+    };
+    if let Some(s) = &slurm {
+        s.check_one_task_per_node(nnodes.value)?;
+        if s.step_id.is_none() && nnodes.value > 1 && matches!(nnodes.source, Source::Slurm(_)) {
+            return Err(ShapeError(format!(
+                "launch runs in the batch script of a {}-node Slurm job ({}), which runs on the first node only: start one launch per node with `srun --ntasks-per-node=1 launch ...` (as scripts/slurm/train.sbatch does)",
+                nnodes.value, nnodes.source
+            )));
+        }
+    }
+    let node_rank = if let Some(r) = flags.node_rank {
+        Sourced::new(r, Source::Flag("--node-rank"))
+    } else if let (Some(s), false) = (&slurm, flags.standalone) {
+        s.node_rank.clone()
+    } else if let Some(r) = pet.get("NODE_RANK", parse_u32)? {
+        r
+    } else {
+        Sourced::new(0, Source::Default(""))
+    };
+    if node_rank.value >= nnodes.value {
+        return Err(ShapeError(format!(
+            "node rank {} ({}) is out of range for {} node(s) ({}); ranks are 0..{}",
+            node_rank.value,
+            node_rank.source,
+            nnodes.value,
+            nnodes.source,
+            nnodes.value - 1
+        )));
+    }
+    let multi = nnodes.value > 1;
+    let master_addr = if let Some(a) = &flags.master_addr {
+        Sourced::new(a.clone(), Source::Flag("--master-addr"))
+    } else if let (Some(s), true) = (&slurm, multi) {
+        s.master_addr.clone()
+    } else if let Some(a) = pet.get("MASTER_ADDR", parse_host)? {
+        a
+    } else if let Some(a) = pet.rdzv_endpoint()?.map(|(host, _)| host) {
+        a
+    } else {
+        Sourced::new(
+            "127.0.0.1".to_string(),
+            Source::Default(if multi { "" } else { "single node" }),
+        )
+    };
+    let master_port = if flags.standalone {
+        Sourced::new(0, Source::Flag("--standalone"))
+    } else if let Some(p) = flags.master_port {
+        Sourced::new(p, Source::Flag("--master-port"))
+    } else if let Some(s) = &slurm {
+        s.master_port.clone()
+    } else if let Some(p) = pet.get("MASTER_PORT", parse_port)? {
+        p
+    } else if let Some(p) = pet.rdzv_endpoint()?.and_then(|(_, port)| port) {
+        p
+    } else {
+        Sourced::new(DEFAULT_MASTER_PORT, Source::Default(""))
+    };
+    if multi && master_port.value == 0 {
+        return Err(ShapeError(format!(
+            "master port 0 ({}) picks a port on this node only; with {} nodes every node needs the same fixed port",
+            master_port.source, nnodes.value
+        )));
+    }
+    let run_id = resolve_run_id(flags, env, &slurm, &pet, &master_addr, &master_port, multi)?;
+    if multi && run_id_is_guessable(&run_id.source) {
+        notices.push(format!(
+            "the run id {:?} ({}) can be guessed by anyone who can reach {}:{}; export {RUN_ID_VAR}=<a secret> on every node to keep others out (scripts/slurm/train.sbatch does)",
+            run_id.value.as_deref().unwrap_or(""),
+            run_id.source,
+            master_addr.value,
+            master_port.value
+        ));
+    }
+    let num_processes = resolve_num_processes(flags, &slurm, &pet)?;
+    let max_restarts = match flags.max_restarts {
+        Some(n) => Sourced::new(n, Source::Flag("--max-restarts")),
+        None => pet
+            .get("MAX_RESTARTS", parse_u32)?
+            .unwrap_or_else(|| Sourced::new(0, Source::Default(""))),
+    };
+    Ok(JobShape {
+        nnodes,
+        node_rank,
+        master_addr,
+        master_port,
+        run_id,
+        num_processes,
+        max_restarts,
+        slurm,
+        notices,
+    })
+}
+
+fn resolve_run_id(
+    flags: &Flags,
+    env: &Env,
+    slurm: &Option<SlurmStep>,
+    pet: &Pet<'_>,
+    master_addr: &Sourced<String>,
+    master_port: &Sourced<u16>,
+    multi: bool,
+) -> Result<Sourced<Option<String>>, ShapeError> {
+    let nonempty = |id: &str, what: &str| {
+        if id.trim().is_empty() {
+            Err(ShapeError(format!("{what} must not be empty")))
+        } else {
+            Ok(Some(id.to_string()))
+        }
+    };
+    if let Some(id) = &flags.run_id {
+        return Ok(Sourced::new(
+            nonempty(id, "--run-id")?,
+            Source::Flag("--run-id"),
+        ));
+    }
+    if let Some(id) = env.get(RUN_ID_VAR) {
+        return Ok(Sourced::new(
+            nonempty(id, RUN_ID_VAR)?,
+            Source::Env(RUN_ID_VAR.to_string()),
+        ));
+    }
+    if let (Some(s), false) = (slurm, flags.standalone) {
+        return Ok(s.run_id.clone());
+    }
+    if let Some(id) = pet.get("RDZV_ID", |t| nonempty(t, "PET_RDZV_ID").map_err(|e| e.0))? {
+        return Ok(id);
+    }
+    if multi {
+        // Every node must agree without talking first: derive it from what they share.
+        return Ok(Sourced::new(
+            Some(format!("run-{}-{}", master_addr.value, master_port.value)),
+            Source::Default("derived from the master address and port"),
+        ));
+    }
+    Ok(Sourced::new(None, Source::Default("fresh per run")))
+}
+
+fn run_id_is_guessable(source: &Source) -> bool {
+    matches!(source, Source::Slurm(_) | Source::Default(_))
+}
+
+fn resolve_num_processes(
+    flags: &Flags,
+    slurm: &Option<SlurmStep>,
+    pet: &Pet<'_>,
+) -> Result<Sourced<NumProcesses>, ShapeError> {
+    if let Some(ids) = &flags.gpu_ids {
+        let n = ids.len() as u32;
+        return match flags.num_processes {
+            None | Some(NumProcesses::Auto) => {
+                Ok(Sourced::new(NumProcesses::Count(n), Source::Flag("--gpu-ids")))
+            }
+            Some(NumProcesses::Count(m)) if m == n => Ok(Sourced::new(
+                NumProcesses::Count(n),
+                Source::Flag("--num-processes"),
+            )),
+            Some(other) => Err(ShapeError(format!(
+                "--num-processes {} does not match --gpu-ids {} ({n} GPU(s)); give one worker per listed GPU or drop --num-processes",
+                match other {
+                    NumProcesses::Count(m) => m.to_string(),
+                    NumProcesses::Cpu => "cpu".into(),
+                    NumProcesses::Auto => "auto".into(),
+                },
+                ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+            ))),
+        };
+    }
+    if let Some(n) = flags.num_processes {
+        return Ok(Sourced::new(n, Source::Flag("--num-processes")));
+    }
+    if let Some(gpus) = slurm.as_ref().and_then(|s| s.gpus.as_ref()) {
+        return Ok(Sourced::new(
+            NumProcesses::Count(gpus.count),
+            Source::Slurm(format!("{} (GPUs of this step)", gpus.count_var)),
+        ));
+    }
+    if let Some(n) = pet.get("NPROC_PER_NODE", parse_num_processes)? {
+        return Ok(n);
+    }
+    Ok(Sourced::new(NumProcesses::Count(1), Source::Default("")))
+}
+
+/// torchrun's `PET_<OPTION>` variables.
+struct Pet<'a> {
+    env: &'a Env,
+}
+
+impl Pet<'_> {
+    /// `PET_<name>` parsed, or `None` when it is unset or empty.
+    fn get<T>(
+        &self,
+        name: &str,
+        parse: impl Fn(&str) -> Result<T, String>,
+    ) -> Result<Option<Sourced<T>>, ShapeError> {
+        let var = format!("PET_{name}");
+        match self.env.get(&var).filter(|v| !v.trim().is_empty()) {
+            None => Ok(None),
+            Some(text) => parse(text)
+                .map(|v| Some(Sourced::new(v, Source::Pet(format!("{var}={text}")))))
+                .map_err(|e| ShapeError(format!("environment variable {var}={text:?}: {e}"))),
+        }
+    }
+
+    /// `PET_RDZV_ENDPOINT=host[:port]` (elastic PyTorchJobs set it instead of the master pair).
+    #[allow(clippy::type_complexity)]
+    fn rdzv_endpoint(&self) -> Result<Option<(Sourced<String>, Option<Sourced<u16>>)>, ShapeError> {
+        let Some(ep) = self.get("RDZV_ENDPOINT", |t| Ok(t.trim().to_string()))? else {
+            return Ok(None);
+        };
+        let text = ep.value.clone();
+        let (host, port) = match text.rsplit_once(':') {
+            Some((h, p)) if !h.ends_with(':') && !p.contains(']') => (h, Some(p)),
+            _ => (text.as_str(), None),
+        };
+        let bad = |e: String| {
+            ShapeError(format!(
+                "environment variable PET_RDZV_ENDPOINT={text:?}: {e}"
+            ))
+        };
+        let host = parse_host(host).map_err(bad)?;
+        let port = port.map(parse_port).transpose().map_err(bad)?;
+        Ok(Some((
+            Sourced::new(host, ep.source.clone()),
+            port.map(|p| Sourced::new(p, ep.source)),
+        )))
+    }
+}
+
+fn parse_u32(text: &str) -> Result<u32, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| "expected a non-negative number".to_string())
+}
+
+fn parse_port(text: &str) -> Result<u16, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| "expected a port number (0-65535)".to_string())
+}
+
+fn parse_host(text: &str) -> Result<String, String> {
+    let host = text.trim();
+    if host.is_empty() || host.chars().any(char::is_whitespace) {
+        return Err("expected a host name or address".into());
+    }
+    Ok(host.to_string())
+}
+
+/// What Slurm says about the step `launch` runs in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlurmStep {
+    pub job_id: u64,
+    /// `None` in a batch script or an `salloc` shell (no `srun` step).
+    pub step_id: Option<u64>,
+    pub nnodes: Sourced<u32>,
+    pub node_rank: Sourced<u32>,
+    /// Tasks in the step (or the job, outside a step) and the variable that said so.
+    pub ntasks: Option<(u32, String)>,
+    pub master_addr: Sourced<String>,
+    pub master_port: Sourced<u16>,
+    pub run_id: Sourced<Option<String>>,
+    /// The GPUs Slurm gave this node's part of the step, when it gave any.
+    pub gpus: Option<SlurmGpus>,
+}
+
+/// The GPUs Slurm gave the step on this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlurmGpus {
+    pub count: u32,
+    /// The variable the count came from, with its value (`SLURM_GPUS_ON_NODE=2`).
+    pub count_var: String,
+    /// The node's own GPU ids (`SLURM_STEP_GPUS` / `SLURM_JOB_GPUS`), in the order of CUDA's
+    /// visible devices 0, 1, ...: what `nvidia-smi` on the node calls them.
+    pub physical: Option<Vec<String>>,
+}
+
+impl SlurmGpus {
+    /// The node's id of the GPU that local rank `local_rank` uses (`cuda:local_rank`).
+    pub fn physical_of(&self, local_rank: u32) -> Option<&str> {
+        self.physical
+            .as_ref()?
+            .get(local_rank as usize)
+            .map(String::as_str)
+    }
+}
+
+/// Lowest port a Slurm job's rendezvous may get; below the kernel's ephemeral range
+/// (32768-60999), so outgoing connections never take it first.
+pub const SLURM_PORT_BASE: u16 = 12000;
+/// Ports handed out to Slurm jobs: `SLURM_PORT_BASE .. SLURM_PORT_BASE + SLURM_PORT_SPAN`.
+pub const SLURM_PORT_SPAN: u64 = 20000;
+/// Steps of one job that get distinct ports (steps running at the same time, e.g. a sweep).
+const SLURM_STEPS_PER_JOB: u64 = 4;
+
+/// The rendezvous port of a Slurm job step: distinct for jobs whose ids differ by less than
+/// 5,000, and for the first 4 steps of a job.
+pub fn slurm_port(job_id: u64, step_id: Option<u64>) -> u16 {
+    let slots = SLURM_PORT_SPAN / SLURM_STEPS_PER_JOB;
+    let offset =
+        (job_id % slots) * SLURM_STEPS_PER_JOB + step_id.unwrap_or(0) % SLURM_STEPS_PER_JOB;
+    SLURM_PORT_BASE + offset as u16
+}
+
+impl SlurmStep {
+    /// `None` outside Slurm (no `SLURM_JOB_ID`).
+    pub fn from_env(env: &Env) -> Result<Option<SlurmStep>, ShapeError> {
+        let Some(job_text) = env.get("SLURM_JOB_ID").or_else(|| env.get("SLURM_JOBID")) else {
+            return Ok(None);
+        };
+        let job_id: u64 = slurm_number(job_text, "SLURM_JOB_ID")?;
+        // Outside a step (batch script, salloc shell) SLURM_STEP_ID is absent.
+        let step_id = match first_var(env, &["SLURM_STEP_ID", "SLURM_STEPID"]) {
+            Some((name, text)) => Some(slurm_number::<u64>(text, name)?),
+            None => None,
+        };
+        let in_step = step_id.is_some();
+        let nodes_vars: &[&str] = if in_step {
+            &[
+                "SLURM_STEP_NUM_NODES",
+                "SLURM_NNODES",
+                "SLURM_JOB_NUM_NODES",
+            ]
+        } else {
+            &["SLURM_NNODES", "SLURM_JOB_NUM_NODES"]
+        };
+        let nnodes = match first_var(env, nodes_vars) {
+            Some((name, text)) => Sourced::new(
+                slurm_number::<u32>(text, name)?.max(1),
+                Source::Slurm(format!("{name}={text}")),
+            ),
+            None => Sourced::new(1, Source::Slurm("(no node count: 1 node)".into())),
+        };
+        let node_rank = match env.get("SLURM_NODEID") {
+            Some(text) => Sourced::new(
+                slurm_number(text, "SLURM_NODEID")?,
+                Source::Slurm(format!("SLURM_NODEID={text}")),
+            ),
+            None => Sourced::new(0, Source::Slurm("(no SLURM_NODEID: node 0)".into())),
+        };
+        let list_vars: &[&str] = if in_step {
+            &[
+                "SLURM_STEP_NODELIST",
+                "SLURM_JOB_NODELIST",
+                "SLURM_NODELIST",
+            ]
+        } else {
+            &["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+        };
+        let master_addr = match first_var(env, list_vars) {
+            Some((name, text)) => {
+                let host = hostlist::first_host(text)
+                    .map_err(|e| ShapeError(format!("environment variable {name}: {e}")))?;
+                Sourced::new(host, Source::Slurm(format!("first host of {name}={text}")))
+            }
+            None => Sourced::new(
+                "127.0.0.1".to_string(),
+                Source::Slurm("(no node list: this host)".into()),
+            ),
+        };
+        let step_text = step_id.map_or(String::new(), |s| format!(", SLURM_STEP_ID={s}"));
+        let master_port = Sourced::new(
+            slurm_port(job_id, step_id),
+            Source::Slurm(format!("derived from SLURM_JOB_ID={job_id}{step_text}")),
+        );
+        let run_id = Sourced::new(
+            Some(match step_id {
+                Some(s) => format!("slurm-{job_id}.{s}"),
+                None => format!("slurm-{job_id}"),
+            }),
+            Source::Slurm(format!("SLURM_JOB_ID={job_id}{step_text}")),
+        );
+        let ntasks_vars: &[&str] = if in_step {
+            &["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"]
+        } else {
+            &["SLURM_NTASKS", "SLURM_NPROCS"]
+        };
+        let ntasks = match first_var(env, ntasks_vars) {
+            Some((name, text)) => Some((slurm_number(text, name)?, format!("{name}={text}"))),
+            None => None,
+        };
+        Ok(Some(SlurmStep {
+            job_id,
+            step_id,
+            nnodes,
+            node_rank,
+            ntasks,
+            master_addr,
+            master_port,
+            run_id,
+            gpus: slurm_gpus(env)?,
+        }))
+    }
+
+    /// `launch` starts the workers itself: one `launch` per node, never one per GPU.
+    fn check_one_task_per_node(&self, nnodes: u32) -> Result<(), ShapeError> {
+        // Outside a step only the batch script runs launch, once, whatever the task count.
+        let (Some((ntasks, var)), Some(_)) = (&self.ntasks, self.step_id) else {
+            return Ok(());
+        };
+        if *ntasks <= nnodes.max(self.nnodes.value) {
+            return Ok(());
+        }
+        Err(ShapeError(format!(
+            "this Slurm step runs {ntasks} tasks on {} node(s) ({var}), but launch starts the workers itself: run one launch per node with `srun --ntasks-per-node=1 launch --num-processes N ...` (or sbatch scripts/slurm/train.sbatch)",
+            self.nnodes.value
+        )))
+    }
+}
+
+/// The GPUs of this node's part of the step: the count from `SLURM_GPUS_ON_NODE` (or the
+/// length of the id list), the node's ids from `SLURM_STEP_GPUS` / `SLURM_JOB_GPUS`.
+fn slurm_gpus(env: &Env) -> Result<Option<SlurmGpus>, ShapeError> {
+    let physical = first_var(env, &["SLURM_STEP_GPUS", "SLURM_JOB_GPUS"])
+        .map(|(_, text)| split_ids(text))
+        .filter(|ids| !ids.is_empty());
+    let count = match env
+        .get("SLURM_GPUS_ON_NODE")
+        .filter(|t| !t.trim().is_empty())
+    {
+        Some(text) => Some((
+            slurm_number::<u32>(text, "SLURM_GPUS_ON_NODE")?,
+            format!("SLURM_GPUS_ON_NODE={text}"),
+        )),
+        None => first_var(env, &["SLURM_STEP_GPUS", "SLURM_JOB_GPUS"]).and_then(|(name, text)| {
+            let n = split_ids(text).len() as u32;
+            (n > 0).then(|| (n, format!("{name}={text}")))
+        }),
+    };
+    Ok(match count {
+        Some((count, count_var)) if count > 0 => Some(SlurmGpus {
+            count,
+            count_var,
+            physical: physical.filter(|ids| ids.len() == count as usize),
+        }),
+        _ => None,
+    })
+}
+
+fn split_ids(text: &str) -> Vec<String> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+fn first_var<'e>(env: &'e Env, names: &[&'static str]) -> Option<(&'static str, &'e str)> {
+    names.iter().find_map(|name| {
+        env.get(*name)
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| (*name, v.as_str()))
+    })
+}
+
+fn slurm_number<T: std::str::FromStr>(text: &str, name: &str) -> Result<T, ShapeError> {
+    text.trim().parse().map_err(|_| {
+        ShapeError(format!(
+            "environment variable {name}={text:?} (set by Slurm) is not a number"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,402 @@
+//! Precedence flag > Slurm > PET_* > default, Slurm's step and GPU variables, bad values.
+
+use super::*;
+
+fn env(pairs: &[(&str, &str)]) -> Env {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// A 2-node `srun --ntasks-per-node=1` step on node 1 of job 4242, as Slurm 22.05 sets it.
+fn slurm_step() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("SLURM_JOB_ID", "4242"),
+        ("SLURM_STEP_ID", "0"),
+        ("SLURM_NNODES", "2"),
+        ("SLURM_JOB_NUM_NODES", "2"),
+        ("SLURM_STEP_NUM_NODES", "2"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_STEP_NUM_TASKS", "2"),
+        ("SLURM_JOB_NODELIST", "gpu-a[07-08]"),
+        ("SLURM_STEP_NODELIST", "gpu-a[07-08]"),
+    ]
+}
+
+fn pet() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("PET_NNODES", "3"),
+        ("PET_NODE_RANK", "2"),
+        ("PET_MASTER_ADDR", "job-master-0"),
+        ("PET_MASTER_PORT", "23456"),
+        ("PET_NPROC_PER_NODE", "4"),
+        ("PET_MAX_RESTARTS", "2"),
+    ]
+}
+
+fn shape(flags: &Flags, pairs: &[(&str, &str)]) -> JobShape {
+    resolve(flags, &env(pairs)).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn error(flags: &Flags, pairs: &[(&str, &str)]) -> String {
+    resolve(flags, &env(pairs))
+        .expect_err("an error")
+        .to_string()
+}
+
+#[test]
+fn defaults_without_flags_or_environment() {
+    let s = shape(&Flags::default(), &[]);
+    assert_eq!(s.nnodes.value, 1);
+    assert_eq!(s.node_rank.value, 0);
+    assert_eq!(s.master_addr.value, "127.0.0.1");
+    assert_eq!(s.master_port.value, DEFAULT_MASTER_PORT);
+    assert_eq!(s.run_id.value, None);
+    assert_eq!(s.num_processes.value, NumProcesses::Count(1));
+    assert_eq!(s.max_restarts.value, 0);
+    assert!(matches!(s.nnodes.source, Source::Default(_)));
+    assert!(s.slurm.is_none());
+    assert!(s.notices.is_empty());
+}
+
+#[test]
+fn slurm_gives_the_shape_inside_a_step() {
+    let s = shape(&Flags::default(), &slurm_step());
+    assert_eq!(s.nnodes.value, 2);
+    assert_eq!(
+        s.nnodes.source,
+        Source::Slurm("SLURM_STEP_NUM_NODES=2".into())
+    );
+    assert_eq!(s.node_rank.value, 1);
+    assert_eq!(s.master_addr.value, "gpu-a07");
+    assert_eq!(
+        s.master_addr.source.to_string(),
+        "Slurm first host of SLURM_STEP_NODELIST=gpu-a[07-08]"
+    );
+    assert_eq!(s.master_port.value, slurm_port(4242, Some(0)));
+    assert_eq!(s.run_id.value.as_deref(), Some("slurm-4242.0"));
+    // A run id derived from the job id can be guessed: say so, with the way out.
+    assert!(
+        s.notices.iter().any(|n| n.contains(RUN_ID_VAR)),
+        "{:?}",
+        s.notices
+    );
+    // No GPUs in the job: one process unless a flag says more.
+    assert_eq!(s.num_processes.value, NumProcesses::Count(1));
+}
+
+#[test]
+fn flags_beat_slurm_which_beats_pet_which_beats_defaults() {
+    let mut both = slurm_step();
+    both.extend(pet());
+    let s = shape(&Flags::default(), &both);
+    assert_eq!((s.nnodes.value, s.node_rank.value), (2, 1));
+    assert_eq!(s.master_addr.value, "gpu-a07");
+    assert!(matches!(s.master_port.source, Source::Slurm(_)));
+    // Slurm has nothing to say about processes per node without GPUs or restarts: PET_* does.
+    assert_eq!(s.num_processes.value, NumProcesses::Count(4));
+    assert_eq!(
+        s.num_processes.source,
+        Source::Pet("PET_NPROC_PER_NODE=4".into())
+    );
+    assert_eq!(s.max_restarts.value, 2);
+
+    let flags = Flags {
+        nnodes: Some(4),
+        node_rank: Some(3),
+        master_addr: Some("10.0.0.9".into()),
+        master_port: Some(1234),
+        run_id: Some("mine".into()),
+        num_processes: Some(NumProcesses::Count(8)),
+        max_restarts: Some(1),
+        ..Flags::default()
+    };
+    let s = shape(&flags, &both);
+    assert_eq!(s.nnodes, Sourced::new(4, Source::Flag("--nnodes")));
+    assert_eq!(s.node_rank, Sourced::new(3, Source::Flag("--node-rank")));
+    assert_eq!(s.master_addr.value, "10.0.0.9");
+    assert_eq!(
+        s.master_port,
+        Sourced::new(1234, Source::Flag("--master-port"))
+    );
+    assert_eq!(s.run_id.value.as_deref(), Some("mine"));
+    assert_eq!(s.num_processes.value, NumProcesses::Count(8));
+    assert_eq!(s.max_restarts.source, Source::Flag("--max-restarts"));
+    assert!(s.notices.is_empty(), "{:?}", s.notices);
+
+    let s = shape(&Flags::default(), &pet());
+    assert_eq!((s.nnodes.value, s.node_rank.value), (3, 2));
+    assert_eq!(s.master_addr.value, "job-master-0");
+    assert_eq!(
+        s.master_port,
+        Sourced::new(23456, Source::Pet("PET_MASTER_PORT=23456".into()))
+    );
+    assert_eq!(
+        s.master_addr.source.to_string(),
+        "Kubernetes/TorchX PET_MASTER_ADDR=job-master-0"
+    );
+}
+
+#[test]
+fn our_run_id_variable_wins_over_derived_ids() {
+    let mut vars = slurm_step();
+    vars.push((RUN_ID_VAR, "slurm-4242-5eb63bbbe01eeed093cb22bb8f5acdc3"));
+    let s = shape(&Flags::default(), &vars);
+    assert_eq!(
+        s.run_id.value.as_deref(),
+        Some("slurm-4242-5eb63bbbe01eeed093cb22bb8f5acdc3")
+    );
+    assert_eq!(s.run_id.source, Source::Env(RUN_ID_VAR.into()));
+    assert!(s.notices.is_empty(), "{:?}", s.notices);
+    let flags = Flags {
+        run_id: Some("flag".into()),
+        ..Flags::default()
+    };
+    assert_eq!(shape(&flags, &vars).run_id.value.as_deref(), Some("flag"));
+    assert!(error(&Flags::default(), &[(RUN_ID_VAR, " ")]).contains("must not be empty"));
+}
+
+#[test]
+fn pet_rendezvous_endpoint_and_fixed_elastic_ranges() {
+    let s = shape(
+        &Flags::default(),
+        &[
+            ("PET_NNODES", "2:2"),
+            ("PET_NODE_RANK", "1"),
+            ("PET_RDZV_ENDPOINT", "trainer-0.svc:29400"),
+            ("PET_RDZV_ID", "job-7"),
+        ],
+    );
+    assert_eq!(s.nnodes.value, 2);
+    assert_eq!(s.master_addr.value, "trainer-0.svc");
+    assert_eq!(s.master_port.value, 29400);
+    assert_eq!(s.run_id.value.as_deref(), Some("job-7"));
+    assert!(error(&Flags::default(), &[("PET_NNODES", "1:4")]).contains("PET_NNODES=\"1:4\""));
+}
+
+#[test]
+fn multi_node_without_an_id_derives_one_and_warns() {
+    let flags = Flags {
+        nnodes: Some(2),
+        master_addr: Some("10.1.1.1".into()),
+        ..Flags::default()
+    };
+    let s = shape(&flags, &[]);
+    assert_eq!(s.run_id.value.as_deref(), Some("run-10.1.1.1-29500"));
+    assert_eq!(s.notices.len(), 1, "{:?}", s.notices);
+}
+
+#[test]
+fn several_tasks_per_node_are_refused_with_the_fix() {
+    let mut vars = slurm_step();
+    for (k, v) in vars.iter_mut() {
+        match *k {
+            "SLURM_NTASKS" | "SLURM_STEP_NUM_TASKS" => *v = "8",
+            "SLURM_NNODES" | "SLURM_JOB_NUM_NODES" | "SLURM_STEP_NUM_NODES" => *v = "1",
+            "SLURM_NODEID" => *v = "0",
+            _ => {}
+        }
+    }
+    let err = error(&Flags::default(), &vars);
+    assert!(err.contains("runs 8 tasks on 1 node(s)"), "{err}");
+    assert!(err.contains("--ntasks-per-node=1"), "{err}");
+}
+
+#[test]
+fn batch_script_of_a_multi_node_job_is_refused_but_one_node_is_fine() {
+    let batch = [
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_NNODES", "2"),
+        ("SLURM_NODEID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_JOB_NODELIST", "n[0-1]"),
+    ];
+    let err = error(&Flags::default(), &batch);
+    assert!(err.contains("batch script"), "{err}");
+    assert!(err.contains("srun --ntasks-per-node=1"), "{err}");
+    let single = [
+        ("SLURM_JOB_ID", "77"),
+        ("SLURM_NNODES", "1"),
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_JOB_NODELIST", "n0"),
+    ];
+    let s = shape(&Flags::default(), &single);
+    assert_eq!(s.nnodes.value, 1);
+    // One node: the store stays on loopback, not on the node's name.
+    assert_eq!(s.master_addr.value, "127.0.0.1");
+    assert_eq!(s.master_port.value, slurm_port(77, None));
+    assert_eq!(s.run_id.value.as_deref(), Some("slurm-77"));
+}
+
+#[test]
+fn standalone_ignores_the_job_shape() {
+    let flags = Flags {
+        standalone: true,
+        ..Flags::default()
+    };
+    let mut vars = slurm_step();
+    vars.retain(|(k, _)| *k != "SLURM_NODEID");
+    let s = shape(&flags, &vars);
+    assert_eq!((s.nnodes.value, s.master_port.value), (1, 0));
+    assert_eq!(s.run_id.value, None);
+    let flags = Flags {
+        standalone: true,
+        nnodes: Some(2),
+        ..Flags::default()
+    };
+    assert!(error(&flags, &[]).contains("--standalone"));
+}
+
+#[test]
+fn slurm_ports_differ_between_jobs_and_steps_and_stay_in_range() {
+    let mut seen = std::collections::BTreeSet::new();
+    for job in 1000..1000 + 5000 {
+        let port = slurm_port(job, Some(0));
+        assert!(
+            (SLURM_PORT_BASE..SLURM_PORT_BASE + SLURM_PORT_SPAN as u16).contains(&port),
+            "{port}"
+        );
+        assert!(seen.insert(port), "job {job} reuses port {port}");
+    }
+    assert_ne!(slurm_port(5, Some(0)), slurm_port(5, Some(1)));
+    assert_eq!(slurm_port(5, None), slurm_port(5, Some(0)));
+    assert!(slurm_port(u64::MAX, Some(u64::MAX)) >= SLURM_PORT_BASE);
+}
+
+#[test]
+fn slurm_gpus_set_processes_and_map_local_ranks_to_node_ids() {
+    let mut vars = slurm_step();
+    vars.extend([
+        ("SLURM_GPUS_ON_NODE", "2"),
+        ("SLURM_STEP_GPUS", "4,6"),
+        ("SLURM_JOB_GPUS", "4,5,6,7"),
+        ("CUDA_VISIBLE_DEVICES", "0,1"),
+    ]);
+    let s = shape(&Flags::default(), &vars);
+    assert_eq!(s.num_processes.value, NumProcesses::Count(2));
+    assert_eq!(
+        s.num_processes.source.to_string(),
+        "Slurm SLURM_GPUS_ON_NODE=2 (GPUs of this step)"
+    );
+    let gpus = s.slurm.and_then(|s| s.gpus).expect("gpus");
+    assert_eq!(gpus.physical_of(0), Some("4"));
+    assert_eq!(gpus.physical_of(1), Some("6"));
+    assert_eq!(gpus.physical_of(2), None);
+
+    // Without the count, the id list gives it; a list of another length gives no mapping.
+    let mut vars = slurm_step();
+    vars.push(("SLURM_JOB_GPUS", "0,1,2"));
+    let gpus = shape(&Flags::default(), &vars)
+        .slurm
+        .and_then(|s| s.gpus)
+        .expect("gpus");
+    assert_eq!((gpus.count, gpus.physical_of(2)), (3, Some("2")));
+    let mut vars = slurm_step();
+    vars.extend([("SLURM_GPUS_ON_NODE", "2"), ("SLURM_JOB_GPUS", "0,1,2,3")]);
+    let gpus = shape(&Flags::default(), &vars)
+        .slurm
+        .and_then(|s| s.gpus)
+        .expect("gpus");
+    assert_eq!((gpus.count, gpus.physical_of(0)), (2, None));
+    // A flag still wins over Slurm's GPU count.
+    let flags = Flags {
+        num_processes: Some(NumProcesses::Count(1)),
+        ..Flags::default()
+    };
+    let mut vars = slurm_step();
+    vars.push(("SLURM_GPUS_ON_NODE", "8"));
+    assert_eq!(
+        shape(&flags, &vars).num_processes.value,
+        NumProcesses::Count(1)
+    );
+}
+
+#[test]
+fn gpu_ids_set_the_process_count_and_conflicts_are_errors() {
+    let flags = Flags {
+        gpu_ids: Some(vec![0, 2, 5]),
+        ..Flags::default()
+    };
+    let s = shape(&flags, &[]);
+    assert_eq!(
+        s.num_processes,
+        Sourced::new(NumProcesses::Count(3), Source::Flag("--gpu-ids"))
+    );
+    let flags = Flags {
+        gpu_ids: Some(vec![0, 2, 5]),
+        num_processes: Some(NumProcesses::Auto),
+        ..Flags::default()
+    };
+    assert_eq!(
+        shape(&flags, &[]).num_processes.value,
+        NumProcesses::Count(3)
+    );
+    let flags = Flags {
+        gpu_ids: Some(vec![0, 1]),
+        num_processes: Some(NumProcesses::Count(4)),
+        ..Flags::default()
+    };
+    let err = error(&flags, &[]);
+    assert!(
+        err.contains("--num-processes 4 does not match --gpu-ids 0,1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_environment_values_name_the_variable() {
+    for (pairs, needle) in [
+        (vec![("SLURM_JOB_ID", "x1")], "SLURM_JOB_ID=\"x1\""),
+        (
+            vec![
+                ("SLURM_JOB_ID", "1"),
+                ("SLURM_STEP_ID", "0"),
+                ("SLURM_NODEID", "one"),
+            ],
+            "SLURM_NODEID=\"one\"",
+        ),
+        (
+            vec![
+                ("SLURM_JOB_ID", "1"),
+                ("SLURM_STEP_ID", "0"),
+                ("SLURM_NNODES", "2"),
+                ("SLURM_NODEID", "0"),
+                ("SLURM_STEP_NODELIST", "n[0-1"),
+            ],
+            "SLURM_STEP_NODELIST: bad hostlist",
+        ),
+        (vec![("PET_NNODES", "two")], "PET_NNODES=\"two\""),
+        (
+            vec![("PET_MASTER_PORT", "99999")],
+            "PET_MASTER_PORT=\"99999\"",
+        ),
+        (
+            vec![("PET_NPROC_PER_NODE", "0")],
+            "PET_NPROC_PER_NODE=\"0\"",
+        ),
+        (
+            vec![("PET_NNODES", "2"), ("PET_NODE_RANK", "2")],
+            "node rank 2 (Kubernetes/TorchX PET_NODE_RANK=2) is out of range",
+        ),
+        (
+            vec![("PET_NNODES", "2"), ("PET_MASTER_PORT", "0")],
+            "master port 0",
+        ),
+    ] {
+        let err = error(&Flags::default(), &pairs);
+        assert!(err.contains(needle), "{pairs:?}: {err}");
+    }
+}
+
+#[test]
+fn parsers_of_counts() {
+    assert_eq!(parse_num_processes("gpu"), Ok(NumProcesses::Auto));
+    assert_eq!(parse_num_processes(" 3 "), Ok(NumProcesses::Count(3)));
+    assert!(parse_num_processes("5000").is_err());
+    assert_eq!(parse_nnodes("4"), Ok(4));
+    assert_eq!(parse_nnodes("4:4"), Ok(4));
+    assert!(parse_nnodes("1:4").unwrap_err().contains("elastic"));
+    assert!(parse_nnodes("0").is_err());
+}
