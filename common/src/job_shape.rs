@@ -246,7 +246,7 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
     let run_id = resolve_run_id(flags, env, &slurm, &pet, &master_addr, &master_port, multi)?;
     if multi && run_id_is_guessable(&run_id.source) {
         notices.push(format!(
-            "the run id {:?} ({}) can be guessed by anyone who can reach {}:{}; export {RUN_ID_VAR}=<a secret> on every node to keep others out (scripts/slurm/train.sbatch does)",
+            "the run id {:?} [{}] can be guessed by anyone who can reach {}:{}; export {RUN_ID_VAR}=<a secret> on every node to keep others out (scripts/slurm/train.sbatch does)",
             run_id.value.as_deref().unwrap_or(""),
             run_id.source,
             master_addr.value,
@@ -451,8 +451,8 @@ pub struct SlurmGpus {
     pub count: u32,
     /// The variable the count came from, with its value (`SLURM_GPUS_ON_NODE=2`).
     pub count_var: String,
-    /// The node's own GPU ids (`SLURM_STEP_GPUS` / `SLURM_JOB_GPUS`), in the order of CUDA's
-    /// visible devices 0, 1, ...: what `nvidia-smi` on the node calls them.
+    /// The node's own GPU ids (`SLURM_STEP_GPUS`, or `SLURM_JOB_GPUS` outside a step), in the
+    /// order of CUDA's visible devices 0, 1, ...: what `nvidia-smi` on the node calls them.
     pub physical: Option<Vec<String>>,
 }
 
@@ -569,7 +569,7 @@ impl SlurmStep {
             master_addr,
             master_port,
             run_id,
-            gpus: slurm_gpus(env)?,
+            gpus: slurm_gpus(env, in_step)?,
         }))
     }
 
@@ -589,32 +589,35 @@ impl SlurmStep {
     }
 }
 
-/// The GPUs of this node's part of the step: the count from `SLURM_GPUS_ON_NODE` (or the
-/// length of the id list), the node's ids from `SLURM_STEP_GPUS` / `SLURM_JOB_GPUS`.
-fn slurm_gpus(env: &Env) -> Result<Option<SlurmGpus>, ShapeError> {
-    let physical = first_var(env, &["SLURM_STEP_GPUS", "SLURM_JOB_GPUS"])
-        .map(|(_, text)| split_ids(text))
-        .filter(|ids| !ids.is_empty());
-    let count = match env
-        .get("SLURM_GPUS_ON_NODE")
-        .filter(|t| !t.trim().is_empty())
-    {
-        Some(text) => Some((
-            slurm_number::<u32>(text, "SLURM_GPUS_ON_NODE")?,
-            format!("SLURM_GPUS_ON_NODE={text}"),
-        )),
-        None => first_var(env, &["SLURM_STEP_GPUS", "SLURM_JOB_GPUS"]).and_then(|(name, text)| {
-            let n = split_ids(text).len() as u32;
-            (n > 0).then(|| (n, format!("{name}={text}")))
-        }),
+/// The GPUs this task may use. In a step, `SLURM_STEP_GPUS` is this task's own list (with
+/// `--gpus-per-task` each task gets its own, while `SLURM_GPUS_ON_NODE` stays the node's count);
+/// in a batch script, `SLURM_JOB_GPUS`. `SLURM_GPUS_ON_NODE` counts them when no list is given.
+fn slurm_gpus(env: &Env, in_step: bool) -> Result<Option<SlurmGpus>, ShapeError> {
+    let list_var = if in_step {
+        "SLURM_STEP_GPUS"
+    } else {
+        "SLURM_JOB_GPUS"
     };
-    Ok(match count {
-        Some((count, count_var)) if count > 0 => Some(SlurmGpus {
-            count,
-            count_var,
-            physical: physical.filter(|ids| ids.len() == count as usize),
-        }),
-        _ => None,
+    if let Some((name, text)) = first_var(env, &[list_var]) {
+        let ids = split_ids(text);
+        if !ids.is_empty() {
+            return Ok(Some(SlurmGpus {
+                count: ids.len() as u32,
+                count_var: format!("{name}={text}"),
+                physical: Some(ids),
+            }));
+        }
+    }
+    Ok(match first_var(env, &["SLURM_GPUS_ON_NODE"]) {
+        Some((name, text)) => match slurm_number::<u32>(text, name)? {
+            0 => None,
+            count => Some(SlurmGpus {
+                count,
+                count_var: format!("{name}={text}"),
+                physical: None,
+            }),
+        },
+        None => None,
     })
 }
 

@@ -2,6 +2,7 @@
 //! last stderr lines) and the exit code that goes with it. It formats; it decides nothing.
 
 use std::fmt::Write as _;
+use std::ops::Range;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -55,20 +56,46 @@ pub struct WorkerRecord {
     pub stderr_tail: Vec<String>,
 }
 
-/// The multi-line summary after a failure. `root` indexes `records`.
-pub fn failure_summary(records: &[WorkerRecord], root: usize, attempts: u32) -> String {
+/// The multi-line summary after a failure. `root` indexes `records`; `this_node` holds the
+/// global ranks that run on this node (all of them on a single node).
+pub fn failure_summary(
+    records: &[WorkerRecord],
+    root: usize,
+    attempts: u32,
+    this_node: Range<u32>,
+) -> String {
     let mut out = String::new();
     let r = &records[root];
     let _ = writeln!(out, "launch: worker group failed");
+    // A rank that failed because a rank on another node went away is only this node's first
+    // failure: the other node's launch reports the one that came first.
+    let remote = remote_peers(&r.stderr_tail, r.rank, &this_node);
     let _ = writeln!(
         out,
-        "  root cause: rank {} (local_rank {}, pid {}): {} after {:.2} s",
+        "  root cause{}: rank {} (local_rank {}, pid {}): {} after {:.2} s",
+        if remote.is_empty() {
+            ""
+        } else {
+            " on this node"
+        },
         r.rank,
         r.local_rank,
         r.pid,
         r.ending,
         r.after.as_secs_f64()
     );
+    if !remote.is_empty() {
+        let list = remote
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let _ = writeln!(
+            out,
+            "  rank {} lost rank(s) {list}, which run on another node: the first failure is probably there (that node's launch names it)",
+            r.rank
+        );
+    }
     if r.stderr_tail.is_empty() {
         let _ = writeln!(out, "  rank {} wrote nothing to stderr", r.rank);
     } else {
@@ -114,6 +141,33 @@ pub fn failure_summary(records: &[WorkerRecord], root: usize, attempts: u32) -> 
     out
 }
 
+/// Ranks outside `this_node` that the last stderr lines of a failed rank name (`connection to
+/// rank 3 failed`, `no answer from rank(s) [2, 3]`): the peers it lost.
+fn remote_peers(tail: &[String], own: u32, this_node: &Range<u32>) -> Vec<u32> {
+    let mut peers = Vec::new();
+    for line in tail.iter().rev().take(3) {
+        let mut rest = line.as_str();
+        while let Some(at) = rest.find("rank") {
+            rest = &rest[at + 4..];
+            let after = rest
+                .trim_start_matches("(s)")
+                .trim_start()
+                .trim_start_matches('[');
+            let mut numbers = after;
+            loop {
+                let digits: String = numbers.chars().take_while(char::is_ascii_digit).collect();
+                let Ok(n) = digits.parse::<u32>() else { break };
+                if n != own && !this_node.contains(&n) && !peers.contains(&n) {
+                    peers.push(n);
+                }
+                numbers = numbers[digits.len()..].trim_start_matches([',', ' ']);
+            }
+        }
+    }
+    peers.sort_unstable();
+    peers
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,7 +202,7 @@ mod tests {
             record(1, Ending::Code(3), None),
             record(2, Ending::Signal(9), Some(Signal::SIGKILL)),
         ];
-        let text = failure_summary(&records, 1, 1);
+        let text = failure_summary(&records, 1, 1, 0..3);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines[1],
@@ -160,5 +214,33 @@ mod tests {
         ));
         assert!(text.contains("SIGKILL from launch after the grace period"));
         assert!(text.ends_with("launch exits with 3"));
+        assert!(!text.contains("on this node"), "{text}");
+    }
+
+    #[test]
+    fn a_rank_that_lost_a_peer_on_another_node_is_only_this_nodes_root_cause() {
+        let mut lost = record(0, Ending::Code(1), None);
+        lost.stderr_tail = vec![
+            "INFO epoch 1/6 step 2/138 (rank 0)".into(),
+            "worker: error: training: all_reduce at step 3: connection to rank 3 failed: the peer closed the connection".into(),
+        ];
+        let text = failure_summary(&[lost.clone()], 0, 1, 0..2);
+        assert!(
+            text.contains("  root cause on this node: rank 0 "),
+            "{text}"
+        );
+        assert!(
+            text.contains("rank 0 lost rank(s) 3, which run on another node"),
+            "{text}"
+        );
+        lost.stderr_tail = vec![
+            "all_reduce at step 3 timed out after 3.0 s: no answer from rank(s) [1, 2, 3]".into(),
+        ];
+        let text = failure_summary(&[lost.clone()], 0, 1, 0..2);
+        assert!(text.contains("lost rank(s) 2, 3,"), "{text}");
+        // A local peer is not another node's failure.
+        lost.stderr_tail = vec!["connection to rank 1 failed".into()];
+        let text = failure_summary(&[lost], 0, 1, 0..2);
+        assert!(text.contains("  root cause: rank 0 "), "{text}");
     }
 }

@@ -105,7 +105,9 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
                         report::signal_name(sig)
                     );
                 }
-                let summary = report::failure_summary(&records, root, restart + 1);
+                let first = plan.node_rank * plan.nproc;
+                let summary =
+                    report::failure_summary(&records, root, restart + 1, first..first + plan.nproc);
                 // A closed console must not turn a failure report into a panic.
                 let _ = writeln!(std::io::stderr().lock(), "{summary}");
                 // A worker that "failed" with code 0 cannot be the root cause, but be safe.

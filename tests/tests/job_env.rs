@@ -143,7 +143,7 @@ fn dry_run_names_where_each_value_came_from() {
         "master addr:  gpu-a07  [Slurm first host of SLURM_STEP_NODELIST=gpu-a[07-08]]",
         "[Slurm derived from SLURM_JOB_ID=4242, SLURM_STEP_ID=0]",
         "run id:       slurm-4242.0  [Slurm SLURM_JOB_ID=4242, SLURM_STEP_ID=0]",
-        "processes:    2 on this node  [Slurm SLURM_GPUS_ON_NODE=2 (GPUs of this step)]",
+        "processes:    2 on this node  [Slurm SLURM_STEP_GPUS=4,6 (GPUs of this step)]",
         "Slurm's GPU 6 on this node",
         "LAUNCH_RUN_ID",
     ] {

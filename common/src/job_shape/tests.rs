@@ -267,9 +267,16 @@ fn slurm_ports_differ_between_jobs_and_steps_and_stay_in_range() {
 
 #[test]
 fn slurm_gpus_set_processes_and_map_local_ranks_to_node_ids() {
+    let gpus_of = |vars: &[(&str, &str)]| {
+        shape(&Flags::default(), vars)
+            .slurm
+            .and_then(|s| s.gpus)
+            .expect("gpus")
+    };
+    // `srun --gpus-per-task=2`: the node has 4, this task's own list is what it may use.
     let mut vars = slurm_step();
     vars.extend([
-        ("SLURM_GPUS_ON_NODE", "2"),
+        ("SLURM_GPUS_ON_NODE", "4"),
         ("SLURM_STEP_GPUS", "4,6"),
         ("SLURM_JOB_GPUS", "4,5,6,7"),
         ("CUDA_VISIBLE_DEVICES", "0,1"),
@@ -278,28 +285,33 @@ fn slurm_gpus_set_processes_and_map_local_ranks_to_node_ids() {
     assert_eq!(s.num_processes.value, NumProcesses::Count(2));
     assert_eq!(
         s.num_processes.source.to_string(),
-        "Slurm SLURM_GPUS_ON_NODE=2 (GPUs of this step)"
+        "Slurm SLURM_STEP_GPUS=4,6 (GPUs of this step)"
     );
-    let gpus = s.slurm.and_then(|s| s.gpus).expect("gpus");
+    let gpus = gpus_of(&vars);
     assert_eq!(gpus.physical_of(0), Some("4"));
     assert_eq!(gpus.physical_of(1), Some("6"));
     assert_eq!(gpus.physical_of(2), None);
 
-    // Without the count, the id list gives it; a list of another length gives no mapping.
-    let mut vars = slurm_step();
-    vars.push(("SLURM_JOB_GPUS", "0,1,2"));
-    let gpus = shape(&Flags::default(), &vars)
-        .slurm
-        .and_then(|s| s.gpus)
-        .expect("gpus");
-    assert_eq!((gpus.count, gpus.physical_of(2)), (3, Some("2")));
+    // In a step without its own list, the job's list is not this step's: count only.
     let mut vars = slurm_step();
     vars.extend([("SLURM_GPUS_ON_NODE", "2"), ("SLURM_JOB_GPUS", "0,1,2,3")]);
-    let gpus = shape(&Flags::default(), &vars)
-        .slurm
-        .and_then(|s| s.gpus)
-        .expect("gpus");
+    let gpus = gpus_of(&vars);
     assert_eq!((gpus.count, gpus.physical_of(0)), (2, None));
+    // In a one-node batch script, the job's list is the one.
+    let batch = [
+        ("SLURM_JOB_ID", "8"),
+        ("SLURM_NNODES", "1"),
+        ("SLURM_JOB_GPUS", "2,3,5"),
+        ("SLURM_GPUS_ON_NODE", "3"),
+    ];
+    let gpus = gpus_of(&batch);
+    assert_eq!((gpus.count, gpus.physical_of(2)), (3, Some("5")));
+    // No GPUs asked for: no GPU variables, one process.
+    assert!(shape(&Flags::default(), &slurm_step())
+        .slurm
+        .unwrap()
+        .gpus
+        .is_none());
     // A flag still wins over Slurm's GPU count.
     let flags = Flags {
         num_processes: Some(NumProcesses::Count(1)),
