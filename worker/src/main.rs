@@ -138,7 +138,8 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         std::process::id(),
         env.master_addr,
         env.master_port,
-        env.run_id,
+        // The run id admits connections to the store: logs get its fingerprint only.
+        worker::store::run_fingerprint(&env.run_id),
         env.restart_count,
         env.max_restarts
     );

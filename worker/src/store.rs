@@ -88,9 +88,11 @@ enum Response {
     Value(Option<Vec<u8>>),
     Values(Vec<Vec<u8>>),
     Counter(i64),
-    /// The `Hello` named another run; this is the run the store serves. The connection closes.
+    /// The `Hello` named another run. The store answers with its own run id's
+    /// [`run_fingerprint`], never the id itself (the id is the secret that admits a connection).
+    /// The connection closes.
     WrongRun {
-        run_id: String,
+        fingerprint: String,
     },
     WaitTimedOut {
         missing: Vec<String>,
@@ -136,8 +138,8 @@ pub enum StoreError {
         waited: Duration,
         reason: String,
     },
-    /// The store at the address serves another run.
-    #[error("rendezvous store at {addr} belongs to run {found:?}, not {expected:?}")]
+    /// The store at the address serves another run (both named by [`run_fingerprint`]).
+    #[error("rendezvous store at {addr} belongs to another run (run id fingerprint {found}; ours is {expected}): check that every node has the same run id (--run-id / LAUNCH_RUN_ID)")]
     WrongRun {
         addr: String,
         found: String,
@@ -610,11 +612,12 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
             if run_id != shared.run_id {
                 tracing::warn!(
                     %peer,
-                    "refusing a rendezvous connection for run {run_id:?}; this store serves run {:?}",
-                    shared.run_id
+                    "refusing a rendezvous connection for another run (run id fingerprint {}; this store serves {})",
+                    run_fingerprint(&run_id),
+                    run_fingerprint(&shared.run_id)
                 );
                 let _ = conn.send(&Response::WrongRun {
-                    run_id: shared.run_id.clone(),
+                    fingerprint: run_fingerprint(&shared.run_id),
                 });
                 return;
             }
@@ -793,10 +796,10 @@ impl StoreClient {
                 tracing::debug!(addr, "connected to the rendezvous store");
                 Ok(client)
             }
-            Ok(Response::WrongRun { run_id: found }) => Err(Attempt::Fatal(StoreError::WrongRun {
+            Ok(Response::WrongRun { fingerprint }) => Err(Attempt::Fatal(StoreError::WrongRun {
                 addr: addr.to_string(),
-                found,
-                expected: run_id.to_string(),
+                found: fingerprint,
+                expected: run_fingerprint(run_id),
             })),
             Ok(Response::Refused { reason }) => Err(Attempt::Fatal(StoreError::Refused {
                 addr: addr.to_string(),
@@ -996,6 +999,16 @@ fn join_host_port(host: &str, port: u16) -> String {
     } else {
         format!("{host}:{port}")
     }
+}
+
+/// What logs and refusals show instead of a run id: `sha256:` and the first 12 hex digits of its
+/// SHA-256. Equal ids give equal fingerprints, so a mismatch can be diagnosed, but a secret id
+/// (`LAUNCH_RUN_ID`) cannot be read back from a log, a job's output or a refusal.
+pub fn run_fingerprint(run_id: &str) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(run_id.as_bytes());
+    let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
 }
 
 /// The port of our store. Under `launch` it is `MASTER_PORT`. Under torchrun, whose agent hosts
@@ -1208,17 +1221,26 @@ mod tests {
     }
 
     #[test]
-    fn wrong_run_id_is_refused_with_both_names() {
+    fn wrong_run_id_is_refused_with_fingerprints_never_the_id() {
         let server = server("job-a");
         let addr = server.local_addr().to_string();
         let started = Instant::now();
         let err = StoreClient::connect(&addr, "job-b", Duration::from_secs(5)).unwrap_err();
         // Refused at once, not retried until the deadline.
         assert!(started.elapsed() < Duration::from_secs(1));
-        assert_eq!(
-            err.to_string(),
-            format!("rendezvous store at {addr} belongs to run \"job-a\", not \"job-b\"")
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&format!(
+                "rendezvous store at {addr} belongs to another run (run id fingerprint {}; ours is {})",
+                run_fingerprint("job-a"),
+                run_fingerprint("job-b")
+            )),
+            "{text}"
         );
+        // The refusal never carries the store's run id: it is the secret that admits.
+        assert!(!text.contains("job-a"), "{text}");
+        assert_ne!(run_fingerprint("job-a"), run_fingerprint("job-b"));
+        assert_eq!(run_fingerprint("job-a").len(), "sha256:".len() + 12);
         // The server keeps serving its own run.
         let mut store = client(&server, "job-a");
         store.set("k", b"v").unwrap();

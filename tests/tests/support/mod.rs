@@ -2,6 +2,8 @@
 //! deadline, and finding processes that belong to a run (by the run id in their environment).
 #![allow(dead_code)]
 
+pub mod slurm;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
