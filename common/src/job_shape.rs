@@ -210,13 +210,17 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
         )));
     }
     let multi = nnodes.value > 1;
+    let (endpoint_host, endpoint_port) = match pet.rdzv_endpoint()? {
+        Some((host, port)) => (Some(host), port),
+        None => (None, None),
+    };
     let master_addr = if let Some(a) = &flags.master_addr {
         Sourced::new(a.clone(), Source::Flag("--master-addr"))
     } else if let (Some(s), true) = (&slurm, multi) {
         s.master_addr.clone()
     } else if let Some(a) = pet.get("MASTER_ADDR", parse_host)? {
         a
-    } else if let Some(a) = pet.rdzv_endpoint()?.map(|(host, _)| host) {
+    } else if let Some(a) = endpoint_host {
         a
     } else {
         Sourced::new(
@@ -232,7 +236,7 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
         s.master_port.clone()
     } else if let Some(p) = pet.get("MASTER_PORT", parse_port)? {
         p
-    } else if let Some(p) = pet.rdzv_endpoint()?.and_then(|(_, port)| port) {
+    } else if let Some(p) = endpoint_port {
         p
     } else {
         Sourced::new(DEFAULT_MASTER_PORT, Source::Default(""))

@@ -7,7 +7,9 @@ mod support;
 use std::net::TcpListener;
 use std::time::Duration;
 
-use support::{launch_cmd, rank_lines, unique_run_id, wait_no_processes, wait_output, Output};
+use support::{
+    launch_cmd, rank_lines, tiny_bpr_sets, unique_run_id, wait_no_processes, wait_output, Output,
+};
 
 const T: Duration = Duration::from_secs(60);
 
@@ -32,18 +34,9 @@ fn two_nodes_from_pet_variables_train_as_one_world() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port().to_string();
     let run_id = unique_run_id("pet");
-    let output_dir = format!("run.output_dir={:?}", dir.path().display().to_string());
-    let args = [
-        "configs/default.toml",
-        "--set",
-        &output_dir,
-        "--set",
-        "data.synthetic=\"tiny\"",
-        "--set",
-        "model.kind=\"bpr\"",
-        "--set",
-        "train.epochs=1",
-    ];
+    let mut args = vec!["configs/default.toml".to_string()];
+    args.extend(tiny_bpr_sets(dir.path()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let nodes: Vec<_> = (0..2)
         .map(|node| {
             let rank = node.to_string();

@@ -69,27 +69,9 @@ fn train_sbatch() -> String {
 fn tiny_job_args(sbatch_opts: &[&str], output_dir: &Path) -> Vec<String> {
     let mut args: Vec<String> = sbatch_opts.iter().map(|s| s.to_string()).collect();
     args.push(train_sbatch());
-    args.extend(
-        [
-            "configs/default.toml",
-            "--num-processes",
-            "2",
-            "--set",
-            "data.synthetic=\"tiny\"",
-            "--set",
-            "model.kind=\"bpr\"",
-            "--set",
-            "train.epochs=1",
-            "--set",
-            "eval.patience=0",
-        ]
-        .map(String::from),
-    );
-    args.push("--set".into());
-    args.push(format!(
-        "run.output_dir={:?}",
-        output_dir.display().to_string()
-    ));
+    args.extend(["configs/default.toml", "--num-processes", "2"].map(String::from));
+    args.extend(tiny_bpr_sets(output_dir));
+    args.extend(["--set", "eval.patience=0"].map(String::from));
     args
 }
 

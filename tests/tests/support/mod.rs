@@ -60,6 +60,20 @@ impl Output {
     }
 }
 
+/// The `--set`s of a tiny, fast training run (BPR on the tiny synthetic data, one epoch) whose
+/// files go to `output_dir`; for tests about launching, not about training.
+pub fn tiny_bpr_sets(output_dir: &Path) -> Vec<String> {
+    [
+        format!("run.output_dir={:?}", output_dir.display().to_string()),
+        "data.synthetic=\"tiny\"".into(),
+        "model.kind=\"bpr\"".into(),
+        "train.epochs=1".into(),
+    ]
+    .into_iter()
+    .flat_map(|set| ["--set".to_string(), set])
+    .collect()
+}
+
 /// `launch ARGS...`, with piped output, in the repo root, without any job-shape variables of
 /// the environment the tests run in (Slurm's, `PET_*`, `LAUNCH_RUN_ID`): tests set their own.
 pub fn launch_cmd(args: &[&str]) -> Command {
@@ -135,6 +149,21 @@ impl Live {
             stderr,
             readers,
         }
+    }
+
+    /// Everything it has written to stdout so far.
+    pub fn stdout_now(&self) -> String {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    /// Everything it has written to stderr so far.
+    pub fn stderr_now(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// Time since it was started.
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
     }
 
     pub fn pid(&self) -> nix::unistd::Pid {

@@ -10,15 +10,13 @@
 #![allow(dead_code)]
 
 use std::fmt;
-use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::repo_root;
+use super::{repo_root, Live};
 
 /// Ports the clusters use: slurmctld on a block's first port, slurmd `i` on first + 1 + i.
 /// Above the kernel's ephemeral range (32768-60999) and above the ports `launch` derives for
@@ -96,30 +94,38 @@ impl fmt::Display for Job {
 /// A running `sbatch --wait` (see [`SlurmCluster::sbatch`]).
 pub struct Submitted<'c> {
     cluster: &'c SlurmCluster,
-    child: std::process::Child,
+    /// `None` once [`Submitted::wait`] has collected it.
+    sbatch: Option<Live>,
     args: Vec<String>,
-    start: Instant,
-    stdout: Arc<Mutex<String>>,
-    stderr: Arc<Mutex<String>>,
 }
 
 impl Submitted<'_> {
+    fn live(&mut self) -> &mut Live {
+        self.sbatch.as_mut().expect("sbatch not yet collected")
+    }
+
     /// The job id, once sbatch has printed it (panics when it has not within `timeout` or
     /// sbatch ended without one).
     pub fn id(&mut self, timeout: Duration) -> u64 {
         let start = Instant::now();
+        let mut exited_at = None;
         loop {
-            if let Some(id) = job_id_of(&self.stdout.lock().unwrap()) {
+            if let Some(id) = job_id_of(&self.live().stdout_now()) {
                 return id;
             }
-            let exited = self.child.try_wait().expect("wait for sbatch").is_some();
-            if (exited && Arc::strong_count(&self.stdout) == 1) || start.elapsed() > timeout {
-                let _ = self.child.kill();
+            if exited_at.is_none() && self.live().child.try_wait().expect("wait").is_some() {
+                exited_at = Some(Instant::now());
+            }
+            // After sbatch exits, give the reader a moment to drain its pipe.
+            let drained = exited_at.is_some_and(|t| t.elapsed() > Duration::from_millis(500));
+            if drained || start.elapsed() > timeout {
+                let args = self.args.clone();
+                let live = self.live();
+                let _ = live.child.kill();
                 panic!(
-                    "sbatch {:?} printed no job id\n--- stdout\n{}\n--- stderr\n{}",
-                    self.args,
-                    self.stdout.lock().unwrap(),
-                    self.stderr.lock().unwrap()
+                    "sbatch {args:?} printed no job id\n--- stdout\n{}\n--- stderr\n{}",
+                    live.stdout_now(),
+                    live.stderr_now()
                 );
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -129,50 +135,39 @@ impl Submitted<'_> {
     /// Waits until the job has ended (sbatch exits with the job's exit code). After `timeout`
     /// (counted from the submission) it cancels the job and panics with what it knows.
     pub fn wait(mut self, timeout: Duration) -> Job {
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("wait for sbatch") {
-                break status;
+        loop {
+            let live = self.live();
+            if live.child.try_wait().expect("wait for sbatch").is_some() {
+                break;
             }
-            if self.start.elapsed() > timeout {
-                let id = job_id_of(&self.stdout.lock().unwrap());
+            if live.elapsed() > timeout {
+                let (stdout, stderr) = (live.stdout_now(), live.stderr_now());
+                let id = job_id_of(&stdout);
                 let mut report = String::new();
                 if let Some(id) = id {
                     report = self.cluster.show_job(id);
                     let _ = self.cluster.command("scancel").arg(id.to_string()).status();
                 }
-                let _ = self.child.kill();
-                let _ = self.child.wait();
                 panic!(
-                    "sbatch {:?}: the job {id:?} did not end within {timeout:?}; cancelled it\n{report}\n--- sbatch stdout\n{}\n--- sbatch stderr\n{}",
-                    self.args,
-                    self.stdout.lock().unwrap(),
-                    self.stderr.lock().unwrap()
+                    "sbatch {:?}: the job {id:?} did not end within {timeout:?}; cancelled it\n{report}\n--- sbatch stdout\n{stdout}\n--- sbatch stderr\n{stderr}",
+                    self.args
                 );
             }
             std::thread::sleep(Duration::from_millis(20));
-        };
-        let elapsed = self.start.elapsed();
-        // The pipes close when sbatch exits; give the readers a moment to drain them.
-        let drained = Instant::now();
-        while Arc::strong_count(&self.stdout) + Arc::strong_count(&self.stderr) > 2
-            && drained.elapsed() < Duration::from_secs(5)
-        {
-            std::thread::sleep(Duration::from_millis(5));
         }
-        let stdout = self.stdout.lock().unwrap().clone();
-        let stderr = self.stderr.lock().unwrap().clone();
-        let id = job_id_of(&stdout).unwrap_or_else(|| {
+        let out = self.sbatch.take().expect("sbatch").finish(Duration::MAX);
+        let id = job_id_of(&out.stdout).unwrap_or_else(|| {
             panic!(
-                "sbatch {:?} printed no job id ({status:?})\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
-                self.args
+                "sbatch {:?} printed no job id ({:?})\n--- stdout\n{}\n--- stderr\n{}",
+                self.args, out.status, out.stdout, out.stderr
             )
         });
         Job {
             id,
-            status,
-            stdout,
-            stderr,
-            elapsed,
+            status: out.status,
+            stdout: out.stdout,
+            stderr: out.stderr,
+            elapsed: out.elapsed,
         }
     }
 }
@@ -180,9 +175,11 @@ impl Submitted<'_> {
 impl Drop for Submitted<'_> {
     fn drop(&mut self) {
         // A panic between submitting and waiting: do not leave sbatch behind.
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        if let Some(live) = self.sbatch.as_mut() {
+            if live.child.try_wait().ok().flatten().is_none() {
+                let _ = live.child.kill();
+                let _ = live.child.wait();
+            }
         }
     }
 }
@@ -428,8 +425,7 @@ impl SlurmCluster {
     /// Starts `sbatch --wait --parsable ARGS` from `cwd` and returns at once; `wait` on the
     /// result (jobs that must run at the same time: submit them all, then wait).
     pub fn sbatch(&self, cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Submitted<'_> {
-        let start = Instant::now();
-        let mut child = self
+        let child = self
             .command("sbatch")
             .args(["--wait", "--parsable"])
             .args(args)
@@ -439,15 +435,10 @@ impl SlurmCluster {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start sbatch");
-        let stdout = collect(child.stdout.take().unwrap());
-        let stderr = collect(child.stderr.take().unwrap());
         Submitted {
             cluster: self,
-            child,
+            sbatch: Some(Live::new(child)),
             args: args.iter().map(|a| a.to_string()).collect(),
-            start,
-            stdout,
-            stderr,
         }
     }
 
@@ -536,25 +527,6 @@ impl Drop for SlurmCluster {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
-}
-
-/// Reads a pipe into a shared string on a thread (the thread holds the other `Arc` until EOF).
-fn collect(mut source: impl Read + Send + 'static) -> Arc<Mutex<String>> {
-    let sink: Arc<Mutex<String>> = Arc::default();
-    let shared = sink.clone();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 8192];
-        loop {
-            match source.read(&mut buf) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => shared
-                    .lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&buf[..n])),
-            }
-        }
-    });
-    sink
 }
 
 /// The job id `sbatch --parsable` prints first (`123` or `123;cluster`).
