@@ -17,7 +17,7 @@ use common::env_contract::WorkerEnv;
 use tch::{nn, Kind, Tensor};
 use tracing::info;
 use worker::collective::{OpContext, ReduceOp};
-use worker::memory::{self, Phase};
+use worker::memory::{self, Phase, ProbeOutcome};
 use worker::rec;
 use worker::train::{self, Split, TrainSetup};
 
@@ -48,7 +48,7 @@ fn main() -> ExitCode {
     // panic: those are caught below and explained; the default hook stays for real bugs.
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let text = panic_text(info.payload());
+        let text = memory::panic_text(info.payload());
         // Reported and exited here, before unwinding closes the connections to the others.
         worker::memory::exit_if_oom(&text);
         if !worker::memory::is_oom(&text) {
@@ -60,7 +60,7 @@ fn main() -> ExitCode {
         Ok(Ok(())) => return ExitCode::SUCCESS,
         Ok(Err(e)) => e,
         Err(payload) => Failure {
-            error: anyhow::anyhow!("{}", panic_text(payload.as_ref())),
+            error: anyhow::anyhow!("{}", memory::panic_text(payload.as_ref())),
             code: 1,
         },
     };
@@ -69,15 +69,6 @@ fn main() -> ExitCode {
     // One line, the whole chain of context: what was being done and why it failed.
     eprintln!("worker: error: {text}");
     ExitCode::from(failure.code)
-}
-
-/// The message of a panic payload (`&str` or `String`), or a placeholder.
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".to_string())
 }
 
 /// An error and the exit code it maps to: 2 for what the user gave us (environment, config,
@@ -470,15 +461,22 @@ fn auto_micro(
         }
         if device.is_cuda() {
             match probe_step(task, vs, plan.micro as usize, device) {
-                Ok(used) => info!(
+                ProbeOutcome::Fits(used) => info!(
                     "batch.micro = \"auto\": rank {} ran micro {} using {} of {name}",
                     env.rank,
                     plan.micro,
                     mib_text(used)
                 ),
-                Err(why) => {
+                ProbeOutcome::OutOfMemory(why) => {
                     tried.push(format!("micro {} ran out of memory ({why})", plan.micro));
                     continue;
+                }
+                ProbeOutcome::Failed(why) => {
+                    return Err(anyhow::anyhow!(
+                        "batch.micro = \"auto\": the probe step with micro {} failed, and not for lack of memory: {why}",
+                        plan.micro
+                    )
+                    .into())
                 }
             }
         }
@@ -523,14 +521,14 @@ fn auto_micro(
 }
 
 /// One forward and backward pass of `micro` training samples with AdamW's two moments
-/// allocated, without changing any weight; the device memory this process then uses, or why
-/// it ran out.
+/// allocated, without changing any weight: the device memory this process then uses, or how
+/// it failed (only a real out-of-memory lets the caller try a smaller micro batch).
 fn probe_step(
     task: &mut rec::RecTask,
     vs: &nn::VarStore,
     micro: usize,
     device: tch::Device,
-) -> Result<u64, String> {
+) -> ProbeOutcome<u64> {
     use worker::train::Task as _;
     memory::enter(Phase::AutoProbe);
     let n = task.train_len().max(1);
@@ -557,19 +555,7 @@ fn probe_step(
         let mut p = p.shallow_clone();
         p.zero_grad();
     }
-    match outcome {
-        Ok(Ok(used)) => Ok(used),
-        Ok(Err(e)) if memory::is_oom(&e.to_string()) => Err(e.to_string()),
-        Ok(Err(e)) => Err(format!("the probe step failed: {e}")),
-        Err(payload) => {
-            let text = panic_text(payload.as_ref());
-            if memory::is_oom(&text) {
-                Err(text.lines().next().unwrap_or("").to_string())
-            } else {
-                std::panic::resume_unwind(payload)
-            }
-        }
-    }
+    memory::classify_probe(outcome)
 }
 
 /// `cuda:LOCAL_RANK` when CUDA is usable, otherwise the CPU.

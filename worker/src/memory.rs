@@ -179,6 +179,46 @@ pub fn is_oom(text: &str) -> bool {
         || t.contains("can't allocate memory")
         || t.contains("not enough memory")
         || t.contains("cudaerrormemoryallocation")
+        || t.contains("cublas_status_alloc_failed")
+}
+
+/// The message of a panic payload (`&str` or `String`; libtorch's errors arrive as panics from
+/// tch's infallible calls), or a placeholder.
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
+}
+
+/// How one caught step of the `micro = "auto"` probe ended.
+#[derive(Debug, PartialEq)]
+pub enum ProbeOutcome<T> {
+    /// It ran; the value the step returned.
+    Fits(T),
+    /// A real allocation failure: the next, smaller candidate may fit.
+    OutOfMemory(String),
+    /// Anything else (a device mismatch, a cuBLAS error, a bug): reported as itself, never as
+    /// "does not fit".
+    Failed(String),
+}
+
+/// Sorts a caught step (its error, or the payload of its panic) into a [`ProbeOutcome`].
+pub fn classify_probe<T>(
+    outcome: std::thread::Result<Result<T, tch::TchError>>,
+) -> ProbeOutcome<T> {
+    let text = match outcome {
+        Ok(Ok(value)) => return ProbeOutcome::Fits(value),
+        Ok(Err(e)) => e.to_string(),
+        Err(payload) => panic_text(payload.as_ref()),
+    };
+    let line = first_line(&text).to_string();
+    if is_oom(&text) {
+        ProbeOutcome::OutOfMemory(line)
+    } else {
+        ProbeOutcome::Failed(line)
+    }
 }
 
 /// Memory figures of this process and its device (bytes).
@@ -511,6 +551,37 @@ mod tests {
         assert!(is_oom("CUDA error: out of memory"));
         assert!(is_oom("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1234 bytes."));
         assert!(!is_oom("shape '[2, 3]' is invalid for input of size 5"));
+    }
+
+    #[test]
+    fn only_a_real_out_of_memory_moves_the_probe_on() {
+        let panic_of = |text: &str| -> std::thread::Result<Result<u64, tch::TchError>> {
+            Err(Box::new(text.to_string()))
+        };
+        assert_eq!(classify_probe(Ok(Ok(7u64))), ProbeOutcome::Fits(7));
+        assert!(matches!(
+            classify_probe(panic_of("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore")),
+            ProbeOutcome::OutOfMemory(line) if line == "CUDA out of memory. Tried to allocate 2.00 GiB."
+        ));
+        assert!(matches!(
+            classify_probe::<u64>(Ok(Err(tch::TchError::Torch(
+                "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`".into()
+            )))),
+            ProbeOutcome::OutOfMemory(_)
+        ));
+        let device_mismatch = "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!";
+        assert_eq!(
+            classify_probe::<u64>(Ok(Err(tch::TchError::Torch(device_mismatch.into())))),
+            ProbeOutcome::Failed(device_mismatch.into())
+        );
+        assert!(matches!(
+            classify_probe(panic_of(
+                "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx`"
+            )),
+            ProbeOutcome::Failed(_)
+        ));
+        let odd: std::thread::Result<Result<u64, tch::TchError>> = Err(Box::new(42u8));
+        assert!(matches!(classify_probe(odd), ProbeOutcome::Failed(_)));
     }
 
     #[test]

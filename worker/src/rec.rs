@@ -395,7 +395,7 @@ impl RecTask {
         };
         let model = Recommender::new(&vs.root(), rec_config, text);
         if config.train.bf16 && device.is_cuda() {
-            crate::model::use_bf16_autocast();
+            crate::model::autocast::use_bf16_autocast();
         }
         let pairs = ds
             .train
@@ -504,14 +504,14 @@ impl Task for RecTask {
         }
         let t = |v: &[i64]| Tensor::from_slice(v).to_device(self.device);
         let (users, pos, neg) = (t(&users), t(&pos), t(&neg));
-        Ok(tch::autocast(self.bf16, || {
+        Ok(crate::model::autocast::autocast(self.bf16, || {
             self.model.bpr_loss(&users, &pos, &neg, self.l2, true)
         }))
     }
 
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         // The recompute runs under the forward's autocast setting.
-        tch::autocast(self.bf16, || self.model.finish_backward())
+        crate::model::autocast::autocast(self.bf16, || self.model.finish_backward())
     }
 
     fn model_hash(&self) -> String {

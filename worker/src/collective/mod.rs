@@ -168,8 +168,49 @@ pub(crate) fn unflatten_into(flat: &Tensor, tensors: &mut [Tensor]) -> Result<()
 /// different speeds on a busy machine, which is not a peer failing.
 pub const SETUP_TIMEOUT_MIN: Duration = Duration::from_secs(60);
 
-/// The communicator `[dist] backend` asks for on `device`: `tcp` for CPU tensors, `nccl` for
-/// CUDA tensors, `auto` picks by device.
+/// The backend `[dist] backend` resolves to on a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chosen {
+    Tcp,
+    Nccl(usize),
+}
+
+/// `tcp` for CPU tensors, `nccl` for CUDA tensors; `auto` picks by device. On a CUDA device
+/// `auto` never falls back to the TCP ring when NCCL is missing (a silent 10-100x slowdown):
+/// that is an error saying how to fix it, and `tcp` must be asked for by name.
+fn choose(
+    backend: common::config::Backend,
+    device: tch::Device,
+    nccl_probe: impl FnOnce() -> Result<(), CollectiveError>,
+) -> Result<Chosen, CollectiveError> {
+    use common::config::Backend;
+    match (backend, device) {
+        (Backend::Auto, tch::Device::Cuda(index)) => match nccl_probe() {
+            Ok(()) => Ok(Chosen::Nccl(index)),
+            Err(why) => {
+                let why = match why {
+                    CollectiveError::Setup { detail, .. } => detail,
+                    other => other.to_string(),
+                };
+                Err(CollectiveError::Setup {
+                    backend: "nccl",
+                    detail: format!(
+                        "dist.backend = \"auto\" on cuda:{index} needs NCCL: {why}. \
+                         (To reduce through host memory instead, 10-100x slower on GPUs, set dist.backend = \"tcp\".)"
+                    ),
+                })
+            }
+        },
+        (Backend::Nccl, tch::Device::Cuda(index)) => Ok(Chosen::Nccl(index)),
+        (Backend::Nccl, _) => Err(CollectiveError::Setup {
+            backend: "nccl",
+            detail: "dist.backend = \"nccl\" needs CUDA tensors, but this worker runs on the CPU; use \"tcp\" or \"auto\"".into(),
+        }),
+        _ => Ok(Chosen::Tcp),
+    }
+}
+
+/// The communicator `[dist] backend` asks for on `device` (see [`choose`]).
 pub fn connect(
     backend: common::config::Backend,
     device: tch::Device,
@@ -177,33 +218,53 @@ pub fn connect(
     store: crate::store::StoreClient,
     timeout: Duration,
 ) -> Result<Box<dyn Collective>, CollectiveError> {
-    use common::config::Backend;
-    match (backend, device) {
-        (Backend::Auto, tch::Device::Cuda(index)) => match nccl::probe() {
-            Ok(()) => Ok(Box::new(nccl::NcclCollective::connect(
-                env, store, index, timeout,
-            )?)),
-            Err(why) => {
-                tracing::warn!(
-                    "dist.backend = \"auto\": {why}; falling back to tcp (through host memory, slow)"
-                );
-                Ok(Box::new(tcp::TcpCollective::connect(env, store, timeout)?))
-            }
-        },
-        (Backend::Nccl, tch::Device::Cuda(index)) => Ok(Box::new(
-            nccl::NcclCollective::connect(env, store, index, timeout)?,
-        )),
-        (Backend::Nccl, _) => Err(CollectiveError::Setup {
-            backend: "nccl",
-            detail: "dist.backend = \"nccl\" needs CUDA tensors, but this worker runs on the CPU; use \"tcp\" or \"auto\"".into(),
-        }),
-        _ => Ok(Box::new(tcp::TcpCollective::connect(env, store, timeout)?)),
-    }
+    Ok(match choose(backend, device, nccl::probe)? {
+        Chosen::Nccl(index) => Box::new(nccl::NcclCollective::connect(env, store, index, timeout)?),
+        Chosen::Tcp => Box::new(tcp::TcpCollective::connect(env, store, timeout)?),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use common::config::Backend;
+    use tch::Device;
+
+    fn missing() -> Result<(), CollectiveError> {
+        Err(CollectiveError::Setup {
+            backend: "nccl",
+            detail: "the NCCL library could not be loaded (looked for libnccl.so)".into(),
+        })
+    }
+
+    #[test]
+    fn auto_on_a_gpu_without_nccl_is_an_error_that_says_how_to_fix_it() {
+        let text = choose(Backend::Auto, Device::Cuda(1), missing)
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("cuda:1 needs NCCL"), "{text}");
+        assert!(text.contains("libnccl.so"), "{text}");
+        assert!(text.contains("dist.backend = \"tcp\""), "{text}");
+    }
+
+    #[test]
+    fn backends_by_device() {
+        let ok = || Ok(());
+        assert_eq!(
+            choose(Backend::Auto, Device::Cuda(2), ok).unwrap(),
+            Chosen::Nccl(2)
+        );
+        assert_eq!(
+            choose(Backend::Auto, Device::Cpu, missing).unwrap(),
+            Chosen::Tcp
+        );
+        // tcp asked for by name runs on a GPU without NCCL.
+        assert_eq!(
+            choose(Backend::Tcp, Device::Cuda(0), missing).unwrap(),
+            Chosen::Tcp
+        );
+        assert!(choose(Backend::Nccl, Device::Cpu, ok).is_err());
+    }
 
     #[test]
     fn flatten_and_back_preserve_values_and_kinds() {

@@ -1,0 +1,152 @@
+//! Mixed precision on CUDA: bf16 autocast entered through a guard that restores libtorch's
+//! autocast state however the scope ends. `tch::autocast` restores it only on a normal return:
+//! a panic inside (a caught out-of-memory, as the `micro = "auto"` probe catches) would leave
+//! autocast on, its nesting above 0 and its cache of bf16 weight copies alive, so later forwards
+//! would use stale bf16 weights while the optimizer updates the f32 ones. Everything here is
+//! libtorch's per-thread state; the functions work without a GPU.
+
+// libtorch's own setter for the autocast type (tch only switches autocast on, and CUDA's
+// default type is f16, which needs loss scaling; bf16 does not). `DeviceType` and `ScalarType`
+// are `int8_t` enums in C++.
+extern "C" {
+    #[link_name = "_ZN2at8autocast18set_autocast_dtypeEN3c1010DeviceTypeENS1_10ScalarTypeE"]
+    fn at_autocast_set_dtype(device_type: i8, scalar_type: i8);
+    #[link_name = "_ZN2at8autocast18get_autocast_dtypeEN3c1010DeviceTypeE"]
+    fn at_autocast_get_dtype(device_type: i8) -> i8;
+    // The per-device forms: torch-sys's `at_autocast_is_enabled` and `_set_enabled` call the
+    // deprecated device-less ones, which print a warning on every call.
+    #[link_name = "_ZN2at8autocast19is_autocast_enabledEN3c1010DeviceTypeE"]
+    fn at_is_autocast_enabled(device_type: i8) -> bool;
+    #[link_name = "_ZN2at8autocast20set_autocast_enabledEN3c1010DeviceTypeEb"]
+    fn at_set_autocast_enabled(device_type: i8, enabled: bool);
+}
+
+/// c10's `DeviceType::CUDA` and `ScalarType::BFloat16`.
+const DEVICE_TYPE_CUDA: i8 = 1;
+const SCALAR_TYPE_BFLOAT16: i8 = 15;
+
+/// Makes CUDA autocast compute in bf16 for this process.
+pub fn use_bf16_autocast() {
+    // SAFETY: plain setters of libtorch's global autocast state, with valid enum values.
+    unsafe { at_autocast_set_dtype(DEVICE_TYPE_CUDA, SCALAR_TYPE_BFLOAT16) }
+}
+
+/// Whether CUDA autocast computes in bf16 (see [`use_bf16_autocast`]).
+pub fn bf16_autocast_is_set() -> bool {
+    // SAFETY: a plain getter of libtorch's global autocast state.
+    unsafe { at_autocast_get_dtype(DEVICE_TYPE_CUDA) == SCALAR_TYPE_BFLOAT16 }
+}
+
+/// Whether CUDA autocast is on in this thread.
+pub fn is_enabled() -> bool {
+    // SAFETY: a plain getter of libtorch's thread-local autocast state.
+    unsafe { at_is_autocast_enabled(DEVICE_TYPE_CUDA) }
+}
+
+/// An autocast scope: entered by [`AutocastGuard::enter`], left when dropped — also while a
+/// panic unwinds. Leaving the outermost scope clears the bf16 weight-copy cache, as PyTorch's
+/// `torch.autocast.__exit__` does.
+#[must_use = "autocast is left when the guard is dropped"]
+pub struct AutocastGuard {
+    /// The enabled flag before the scope; `None` when the scope changed nothing.
+    previous: Option<bool>,
+}
+
+impl AutocastGuard {
+    /// Sets autocast to `enabled` for the scope. Entering a disabled scope while autocast is
+    /// off is a no-op (every CPU run).
+    pub fn enter(enabled: bool) -> AutocastGuard {
+        if !enabled && !is_enabled() {
+            return AutocastGuard { previous: None };
+        }
+        // SAFETY: libtorch's thread-local autocast state, restored in `drop`.
+        let previous = unsafe {
+            let previous = at_is_autocast_enabled(DEVICE_TYPE_CUDA);
+            at_set_autocast_enabled(DEVICE_TYPE_CUDA, enabled);
+            torch_sys::at_autocast_increment_nesting();
+            previous
+        };
+        AutocastGuard {
+            previous: Some(previous),
+        }
+    }
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        let Some(previous) = self.previous else {
+            return;
+        };
+        // SAFETY: undoes exactly what `enter` did, in reverse order.
+        unsafe {
+            if torch_sys::at_autocast_decrement_nesting() == 0 {
+                torch_sys::at_autocast_clear_cache();
+            }
+            at_set_autocast_enabled(DEVICE_TYPE_CUDA, previous);
+        }
+    }
+}
+
+/// Runs `f` with autocast set to `enabled` (the guarded replacement for `tch::autocast`).
+pub fn autocast<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
+    let _scope = AutocastGuard::enter(enabled);
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The nesting depth, read by a balanced increment and decrement.
+    fn nesting() -> i32 {
+        // SAFETY: balanced calls on this thread's counter.
+        unsafe {
+            let depth = torch_sys::at_autocast_increment_nesting() - 1;
+            torch_sys::at_autocast_decrement_nesting();
+            depth
+        }
+    }
+
+    #[test]
+    fn the_autocast_type_can_be_set_to_bf16() {
+        // The call reaches libtorch on any machine; the type only matters on CUDA.
+        use_bf16_autocast();
+        assert!(bf16_autocast_is_set());
+    }
+
+    #[test]
+    fn a_scope_sets_and_restores_the_state() {
+        assert!(!is_enabled());
+        let inner = autocast(true, || (is_enabled(), nesting()));
+        assert_eq!(inner, (true, 1));
+        assert!(!is_enabled());
+        assert_eq!(nesting(), 0);
+        // Nested scopes: a disabled one inside an enabled one, then back.
+        autocast(true, || {
+            autocast(false, || assert!(!is_enabled()));
+            assert!(is_enabled());
+            assert_eq!(nesting(), 1);
+        });
+        assert_eq!((is_enabled(), nesting()), (false, 0));
+    }
+
+    #[test]
+    fn a_panic_inside_the_scope_leaves_autocast_as_it_was() {
+        let caught = std::panic::catch_unwind(|| {
+            autocast(true, || -> () {
+                assert!(is_enabled());
+                panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
+            })
+        });
+        assert!(caught.is_err());
+        assert!(!is_enabled(), "autocast stayed on after the caught panic");
+        assert_eq!(nesting(), 0, "the nesting counter did not return to 0");
+    }
+
+    #[test]
+    fn a_disabled_scope_changes_nothing() {
+        let _scope = AutocastGuard::enter(false);
+        assert!(!is_enabled());
+        assert_eq!(nesting(), 0);
+    }
+}
