@@ -18,6 +18,8 @@ use crate::batch::BatchPlan;
 use crate::config::{Config, Gpt2Preset, ModelKind, ScorerKind, SyntheticSize, TextMode};
 
 const MIB: f64 = 1024.0 * 1024.0;
+/// The name of NCCL's buffers in the estimate.
+pub const NCCL_TERM: &str = "NCCL buffers";
 const F32: u64 = 4;
 
 /// Where the worker's tensors live.
@@ -305,6 +307,14 @@ pub const CUDA_CONTEXT_BYTES: u64 = 500 << 20;
 /// The caching allocator keeps freed blocks and rounds sizes up; what it holds beyond the live
 /// tensors, as a fraction of them (a planning margin, not a measurement).
 pub const CUDA_ALLOCATOR_RESERVE: f64 = 0.15;
+/// NCCL's own device buffers, allocated outside the caching allocator when a communicator first
+/// connects: per channel and connection, one FIFO per protocol (Simple `NCCL_BUFFSIZE` 4 MiB,
+/// LL128 4.69 MiB, LL 0.5 MiB: 9.19 MiB, NCCL's defaults), for a ring and a tree connection on
+/// each of 16 channels (NVLink-class boxes use 16-32; PCIe fewer), plus NVLS's ~288 MiB on
+/// NVSwitch boxes. From NCCL's defaults and its maintainers' figures, not measured here.
+pub const NCCL_CHANNELS: u64 = 16;
+pub const NCCL_CONNECTION_BYTES: u64 = (4 << 20) + 4_915_200 + (512 << 10);
+pub const NCCL_NVLS_BYTES: u64 = 288 << 20;
 /// Host bytes per interaction held by the worker: the parsed ratings, the split lists (and
 /// the task's copies), the training pairs. Measured with `scripts/bench/memory.sh` (48 MiB for
 /// the 953,537 interactions of the full-size synthetic set).
@@ -489,6 +499,19 @@ pub fn estimate(
             detail: format!("2 x one bucket (dist.bucket_mb {})", config.dist.bucket_mb),
         });
     }
+    let nccl = config.dist.backend != crate::config::Backend::Tcp;
+    if cuda && nccl && plan.world_size > 1 {
+        terms.push(MemoryTerm {
+            name: NCCL_TERM,
+            bytes: NCCL_CHANNELS * 2 * NCCL_CONNECTION_BYTES + NCCL_NVLS_BYTES,
+            phase: Phase::Always,
+            detail: format!(
+                "{NCCL_CHANNELS} channels x 2 connections x {} + NVLS {} (outside the caching allocator)",
+                mib_text(NCCL_CONNECTION_BYTES),
+                mib_text(NCCL_NVLS_BYTES)
+            ),
+        });
+    }
     if bf16 && gpt2_params > 0 {
         terms.push(MemoryTerm {
             name: "bf16 weight copies",
@@ -622,7 +645,7 @@ pub fn estimate(
     if cuda {
         let tensors: u64 = terms
             .iter()
-            .filter(|t| t.name != "CUDA context")
+            .filter(|t| t.name != "CUDA context" && t.name != NCCL_TERM)
             .map(|t| t.bytes)
             .sum();
         terms.push(MemoryTerm {
@@ -849,17 +872,37 @@ mod tests {
         assert_eq!(e.term("data (host)"), 0, "host data is not on the device");
         // Caching needs the whole frozen GPT-2 for a while.
         assert!(e.term("text encoder (caching)") > 124_439_808 * 4);
-        // The reserve is 15% of every tensor term.
+        // NCCL's buffers, outside the caching allocator: 16 x 2 x 9.19 MiB + 288 MiB.
+        assert_eq!(e.term(NCCL_TERM), 16 * 2 * 9_633_792 + (288 << 20));
+        // The reserve is 15% of every tensor term of the caching allocator.
         let tensors: u64 = e
             .terms
             .iter()
-            .filter(|t| t.name != "CUDA context" && t.name != "allocator reserve")
+            .filter(|t| !["CUDA context", "allocator reserve", NCCL_TERM].contains(&t.name))
             .map(|t| t.bytes)
             .sum();
         assert_eq!(
             e.term("allocator reserve"),
             (tensors as f64 * CUDA_ALLOCATOR_RESERVE) as u64
         );
+    }
+
+    #[test]
+    fn nccl_buffers_only_where_nccl_runs() {
+        let mut c = Config::default();
+        let data = shape(6040, 3629);
+        let nccl = |c: &Config, world: u64, device: DeviceKind| {
+            estimate(c, &plan(64, 64 / world, 1, world), &data, device).term(NCCL_TERM)
+        };
+        assert!(nccl(&c, 2, DeviceKind::Cuda) > 500 << 20);
+        assert_eq!(
+            nccl(&c, 1, DeviceKind::Cuda),
+            0,
+            "one rank: no communicator"
+        );
+        assert_eq!(nccl(&c, 2, DeviceKind::Cpu), 0, "the CPU runs the TCP ring");
+        c.dist.backend = crate::config::Backend::Tcp;
+        assert_eq!(nccl(&c, 2, DeviceKind::Cuda), 0, "tcp asked for by name");
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! and runs on machines without NVIDIA drivers) filtered by `CUDA_VISIBLE_DEVICES`. It only
 //! reports; choosing how many workers to start, and on which GPUs, is the plan's job.
 
-use common::cuda_visible::select_visible;
+use common::cuda_visible::{select_visible, Visible};
 use nvml_wrapper::Nvml;
 
 /// `GPTREC_SIMULATE_GPUS=N`: pretend N GPUs of [`SIMULATED_BYTES`] each are present (tests and
@@ -15,8 +15,11 @@ const SIMULATED_BYTES: u64 = 80 << 30;
 pub struct Gpu {
     /// Index in CUDA's numbering after `CUDA_VISIBLE_DEVICES` (what `--gpu-ids` selects).
     pub cuda_index: usize,
-    /// NVML's index: the number `nvidia-smi` shows (PCI bus order).
+    /// NVML's index: the number `nvidia-smi` shows (PCI bus order); for a MIG instance, that
+    /// of no whole GPU (see `mig`).
     pub nvml_index: u32,
+    /// The MIG instance's id, when `CUDA_VISIBLE_DEVICES` names one instead of a whole GPU.
+    pub mig: Option<String>,
     pub name: String,
     pub total_bytes: u64,
     pub free_bytes: u64,
@@ -24,9 +27,10 @@ pub struct Gpu {
 
 /// The visible GPUs, or why none were found (for the notice).
 pub fn visible_gpus() -> Result<Vec<Gpu>, String> {
-    let all = match std::env::var(SIMULATE_VAR) {
-        Ok(text) => simulated(&text)?,
-        Err(_) => nvml_gpus()?,
+    let simulate = std::env::var(SIMULATE_VAR).ok();
+    let all = match &simulate {
+        Some(text) => simulated(text)?,
+        None => nvml_gpus()?,
     };
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let selected = select_visible(
@@ -38,11 +42,44 @@ pub fn visible_gpus() -> Result<Vec<Gpu>, String> {
     Ok(selected
         .into_iter()
         .enumerate()
-        .map(|(cuda_index, physical)| Gpu {
-            cuda_index,
-            ..all[physical].0.clone()
+        .map(|(cuda_index, v)| match v {
+            Visible::Gpu(physical) => Gpu {
+                cuda_index,
+                ..all[physical].0.clone()
+            },
+            Visible::Mig(id) => Gpu {
+                cuda_index,
+                ..mig_instance(&id, simulate.is_some())
+            },
         })
         .collect())
+}
+
+/// A MIG instance by id: NVML finds `MIG-<uuid>` ids; the older `MIG-GPU-...` form, or no
+/// NVML, leaves its memory unknown (0).
+fn mig_instance(id: &str, simulated: bool) -> Gpu {
+    let found = (!simulated)
+        .then(|| Nvml::init().ok())
+        .flatten()
+        .and_then(|nvml| {
+            let device = nvml.device_by_uuid(id).ok()?;
+            let memory = device.memory_info().ok()?;
+            Some((
+                device.name().unwrap_or_else(|_| "MIG instance".into()),
+                memory.total,
+                memory.free,
+            ))
+        });
+    let (name, total_bytes, free_bytes) =
+        found.unwrap_or_else(|| ("MIG instance, memory unknown to NVML".into(), 0, 0));
+    Gpu {
+        cuda_index: 0,
+        nvml_index: u32::MAX,
+        mig: Some(id.to_string()),
+        name,
+        total_bytes,
+        free_bytes,
+    }
 }
 
 fn nvml_gpus() -> Result<Vec<(Gpu, String)>, String> {
@@ -61,6 +98,7 @@ fn nvml_gpus() -> Result<Vec<(Gpu, String)>, String> {
             Gpu {
                 cuda_index: 0,
                 nvml_index: index,
+                mig: None,
                 name: device.name().unwrap_or_else(|_| "unknown GPU".into()),
                 total_bytes: memory.as_ref().map_or(0, |m| m.total),
                 free_bytes: memory.as_ref().map_or(0, |m| m.free),
@@ -82,6 +120,7 @@ fn simulated(text: &str) -> Result<Vec<(Gpu, String)>, String> {
                 Gpu {
                     cuda_index: 0,
                     nvml_index: index,
+                    mig: None,
                     name: format!("simulated GPU ({SIMULATE_VAR})"),
                     total_bytes: SIMULATED_BYTES,
                     free_bytes: SIMULATED_BYTES,

@@ -487,7 +487,8 @@ impl Plan {
             DeviceKind::Cuda => match gpus.get(local_rank as usize) {
                 Some(g) => (
                     format!("cuda:{} ({})", g.cuda_index, g.name),
-                    Some((g.free_bytes, g.total_bytes)),
+                    // 0: a MIG instance NVML could not measure.
+                    (g.total_bytes > 0).then_some((g.free_bytes, g.total_bytes)),
                 ),
                 None => (format!("cuda:{local_rank} (missing)"), None),
             },
@@ -518,14 +519,25 @@ impl Plan {
             .unwrap_or_default();
         match &self.gpus {
             Some(gpus) if !gpus.is_empty() => match gpus.get(local_rank as usize) {
-                Some(gpu) => format!(
-                    "cuda:{} = GPU {} ({}, {:.1} GiB total, {:.1} GiB free){slurm}",
-                    gpu.cuda_index,
-                    gpu.nvml_index,
-                    gpu.name,
-                    gpu.total_bytes as f64 / GIB,
-                    gpu.free_bytes as f64 / GIB
-                ),
+                Some(gpu) => {
+                    let memory = if gpu.total_bytes == 0 {
+                        String::new()
+                    } else {
+                        format!(
+                            ", {:.1} GiB total, {:.1} GiB free",
+                            gpu.total_bytes as f64 / GIB,
+                            gpu.free_bytes as f64 / GIB
+                        )
+                    };
+                    format!(
+                        "cuda:{} = {} ({}{memory}){slurm}",
+                        gpu.cuda_index,
+                        gpu.mig
+                            .clone()
+                            .unwrap_or_else(|| format!("GPU {}", gpu.nvml_index)),
+                        gpu.name,
+                    )
+                }
                 None => format!(
                     "none: only {} GPU(s) visible for {} processes (cuda:{local_rank} does not exist)",
                     gpus.len(),

@@ -230,6 +230,53 @@ fn gpu_ids_run_one_worker_per_listed_gpu() {
     }
 }
 
+/// MIG instances named in `CUDA_VISIBLE_DEVICES` (both id forms) are devices CUDA will number:
+/// `auto` counts them and `--gpu-ids` passes the chosen one through unchanged.
+#[test]
+fn mig_instances_in_cuda_visible_devices_are_gpus() {
+    let modern = "MIG-4b1a5f0e-8d2c-5a37-9e8f-1c2d3e4f5a6b";
+    let legacy = "MIG-GPU-9c1c8a7e-1234-5678-9abc-def012345678/1/0";
+    let visible = format!("{modern},{legacy}");
+    let env = [
+        ("GPTREC_SIMULATE_GPUS", "2"),
+        ("CUDA_VISIBLE_DEVICES", visible.as_str()),
+    ];
+    let show = "echo \"gpu $LOCAL_RANK $CUDA_VISIBLE_DEVICES\"";
+    let out = run_with_env(
+        &[
+            "--num-processes",
+            "auto",
+            "--gpu-ids",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            show,
+        ],
+        &env,
+        T,
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(
+        out.stdout.contains(&format!("gpu 0 {legacy}")),
+        "{}",
+        out.stdout
+    );
+    let out = run_with_env(
+        &["--dry-run", "--num-processes", "auto", "--", "true"],
+        &env,
+        T,
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    for needle in [
+        "2 visible GPU(s), starting 2 process(es)".to_string(),
+        format!("local rank 0: device cuda:0 = {modern} (MIG instance"),
+        format!("local rank 1: device cuda:1 = {legacy} (MIG instance"),
+    ] {
+        assert!(out.stdout.contains(&needle), "{needle:?}:\n{}", out.stdout);
+    }
+}
+
 #[test]
 fn gpu_id_conflicts_are_one_line_errors() {
     for (args, env, needle) in [

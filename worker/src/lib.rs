@@ -5,6 +5,7 @@
 
 pub mod checkpoint;
 pub mod collective;
+pub mod cuda_runtime;
 pub mod data;
 pub mod ddp;
 pub mod eval;

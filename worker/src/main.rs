@@ -265,22 +265,15 @@ fn run(cli: &Cli) -> Result<(), Failure> {
     }
     let estimate = common::memory::estimate(&config, &batch, &shape, memory::device_kind(device));
     if leader {
-        let (u, name) = memory::usage(device);
-        let budget = memory_limit.unwrap_or(if device.is_cuda() {
-            u.total
-        } else {
-            u.free / u64::from(env.local_world_size) + u.used
-        });
+        let name = memory::usage(device).1;
+        let budget = match memory::budget(device, memory_limit, env.local_world_size) {
+            Some(b) => format!("{}, {}", common::memory::mib_text(b.bytes), b.source),
+            None => "unknown: neither NVML nor the CUDA runtime answered".into(),
+        };
         info!(
-            "memory estimate per worker on {name}: peak {} for {} (budget {}{})",
+            "memory estimate per worker on {name}: peak {} for {} (budget {budget})",
             common::memory::mib_text(estimate.peak_bytes()),
             batch.derivation(),
-            common::memory::mib_text(budget),
-            if memory_limit.is_some() {
-                ", GPTREC_MEMORY_LIMIT_MB"
-            } else {
-                ""
-            }
         );
     }
     if leader {
@@ -450,7 +443,15 @@ fn auto_micro(
         .map_err(usage)?;
     let kind = memory::device_kind(device);
     let name = memory::usage(device).1;
-    let budget = memory::budget(device, memory_limit, env.local_world_size);
+    let Some(memory::Budget {
+        bytes: budget,
+        source,
+    }) = memory::budget(device, memory_limit, env.local_world_size)
+    else {
+        return Err(usage(anyhow::anyhow!(
+            "batch.micro = \"auto\": cannot tell how much memory {name} has (neither NVML nor the CUDA runtime answered); set batch.micro to a number, or GPTREC_MEMORY_LIMIT_MB=N to plan with N MiB"
+        )));
+    };
     let mut mine = None;
     let mut tried = Vec::new();
     for plan in &candidates {
@@ -511,9 +512,8 @@ fn auto_micro(
     };
     if env.rank == 0 {
         info!(
-            "batch.micro = \"auto\": largest micro per rank {all:?} (budget {} per worker{}); using {}",
+            "batch.micro = \"auto\": largest micro per rank {all:?} (budget {} per worker, {source}); using {}",
             mib_text(budget),
-            if memory_limit.is_some() { ", GPTREC_MEMORY_LIMIT_MB" } else { "" },
             plan.derivation()
         );
     }

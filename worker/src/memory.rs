@@ -252,19 +252,34 @@ pub fn peak_rss_bytes() -> u64 {
     proc_kb("/proc/self/status", "VmHWM:").unwrap_or(0)
 }
 
-/// The NVML device behind `cuda:index` (after `CUDA_VISIBLE_DEVICES`) and its name.
-fn nvml_usage(index: usize) -> Option<(Usage, String)> {
+/// What a CUDA device has and where the figures came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuMemory {
+    pub free: u64,
+    pub total: u64,
+    /// This process's own use, when the source can tell (NVML's per-process figure).
+    pub mine: Option<u64>,
+    pub name: String,
+    /// `NVML` or `CUDA runtime`.
+    pub source: &'static str,
+}
+
+/// NVML's figures for `cuda:index`: the whole GPU, or the MIG instance `CUDA_VISIBLE_DEVICES`
+/// names (by its `MIG-<uuid>` id).
+fn nvml_memory(index: usize) -> Option<GpuMemory> {
+    use common::cuda_visible::Visible;
     let nvml = nvml_wrapper::Nvml::init().ok()?;
     let count = nvml.device_count().ok()?;
-    let mut all = Vec::new();
-    for i in 0..count {
-        let uuid = nvml
-            .device_by_index(i)
-            .ok()
-            .and_then(|d| d.uuid().ok())
-            .unwrap_or_default();
-        all.push((i, uuid));
-    }
+    let all: Vec<(u32, String)> = (0..count)
+        .map(|i| {
+            let uuid = nvml
+                .device_by_index(i)
+                .ok()
+                .and_then(|d| d.uuid().ok())
+                .unwrap_or_default();
+            (i, uuid)
+        })
+        .collect();
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let order = common::cuda_visible::select_visible(
         visible.as_deref(),
@@ -272,39 +287,63 @@ fn nvml_usage(index: usize) -> Option<(Usage, String)> {
             .map(|(i, u)| (*i, u.as_str()))
             .collect::<Vec<_>>(),
     );
-    let physical = all.get(*order.get(index)?)?.0;
-    let device = nvml.device_by_index(physical).ok()?;
+    let device = match order.get(index)? {
+        Visible::Gpu(pos) => nvml.device_by_index(all.get(*pos)?.0).ok()?,
+        Visible::Mig(id) => nvml.device_by_uuid(id.as_str()).ok()?,
+    };
     let info = device.memory_info().ok()?;
     let pid = std::process::id();
-    let mine = device
-        .running_compute_processes()
-        .ok()
-        .and_then(|ps| {
-            ps.into_iter()
-                .find(|p| p.pid == pid)
-                .map(|p| match p.used_gpu_memory {
-                    nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => b,
-                    nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => 0,
-                })
-        })
-        // Without per-process figures (some containers), the device's used memory.
-        .unwrap_or(info.used);
-    let name = device.name().unwrap_or_else(|_| "GPU".into());
-    Some((
-        Usage {
-            used: mine,
-            free: info.free,
-            total: info.total,
-        },
-        name,
-    ))
+    let mine = device.running_compute_processes().ok().and_then(|ps| {
+        ps.into_iter()
+            .find(|p| p.pid == pid)
+            .and_then(|p| match p.used_gpu_memory {
+                nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some(b),
+                nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
+            })
+    });
+    Some(GpuMemory {
+        free: info.free,
+        total: info.total,
+        mine,
+        name: device.name().unwrap_or_else(|_| "GPU".into()),
+        source: "NVML",
+    })
+}
+
+/// The CUDA runtime's own figures for `cuda:index` (any device CUDA sees, MIG included).
+fn cuda_memory(index: usize) -> Option<GpuMemory> {
+    let runtime = crate::cuda_runtime::CudaRuntime::load().ok()?;
+    let (free, total) = runtime.memory(index).ok()?;
+    Some(GpuMemory {
+        free,
+        total,
+        mine: None,
+        name: "GPU".into(),
+        source: "CUDA runtime",
+    })
+}
+
+/// `cuda:index`'s memory: NVML when it can map the device, else the CUDA runtime.
+pub fn gpu_memory(index: usize) -> Option<GpuMemory> {
+    nvml_memory(index).or_else(|| cuda_memory(index))
 }
 
 /// Memory of this process and what its device has left, and the device's name.
 pub fn usage(device: Device) -> (Usage, String) {
     match device {
         Device::Cuda(i) => {
-            let (u, name) = nvml_usage(i).unwrap_or_default();
+            let (u, name) = match gpu_memory(i) {
+                Some(m) => (
+                    Usage {
+                        // Without a per-process figure (some containers), the device's use.
+                        used: m.mine.unwrap_or(m.total.saturating_sub(m.free)),
+                        free: m.free,
+                        total: m.total,
+                    },
+                    m.name,
+                ),
+                None => (Usage::default(), "memory unknown".into()),
+            };
             PEAK_DEVICE.fetch_max(u.used, Ordering::Relaxed);
             (u, format!("cuda:{i} ({name})"))
         }
@@ -342,19 +381,62 @@ pub fn simulated_limit(rank: u32) -> Result<Option<u64>, String> {
     Ok(only.is_none_or(|r| r == rank).then_some(bytes))
 }
 
-/// The memory one worker may plan with: the simulated limit when set; a GPU's total memory;
-/// on the CPU, its share of the available RAM (shared by the `local_world` workers of the node)
-/// plus what it already holds.
-pub fn budget(device: Device, limit: Option<u64>, local_world: u32) -> u64 {
-    if let Some(limit) = limit {
-        return limit;
+/// The memory one worker may plan with, and where the figure came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Budget {
+    pub bytes: u64,
+    pub source: String,
+}
+
+/// The budget: the simulated limit when set; on a GPU, what is free now plus what this process
+/// already holds (other processes use GPUs too; the card's total is not ours), from NVML or
+/// else the CUDA runtime — `None` when neither can tell; on the CPU, its share of the available
+/// RAM (shared by the `local_world` workers of the node) plus what it already holds.
+pub fn budget(device: Device, limit: Option<u64>, local_world: u32) -> Option<Budget> {
+    match device {
+        Device::Cuda(i) => gpu_budget(limit, || nvml_memory(i), || cuda_memory(i)),
+        _ => Some(limit.map_or_else(
+            || {
+                let (u, _) = usage(device);
+                Budget {
+                    bytes: u.free / u64::from(local_world.max(1)) + u.used,
+                    source: format!("available RAM / {local_world} workers"),
+                }
+            },
+            simulated_budget,
+        )),
     }
-    let (u, _) = usage(device);
-    if device.is_cuda() {
-        u.total
-    } else {
-        u.free / u64::from(local_world.max(1)) + u.used
+}
+
+fn simulated_budget(bytes: u64) -> Budget {
+    Budget {
+        bytes,
+        source: "GPTREC_MEMORY_LIMIT_MB".into(),
     }
+}
+
+/// The GPU budget's fallback order: limit, NVML, CUDA runtime.
+fn gpu_budget(
+    limit: Option<u64>,
+    nvml: impl FnOnce() -> Option<GpuMemory>,
+    cuda: impl FnOnce() -> Option<GpuMemory>,
+) -> Option<Budget> {
+    if let Some(bytes) = limit {
+        return Some(simulated_budget(bytes));
+    }
+    let m = nvml().or_else(cuda)?;
+    Some(Budget {
+        bytes: m.free + m.mine.unwrap_or(0),
+        source: format!(
+            "free{} per {}",
+            if m.mine.is_some() {
+                " + this process's"
+            } else {
+                ""
+            },
+            m.source
+        ),
+    })
 }
 
 /// What the worker knows when memory runs out, kept up to date as it goes (for the report).
@@ -582,6 +664,44 @@ mod tests {
         ));
         let odd: std::thread::Result<Result<u64, tch::TchError>> = Err(Box::new(42u8));
         assert!(matches!(classify_probe(odd), ProbeOutcome::Failed(_)));
+    }
+
+    #[test]
+    fn the_gpu_budget_is_free_memory_from_the_best_source() {
+        let nvml = || {
+            Some(GpuMemory {
+                free: 30 << 30,
+                total: 80 << 30,
+                mine: Some(2 << 30),
+                name: "H100".into(),
+                source: "NVML",
+            })
+        };
+        let cuda = || {
+            Some(GpuMemory {
+                free: 29 << 30,
+                total: 80 << 30,
+                mine: None,
+                name: "GPU".into(),
+                source: "CUDA runtime",
+            })
+        };
+        // The simulated limit first, then NVML (free + ours, not the card's 80 GiB) ...
+        assert_eq!(
+            gpu_budget(Some(5 << 30), nvml, cuda).unwrap().bytes,
+            5 << 30
+        );
+        let b = gpu_budget(None, nvml, cuda).unwrap();
+        assert_eq!(b.bytes, 32 << 30);
+        assert!(b.source.contains("NVML"), "{b:?}");
+        // ... then the CUDA runtime when NVML cannot map the device (a MIG id, no NVML) ...
+        let b = gpu_budget(None, || None, cuda).unwrap();
+        assert_eq!(
+            (b.bytes, b.source.contains("CUDA runtime")),
+            (29 << 30, true)
+        );
+        // ... and never 0 for "unknown".
+        assert_eq!(gpu_budget(None, || None, || None), None);
     }
 
     #[test]

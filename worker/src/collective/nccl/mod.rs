@@ -9,7 +9,6 @@
 
 mod comm;
 
-use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use common::env_contract::WorkerEnv;
@@ -19,6 +18,7 @@ use tch::{Device, Kind, Tensor};
 use super::{
     flatten_f32, silent_ranks, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp,
 };
+use crate::cuda_runtime::CudaRuntime;
 use crate::store::StoreClient;
 use comm::{Call, CommFailure, Communicator, NcclApi};
 
@@ -61,43 +61,6 @@ fn version_of(code: i32) -> (i32, i32) {
         (code / 10000, code / 100 % 100)
     } else {
         (code / 1000, code / 100 % 10)
-    }
-}
-
-/// The few CUDA runtime calls we need, from the libcudart libtorch already loaded.
-struct CudaRuntime {
-    set_device: libloading::os::unix::Symbol<unsafe extern "C" fn(i32) -> i32>,
-    stream_query: libloading::os::unix::Symbol<unsafe extern "C" fn(*mut c_void) -> i32>,
-    error_string:
-        libloading::os::unix::Symbol<unsafe extern "C" fn(i32) -> *const std::ffi::c_char>,
-}
-
-impl CudaRuntime {
-    fn load() -> Result<CudaRuntime, CollectiveError> {
-        let fail = |what: &str, e: libloading::Error| CollectiveError::Setup {
-            backend: "nccl",
-            detail: format!("the CUDA runtime ({what}) is not available in this process: {e}"),
-        };
-        let this = libloading::os::unix::Library::this();
-        // SAFETY: the signatures are those of the CUDA runtime API.
-        unsafe {
-            Ok(CudaRuntime {
-                set_device: this
-                    .get(b"cudaSetDevice\0")
-                    .map_err(|e| fail("cudaSetDevice", e))?,
-                stream_query: this
-                    .get(b"cudaStreamQuery\0")
-                    .map_err(|e| fail("cudaStreamQuery", e))?,
-                error_string: this
-                    .get(b"cudaGetErrorString\0")
-                    .map_err(|e| fail("cudaGetErrorString", e))?,
-            })
-        }
-    }
-
-    fn error_text(&self, code: i32) -> String {
-        // SAFETY: cudaGetErrorString returns a static string for any code.
-        c_text(unsafe { (self.error_string)(code) })
     }
 }
 
@@ -197,14 +160,7 @@ impl NcclApi for RawComm {
     }
 
     fn stream_done(&mut self) -> Result<bool, (i32, String)> {
-        /// cudart's "not ready" status for cudaStreamQuery.
-        const CUDA_ERROR_NOT_READY: i32 = 600;
-        // SAFETY: querying the legacy default stream (null).
-        match unsafe { (self.runtime.stream_query)(std::ptr::null_mut()) } {
-            0 => Ok(true),
-            CUDA_ERROR_NOT_READY => Ok(false),
-            code => Err((code, self.runtime.error_text(code))),
-        }
+        self.runtime.default_stream_done()
     }
 
     fn finalize(&mut self) -> sys::ncclResult_t {
@@ -247,19 +203,12 @@ impl NcclCollective {
     ) -> Result<NcclCollective, CollectiveError> {
         probe()?;
         let deadline = Instant::now() + timeout;
-        let runtime = CudaRuntime::load()?;
         let setup = |detail: String| CollectiveError::Setup {
             backend: "nccl",
             detail,
         };
-        // SAFETY: plain runtime call.
-        let status = unsafe { (runtime.set_device)(device as i32) };
-        if status != 0 {
-            return Err(setup(format!(
-                "cudaSetDevice({device}) failed with CUDA error {status} ({})",
-                runtime.error_text(status)
-            )));
-        }
+        let runtime = CudaRuntime::load().map_err(setup)?;
+        runtime.set_device(device).map_err(setup)?;
         let (rank, world) = (env.rank as usize, env.world_size as usize);
         let id = unique_id(rank, &mut store, timeout).map_err(setup)?;
         let mut raw: sys::ncclComm_t = std::ptr::null_mut();
