@@ -31,6 +31,20 @@ pub struct WorkerEnv {
     pub run_id: String,
 }
 
+/// The CUDA caching allocator's setting every worker runs with unless the user chose one:
+/// growable segments instead of fixed blocks, far less fragmentation.
+pub const DEFAULT_CUDA_ALLOC_CONF: &str = "expandable_segments:True";
+
+/// The allocator variable to set when the user set neither `PYTORCH_CUDA_ALLOC_CONF` nor its
+/// newer name `PYTORCH_ALLOC_CONF` (PyTorch 2.9+): `launch` passes it to its workers, and a
+/// worker started by another launcher (torchrun) sets it itself before CUDA starts.
+pub fn alloc_conf_default(is_set: impl Fn(&str) -> bool) -> Option<(&'static str, &'static str)> {
+    let user_chose = ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"]
+        .iter()
+        .any(|name| is_set(name));
+    (!user_chose).then_some(("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_CUDA_ALLOC_CONF))
+}
+
 /// `ROLE_NAME` value; we have one role, as torchrun does by default.
 pub const ROLE_NAME: &str = "default";
 
@@ -259,5 +273,15 @@ mod tests {
         map.insert("RANK".into(), "4".into());
         let err = WorkerEnv::from_map(&map).unwrap_err().to_string();
         assert!(err.contains("RANK 4 is not below WORLD_SIZE 4"), "{err}");
+    }
+
+    #[test]
+    fn the_allocator_default_yields_to_either_user_setting() {
+        assert_eq!(
+            alloc_conf_default(|_| false),
+            Some(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
+        );
+        assert_eq!(alloc_conf_default(|n| n == "PYTORCH_CUDA_ALLOC_CONF"), None);
+        assert_eq!(alloc_conf_default(|n| n == "PYTORCH_ALLOC_CONF"), None);
     }
 }

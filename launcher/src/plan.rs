@@ -206,13 +206,12 @@ impl Plan {
         if std::env::var_os("PYTHONUNBUFFERED").is_none() {
             vars.push(("PYTHONUNBUFFERED", "1".to_string()));
         }
-        // Growable segments instead of fixed blocks: far less fragmentation in libtorch's CUDA
-        // caching allocator (a user's own setting passes through unchanged).
-        if std::env::var_os("PYTORCH_CUDA_ALLOC_CONF").is_none() {
-            vars.push((
-                "PYTORCH_CUDA_ALLOC_CONF",
-                DEFAULT_CUDA_ALLOC_CONF.to_string(),
-            ));
+        // Growable segments in libtorch's CUDA caching allocator (a user's own setting passes
+        // through unchanged).
+        if let Some((name, value)) =
+            common::env_contract::alloc_conf_default(|n| std::env::var_os(n).is_some())
+        {
+            vars.push((name, value.to_string()));
         }
         vars
     }
@@ -553,9 +552,6 @@ impl Plan {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// What `launch` sets `PYTORCH_CUDA_ALLOC_CONF` to when the user has not.
-pub const DEFAULT_CUDA_ALLOC_CONF: &str = "expandable_segments:True";
 
 /// The memory section of a plan: table lines and warnings (each one line).
 #[derive(Debug, Clone)]

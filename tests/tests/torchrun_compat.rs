@@ -85,6 +85,14 @@ fn worker_runs_under_torchrun() {
             "{stdout}"
         );
     }
+    // torchrun does not set the CUDA allocator's configuration: the worker does, itself.
+    assert_eq!(
+        stdout
+            .matches("PYTORCH_CUDA_ALLOC_CONF expandable_segments:True (set by the worker)")
+            .count(),
+        2,
+        "{stdout}"
+    );
     assert_eq!(
         stdout
             .matches("micro 96 x grad_accum 1 x world 2 = global 192")

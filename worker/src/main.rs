@@ -38,6 +38,8 @@ const EXIT_OUT_OF_MEMORY: u8 = worker::memory::EXIT_OUT_OF_MEMORY as u8;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Before anything starts CUDA or a thread: the allocator reads this once, at its start.
+    let alloc_conf_set = set_alloc_conf_default();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -55,7 +57,8 @@ fn main() -> ExitCode {
             default_hook(info);
         }
     }));
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&cli)));
+    let outcome =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&cli, alloc_conf_set)));
     let failure = match outcome {
         Ok(Ok(())) => return ExitCode::SUCCESS,
         Ok(Err(e)) => e,
@@ -69,6 +72,18 @@ fn main() -> ExitCode {
     // One line, the whole chain of context: what was being done and why it failed.
     eprintln!("worker: error: {text}");
     ExitCode::from(failure.code)
+}
+
+/// Sets `PYTORCH_CUDA_ALLOC_CONF` to the default `launch` gives its workers when the user set
+/// neither name (a worker started by torchrun gets it too); whether it did.
+fn set_alloc_conf_default() -> bool {
+    match common::env_contract::alloc_conf_default(|n| std::env::var_os(n).is_some()) {
+        Some((name, value)) => {
+            std::env::set_var(name, value);
+            true
+        }
+        None => false,
+    }
 }
 
 /// An error and the exit code it maps to: 2 for what the user gave us (environment, config,
@@ -92,7 +107,7 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
     }
 }
 
-fn run(cli: &Cli) -> Result<(), Failure> {
+fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
     let env = WorkerEnv::from_env()
         .context("reading the launch environment")
         .map_err(usage)?;
@@ -141,9 +156,15 @@ fn run(cli: &Cli) -> Result<(), Failure> {
         batch.derivation()
     );
     println!(
-        "device {device:?}, libtorch threads {}, OMP_NUM_THREADS {}",
+        "device {device:?}, libtorch threads {}, OMP_NUM_THREADS {}, PYTORCH_CUDA_ALLOC_CONF {}{}",
         tch::get_num_threads(),
-        std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "unset".into())
+        std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "unset".into()),
+        std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_else(|_| "unset".into()),
+        if alloc_conf_set {
+            " (set by the worker)"
+        } else {
+            ""
+        }
     );
 
     // The distributed runtime: rendezvous, then the collective, checked with one all-reduce.

@@ -538,7 +538,11 @@ pub fn oom_report(detail: &str) -> String {
             ));
         }
         let mut levers = estimate::other_levers(&f.config, &f.plan, &shape, kind);
-        if device.is_cuda() && std::env::var_os("PYTORCH_CUDA_ALLOC_CONF").is_none() {
+        let expandable = ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"]
+            .iter()
+            .filter_map(|n| std::env::var(n).ok())
+            .any(|v| v.contains("expandable_segments:True"));
+        if device.is_cuda() && !expandable {
             levers.push(
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)".into(),
             );

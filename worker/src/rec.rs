@@ -248,10 +248,14 @@ pub fn cached_text_features(
     ctx: OpContext,
 ) -> Result<TextFeatures, RecError> {
     crate::memory::enter(crate::memory::Phase::TextCaching);
-    // The same weights on every rank: one seed (or the file) for all.
+    // The same weights on every rank by construction: drawn from the CPU generator with one
+    // seed (or read from the file), then moved to the device. Drawn on each rank's GPU they
+    // would agree only if every GPU's generator gave the same numbers, and nothing broadcasts
+    // this encoder (it is not part of the trained model).
     tch::manual_seed(config.run.seed as i64);
-    let vs = nn::VarStore::new(device);
-    let gpt2 = build_gpt2(&vs, None, config, device)?;
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let gpt2 = build_gpt2(&vs, None, config, Device::Cpu)?;
+    vs.set_device(device);
     let tok = Tokenizer::new()?;
     let mut encode = |texts: &[String]| -> Result<Tensor, RecError> {
         let (rank, world) = (comm.rank(), comm.world_size());
