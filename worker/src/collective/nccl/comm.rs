@@ -1,9 +1,11 @@
 //! One NCCL communicator's life, as NCCL's fault-tolerance model wants it: created
 //! non-blocking (`blocking = 0`), so no NCCL call holds the calling thread; every operation then
 //! polled (`ncclCommGetAsyncError`, and the stream for completion) up to a deadline; aborted at
-//! most once, by its single owner, from the polling thread; torn down (finalize, destroy) with a
-//! deadline, aborting when it passes. There is no watchdog thread: nothing else can touch the
-//! communicator, so no lock is needed to keep the abort single — `&mut self` is the lock.
+//! most once, by its single owner, when an operation fails or misses its deadline; torn down
+//! (finalize, destroy) with a deadline, aborting when it passes. There is no watchdog thread:
+//! nothing else can touch the communicator, so no lock is needed to keep the abort single —
+//! `&mut self` is the lock. (The real abort runs on a helper thread with a time limit while the
+//! owner waits for it: `ncclCommAbort` joins NCCL's threads and can itself hang.)
 //!
 //! The NCCL and CUDA calls sit behind [`NcclApi`] so that tests stand in a fake; this module knows
 //! nothing about tensors (the backend in `super` does).
@@ -97,6 +99,30 @@ enum Life {
     Closed,
 }
 
+/// Polling that answers fast when the operation is fast: yields for the first millisecond (a
+/// small all-reduce finishes in microseconds), then sleeps `sleep` between looks.
+struct Backoff {
+    spin_until: Instant,
+    sleep: Duration,
+}
+
+impl Backoff {
+    fn new(sleep: Duration) -> Backoff {
+        Backoff {
+            spin_until: Instant::now() + Duration::from_millis(1),
+            sleep,
+        }
+    }
+
+    fn pause(&mut self) {
+        if Instant::now() < self.spin_until {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(self.sleep);
+        }
+    }
+}
+
 /// Teardown gets this long before the communicator is aborted instead.
 pub(crate) const TEARDOWN: Duration = Duration::from_secs(10);
 
@@ -132,9 +158,16 @@ impl<A: NcclApi> Communicator<A> {
             Status::ncclInProgress => self.settle(deadline)?,
             code => return Err(self.fail_nccl(code)),
         }
+        let mut wait = Backoff::new(Duration::from_micros(50));
         loop {
             match self.api.stream_done() {
-                Ok(true) => return Ok(()),
+                // One last look: an error NCCL raised while the kernels finished still counts.
+                Ok(true) => {
+                    return match self.api.async_state() {
+                        Status::ncclSuccess | Status::ncclInProgress => Ok(()),
+                        code => Err(self.fail_nccl(code)),
+                    }
+                }
                 Ok(false) => {}
                 Err((code, text)) => {
                     self.abort_once();
@@ -149,12 +182,13 @@ impl<A: NcclApi> Communicator<A> {
                 self.abort_once();
                 return Err(CommFailure::Timeout);
             }
-            std::thread::sleep(Duration::from_micros(50));
+            wait.pause();
         }
     }
 
     /// Polls the asynchronous state until it leaves `ncclInProgress`.
     fn settle(&mut self, deadline: Instant) -> Result<(), CommFailure> {
+        let mut wait = Backoff::new(Duration::from_micros(200));
         loop {
             match self.api.async_state() {
                 Status::ncclSuccess => return Ok(()),
@@ -165,7 +199,7 @@ impl<A: NcclApi> Communicator<A> {
                 self.abort_once();
                 return Err(CommFailure::Timeout);
             }
-            std::thread::sleep(Duration::from_micros(200));
+            wait.pause();
         }
     }
 
@@ -382,6 +416,25 @@ mod tests {
             failure,
             CommFailure::Nccl {
                 code: Status::ncclSystemError,
+                ..
+            }
+        ));
+        drop(comm);
+        assert_eq!(log.lock().unwrap().aborts, 1);
+    }
+
+    #[test]
+    fn an_error_raised_as_the_kernels_finish_still_fails_the_operation() {
+        let log = Arc::new(Mutex::new(Log::default()));
+        let mut fake = Fake::new(&log);
+        fake.pending = 0;
+        let mut comm = Communicator::init(fake, soon()).unwrap();
+        comm.api.settled = Status::ncclRemoteError;
+        let failure = comm.run(&CALL, soon()).unwrap_err();
+        assert!(matches!(
+            failure,
+            CommFailure::Nccl {
+                code: Status::ncclRemoteError,
                 ..
             }
         ));

@@ -22,8 +22,9 @@ use crate::cuda_runtime::CudaRuntime;
 use crate::store::StoreClient;
 use comm::{Call, CommFailure, Communicator, NcclApi};
 
-/// The oldest NCCL with non-blocking communicators (`ncclCommInitRankConfig`, `blocking = 0`).
-const MIN_VERSION: (i32, i32) = (2, 14);
+/// The oldest NCCL we accept: non-blocking communicators arrived in 2.14 as experimental, and
+/// their abort and teardown were fixed up to 2.19 (PyTorch draws the same line).
+const MIN_VERSION: (i32, i32) = (2, 19);
 
 /// Checks that NCCL can be loaded and is recent enough, before anything touches `cudarc`
 /// (which panics on a missing library or symbol).
@@ -81,14 +82,24 @@ fn nccl_last_error() -> String {
     c_text(unsafe { sys::ncclGetLastError(std::ptr::null_mut()) })
 }
 
-/// A real communicator, created non-blocking.
+/// A real communicator, created non-blocking, on CUDA device `device`.
 struct RawComm {
     comm: sys::ncclComm_t,
+    device: usize,
     runtime: CudaRuntime,
 }
 
+/// How long `ncclCommAbort` may take (it joins NCCL's threads, which can hang when a peer's
+/// node is in a bad state) before the process gives up on it and exits.
+const ABORT_LIMIT: Duration = Duration::from_secs(10);
+
 // SAFETY: the handle is used by its single owner, one thread at a time (`&mut self`).
 unsafe impl Send for RawComm {}
+
+/// The handle, moved to the abort thread while the owner waits for it.
+struct CommHandle(sys::ncclComm_t);
+// SAFETY: only the abort thread uses it, while the owner is blocked waiting.
+unsafe impl Send for CommHandle {}
 
 /// NCCL's `NCCL_CONFIG_INITIALIZER` for the 2.28 layout cudarc binds, with `blocking = 0`.
 fn nonblocking_config() -> sys::ncclConfig_t {
@@ -116,6 +127,11 @@ fn nonblocking_config() -> sys::ncclConfig_t {
 
 impl NcclApi for RawComm {
     fn launch(&mut self, call: &Call) -> sys::ncclResult_t {
+        // The null stream and the stream queries that follow are those of the calling thread's
+        // current device: make it ours (the collective may have moved to another thread).
+        if self.runtime.set_device(self.device).is_err() {
+            return sys::ncclResult_t::ncclUnhandledCudaError;
+        }
         let stream = std::ptr::null_mut();
         // SAFETY: the buffers are contiguous device memory of the sizes given (see the callers),
         // the communicator is live (the owner never launches after an abort).
@@ -174,8 +190,36 @@ impl NcclApi for RawComm {
     }
 
     fn abort(&mut self) {
-        // SAFETY: called once by the owner; the handle is never used afterwards.
-        unsafe { sys::ncclCommAbort(self.comm) };
+        // On a helper thread with a limit, so that an abort that hangs cannot hold this rank
+        // forever; the owner waits for it, so nothing else touches the communicator meanwhile.
+        let comm = CommHandle(self.comm);
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("nccl-abort".into())
+            .spawn(move || {
+                let comm = comm;
+                // SAFETY: called once by the owner; the handle is never used afterwards.
+                unsafe { sys::ncclCommAbort(comm.0) };
+                let _ = done_tx.send(());
+            });
+        let finished = match spawned {
+            Ok(_) => done_rx.recv_timeout(ABORT_LIMIT).is_ok(),
+            Err(_) => {
+                // SAFETY: as above, on this thread since no helper could start.
+                unsafe { sys::ncclCommAbort(self.comm) };
+                true
+            }
+        };
+        if !finished {
+            eprintln!(
+                "worker: error: ncclCommAbort on cuda:{} did not return within {} s; exiting without further clean-up",
+                self.device,
+                ABORT_LIMIT.as_secs()
+            );
+            // Not `exit`: its handlers would wait for CUDA, which waits for the stuck abort.
+            // SAFETY: ends the process at once.
+            unsafe { libc::_exit(1) };
+        }
     }
 
     fn last_error(&self) -> String {
@@ -218,11 +262,9 @@ impl NcclCollective {
         let r = unsafe {
             sys::ncclCommInitRankConfig(&mut raw, world as i32, id, rank as i32, &mut config)
         };
-        if !matches!(
-            r,
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-        ) || raw.is_null()
-        {
+        // A handle came back even when init already failed (NCCL returns the communicator's
+        // state): the owner below sees the error and aborts it once, so nothing leaks.
+        if raw.is_null() {
             return Err(setup(format!(
                 "ncclCommInitRankConfig (rank {rank} of {world}) failed: {}",
                 CommFailure::Nccl {
@@ -231,7 +273,12 @@ impl NcclCollective {
                 }
             )));
         }
-        let comm = Communicator::init(RawComm { comm: raw, runtime }, deadline).map_err(|f| {
+        let raw = RawComm {
+            comm: raw,
+            device,
+            runtime,
+        };
+        let comm = Communicator::init(raw, deadline).map_err(|f| {
             setup(match f {
                 CommFailure::Timeout => format!(
                     "NCCL communicator (rank {rank} of {world}) not ready within {:.1} s: a rank did not join",
@@ -250,10 +297,11 @@ impl NcclCollective {
         })
     }
 
-    fn check(&self, op: &'static str) -> Result<(), CollectiveError> {
+    fn check(&self, op: &'static str, ctx: OpContext) -> Result<(), CollectiveError> {
         if !self.comm.is_live() {
-            return Err(CollectiveError::Unsupported {
+            return Err(CollectiveError::Failed {
                 op,
+                step: ctx.step,
                 detail: CommFailure::Aborted.to_string(),
             });
         }
@@ -372,7 +420,7 @@ impl Collective for NcclCollective {
         op: ReduceOp,
         ctx: OpContext,
     ) -> Result<(), CollectiveError> {
-        self.check("all_reduce")?;
+        self.check("all_reduce", ctx)?;
         if tensors.is_empty() {
             return Ok(());
         }
@@ -413,7 +461,7 @@ impl Collective for NcclCollective {
         root: usize,
         ctx: OpContext,
     ) -> Result<(), CollectiveError> {
-        self.check("broadcast")?;
+        self.check("broadcast", ctx)?;
         let deadline = Instant::now() + ctx.timeout;
         for t in tensors.iter_mut() {
             self.seq += 1;
@@ -437,7 +485,7 @@ impl Collective for NcclCollective {
         tensor: &Tensor,
         ctx: OpContext,
     ) -> Result<Vec<Tensor>, CollectiveError> {
-        self.check("all_gather")?;
+        self.check("all_gather", ctx)?;
         let deadline = Instant::now() + ctx.timeout;
         self.seq += 1;
         let mine = self.on_device(tensor)?;
