@@ -499,19 +499,7 @@ pub fn estimate(
             detail: format!("2 x one bucket (dist.bucket_mb {})", config.dist.bucket_mb),
         });
     }
-    let nccl = config.dist.backend != crate::config::Backend::Tcp;
-    if cuda && nccl && plan.world_size > 1 {
-        terms.push(MemoryTerm {
-            name: NCCL_TERM,
-            bytes: NCCL_CHANNELS * 2 * NCCL_CONNECTION_BYTES + NCCL_NVLS_BYTES,
-            phase: Phase::Always,
-            detail: format!(
-                "{NCCL_CHANNELS} channels x 2 connections x {} + NVLS {} (outside the caching allocator)",
-                mib_text(NCCL_CONNECTION_BYTES),
-                mib_text(NCCL_NVLS_BYTES)
-            ),
-        });
-    }
+    terms.extend(nccl_buffers(config, plan, device));
     if bf16 && gpt2_params > 0 {
         terms.push(MemoryTerm {
             name: "bf16 weight copies",
@@ -663,6 +651,21 @@ pub fn estimate(
         plan: *plan,
         terms,
     }
+}
+
+/// NCCL's own buffers, when more than one rank reduces through NCCL on GPUs.
+fn nccl_buffers(config: &Config, plan: &BatchPlan, device: DeviceKind) -> Option<MemoryTerm> {
+    let nccl = config.dist.backend != crate::config::Backend::Tcp;
+    (device == DeviceKind::Cuda && nccl && plan.world_size > 1).then(|| MemoryTerm {
+        name: NCCL_TERM,
+        bytes: NCCL_CHANNELS * 2 * NCCL_CONNECTION_BYTES + NCCL_NVLS_BYTES,
+        phase: Phase::Always,
+        detail: format!(
+            "{NCCL_CHANNELS} channels x 2 connections x {} + NVLS {} (outside the caching allocator)",
+            mib_text(NCCL_CONNECTION_BYTES),
+            mib_text(NCCL_NVLS_BYTES)
+        ),
+    })
 }
 
 /// Rows of text the worker encodes at once while caching features (worker `rec::CACHE_ROWS`).
