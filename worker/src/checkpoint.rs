@@ -76,6 +76,11 @@ pub struct TrainState {
     /// Training ended early (patience ran out): a resume goes straight to the test evaluation.
     #[serde(default)]
     pub stopped_early: bool,
+    /// The learning-rate schedule's length in optimizer steps, fixed at the run's first start
+    /// (a resume with another world size can change the steps per epoch by one; the schedule
+    /// keeps its length). Absent in checkpoints of older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule_steps: Option<u64>,
 }
 
 /// The best validation evaluation of a run.
@@ -92,7 +97,8 @@ pub struct BestRecord {
 }
 
 /// Writes checkpoint `step` under `dir` atomically, points `latest` at it and keeps the newest
-/// `keep` checkpoints. Returns its directory.
+/// `keep` checkpoints. Returns its directory. On failure (a full disk) the temporary directory
+/// is removed again: nothing half-written stays behind.
 pub fn save(
     dir: &Path,
     model: &[(String, Tensor)],
@@ -103,10 +109,29 @@ pub fn save(
     fs::create_dir_all(dir).map_err(io_err(dir))?;
     let name = format!("step-{:06}", state.step);
     let tmp = dir.join(format!(".tmp-{name}-{}", std::process::id()));
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+    let written = write_into(dir, &tmp, &name, model, optimizer, state);
+    if written.is_err() {
+        let _ = fs::remove_dir_all(&tmp);
+        let _ = fs::remove_file(dir.join(format!(".{LATEST}.tmp")));
     }
-    fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+    let final_dir = written?;
+    prune(dir, keep, state.step)?;
+    Ok(final_dir)
+}
+
+/// [`save`]'s work: the files into `tmp`, then `tmp` renamed into place and `latest` updated.
+fn write_into(
+    dir: &Path,
+    tmp: &Path,
+    name: &str,
+    model: &[(String, Tensor)],
+    optimizer: &[(String, Tensor)],
+    state: &TrainState,
+) -> Result<PathBuf, CheckpointError> {
+    if tmp.exists() {
+        fs::remove_dir_all(tmp).map_err(io_err(tmp))?;
+    }
+    fs::create_dir_all(tmp).map_err(io_err(tmp))?;
     let mut state = state.clone();
     for (file, tensors) in [(MODEL_FILE, model), (OPTIMIZER_FILE, optimizer)] {
         let path = tmp.join(file);
@@ -123,8 +148,8 @@ pub fn save(
         detail: e.to_string(),
     })?;
     write_synced(&state_path, &json)?;
-    sync_dir(&tmp)?;
-    let final_dir = dir.join(&name);
+    sync_dir(tmp)?;
+    let final_dir = dir.join(name);
     // Replacing a checkpoint of the same step: move the old one aside first, so that a crash
     // at any moment leaves one complete copy.
     let aside = dir.join(format!(".old-{name}-{}", std::process::id()));
@@ -132,7 +157,7 @@ pub fn save(
     if replaced {
         fs::rename(&final_dir, &aside).map_err(io_err(&final_dir))?;
     }
-    fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
+    fs::rename(tmp, &final_dir).map_err(io_err(&final_dir))?;
     sync_dir(dir)?;
     if replaced {
         fs::remove_dir_all(&aside).map_err(io_err(&aside))?;
@@ -142,7 +167,6 @@ pub fn save(
     write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
     fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io_err(dir))?;
     sync_dir(dir)?;
-    prune(dir, keep)?;
     Ok(final_dir)
 }
 
@@ -163,6 +187,13 @@ pub fn find_latest(
         if let Some(pos) = candidates.iter().position(|c| *c == named) {
             let first = candidates.remove(pos);
             candidates.insert(0, first);
+        } else {
+            // Reported, not silently replaced by whatever else is there.
+            skipped.push(format!(
+                "{}: names {}, which does not exist",
+                dir.join(LATEST).display(),
+                latest.trim()
+            ));
         }
     }
     for candidate in candidates {
@@ -244,11 +275,16 @@ fn step_dirs(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     Ok(dirs)
 }
 
-/// Keeps the newest `keep` checkpoints (at least the one just written).
-fn prune(dir: &Path, keep: usize) -> Result<(), CheckpointError> {
-    let dirs = step_dirs(dir)?;
-    let excess = dirs.len().saturating_sub(keep.max(1));
-    for old in &dirs[..excess] {
+/// Keeps the checkpoint of `current` (just written) and the `keep - 1` newest below it; older
+/// ones go. Directories above `current` are not this run's to delete (the trainer moves them
+/// aside when it starts), so pruning leaves them alone.
+fn prune(dir: &Path, keep: usize, current: u64) -> Result<(), CheckpointError> {
+    let older: Vec<PathBuf> = step_dirs(dir)?
+        .into_iter()
+        .filter(|p| step_of(p).is_some_and(|s| s < current))
+        .collect();
+    let excess = older.len().saturating_sub(keep.max(1) - 1);
+    for old in &older[..excess] {
         fs::remove_dir_all(old).map_err(io_err(old))?;
     }
     Ok(())
@@ -298,6 +334,7 @@ mod tests {
             files: Default::default(),
             best: None,
             evals_since_best: 0,
+            schedule_steps: None,
             stopped_early: false,
         }
     }
@@ -402,6 +439,64 @@ mod tests {
         let (_, st) = find_latest(dir.path(), &mut skipped).unwrap().unwrap();
         assert_eq!(st.step, 5);
         assert!(skipped.is_empty());
+    }
+
+    #[test]
+    fn pruning_never_removes_what_was_just_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path();
+        // An earlier run's higher steps (the trainer sets them aside; pruning must not pick
+        // the new ones over them).
+        save(ck, &tensors(9.0), &tensors(9.0), &state(464), 2).unwrap();
+        for step in [50, 100, 150] {
+            save(ck, &tensors(1.0), &tensors(1.0), &state(step), 2).unwrap();
+        }
+        let mut names: Vec<String> = fs::read_dir(ck)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        names.sort();
+        assert_eq!(names, ["step-000100", "step-000150", "step-000464"]);
+        assert_eq!(
+            fs::read_to_string(ck.join(LATEST)).unwrap(),
+            "step-000150\n"
+        );
+    }
+
+    #[test]
+    fn a_latest_naming_a_missing_directory_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path();
+        save(ck, &tensors(1.0), &tensors(1.0), &state(100), 3).unwrap();
+        fs::write(ck.join(LATEST), "step-000232\n").unwrap();
+        let mut skipped = Vec::new();
+        let (path, _) = find_latest(ck, &mut skipped).unwrap().unwrap();
+        assert!(path.ends_with("step-000100"));
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
+        assert!(
+            skipped[0].contains("names step-000232, which does not exist"),
+            "{skipped:?}"
+        );
+    }
+
+    #[test]
+    fn a_failed_write_leaves_no_temporary_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        fs::create_dir_all(&ck).unwrap();
+        // A tensor libtorch cannot write as safetensors fails the write half-way.
+        let bad = vec![(
+            "x".to_string(),
+            Tensor::from_slice(&[1i64]).view([1]).expand([3], false),
+        )];
+        // (safetensors refuses a non-contiguous tensor after the directory was made)
+        assert!(save(&ck, &bad, &[], &state(7), 2).is_err());
+        let left: Vec<String> = fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]

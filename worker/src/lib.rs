@@ -1,6 +1,7 @@
 //! The worker library: everything one data-parallel training process needs — rendezvous
 //! (`store`), collectives (`collective`: `tcp`, `nccl`), the DDP engine (`ddp`), the sharded
-//! sampler (`sampler`), the optimizer (`optim`) and checkpoints (`checkpoint`). Each module owns
+//! sampler (`sampler`), the optimizer (`optim`), checkpoints (`checkpoint`) and the run
+//! directory's integrity (`run_dir`). Each module owns
 //! one concern; none of them knows the recommender model (the engine works on any `tch` model).
 
 pub mod checkpoint;
@@ -13,6 +14,7 @@ pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod rec;
+pub mod run_dir;
 pub mod sampler;
 pub mod store;
 pub mod train;

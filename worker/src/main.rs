@@ -123,6 +123,17 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
         .map_err(usage)?;
     let device = pick_device(&env).map_err(usage)?;
     let leader = env.rank == 0;
+    // One run per run directory: rank 0 (the only writer) holds it until the process ends,
+    // taken before anything is written or anyone connects.
+    let run_dir = config.run.output_dir.join(&config.run.name);
+    let _run_lock = if leader {
+        Some(
+            worker::run_dir::lock(&run_dir, &worker::store::run_fingerprint(&env.run_id))
+                .map_err(|e| usage(e.into()))?,
+        )
+    } else {
+        None
+    };
     if config.train.bf16 && !device.is_cuda() && leader {
         tracing::warn!("train.bf16 applies to CUDA only; this run is on the CPU and stays in f32");
     }
@@ -216,7 +227,6 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
             config.data.min_rating
         );
     }
-    let run_dir = config.run.output_dir.join(&config.run.name);
     let ks = &config.eval.topk;
     let users_at_once = config.eval.batch_users;
     let pop_valid =
@@ -228,8 +238,14 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
 
     if config.model.kind == ModelKind::Pop {
         if leader {
-            std::fs::create_dir_all(&run_dir)
-                .with_context(|| format!("creating {}", run_dir.display()))?;
+            // The results of an earlier run here are not this one's: moved aside, not lost.
+            if let Some((to, moved)) = worker::run_dir::set_aside(&run_dir, 0, None)? {
+                info!(
+                    "moved {} of an earlier run to {}",
+                    moved.join(", "),
+                    to.display()
+                );
+            }
             let path = run_dir.join("config.resolved.toml");
             std::fs::write(&path, config.to_toml()?)
                 .with_context(|| format!("writing {}", path.display()))?;
@@ -374,15 +390,9 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
             "estimated_peak_mib": mib(estimate.peak_bytes()),
             "world_size": env.world_size,
         });
-        let path = run_dir.join("metrics.jsonl");
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(&path)
-        {
-            use std::io::Write as _;
-            let _ = writeln!(f, "{summary}");
-        }
+        worker::run_dir::MetricsLog::open(&run_dir.join("metrics.jsonl"))
+            .and_then(|mut log| log.append(&summary))
+            .context("writing the summary record")?;
         println!(
             "summary: {} steps, {} epoch(s){}, last loss {}, {:.0} samples/s, {} s/epoch, peak RSS per rank [{}] MiB",
             report.steps,

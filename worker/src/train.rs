@@ -7,7 +7,6 @@
 //! the end. It works on any [`Task`] — a model plus a loss over a batch of sample indices — and
 //! must not know what the model is.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -104,6 +103,8 @@ pub enum TrainError {
     Collective(#[from] CollectiveError),
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
+    #[error(transparent)]
+    RunDir(#[from] crate::run_dir::RunDirError),
     #[error("resume: {0}")]
     Resume(String),
     #[error("{0}")]
@@ -221,13 +222,13 @@ pub fn train(
         )));
     }
     let epochs = u64::from(config.train.epochs);
-    let total_steps = epochs * steps_per_epoch;
+    let mut total_steps = epochs * steps_per_epoch;
     let peak_lr = if config.train.scale_lr_with_world {
         config.train.lr * world as f64
     } else {
         config.train.lr
     };
-    let schedule = LrSchedule {
+    let mut schedule = LrSchedule {
         peak_lr,
         warmup_steps: config.train.warmup_steps,
         total_steps,
@@ -246,6 +247,9 @@ pub fn train(
     let checkpoints = setup.run_dir.join("checkpoints");
     let mut loaded: Option<(NamedTensors, NamedTensors)> = None;
     let decision = if leader {
+        for line in crate::run_dir::clean_temporaries(&checkpoints) {
+            info!("checkpoints: {line}");
+        }
         let mut decision = resume_decision(config, &checkpoints, task.model_hash(), batch, world);
         if let (Some(path), None) = (&decision.path, &decision.error) {
             match checkpoint::load(Path::new(path)) {
@@ -287,6 +291,7 @@ pub fn train(
         best: None,
         evals_since_best: 0,
         stopped_early: false,
+        schedule_steps: Some(total_steps),
     };
     let resumed_from = decision.path.clone().map(PathBuf::from);
     if let (Some(path), Some(state)) = (&resumed_from, decision.state) {
@@ -310,10 +315,23 @@ pub fn train(
                 state.step,
                 state.world_size
             );
+            if state.world_size != world as u64 {
+                warn!(
+                    "resuming with world {world} from a checkpoint of world {}: the run continues with the same global batch and learning-rate schedule ({} steps), but not bit-exactly (each rank's share of the data and the order of the sums change)",
+                    state.world_size,
+                    state.schedule_steps.unwrap_or(total_steps)
+                );
+            }
         }
         memory::update(|f| f.last_checkpoint = Some(path.display().to_string()));
         memory::set_step(state.step);
-        start = state;
+        // The schedule keeps the length it started with (older checkpoints: as computed now).
+        total_steps = state.schedule_steps.unwrap_or(total_steps);
+        schedule.total_steps = total_steps;
+        start = TrainState {
+            schedule_steps: Some(total_steps),
+            ..state
+        };
     }
 
     if leader {
@@ -323,8 +341,7 @@ pub fn train(
             .map_err(|e| TrainError::Plan(e.to_string()))?;
         let path = setup.run_dir.join("config.resolved.toml");
         std::fs::write(&path, resolved).map_err(|e| io(&path, e))?;
-        // Steps logged after the checkpoint we resume from will be run again: drop them.
-        keep_metrics_up_to(&setup.run_dir.join("metrics.jsonl"), start.step)?;
+        own_the_run_dir(&setup.run_dir, &start, resumed_from.is_some())?;
     }
 
     // Early-stopping bookkeeping travels in every checkpoint.
@@ -367,14 +384,9 @@ pub fn train(
     let mut epochs_done = start.epoch;
     let log_every = (steps_per_epoch / 10).max(1);
     let mut metrics = if leader {
-        let path = setup.run_dir.join("metrics.jsonl");
-        Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&path)
-                .map_err(|e| io(&path, e))?,
-        )
+        Some(crate::run_dir::MetricsLog::open(
+            &setup.run_dir.join("metrics.jsonl"),
+        )?)
     } else {
         None
     };
@@ -451,9 +463,7 @@ pub fn train(
                     peak_mem_mib: peak.map(|(_, b)| mib(b)),
                     peak_mem_rank: peak.map(|(r, _)| r),
                 };
-                if let Ok(line) = serde_json::to_string(&record) {
-                    let _ = writeln!(file, "{line}");
-                }
+                file.append(&record)?;
                 let elapsed = train_start.elapsed().as_secs_f64();
                 let rate = (steps_run * batch.global) as f64 / elapsed.max(1e-9);
                 if let Some(bar) = bar.as_mut() {
@@ -464,7 +474,7 @@ pub fn train(
                         stats.loss
                     ));
                 } else if log_now {
-                    let eta = elapsed / steps_run as f64 * (total_steps - step) as f64;
+                    let eta = elapsed / steps_run as f64 * total_steps.saturating_sub(step) as f64;
                     let (peak_rank, peak_bytes) = peak.unwrap_or_default();
                     info!(
                         "epoch {}/{epochs} step {step}/{total_steps} loss {:.6} lr {lr:.3e} grad_norm {:.4} {rate:.0} samples/s {:.1} ms/step, peak mem {:.0} MiB (rank {peak_rank}) ETA {}",
@@ -514,8 +524,7 @@ pub fn train(
                 let value = m.get(&metric).unwrap_or(f64::NAN);
                 let improved = progress.best.as_ref().is_none_or(|b| value > b.value);
                 if let Some(file) = metrics.as_mut() {
-                    let record = eval_record("valid", epochs_done, step, &m, secs);
-                    let _ = writeln!(file, "{record}");
+                    file.append(&eval_record("valid", epochs_done, step, &m, secs))?;
                 }
                 if improved {
                     let previous = progress.best.replace(BestRecord {
@@ -630,8 +639,13 @@ pub fn train(
     };
     if let (Some(m), Some(file)) = (&test, metrics.as_mut()) {
         let epoch = progress.best.as_ref().map_or(epochs_done, |b| b.epoch);
-        let record = eval_record("test", epoch, step, m, t0.elapsed().as_secs_f64());
-        let _ = writeln!(file, "{record}");
+        file.append(&eval_record(
+            "test",
+            epoch,
+            step,
+            m,
+            t0.elapsed().as_secs_f64(),
+        ))?;
     }
 
     // Peak memory of every rank, for the report.
@@ -740,7 +754,12 @@ fn save_checkpoint(
     if ddp.rank() == 0 {
         match checkpoint::save(dir, &ddp.named_variables(), optimizer_state, &state, keep) {
             Ok(path) => info!("checkpoint {}", path.display()),
-            Err(e) => failure = Some(e),
+            Err(e) => {
+                failure = Some(TrainError::Plan(format!(
+                    "writing the checkpoint of step {}: {e}",
+                    state.step
+                )))
+            }
         }
     }
     let mut flag = [Tensor::from_slice(&[if failure.is_some() {
@@ -751,11 +770,16 @@ fn save_checkpoint(
     ddp.comm()
         .all_reduce(&mut flag, crate::collective::ReduceOp::Sum, ctx)?;
     match failure {
-        Some(e) => Err(e.into()),
-        None if flag[0].f_double_value(&[0])? > 0.0 => Err(TrainError::Plan(format!(
-            "rank 0 could not write the checkpoint of step {} (see its message)",
-            state.step
-        ))),
+        Some(e) => Err(e),
+        None if flag[0].f_double_value(&[0])? > 0.0 => {
+            // Rank 0 has the real error: let it fail first, so the launcher names it as the
+            // root cause and stops this rank; give up on our own only if nobody does.
+            std::thread::sleep(LEADER_FAILS_FIRST);
+            Err(TrainError::Plan(format!(
+                "rank 0 could not write the checkpoint of step {} (see its message)",
+                state.step
+            )))
+        }
         None => Ok(()),
     }
 }
@@ -788,7 +812,7 @@ fn resume_decision(
         checkpoint::find_latest(&dir, &mut skipped)
     };
     for why in &skipped {
-        warn!("skipping incomplete checkpoint: {why}");
+        warn!("skipping checkpoint: {why}");
     }
     let fail = |error: String| ResumeDecision {
         error: Some(error),
@@ -799,7 +823,16 @@ fn resume_decision(
         Ok(None) if explicit => fail(format!(
             "checkpoint.resume = {setting:?}: no complete checkpoint there"
         )),
-        Ok(None) => ResumeDecision::default(),
+        Ok(None) => {
+            if !skipped.is_empty() {
+                warn!(
+                    "no usable checkpoint in {} ({} unusable, listed above): starting from step 0",
+                    dir.display(),
+                    skipped.len()
+                );
+            }
+            ResumeDecision::default()
+        }
         Ok(Some((path, state))) => {
             if state.model_hash != model_hash {
                 return fail(format!(
@@ -869,6 +902,9 @@ fn load_params(params: &[(String, Tensor)], saved: &[(String, Tensor)]) -> Resul
 /// Describes how the run's random numbers are made (recorded in `state.json`).
 const RNG_SCHEME: &str = "torch generator reseeded before every optimizer step from (run.seed, step, rank); sampler order from (run.seed, epoch)";
 
+/// How long the other ranks wait for rank 0 to exit after it failed to write a checkpoint.
+const LEADER_FAILS_FIRST: Duration = Duration::from_secs(30);
+
 /// Waits on rank 0's file work (checkpoints) get at least this long.
 const SLOW_WORK_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -896,27 +932,36 @@ fn step_seed(seed: u64, step: u64, rank: usize) -> i64 {
     ((x ^ (x >> 31)) >> 1) as i64
 }
 
-/// Keeps the lines of `metrics.jsonl` whose step is at most `step` (all when `step` is 0 and
-/// the file is new).
-fn keep_metrics_up_to(path: &Path, step: u64) -> Result<(), TrainError> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(());
-    };
-    let kept: Vec<&str> = text
-        .lines()
-        .filter(|line| {
-            serde_json::from_str::<serde_json::Value>(line)
-                .ok()
-                .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                .is_none_or(|s| s <= step)
-        })
-        .collect();
-    if kept.len() != text.lines().count() {
-        let mut out = kept.join("\n");
-        if !out.is_empty() {
-            out.push('\n');
-        }
-        std::fs::write(path, out).map_err(|e| io(path, e))?;
+/// Rank 0, once the start is known: moves aside what this run does not own (checkpoints above
+/// its start, a best model its state does not name, an earlier run's metrics on a fresh start),
+/// points `latest` at the checkpoint it resumed from, and cuts `metrics.jsonl` back to the
+/// records up to the start (whole lines only).
+fn own_the_run_dir(run_dir: &Path, start: &TrainState, resumed: bool) -> Result<(), TrainError> {
+    let best_step = start.best.as_ref().map(|b| b.step);
+    if let Some((to, moved)) = crate::run_dir::set_aside(run_dir, start.step, best_step)? {
+        warn!(
+            "moved {} to {}: {} (nothing was deleted)",
+            moved.join(", "),
+            to.display(),
+            if resumed {
+                format!(
+                    "written after step {}, which this run resumes from",
+                    start.step
+                )
+            } else {
+                "left by an earlier run; this one starts from step 0".to_string()
+            }
+        );
+    }
+    if resumed {
+        crate::run_dir::point_latest(&run_dir.join("checkpoints"), start.step)?;
+    }
+    let dropped = crate::run_dir::repair_metrics(&run_dir.join("metrics.jsonl"), start.step)?;
+    if dropped > 0 {
+        info!(
+            "metrics.jsonl: dropped {dropped} record(s) after step {} or incomplete",
+            start.step
+        );
     }
     Ok(())
 }

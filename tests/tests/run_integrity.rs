@@ -1,0 +1,341 @@
+//! A run owns what it reports and loses no file it wrote: real `launch` runs of tiny BPR on
+//! loopback, in run directories that earlier runs left behind, two at once, killed mid-record,
+//! on a full disk, with every checkpoint damaged, and resumed with another world size.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::Value;
+use support::*;
+
+const T: Duration = Duration::from_secs(300);
+
+/// `launch -n NPROC configs/default.toml` on tiny BPR in `out/NAME`, with extra `--set`s.
+fn run_args(nproc: u32, out: &Path, name: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--num-processes",
+        &nproc.to_string(),
+        "--master-port",
+        "0",
+        "configs/default.toml",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(tiny_bpr_sets(out));
+    args.push("--set".into());
+    args.push(format!("run.name={name:?}"));
+    for e in extra {
+        args.push("--set".into());
+        args.push(e.to_string());
+    }
+    args
+}
+
+fn run(nproc: u32, out: &Path, name: &str, extra: &[&str], env: &[(&str, &str)]) -> Output {
+    let args = run_args(nproc, out, name, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut cmd = launch_cmd(&args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    wait_output(cmd.spawn().expect("start launch"), T)
+}
+
+/// Every line of `metrics.jsonl`, each of which must be a JSON object.
+fn records(run_dir: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
+    assert!(
+        text.is_empty() || text.ends_with('\n'),
+        "unterminated: {text}"
+    );
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l:?}")))
+        .collect()
+}
+
+fn tests_of(records: &[Value]) -> Vec<&Value> {
+    records
+        .iter()
+        .filter(|r| r["kind"] == "eval" && r["split"] == "test")
+        .collect()
+}
+
+fn steps_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("step-"))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// The test metrics line without its timing.
+fn test_metrics(run_dir: &Path) -> Value {
+    let recs = records(run_dir);
+    let tests = tests_of(&recs);
+    assert_eq!(tests.len(), 1, "{recs:?}");
+    let mut t = tests[0].clone();
+    t.as_object_mut().unwrap().remove("seconds");
+    t
+}
+
+/// A fresh run (`checkpoint.resume = "never"`) in a directory an earlier, longer run left:
+/// it keeps its own checkpoints, `latest` names one of them, the earlier run's files are moved
+/// aside (not deleted), and its test line is its own — equal to the same run in an empty
+/// directory. The next automatic resume continues this run, not the earlier one.
+#[test]
+fn a_fresh_run_in_an_old_run_dir_reports_only_its_own_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path();
+    let keep = ["checkpoint.every_n_steps=20", "checkpoint.keep=3"];
+    let a = run(2, out, "r", &[&["train.epochs=3"][..], &keep].concat(), &[]);
+    assert_eq!(a.code(), Some(0), "{}", a.stderr);
+    let run_dir = out.join("r");
+    let a_steps = steps_in(&run_dir.join("checkpoints"));
+    let a_last = a_steps.last().cloned().unwrap();
+
+    let fresh = [
+        &["checkpoint.resume=\"never\"", "train.epochs=1"][..],
+        &keep,
+    ]
+    .concat();
+    let b = run(2, out, "r", &fresh, &[]);
+    assert_eq!(b.code(), Some(0), "{}", b.stderr);
+    assert!(b.stderr.contains("left by an earlier run"), "{}", b.stderr);
+    let b_steps = steps_in(&run_dir.join("checkpoints"));
+    assert!(!b_steps.contains(&a_last), "{b_steps:?}");
+    assert!(!b_steps.is_empty(), "the new run's checkpoints were pruned");
+    let latest = std::fs::read_to_string(run_dir.join("checkpoints/latest")).unwrap();
+    assert!(
+        run_dir.join("checkpoints").join(latest.trim()).is_dir(),
+        "{latest}"
+    );
+    let superseded: Vec<PathBuf> = std::fs::read_dir(run_dir.join("superseded"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(superseded.len(), 1);
+    assert!(superseded[0].join("checkpoints").join(&a_last).is_dir());
+    assert!(superseded[0].join("metrics.jsonl").is_file());
+
+    // The same run in an empty directory gives the same test line.
+    let c = run(2, out, "clean", &fresh, &[]);
+    assert_eq!(c.code(), Some(0), "{}", c.stderr);
+    assert_eq!(test_metrics(&run_dir), test_metrics(&out.join("clean")));
+
+    // Resuming picks up this run's end, not the earlier run's.
+    let d = run(2, out, "r", &[&["train.epochs=1"][..], &keep].concat(), &[]);
+    assert_eq!(d.code(), Some(0), "{}", d.stderr);
+    assert!(
+        d.stderr.contains(&format!(
+            "resuming from {}",
+            run_dir.join("checkpoints").join(latest.trim()).display()
+        )),
+        "{}",
+        d.stderr
+    );
+    // A finished run resumed writes no second test or summary record.
+    let recs = records(&run_dir);
+    assert_eq!(tests_of(&recs).len(), 1);
+    assert_eq!(recs.iter().filter(|r| r["kind"] == "summary").count(), 1);
+}
+
+/// A second run in a run directory that is in use refuses before writing anything, naming the
+/// holder; the first goes on undisturbed.
+#[test]
+fn a_second_run_in_a_busy_run_dir_refuses_and_names_the_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path();
+    let args = run_args(1, out, "busy", &["train.epochs=400", "eval.patience=0"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let first = Live::new(launch_cmd(&args).spawn().unwrap());
+    first.wait_stderr("epoch 1/400 done", Duration::from_secs(120));
+    let before = std::fs::read_to_string(out.join("busy/metrics.jsonl")).unwrap();
+
+    let second = run(1, out, "busy", &["train.epochs=1"], &[]);
+    assert_eq!(second.code(), Some(2), "{}", second.stderr);
+    let line = second
+        .stderr
+        .lines()
+        .find(|l| l.contains("is in use by"))
+        .unwrap_or_else(|| panic!("{}", second.stderr));
+    assert!(
+        line.contains(&format!("run directory {}", out.join("busy").display())),
+        "{line}"
+    );
+    assert!(
+        line.contains("pid ") && line.contains(" since ") && line.contains("run sha256:"),
+        "{line}"
+    );
+    assert!(line.contains("another run.name"), "{line}");
+    assert!(
+        !out.join("busy/superseded").exists(),
+        "the second run moved files"
+    );
+
+    let _ = nix::sys::signal::kill(first.pid(), nix::sys::signal::Signal::SIGTERM);
+    let _ = first.finish(Duration::from_secs(60));
+    let after = std::fs::read_to_string(out.join("busy/metrics.jsonl")).unwrap();
+    assert!(
+        after.starts_with(&before),
+        "the first run's records changed"
+    );
+    // Every line of the first run is whole.
+    records(&out.join("busy"));
+}
+
+/// A kill in the middle of a record leaves half a line; the resumed run drops it and the file
+/// parses again, with one test and one summary record.
+#[test]
+fn a_half_written_record_is_dropped_on_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path();
+    let a = run(
+        2,
+        out,
+        "half",
+        &["train.epochs=2"],
+        &[("GPTREC_STOP_AFTER_EPOCH", "1")],
+    );
+    assert_eq!(a.code(), Some(0), "{}", a.stderr);
+    let path = out.join("half/metrics.jsonl");
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text.push_str("{\"epoch\":1,\"hit@10\":");
+    std::fs::write(&path, text).unwrap();
+    let b = run(2, out, "half", &["train.epochs=2"], &[]);
+    assert_eq!(b.code(), Some(0), "{}", b.stderr);
+    let recs = records(&out.join("half"));
+    assert_eq!(tests_of(&recs).len(), 1);
+    assert_eq!(recs.iter().filter(|r| r["kind"] == "summary").count(), 1);
+}
+
+/// Unmounts the test's tmpfs however the test ends.
+struct Mount(PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// On a full disk rank 0 fails first, with its real error as the root cause, and no
+/// temporary checkpoint directory stays behind.
+#[test]
+fn a_full_disk_names_rank_0s_real_error_and_leaves_no_temporaries() {
+    let dir = tempfile::tempdir().unwrap();
+    let mnt = dir.path().join("small");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
+        .arg(&mnt)
+        .output();
+    if !mounted.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+        return;
+    }
+    let _mount = Mount(mnt.clone());
+    let out = run(2, &mnt, "full", &[], &[]);
+    assert_ne!(out.code(), Some(0), "{}", out.stderr);
+    let root = out
+        .stderr
+        .lines()
+        .find(|l| l.contains("root cause:"))
+        .unwrap_or_else(|| panic!("{}", out.stderr));
+    assert!(root.contains("rank 0"), "{root}\n{}", out.stderr);
+    assert!(
+        out.stderr.contains("No space left on device"),
+        "{}",
+        out.stderr
+    );
+    for sub in ["full/checkpoints", "full/best"] {
+        let left: Vec<String> = std::fs::read_dir(mnt.join(sub))
+            .map(|rd| {
+                rd.filter_map(Result::ok)
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with('.'))
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(left.is_empty(), "{sub}: {left:?}");
+    }
+}
+
+/// With every checkpoint damaged, an automatic resume says in one line that it starts from
+/// step 0, and moves the damaged ones aside.
+#[test]
+fn all_checkpoints_unusable_is_said_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path();
+    let a = run(
+        2,
+        out,
+        "bad",
+        &["train.epochs=3"],
+        &[("GPTREC_STOP_AFTER_EPOCH", "2")],
+    );
+    assert_eq!(a.code(), Some(0), "{}", a.stderr);
+    let checkpoints = out.join("bad/checkpoints");
+    let damaged = steps_in(&checkpoints);
+    assert!(!damaged.is_empty());
+    for step in &damaged {
+        let file = checkpoints.join(step).join("model.safetensors");
+        let len = std::fs::metadata(&file).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+    }
+    let b = run(2, out, "bad", &["train.epochs=1"], &[]);
+    assert_eq!(b.code(), Some(0), "{}", b.stderr);
+    let line = format!(
+        "no usable checkpoint in {} ({} unusable, listed above): starting from step 0",
+        checkpoints.display(),
+        damaged.len()
+    );
+    assert!(b.stderr.contains(&line), "{line:?}\n{}", b.stderr);
+    assert!(!b.stderr.contains("resuming from"), "{}", b.stderr);
+}
+
+/// Resuming with another world size says so, and the learning-rate schedule keeps the length it
+/// started with.
+#[test]
+fn a_resume_with_another_world_size_says_so_and_keeps_the_schedule() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path();
+    let epochs = ["train.epochs=3"];
+    let a = run(2, out, "w", &epochs, &[("GPTREC_STOP_AFTER_EPOCH", "1")]);
+    assert_eq!(a.code(), Some(0), "{}", a.stderr);
+    let total = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter_map(|l| l.split(" step ").nth(1))
+            .filter_map(|rest| rest.split_whitespace().next())
+            .filter_map(|frac| frac.split_once('/').map(|(_, t)| t.to_string()))
+            .collect()
+    };
+    let first = total(&a.stderr);
+    assert!(!first.is_empty(), "{}", a.stderr);
+    let b = run(3, out, "w", &epochs, &[]);
+    assert_eq!(b.code(), Some(0), "{}", b.stderr);
+    assert!(
+        b.stderr
+            .contains("resuming with world 3 from a checkpoint of world 2")
+            && b.stderr.contains("not bit-exactly"),
+        "{}",
+        b.stderr
+    );
+    let second = total(&b.stderr);
+    assert!(!second.is_empty(), "{}", b.stderr);
+    assert!(
+        second.iter().all(|t| *t == first[0]),
+        "{first:?} vs {second:?}"
+    );
+}
