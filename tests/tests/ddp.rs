@@ -246,11 +246,7 @@ fn truncated_checkpoint_is_skipped_on_resume() {
         .unwrap();
     let out = fixture(2, &config, &[], &[]);
     assert_eq!(out.code(), Some(0), "{}", out.stderr);
-    assert!(
-        out.stderr.contains("skipping checkpoint"),
-        "{}",
-        out.stderr
-    );
+    assert!(out.stderr.contains("skipping checkpoint"), "{}", out.stderr);
     assert!(
         out.stderr.contains("step-000060 (epoch 2, step 60"),
         "{}",

@@ -51,6 +51,14 @@ const STALL_LIMIT: Duration = Duration::from_secs(30);
 const SERVER_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often the (non-blocking) listener is polled for new connections.
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
+/// A connection must present the run id within this long, or it is closed.
+const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+/// The largest frame accepted before the `Hello` (which is a few dozen bytes): a stranger
+/// cannot make the server allocate more.
+const PRE_HELLO_MAX_FRAME: usize = 4 << 10;
+/// Connections that have not yet presented the run id, at most; more are closed at once (each
+/// costs a thread and two file descriptors until its deadline).
+const MAX_UNGREETED: usize = 32;
 
 /// What a client asks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -287,6 +295,27 @@ struct Shared {
     keys: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
     stopping: AtomicBool,
+    /// Connections that have not presented the run id yet.
+    ungreeted: std::sync::atomic::AtomicUsize,
+    /// How long a new connection has to present the run id ([`HELLO_DEADLINE`]).
+    hello_deadline: Duration,
+}
+
+/// Counts a connection as ungreeted until it presents the run id or ends.
+struct Ungreeted<'a>(Option<&'a Shared>);
+
+impl Ungreeted<'_> {
+    fn greeted(&mut self) {
+        if let Some(shared) = self.0.take() {
+            shared.ungreeted.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Ungreeted<'_> {
+    fn drop(&mut self) {
+        self.greeted();
+    }
 }
 
 impl Shared {
@@ -406,7 +435,7 @@ impl fmt::Debug for StoreServer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoreServer")
             .field("addr", &self.addr)
-            .field("run_id", &self.shared.run_id)
+            .field("run", &run_fingerprint(&self.shared.run_id))
             .finish()
     }
 }
@@ -415,6 +444,15 @@ impl StoreServer {
     /// Listens on exactly `addr` (port 0 picks a free port; see [`StoreServer::local_addr`]) and
     /// serves connections that present `run_id`, on background threads.
     pub fn start(addr: SocketAddr, run_id: &str) -> Result<StoreServer, StoreError> {
+        Self::start_with(addr, run_id, HELLO_DEADLINE)
+    }
+
+    /// [`StoreServer::start`] with another deadline for the run id (tests).
+    fn start_with(
+        addr: SocketAddr,
+        run_id: &str,
+        hello_deadline: Duration,
+    ) -> Result<StoreServer, StoreError> {
         let bind_err = |cause| StoreError::Bind { addr, cause };
         // std sets SO_REUSEADDR on Unix listeners, so a restart does not trip over TIME_WAIT.
         let listener = TcpListener::bind(addr).map_err(bind_err)?;
@@ -425,13 +463,15 @@ impl StoreServer {
             keys: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
+            ungreeted: std::sync::atomic::AtomicUsize::new(0),
+            hello_deadline,
         });
         let for_acceptor = Arc::clone(&shared);
         let acceptor = thread::Builder::new()
             .name("store-accept".into())
             .spawn(move || accept_loop(listener, for_acceptor))
             .map_err(|cause| StoreError::Thread { cause })?;
-        tracing::debug!(addr = %local, run_id, "rendezvous store listening");
+        tracing::debug!(addr = %local, run = %run_fingerprint(run_id), "rendezvous store listening");
         Ok(StoreServer {
             addr: local,
             shared,
@@ -462,6 +502,13 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         match listener.accept() {
             Ok((stream, peer)) => {
                 connections.retain(|(thread, _)| !thread.is_finished());
+                if shared.ungreeted.load(Ordering::SeqCst) >= MAX_UNGREETED {
+                    // Dropped unanswered: a flood of silent sockets costs nothing more.
+                    tracing::warn!(%peer, "rendezvous store: {MAX_UNGREETED} connections have not presented the run id yet; closing this one");
+                    drop(stream);
+                    continue;
+                }
+                shared.ungreeted.fetch_add(1, Ordering::SeqCst);
                 let closer = stream.try_clone().ok();
                 let for_connection = Arc::clone(&shared);
                 let spawned = thread::Builder::new()
@@ -470,6 +517,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 match spawned {
                     Ok(thread) => connections.push((thread, closer)),
                     Err(err) => {
+                        shared.ungreeted.fetch_sub(1, Ordering::SeqCst);
                         tracing::warn!(%peer, "rendezvous store cannot start a thread: {err}")
                     }
                 }
@@ -505,6 +553,8 @@ struct ServerConn<'a> {
     stream: TcpStream,
     peer: SocketAddr,
     shared: &'a Shared,
+    /// Until the run id is presented: when the connection must have done so.
+    hello_by: Option<Instant>,
 }
 
 impl Drop for ServerConn<'_> {
@@ -544,6 +594,12 @@ impl ServerConn<'_> {
                     ) =>
                 {
                     let idle = between_frames && filled == 0;
+                    if self.hello_by.is_some_and(|by| Instant::now() > by) {
+                        return Err(ConnEnd::Bad(format!(
+                            "no run id presented within {:.1} s",
+                            self.shared.hello_deadline.as_secs_f64()
+                        )));
+                    }
                     if !idle && last_progress.elapsed() > STALL_LIMIT {
                         return Err(ConnEnd::Bad(format!(
                             "peer stalled for {} s in the middle of a frame",
@@ -562,9 +618,19 @@ impl ServerConn<'_> {
         let mut header = [0u8; 4];
         self.fill(&mut header, true)?;
         let len = u32::from_le_bytes(header) as usize;
-        if len > MAX_FRAME_BYTES {
+        let limit = if self.hello_by.is_some() {
+            PRE_HELLO_MAX_FRAME
+        } else {
+            MAX_FRAME_BYTES
+        };
+        if len > limit {
             return Err(ConnEnd::Bad(format!(
-                "frame of {len} bytes exceeds the {MAX_FRAME_BYTES}-byte limit"
+                "frame of {len} bytes exceeds the {limit}-byte limit{}",
+                if self.hello_by.is_some() {
+                    " before the run id"
+                } else {
+                    ""
+                }
             )));
         }
         let mut body = vec![0u8; len];
@@ -593,6 +659,8 @@ impl ServerConn<'_> {
 }
 
 fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
+    // Counted by the acceptor before this thread started; uncounted however this ends.
+    let mut ungreeted = Ungreeted(Some(shared));
     let configured = stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_nodelay(true))
@@ -606,6 +674,7 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
         stream,
         peer,
         shared,
+        hello_by: Some(Instant::now() + shared.hello_deadline),
     };
     match conn.read_request() {
         Ok(Request::Hello { protocol, run_id }) if protocol == PROTOCOL => {
@@ -621,6 +690,8 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
                 });
                 return;
             }
+            conn.hello_by = None;
+            ungreeted.greeted();
             if let Err(end) = conn.send(&Response::Welcome) {
                 return conn.end(end);
             }
@@ -1410,6 +1481,44 @@ mod tests {
         assert!(matches!(err, StoreError::Protocol { .. }), "{err}");
         assert!(err.to_string().contains(&fake_addr), "{err}");
         drop(imposter.join().unwrap());
+    }
+
+    #[test]
+    fn a_large_frame_before_the_run_id_is_refused_at_once() {
+        let server = server("run");
+        let mut stream = raw(&server);
+        // 63 MiB announced: refused from the header, nothing allocated.
+        stream.write_all(&(63u32 << 20).to_le_bytes()).unwrap();
+        let started = Instant::now();
+        assert_closed_by_server(stream);
+        assert!(started.elapsed() < Duration::from_secs(1));
+        client(&server, "run").set("k", b"v").unwrap();
+    }
+
+    #[test]
+    fn silent_connections_are_capped_and_closed_at_the_deadline() {
+        let deadline = Duration::from_millis(800);
+        let server =
+            StoreServer::start_with("127.0.0.1:0".parse().unwrap(), "run", deadline).unwrap();
+        let silent: Vec<TcpStream> = (0..100).map(|_| raw(&server)).collect();
+        thread::sleep(Duration::from_millis(300));
+        // Beyond the cap, connections are closed at once (EOF without waiting).
+        let closed_now = silent
+            .iter()
+            .filter(|s| {
+                s.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+                matches!((&**s).read(&mut [0u8; 1]), Ok(0))
+            })
+            .count();
+        assert!(closed_now >= 100 - MAX_UNGREETED, "{closed_now} closed");
+        assert!(server.shared.ungreeted.load(Ordering::SeqCst) <= MAX_UNGREETED);
+        // The rest are closed when their deadline passes; then the run's own ranks get in.
+        thread::sleep(deadline + Duration::from_millis(500));
+        assert_eq!(server.shared.ungreeted.load(Ordering::SeqCst), 0);
+        for stream in silent {
+            assert_closed_by_server(stream);
+        }
+        client(&server, "run").set("k", b"v").unwrap();
     }
 
     #[test]

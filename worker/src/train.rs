@@ -966,6 +966,9 @@ fn own_the_run_dir(run_dir: &Path, start: &TrainState, resumed: bool) -> Result<
     Ok(())
 }
 
+/// The largest JSON message rank 0 broadcasts (a resume decision, a failure text).
+const MAX_MESSAGE_BYTES: usize = 16 << 20;
+
 /// Broadcasts a JSON-serialisable value from rank 0 (`Some` there, `None` elsewhere).
 fn broadcast_json<T: Serialize + for<'de> Deserialize<'de>>(
     comm: &mut dyn Collective,
@@ -978,7 +981,13 @@ fn broadcast_json<T: Serialize + for<'de> Deserialize<'de>>(
     };
     let mut len = [Tensor::from_slice(&[bytes.len() as i64])];
     comm.broadcast(&mut len, 0, ctx)?;
-    let n = len[0].f_int64_value(&[0])? as usize;
+    // Checked before anything is allocated for it.
+    let n = usize::try_from(len[0].f_int64_value(&[0])?)
+        .ok()
+        .filter(|&n| n <= MAX_MESSAGE_BYTES)
+        .ok_or_else(|| {
+            TrainError::Plan("rank 0 announced a message of an impossible size".into())
+        })?;
     let mut data = [if bytes.len() == n {
         Tensor::from_slice(&bytes)
     } else {

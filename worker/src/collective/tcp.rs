@@ -3,6 +3,9 @@
 //! reduce-scatter then all-gather, `2 (W-1)/W` of the buffer on the wire per rank, with a sender
 //! thread so that sending, receiving and reducing overlap. Addresses are exchanged through the
 //! rendezvous store, which also serves to find out who is silent when an operation times out.
+//! A ring connection must prove it belongs to the run: rank 0 draws a secret and publishes it in
+//! the store (which only admits the run's own ranks), every rank publishes a nonce with its
+//! address, and the greeting carries SHA-256(secret, nonce, ranks); anything else is dropped.
 //! It must not be used for CUDA tensors in production (they are copied through the host).
 
 use std::io::{Read, Write};
@@ -14,6 +17,44 @@ use tch::{Device, Kind, Tensor};
 
 use super::{flatten_f32, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp};
 use crate::store::StoreClient;
+
+/// How long an incoming ring connection has to send its greeting.
+const GREETING_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// 32 random bytes from the operating system.
+fn random_bytes() -> Result<[u8; 32], String> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| format!("no random numbers from the OS: {e}"))?;
+    Ok(bytes)
+}
+
+/// The run's ring secret: drawn by rank 0 and published in the store, read by the others.
+fn ring_secret(rank: usize, store: &mut StoreClient, timeout: Duration) -> Result<Vec<u8>, String> {
+    if rank == 0 {
+        let secret = random_bytes()?.to_vec();
+        store
+            .set("tcp/secret", &secret)
+            .map_err(|e| format!("publishing the ring secret: {e}"))?;
+        return Ok(secret);
+    }
+    let mut got = store
+        .wait(&["tcp/secret"], timeout)
+        .map_err(|e| format!("waiting for rank 0's ring secret: {e}"))?;
+    Ok(got.remove(0))
+}
+
+/// What `from` sends `to` to prove it belongs to the run: SHA-256 of the secret, `to`'s nonce
+/// and both ranks (a proof for one link is worthless on another).
+fn ring_proof(secret: &[u8], nonce: &[u8], from: usize, to: usize) -> [u8; 32] {
+    use sha2::Digest as _;
+    let mut hash = sha2::Sha256::new();
+    hash.update(b"gptrec ring v1");
+    hash.update(secret);
+    hash.update(nonce);
+    hash.update((from as u64).to_le_bytes());
+    hash.update((to as u64).to_le_bytes());
+    hash.finalize().into()
+}
 
 /// Bytes received and reduced at a time.
 const PIECE_BYTES: usize = 1 << 20;
@@ -80,16 +121,23 @@ impl TcpCollective {
         let addr = listener
             .local_addr()
             .map_err(|e| setup(format!("listener address: {e}")))?;
+        let secret = ring_secret(rank, &mut store, timeout).map_err(&setup)?;
+        let nonce = random_bytes().map_err(&setup)?;
+        store
+            .set(&format!("tcp/nonce/{rank}"), &nonce)
+            .map_err(|e| setup(format!("publishing our nonce: {e}")))?;
         store
             .set(&format!("tcp/addr/{rank}"), addr.to_string().as_bytes())
             .map_err(|e| setup(format!("publishing our address: {e}")))?;
         let next = (rank + 1) % world;
         let prev = (rank + world - 1) % world;
         let next_key = format!("tcp/addr/{next}");
-        let next_addr = store
-            .wait(&[next_key.as_str()], timeout)
+        let next_nonce = format!("tcp/nonce/{next}");
+        let published = store
+            .wait(&[next_key.as_str(), next_nonce.as_str()], timeout)
             .map_err(|e| setup(format!("waiting for rank {next}'s address: {e}")))?;
-        let next_addr = String::from_utf8_lossy(&next_addr[0]).into_owned();
+        let next_addr = String::from_utf8_lossy(&published[0]).into_owned();
+        let proof = ring_proof(&secret, &published[1], rank, next);
 
         let next_sock: SocketAddr = next_addr.parse().map_err(|e| {
             setup(format!(
@@ -108,8 +156,10 @@ impl TcpCollective {
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         };
+        let mut greeting = (rank as u64).to_le_bytes().to_vec();
+        greeting.extend_from_slice(&proof);
         to_next
-            .write_all(&(rank as u64).to_le_bytes())
+            .write_all(&greeting)
             .map_err(|e| setup(format!("greeting rank {next}: {e}")))?;
 
         listener
@@ -117,16 +167,21 @@ impl TcpCollective {
             .map_err(|e| setup(format!("listener: {e}")))?;
         let from_prev = loop {
             match listener.accept() {
-                Ok((mut stream, _)) => {
+                Ok((mut stream, peer)) => {
                     let _ = stream.set_nonblocking(false);
-                    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-                    let mut hello = [0u8; 8];
+                    let _ = stream.set_read_timeout(Some(GREETING_TIMEOUT));
+                    let mut hello = [0u8; 40];
+                    let expected = ring_proof(&secret, &nonce, prev, rank);
                     if stream.read_exact(&mut hello).is_ok()
-                        && u64::from_le_bytes(hello) == prev as u64
+                        && u64::from_le_bytes(hello[..8].try_into().unwrap_or_default())
+                            == prev as u64
+                        && hello[8..] == expected
                     {
+                        let _ = stream.set_read_timeout(None);
                         break stream;
                     }
-                    // Not our neighbour (a stray connection): keep waiting.
+                    // Not our neighbour (a stray or a stranger): drop it, keep waiting.
+                    tracing::warn!(%peer, "tcp ring: refused a connection that did not prove it belongs to this run");
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
@@ -707,6 +762,54 @@ mod tests {
     };
 
     use super::test_ring::with_ring;
+
+    /// Someone who found rank 0's ring port (here: from the store) and claims to be rank 1
+    /// connects first and offers huge values; rank 0 drops it and the sum is the ranks' own.
+    #[test]
+    fn a_stranger_claiming_a_rank_is_refused() {
+        use crate::store::StoreServer;
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "ring-auth").unwrap();
+        let addr = server.local_addr();
+        let env = |rank| WorkerEnv::single_node(rank, 2, "127.0.0.1", addr.port(), "ring-auth");
+        let store = || {
+            StoreClient::connect(&addr.to_string(), "ring-auth", Duration::from_secs(10)).unwrap()
+        };
+        let mut spy = store();
+        let stranger = std::thread::spawn(move || {
+            let target = spy.wait(&["tcp/addr/0"], Duration::from_secs(10)).unwrap();
+            let target: SocketAddr = String::from_utf8_lossy(&target[0]).parse().unwrap();
+            let mut sock = TcpStream::connect(target).unwrap();
+            let mut greeting = 1u64.to_le_bytes().to_vec();
+            greeting.extend_from_slice(&[0u8; 32]);
+            sock.write_all(&greeting).unwrap();
+            let _ = sock.write_all(&vec![0x7f; 4096]);
+            sock.set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            // Dropped by rank 0: EOF or a reset, never data.
+            let mut buf = [0u8; 64];
+            matches!(sock.read(&mut buf), Ok(0) | Err(_))
+        });
+        let ranks: Vec<_> = (0..2u32)
+            .map(|rank| {
+                let (env, store) = (env(rank), store());
+                std::thread::spawn(move || {
+                    if rank == 1 {
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                    let mut comm =
+                        TcpCollective::connect(&env, store, Duration::from_secs(10)).unwrap();
+                    let mut t = [Tensor::from_slice(&[1.0f32; 4])];
+                    comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
+                    t[0].double_value(&[0])
+                })
+            })
+            .collect();
+        for r in ranks {
+            assert_eq!(r.join().unwrap(), 2.0);
+        }
+        assert!(stranger.join().unwrap(), "the stranger got an answer");
+        drop(server);
+    }
 
     /// Small integers, so that every summation order gives the exact same float.
     fn value(rank: usize, i: usize) -> f32 {
