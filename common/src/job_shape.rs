@@ -32,6 +32,8 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// Our own variable for the run id, read like `--run-id`: a secret shared by every node through
 /// the environment, which (unlike a command line) other users cannot read in `ps`.
 pub const RUN_ID_VAR: &str = "LAUNCH_RUN_ID";
+/// Our variable naming a file that holds the run id (see `--run-id-file`).
+pub const RUN_ID_FILE_VAR: &str = "LAUNCH_RUN_ID_FILE";
 
 /// Parses `N`, `auto`, `gpu` or `cpu`.
 pub fn parse_num_processes(text: &str) -> Result<NumProcesses, String> {
@@ -81,6 +83,8 @@ pub enum Source {
     Slurm(String),
     /// torchrun's `PET_*` variables as Kubernetes operators and TorchX set them.
     Pet(String),
+    /// A file holding the value (`--run-id-file`, `LAUNCH_RUN_ID_FILE`).
+    File(String),
     /// The default, with why when it depends on something (`single node`).
     Default(&'static str),
 }
@@ -92,6 +96,7 @@ impl fmt::Display for Source {
             Source::Env(what) => write!(f, "environment {what}"),
             Source::Slurm(what) => write!(f, "Slurm {what}"),
             Source::Pet(what) => write!(f, "Kubernetes/TorchX {what}"),
+            Source::File(path) => write!(f, "file {path}"),
             Source::Default("") => write!(f, "default"),
             Source::Default(why) => write!(f, "default ({why})"),
         }
@@ -119,6 +124,8 @@ pub struct Flags {
     pub master_addr: Option<String>,
     pub master_port: Option<u16>,
     pub run_id: Option<String>,
+    /// `--run-id-file`: the run id is read from (or, on node 0, written into) this file.
+    pub run_id_file: Option<String>,
     pub num_processes: Option<NumProcesses>,
     /// `--gpu-ids`: one worker per listed GPU.
     pub gpu_ids: Option<Vec<u32>>,
@@ -134,7 +141,8 @@ pub struct JobShape {
     pub master_addr: Sourced<String>,
     /// `0`: pick a free port at launch (single node only).
     pub master_port: Sourced<u16>,
-    /// `None`: a fresh id per run (single node).
+    /// `None`: a fresh secret per run (single node), the file's content ([`Source::File`]), or,
+    /// on several nodes with nothing given, none ([`JobShape::needs_run_id`]).
     pub run_id: Sourced<Option<String>>,
     pub num_processes: Sourced<NumProcesses>,
     pub max_restarts: Sourced<u32>,
@@ -247,8 +255,8 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
             master_port.source, nnodes.value
         )));
     }
-    let run_id = resolve_run_id(flags, env, &slurm, &pet, &master_addr, &master_port, multi)?;
-    if multi && run_id_is_guessable(&run_id.source) {
+    let run_id = resolve_run_id(flags, env, &slurm, &pet)?;
+    if multi && matches!(run_id.source, Source::Slurm(_)) {
         notices.push(format!(
             "the run id {:?} [{}] can be guessed by anyone who can reach {}:{}; export {RUN_ID_VAR}=<a secret> on every node to keep others out (scripts/slurm/train.sbatch does)",
             run_id.value.as_deref().unwrap_or(""),
@@ -282,9 +290,6 @@ fn resolve_run_id(
     env: &Env,
     slurm: &Option<SlurmStep>,
     pet: &Pet<'_>,
-    master_addr: &Sourced<String>,
-    master_port: &Sourced<u16>,
-    multi: bool,
 ) -> Result<Sourced<Option<String>>, ShapeError> {
     let nonempty = |id: &str, what: &str| {
         if id.trim().is_empty() {
@@ -305,24 +310,35 @@ fn resolve_run_id(
             Source::Env(RUN_ID_VAR.to_string()),
         ));
     }
+    let file = match (&flags.run_id_file, env.get(RUN_ID_FILE_VAR)) {
+        (Some(path), _) => Some((path.clone(), "--run-id-file")),
+        (None, Some(path)) => Some((path.clone(), RUN_ID_FILE_VAR)),
+        (None, None) => None,
+    };
+    if let Some((path, what)) = file {
+        nonempty(&path, what)?;
+        return Ok(Sourced::new(None, Source::File(path)));
+    }
     if let (Some(s), false) = (slurm, flags.standalone) {
         return Ok(s.run_id.clone());
     }
     if let Some(id) = pet.get("RDZV_ID", |t| nonempty(t, "PET_RDZV_ID").map_err(|e| e.0))? {
         return Ok(id);
     }
-    if multi {
-        // Every node must agree without talking first: derive it from what they share.
-        return Ok(Sourced::new(
-            Some(format!("run-{}-{}", master_addr.value, master_port.value)),
-            Source::Default("derived from the master address and port"),
-        ));
-    }
-    Ok(Sourced::new(None, Source::Default("fresh per run")))
+    Ok(Sourced::new(None, Source::Default("fresh secret per run")))
 }
 
-fn run_id_is_guessable(source: &Source) -> bool {
-    matches!(source, Source::Slurm(_) | Source::Default(_))
+impl JobShape {
+    /// Several nodes and no run id given: every node must be given the same secret (a
+    /// predictable one would let anyone who can reach the master in). The one-line fix.
+    pub fn needs_run_id(&self) -> Option<String> {
+        (self.nnodes.value > 1 && matches!(self.run_id.source, Source::Default(_))).then(|| {
+            format!(
+                "a run on {} nodes needs a secret run id shared by every node (a derived one would let anyone who can reach {}:{} join): give every node the same --run-id-file PATH on a shared filesystem (node 0 writes a fresh secret there), or export {RUN_ID_VAR}=<secret> on every node (e.g. $(openssl rand -hex 16)), or pass --run-id",
+                self.nnodes.value, self.master_addr.value, self.master_port.value
+            )
+        })
+    }
 }
 
 fn resolve_num_processes(

@@ -80,9 +80,9 @@ pub struct Cli {
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub overrides: Vec<String>,
 
-    /// Job id shared by every worker (TORCHELASTIC_RUN_ID); the rendezvous store checks it.
-    /// Default: `LAUNCH_RUN_ID`, the Slurm job id, `PET_RDZV_ID`; a fresh id on a single node;
-    /// derived from the master address and port on several nodes.
+    /// Job id shared by every worker (TORCHELASTIC_RUN_ID); the rendezvous store checks it, so
+    /// it is a secret. Default: `LAUNCH_RUN_ID`, `--run-id-file`, the Slurm job id,
+    /// `PET_RDZV_ID`; a fresh random id on a single node; several nodes must be given one.
     #[arg(
         long = "run-id",
         alias = "rdzv-id",
@@ -90,6 +90,12 @@ pub struct Cli {
         alias = "run_id"
     )]
     pub run_id: Option<String>,
+
+    /// A file holding the run id, on a filesystem every node shares: node 0 writes a fresh
+    /// secret there (mode 0600) when it does not exist, the other nodes wait for it. Also
+    /// `LAUNCH_RUN_ID_FILE`.
+    #[arg(long = "run-id-file", value_name = "PATH")]
+    pub run_id_file: Option<PathBuf>,
 
     /// The worker binary to run with CONFIG (default: `worker` next to `launch`).
     #[arg(long, value_name = "PATH")]

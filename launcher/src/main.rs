@@ -8,6 +8,7 @@ mod gpu;
 mod output;
 mod plan;
 mod report;
+mod secret;
 mod supervisor;
 mod watchdog;
 

@@ -149,7 +149,7 @@ impl Plan {
         } else {
             None
         };
-        let run_id = shape.run_id.value.clone().unwrap_or_else(fresh_run_id);
+        let run_id = run_id_of(&shape, cli.dry_run, &mut notices)?;
         Ok(Plan {
             nnodes,
             node_rank: shape.node_rank.value,
@@ -503,6 +503,7 @@ impl Plan {
     fn shown_run_id(&self) -> String {
         match &self.shape.run_id.source {
             Source::Env(var) if var == RUN_ID_VAR => format!("<hidden: ${RUN_ID_VAR}>"),
+            Source::File(path) => format!("<hidden: in {path}>"),
             _ => self.run_id.clone(),
         }
     }
@@ -590,6 +591,7 @@ fn flags_of(cli: &Cli) -> Flags {
         master_addr: cli.master_addr.clone(),
         master_port: cli.master_port,
         run_id: cli.run_id.clone(),
+        run_id_file: cli.run_id_file.as_ref().map(|p| p.display().to_string()),
         num_processes,
         gpu_ids,
         max_restarts: cli.max_restarts,
@@ -755,12 +757,36 @@ fn is_loopback_name(addr: &str) -> bool {
     addr == "localhost" || addr.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
-/// A job id unique enough for one machine: time and pid, no randomness source needed.
-fn fresh_run_id() -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("launch-{:x}{:05x}", std::process::id(), nanos & 0xf_ffff)
+/// The run id the plan uses: given, read from (or, on node 0, written into) the run id file,
+/// or fresh on a single node. Several nodes with none given is an error (a notice in a dry run,
+/// which writes nothing).
+fn run_id_of(
+    shape: &JobShape,
+    dry_run: bool,
+    notices: &mut Vec<String>,
+) -> Result<String, PlanError> {
+    if let Some(id) = &shape.run_id.value {
+        return Ok(id.clone());
+    }
+    if let Source::File(path) = &shape.run_id.source {
+        if dry_run {
+            return Ok(format!("<read from {path} at start>"));
+        }
+        let node_0 = shape.node_rank.value == 0;
+        let (id, notice) =
+            crate::secret::from_file(Path::new(path), node_0, crate::secret::FILE_WAIT)
+                .map_err(PlanError::Usage)?;
+        notices.extend(notice);
+        return Ok(id);
+    }
+    if let Some(why) = shape.needs_run_id() {
+        if dry_run {
+            notices.push(why);
+            return Ok("<none: see the note>".into());
+        }
+        return Err(PlanError::Usage(why));
+    }
+    crate::secret::fresh_run_id().map_err(PlanError::Usage)
 }
 
 /// The command as a shell would need it typed (for display only).
@@ -796,6 +822,8 @@ mod tests {
     #[test]
     fn ranks_follow_node_rank() {
         let p = plan(&[
+            "--run-id",
+            "shared-secret",
             "--nnodes",
             "2",
             "--node-rank",
@@ -811,7 +839,7 @@ mod tests {
         assert_eq!(p.world_size, 6);
         let env = p.worker_env(2, 0);
         assert_eq!((env.rank, env.local_rank, env.group_rank), (5, 2, 1));
-        assert_eq!(p.run_id, "run-10.0.0.1-29500");
+        assert_eq!(p.run_id, "shared-secret");
     }
 
     #[test]
@@ -825,6 +853,10 @@ mod tests {
             (&[][..], "nothing to run"),
             (&["c.toml", "--", "true"], "not both"),
             (&["--run-id", " ", "--", "true"], "must not be empty"),
+            (
+                &["--nnodes", "2", "--master-addr", "10.0.0.1", "--", "true"],
+                "needs a secret run id shared by every node",
+            ),
             (
                 &["--nnodes", "2", "--master-port", "0", "--", "true"],
                 "same fixed port",
@@ -848,7 +880,17 @@ mod tests {
         assert!(notice.contains("in use"), "{notice}");
         assert_ne!(p.master_port.to_string(), port);
         // Multi-node, node 0: the others expect that port, so it is an error.
-        let mut p = plan(&["--master-port", &port, "--nnodes", "2", "--", "true"]).unwrap();
+        let mut p = plan(&[
+            "--master-port",
+            &port,
+            "--nnodes",
+            "2",
+            "--run-id",
+            "s",
+            "--",
+            "true",
+        ])
+        .unwrap();
         assert!(p.resolve_port().unwrap_err().to_string().contains("in use"));
     }
 

@@ -506,6 +506,8 @@ fn taken_port_on_a_multi_node_master_is_an_error() {
             "0",
             "--master-port",
             &taken,
+            "--run-id",
+            "shared-secret",
             "--",
             "true",
         ],
