@@ -3,6 +3,7 @@
 //! `supervisor` (keep them alive, notice failure, tear down, restart), `report` and `output`
 //! (what the user reads). It never links libtorch, so it starts in milliseconds.
 
+mod adopted;
 mod cli;
 mod gpu;
 mod output;

@@ -14,6 +14,8 @@ use std::thread::JoinHandle;
 const MAX_LINE: usize = 1 << 20;
 /// Stderr lines kept per rank for the failure summary.
 pub const TAIL_LINES: usize = 20;
+/// Of each kept line, at most this many bytes (the whole line went to the console and log).
+const TAIL_LINE_BYTES: usize = 2048;
 
 /// Which console stream a line belongs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,12 +117,26 @@ pub fn forward(
                         if tail.len() == TAIL_LINES {
                             tail.pop_front();
                         }
-                        tail.push_back(String::from_utf8_lossy(&line).into_owned());
+                        tail.push_back(tail_entry(&line));
                     }
                 }
             }
             done();
         })
+}
+
+/// A line as the failure summary keeps it: cut to [`TAIL_LINE_BYTES`], saying how much is cut.
+fn tail_entry(line: &[u8]) -> String {
+    if line.len() <= TAIL_LINE_BYTES {
+        return String::from_utf8_lossy(line).into_owned();
+    }
+    let kept = String::from_utf8_lossy(&line[..TAIL_LINE_BYTES]);
+    // A multi-byte character cut in two shows as a replacement character; drop it.
+    let kept = kept.trim_end_matches('\u{fffd}');
+    format!(
+        "{kept} [... {} more bytes of this line not shown]",
+        line.len() - kept.len()
+    )
 }
 
 /// Reads up to and including the next newline, or `MAX_LINE` bytes, whichever comes first.
@@ -165,6 +181,22 @@ mod tests {
             }
             out.push(line);
         }
+    }
+
+    #[test]
+    fn kept_tail_lines_are_cut_and_say_so() {
+        assert_eq!(tail_entry(b"short"), "short");
+        let long = vec![b'x'; 5 << 20];
+        let kept = tail_entry(&long);
+        assert!(kept.len() < TAIL_LINE_BYTES + 100, "{}", kept.len());
+        assert!(kept.ends_with(&format!(
+            "[... {} more bytes of this line not shown]",
+            (5 << 20) - TAIL_LINE_BYTES
+        )));
+        // A cut through a multi-byte character leaves no half of it.
+        let mut accents = vec![b'a'; TAIL_LINE_BYTES - 1];
+        accents.extend_from_slice("é".repeat(10).as_bytes());
+        assert!(!tail_entry(&accents).contains('\u{fffd}'));
     }
 
     #[test]

@@ -27,6 +27,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 const KILL_SETTLE: Duration = Duration::from_secs(30);
 /// How often teardown checks whether process groups are gone.
 const POLL: Duration = Duration::from_millis(5);
+/// How often a running group's adopted orphans that exited are reaped (no zombie piles up).
+const REAP_EVERY: Duration = Duration::from_millis(500);
 
 /// What the supervisor reacts to.
 #[derive(Debug)]
@@ -229,6 +231,10 @@ impl Group<'_> {
         self.workers.iter().filter(|w| w.ending.is_none()).count()
     }
 
+    fn worker_pids(&self) -> Vec<i32> {
+        self.workers.iter().map(|w| w.pid).collect()
+    }
+
     /// Until every worker has exited: react to exits and signals, enforce the grace period.
     fn wait_for_workers(&mut self) {
         while self.running() > 0 {
@@ -261,9 +267,13 @@ impl Group<'_> {
                     }
                     Err(RecvTimeoutError::Disconnected) => return,
                 },
-                None => match self.rx.recv() {
+                None => match self.rx.recv_timeout(REAP_EVERY) {
                     Ok(event) => event,
-                    Err(_) => return,
+                    Err(RecvTimeoutError::Timeout) => {
+                        crate::adopted::reap_zombies(&self.worker_pids());
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => return,
                 },
             };
             self.handle(event);
@@ -385,6 +395,7 @@ impl Group<'_> {
                 warn!("process group(s) {left:?} still exist after SIGKILL; giving up on them");
             }
         }
+        self.stop_escaped();
         let drain_until = Instant::now() + DRAIN_TIMEOUT;
         while self.open_streams > 0 {
             match self.rx.recv_deadline(drain_until) {
@@ -394,6 +405,48 @@ impl Group<'_> {
         }
         for pg in groups {
             watchdog.forget(pg.as_raw());
+        }
+    }
+
+    /// Descendants that left their worker's process group (`setsid`) were adopted by the
+    /// launcher when their worker ended: SIGTERM, SIGKILL after the grace period (at once after
+    /// a failure), until none is left (their own orphans are adopted in turn).
+    fn stop_escaped(&mut self) {
+        let workers = self.worker_pids();
+        let mut left = crate::adopted::running(&workers);
+        if left.is_empty() {
+            return;
+        }
+        warn!(
+            "{} process(es) {left:?} left their worker's process group and outlived it: stopping them",
+            left.len()
+        );
+        crate::adopted::signal(&left, Signal::SIGTERM);
+        let mut kill_at = Some(match self.cause {
+            Some(_) => Instant::now(),
+            None => Instant::now() + self.plan.grace_period,
+        });
+        let give_up = Instant::now() + self.plan.grace_period + KILL_SETTLE;
+        while !left.is_empty() && Instant::now() < give_up {
+            if kill_at.is_some_and(|at| Instant::now() >= at) {
+                crate::adopted::signal(&left, Signal::SIGKILL);
+                kill_at = None;
+            }
+            if let Ok(event) = self.rx.recv_timeout(POLL) {
+                if matches!(event, Event::Signal(_)) {
+                    kill_at = Some(Instant::now());
+                }
+                self.handle(event);
+            }
+            crate::adopted::reap_zombies(&workers);
+            left = crate::adopted::running(&workers);
+            if kill_at.is_none() && !left.is_empty() {
+                // Newly adopted grandchildren get the same end.
+                crate::adopted::signal(&left, Signal::SIGKILL);
+            }
+        }
+        if !left.is_empty() {
+            warn!("process(es) {left:?} still exist after SIGKILL; giving up on them");
         }
     }
 

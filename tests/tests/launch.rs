@@ -815,3 +815,88 @@ fn worker_outside_launch_names_the_missing_variable() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("RANK is not set"), "{stderr}");
 }
+
+/// Zombies of the launcher (exited processes whose parent is `pid`).
+fn zombies_of(pid: i32) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            let mut rest = stat
+                .rsplit_once(')')
+                .map_or("", |(_, r)| r)
+                .split_whitespace();
+            rest.next() == Some("Z") && rest.next() == Some(pid.to_string().as_str())
+        })
+        .count()
+}
+
+/// A worker's child that escapes its process group with `setsid` does not survive the
+/// teardown, and the orphans a worker leaves while running are reaped as they exit, not piled
+/// up as zombies until the end.
+#[test]
+fn escaped_children_are_stopped_and_orphans_reaped_as_they_go() {
+    let id = unique_run_id("escape");
+    // 100 short-lived orphans, then an escaped sleeper, then a failure after a while.
+    let script = sh(
+        "i=0; while [ $i -lt 100 ]; do (sleep 0.01 &); i=$((i+1)); done; setsid sleep 600 & sleep 3; exit 4",
+    );
+    let live = Live::new(
+        launch_cmd(&args(
+            &[
+                "--num-processes",
+                "1",
+                "--master-port",
+                "0",
+                "--run-id",
+                &id,
+            ],
+            &script,
+        ))
+        .spawn()
+        .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(2000));
+    let piled = zombies_of(live.pid().as_raw());
+    let out = live.finish(T);
+    assert_eq!(out.code(), Some(4), "{}", out.stderr);
+    assert!(piled < 20, "{piled} zombies of launch while it ran");
+    assert!(
+        out.stderr.contains("left their worker's process group"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        wait_no_processes(&id, Duration::from_secs(5)),
+        Vec::<i32>::new(),
+        "the escaped sleeper survived"
+    );
+}
+
+/// A runaway stderr line (50 MB) reaches the console, but the failure summary quotes only a
+/// short piece of it.
+#[test]
+fn a_huge_stderr_line_does_not_flood_the_summary() {
+    let script = sh("head -c 50000000 /dev/zero | tr '\\0' x >&2; echo >&2; exit 5");
+    let out = launch(
+        &args(&["--num-processes", "1", "--master-port", "0"], &script),
+        T,
+    );
+    assert_eq!(out.code(), Some(5));
+    let summary = out
+        .stderr
+        .split("launch: worker group failed")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no summary"));
+    assert!(
+        summary.len() < 100_000,
+        "summary of {} bytes",
+        summary.len()
+    );
+    assert!(
+        summary.contains("more bytes of this line not shown"),
+        "{}",
+        &summary[..summary.len().min(3000)]
+    );
+}
