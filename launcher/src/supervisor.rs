@@ -152,6 +152,8 @@ enum Cause {
 struct Group<'a> {
     plan: &'a Plan,
     round: u32,
+    /// The orphan guard's pid (see [`Group::own_children`]).
+    guard: i32,
     rx: &'a Receiver<Event>,
     started: Instant,
     workers: Vec<Worker>,
@@ -179,6 +181,7 @@ fn run_group(
     let mut group = Group {
         plan,
         round,
+        guard: watchdog.pid(),
         rx,
         started: Instant::now(),
         workers: Vec::with_capacity(plan.nproc as usize),
@@ -231,8 +234,12 @@ impl Group<'_> {
         self.workers.iter().filter(|w| w.ending.is_none()).count()
     }
 
-    fn worker_pids(&self) -> Vec<i32> {
-        self.workers.iter().map(|w| w.pid).collect()
+    /// The launcher's own children, which the adopted-process cleanup leaves alone: the workers
+    /// (their threads wait for them) and the orphan guard.
+    fn own_children(&self) -> Vec<i32> {
+        let mut pids: Vec<i32> = self.workers.iter().map(|w| w.pid).collect();
+        pids.push(self.guard);
+        pids
     }
 
     /// Until every worker has exited: react to exits and signals, enforce the grace period.
@@ -270,7 +277,7 @@ impl Group<'_> {
                 None => match self.rx.recv_timeout(REAP_EVERY) {
                     Ok(event) => event,
                     Err(RecvTimeoutError::Timeout) => {
-                        crate::adopted::reap_zombies(&self.worker_pids());
+                        crate::adopted::reap_zombies(&self.own_children());
                         continue;
                     }
                     Err(RecvTimeoutError::Disconnected) => return,
@@ -412,7 +419,7 @@ impl Group<'_> {
     /// launcher when their worker ended: SIGTERM, SIGKILL after the grace period (at once after
     /// a failure), until none is left (their own orphans are adopted in turn).
     fn stop_escaped(&mut self) {
-        let workers = self.worker_pids();
+        let workers = self.own_children();
         let mut left = crate::adopted::running(&workers);
         if left.is_empty() {
             return;

@@ -40,6 +40,11 @@ impl Watchdog {
         }
     }
 
+    /// The guard's pid (a child of the launcher that must be left alone).
+    pub fn pid(&self) -> i32 {
+        self.pid.as_raw()
+    }
+
     /// From now on, kill group `pgid` if the launcher dies.
     pub fn watch(&mut self, pgid: i32) {
         let _ = writeln!(self.pipe, "+{pgid}");

@@ -398,6 +398,39 @@ fn sigkill_to_launch_leaves_no_worker_alive() {
     );
 }
 
+/// The orphan guard still stands after a restart (the cleanup of escaped processes leaves the
+/// launcher's own children alone): SIGKILL of `launch` in the second round leaves nothing.
+#[test]
+fn sigkill_to_launch_after_a_restart_leaves_no_worker_alive() {
+    let id = unique_run_id("orphan2");
+    let script = sh(
+        "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exit 1; fi; trap '' TERM; sleep 60 & sleep 61 & wait",
+    );
+    let mut child = launch_cmd(&args(
+        &[
+            "--num-processes",
+            "2",
+            "--master-port",
+            "0",
+            "--max-restarts",
+            "1",
+            "--run-id",
+            &id,
+        ],
+        &script,
+    ))
+    .spawn()
+    .unwrap();
+    assert_eq!(wait_processes(&id, 6, T).len(), 6, "2 workers + 4 sleeps");
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).unwrap();
+    let _ = child.wait();
+    assert_eq!(
+        wait_no_processes(&id, Duration::from_secs(5)),
+        Vec::<i32>::new(),
+        "orphans survived SIGKILL of launch in the second round"
+    );
+}
+
 #[test]
 fn max_restarts_restarts_the_group_until_it_succeeds() {
     let id = unique_run_id("restart");
