@@ -255,7 +255,7 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
             master_port.source, nnodes.value
         )));
     }
-    let run_id = resolve_run_id(flags, env, &slurm, &pet)?;
+    let run_id = resolve_run_id(flags, env, &slurm, &pet, multi)?;
     if multi && matches!(run_id.source, Source::Slurm(_)) {
         notices.push(format!(
             "the run id {:?} [{}] can be guessed by anyone who can reach {}:{}; export {RUN_ID_VAR}=<a secret> on every node to keep others out (scripts/slurm/train.sbatch does)",
@@ -290,6 +290,7 @@ fn resolve_run_id(
     env: &Env,
     slurm: &Option<SlurmStep>,
     pet: &Pet<'_>,
+    multi: bool,
 ) -> Result<Sourced<Option<String>>, ShapeError> {
     let nonempty = |id: &str, what: &str| {
         if id.trim().is_empty() {
@@ -325,7 +326,12 @@ fn resolve_run_id(
     if let Some(id) = pet.get("RDZV_ID", |t| nonempty(t, "PET_RDZV_ID").map_err(|e| e.0))? {
         return Ok(id);
     }
-    Ok(Sourced::new(None, Source::Default("fresh secret per run")))
+    let why = if multi {
+        "none given"
+    } else {
+        "fresh secret per run"
+    };
+    Ok(Sourced::new(None, Source::Default(why)))
 }
 
 impl JobShape {
