@@ -143,3 +143,66 @@ fn a_flood_of_strangers_does_not_starve_the_job() {
     );
     assert!(dir.path().join("default/checkpoints/latest").is_file());
 }
+
+/// A process that claims a rank of a running job with the wrong run id is refused at the store
+/// and learns only a fingerprint, never the id; the job goes on.
+#[test]
+fn a_worker_with_the_wrong_run_id_is_refused_without_learning_the_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let secret = unique_run_id("real");
+    let args = tiny_args(dir.path(), &["train.epochs=25", "eval.patience=0"]);
+    let mut all: Vec<String> = [
+        "--num-processes",
+        "2",
+        "--master-port",
+        &port.to_string(),
+        "--run-id",
+        &secret,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    all.extend(args.iter().cloned());
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    let job = Live::new(launch_cmd(&all).spawn().unwrap());
+    job.wait_stderr("epoch 1/25", Duration::from_secs(120));
+    let port_text = port.to_string();
+    let env = [
+        ("RANK", "1"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_WORLD_SIZE", "1"),
+        ("GROUP_RANK", "1"),
+        ("GROUP_WORLD_SIZE", "2"),
+        ("ROLE_RANK", "1"),
+        ("ROLE_WORLD_SIZE", "2"),
+        ("ROLE_NAME", "default"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", port_text.as_str()),
+        ("TORCHELASTIC_RESTART_COUNT", "0"),
+        ("TORCHELASTIC_MAX_RESTARTS", "0"),
+        ("TORCHELASTIC_RUN_ID", "a-guess"),
+    ];
+    let stranger = std::process::Command::new(bin("worker"))
+        .arg("configs/default.toml")
+        .args(tiny_bpr_sets(&dir.path().join("stranger")))
+        .current_dir(repo_root())
+        .envs(env)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&stranger.stdout),
+        String::from_utf8_lossy(&stranger.stderr)
+    );
+    assert_ne!(stranger.status.code(), Some(0), "{text}");
+    assert!(text.contains("belongs to another run"), "{text}");
+    assert!(
+        !text.contains(&secret),
+        "the stranger learned the run id:\n{text}"
+    );
+    let out = job.finish(Duration::from_secs(300));
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    assert!(!out.stdout.contains(&secret) && !out.stderr.contains(&secret));
+}

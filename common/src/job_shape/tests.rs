@@ -177,15 +177,36 @@ fn pet_rendezvous_endpoint_and_fixed_elastic_ranges() {
 }
 
 #[test]
-fn multi_node_without_an_id_derives_one_and_warns() {
+fn multi_node_without_an_id_derives_none_and_says_how_to_share_one() {
     let flags = Flags {
         nnodes: Some(2),
         master_addr: Some("10.1.1.1".into()),
         ..Flags::default()
     };
     let s = shape(&flags, &[]);
-    assert_eq!(s.run_id.value.as_deref(), Some("run-10.1.1.1-29500"));
-    assert_eq!(s.notices.len(), 1, "{:?}", s.notices);
+    assert_eq!(s.run_id.value, None);
+    let why = s.needs_run_id().expect("a multi-node run without an id");
+    assert!(
+        why.contains("--run-id-file") && why.contains("LAUNCH_RUN_ID"),
+        "{why}"
+    );
+    // A run id file, flag or variable satisfies it; one node never needs one.
+    let with_file = Flags {
+        run_id_file: Some("/shared/id".into()),
+        ..flags.clone()
+    };
+    let s = shape(&with_file, &[]);
+    assert_eq!(s.run_id.source, Source::File("/shared/id".into()));
+    assert_eq!(s.needs_run_id(), None);
+    assert_eq!(
+        shape(&flags, &[("LAUNCH_RUN_ID_FILE", "/x")]).needs_run_id(),
+        None
+    );
+    assert_eq!(
+        shape(&flags, &[("LAUNCH_RUN_ID", "s")]).needs_run_id(),
+        None
+    );
+    assert_eq!(shape(&Flags::default(), &[]).needs_run_id(), None);
 }
 
 #[test]
