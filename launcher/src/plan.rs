@@ -149,7 +149,8 @@ impl Plan {
         } else {
             None
         };
-        let run_id = run_id_of(&shape, cli.dry_run, &mut notices)?;
+        let run_id = crate::secret::run_id_of(&shape, cli.dry_run, &mut notices)
+            .map_err(PlanError::Usage)?;
         Ok(Plan {
             nnodes,
             node_rank: shape.node_rank.value,
@@ -755,38 +756,6 @@ fn bound_port(listener: &TcpListener) -> Result<u16, PlanError> {
 
 fn is_loopback_name(addr: &str) -> bool {
     addr == "localhost" || addr.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
-}
-
-/// The run id the plan uses: given, read from (or, on node 0, written into) the run id file,
-/// or fresh on a single node. Several nodes with none given is an error (a notice in a dry run,
-/// which writes nothing).
-fn run_id_of(
-    shape: &JobShape,
-    dry_run: bool,
-    notices: &mut Vec<String>,
-) -> Result<String, PlanError> {
-    if let Some(id) = &shape.run_id.value {
-        return Ok(id.clone());
-    }
-    if let Source::File(path) = &shape.run_id.source {
-        if dry_run {
-            return Ok(format!("<read from {path} at start>"));
-        }
-        let node_0 = shape.node_rank.value == 0;
-        let (id, notice) =
-            crate::secret::from_file(Path::new(path), node_0, crate::secret::FILE_WAIT)
-                .map_err(PlanError::Usage)?;
-        notices.extend(notice);
-        return Ok(id);
-    }
-    if let Some(why) = shape.needs_run_id() {
-        if dry_run {
-            notices.push(why);
-            return Ok("<none: see the note>".into());
-        }
-        return Err(PlanError::Usage(why));
-    }
-    crate::secret::fresh_run_id().map_err(PlanError::Usage)
 }
 
 /// The command as a shell would need it typed (for display only).

@@ -9,6 +9,37 @@ use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::job_shape::{JobShape, Source};
+
+/// The run id the plan uses: given, read from (or, on node 0, written into) the run id file,
+/// or fresh on a single node. Several nodes with none given is an error (a notice in a dry run,
+/// which writes nothing).
+pub fn run_id_of(
+    shape: &JobShape,
+    dry_run: bool,
+    notices: &mut Vec<String>,
+) -> Result<String, String> {
+    if let Some(id) = &shape.run_id.value {
+        return Ok(id.clone());
+    }
+    if let Source::File(path) = &shape.run_id.source {
+        if dry_run {
+            return Ok(format!("<read from {path} at start>"));
+        }
+        let (id, notice) = from_file(Path::new(path), shape.node_rank.value == 0, FILE_WAIT)?;
+        notices.extend(notice);
+        return Ok(id);
+    }
+    if let Some(why) = shape.needs_run_id() {
+        if dry_run {
+            notices.push(why);
+            return Ok("<none: see the note>".into());
+        }
+        return Err(why);
+    }
+    fresh_run_id()
+}
+
 /// `bytes` random bytes as hex.
 fn random_hex(bytes: usize) -> Result<String, String> {
     let mut buf = vec![0u8; bytes];

@@ -18,6 +18,48 @@ use tch::{Device, Kind, Tensor};
 use super::{flatten_f32, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp};
 use crate::store::StoreClient;
 
+/// Accepts the previous rank's connection: the first that greets with its rank and `proof`
+/// (others are dropped), by `deadline`.
+fn accept_prev(
+    listener: &TcpListener,
+    prev: usize,
+    proof: &[u8; 32],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<TcpStream, String> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("listener: {e}"))?;
+    loop {
+        match listener.accept() {
+            Ok((mut stream, peer)) => {
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_read_timeout(Some(GREETING_TIMEOUT));
+                let mut hello = [0u8; 40];
+                if stream.read_exact(&mut hello).is_ok()
+                    && u64::from_le_bytes(hello[..8].try_into().unwrap_or_default()) == prev as u64
+                    && hello[8..] == proof[..]
+                {
+                    let _ = stream.set_read_timeout(None);
+                    return Ok(stream);
+                }
+                // Not our neighbour (a stray or a stranger): drop it, keep waiting.
+                tracing::warn!(%peer, "tcp ring: refused a connection that did not prove it belongs to this run");
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(format!(
+                        "rank {prev} did not connect within {:.1} s",
+                        timeout.as_secs_f64()
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(format!("accepting rank {prev}: {e}")),
+        }
+    }
+}
+
 /// How long an incoming ring connection has to send its greeting.
 const GREETING_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -162,39 +204,8 @@ impl TcpCollective {
             .write_all(&greeting)
             .map_err(|e| setup(format!("greeting rank {next}: {e}")))?;
 
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| setup(format!("listener: {e}")))?;
-        let from_prev = loop {
-            match listener.accept() {
-                Ok((mut stream, peer)) => {
-                    let _ = stream.set_nonblocking(false);
-                    let _ = stream.set_read_timeout(Some(GREETING_TIMEOUT));
-                    let mut hello = [0u8; 40];
-                    let expected = ring_proof(&secret, &nonce, prev, rank);
-                    if stream.read_exact(&mut hello).is_ok()
-                        && u64::from_le_bytes(hello[..8].try_into().unwrap_or_default())
-                            == prev as u64
-                        && hello[8..] == expected
-                    {
-                        let _ = stream.set_read_timeout(None);
-                        break stream;
-                    }
-                    // Not our neighbour (a stray or a stranger): drop it, keep waiting.
-                    tracing::warn!(%peer, "tcp ring: refused a connection that did not prove it belongs to this run");
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        return Err(setup(format!(
-                            "rank {prev} did not connect within {:.1} s",
-                            timeout.as_secs_f64()
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Err(e) => return Err(setup(format!("accepting rank {prev}: {e}"))),
-            }
-        };
+        let proof = ring_proof(&secret, &nonce, prev, rank);
+        let from_prev = accept_prev(&listener, prev, &proof, deadline, timeout).map_err(setup)?;
         for stream in [&to_next, &from_prev] {
             stream
                 .set_nodelay(true)
