@@ -17,4 +17,4 @@ pub mod rec;
 pub mod run_dir;
 pub mod sampler;
 pub mod store;
-pub mod train;
+pub mod trainer;

@@ -2,7 +2,7 @@
 //! environment contract; everything else comes from its command line. It checks what it was
 //! given (contract, config, batch plan, device), brings up the distributed runtime (rendezvous,
 //! a collective checked with one all-reduce), loads or generates the data, evaluates the
-//! popularity baseline, builds the recommender of `[model]` and trains it (`worker::train`);
+//! popularity baseline, builds the recommender of `[model]` and trains it (`worker::trainer`);
 //! rank 0 prints the summary next to the baseline. It owns no training logic itself.
 
 use std::path::PathBuf;
@@ -19,7 +19,7 @@ use tracing::info;
 use worker::collective::{OpContext, ReduceOp};
 use worker::memory::{self, Phase, ProbeOutcome};
 use worker::rec;
-use worker::train::{self, Split, TrainSetup};
+use worker::trainer::{self as train, Split, TrainSetup};
 
 /// One data-parallel worker of a `launch` job.
 #[derive(Debug, Parser)]
@@ -560,7 +560,7 @@ fn probe_step(
     micro: usize,
     device: tch::Device,
 ) -> ProbeOutcome<u64> {
-    use worker::train::Task as _;
+    use worker::trainer::Task as _;
     memory::enter(Phase::AutoProbe);
     let n = task.train_len().max(1);
     let indices: Vec<usize> = (0..micro).map(|i| i % n).collect();

@@ -24,7 +24,7 @@ use crate::model::gpt2::{self, Gpt2, Gpt2Error, Tokenizer};
 use crate::model::recommender::{
     popularity_scores, RecConfig, Recommender, Scorer, Text, TextFeatures, TokenTable,
 };
-use crate::train::{Split, Task, TrainError};
+use crate::trainer::{Split, Task, TrainError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecError {

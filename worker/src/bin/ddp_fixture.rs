@@ -20,7 +20,7 @@ use clap::Parser;
 use common::config::Config;
 use common::env_contract::WorkerEnv;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
-use worker::train::{self, Task, TrainSetup};
+use worker::trainer::{self as train, Task, TrainSetup};
 
 /// DDP engine test fixture (an MLP on synthetic regression data).
 #[derive(Debug, Parser)]

@@ -1,0 +1,53 @@
+//! The records of `metrics.jsonl`: one per optimizer step, one per evaluation.
+
+use serde::{Deserialize, Serialize};
+
+use crate::eval::Metrics;
+
+/// One evaluation as a line of `metrics.jsonl`: `{"kind":"eval","split":"valid","epoch":..,
+/// "step":..,"users":..,"recall@10":..,...,"seconds":..}`.
+pub fn eval_record(
+    split: &str,
+    epoch: u64,
+    step: u64,
+    metrics: &Metrics,
+    seconds: f64,
+) -> serde_json::Value {
+    let mut map = serde_json::Map::new();
+    map.insert("kind".into(), "eval".into());
+    map.insert("split".into(), split.into());
+    map.insert("epoch".into(), epoch.into());
+    map.insert("step".into(), step.into());
+    map.insert("users".into(), metrics.users.into());
+    for (i, k) in metrics.ks.iter().enumerate() {
+        for (name, series) in [
+            ("recall", &metrics.recall),
+            ("ndcg", &metrics.ndcg),
+            ("mrr", &metrics.mrr),
+            ("hit", &metrics.hit),
+            ("precision", &metrics.precision),
+        ] {
+            map.insert(format!("{name}@{k}"), series[i].into());
+        }
+    }
+    map.insert("seconds".into(), seconds.into());
+    serde_json::Value::Object(map)
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StepRecord {
+    pub kind: String,
+    pub epoch: u64,
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub samples_per_s: f64,
+    /// At logged steps: the largest peak memory over the ranks so far (MiB; RSS on the CPU,
+    /// device memory on GPUs) and the rank that has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_mem_mib: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_mem_rank: Option<u64>,
+}

@@ -1,0 +1,64 @@
+//! What the trainer trains: a [`Task`] (a model plus a loss over sample indices, optionally an
+//! evaluation) and the adapter that lets the DDP engine run it micro-batch by micro-batch.
+
+use tch::Tensor;
+
+use crate::collective::{Collective, OpContext};
+use crate::ddp::MicroBatchLoss;
+use crate::eval::Metrics;
+
+use super::TrainError;
+
+/// What the engine trains: a model (its variables live in a `VarStore`) and a loss.
+pub trait Task {
+    /// Number of training samples (the sampler shards `0..train_len()`).
+    fn train_len(&self) -> usize;
+    /// Mean loss over the samples `indices` (one micro-batch), ready for backward.
+    fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError>;
+    /// Completes the backward pass after `loss(..).backward()` (activation checkpointing
+    /// recomputes here). Default: nothing to do.
+    fn finish_backward(&mut self) -> Result<(), tch::TchError> {
+        Ok(())
+    }
+    /// A fingerprint of the model's configuration; a checkpoint of another model is refused.
+    fn model_hash(&self) -> String;
+    /// Metrics of the current model on `split`. Every rank calls it together (the task may
+    /// split the work and reduce). `None` (the default): the task has nothing to evaluate.
+    fn evaluate(
+        &mut self,
+        _split: Split,
+        _comm: &mut dyn Collective,
+        _ctx: OpContext,
+    ) -> Result<Option<Metrics>, TrainError> {
+        Ok(None)
+    }
+}
+
+/// Which held-out part of the data an evaluation ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    Valid,
+    Test,
+}
+
+impl Split {
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Valid => "valid",
+            Split::Test => "test",
+        }
+    }
+}
+
+/// A task as the DDP engine runs it, micro-batch by micro-batch.
+pub(super) struct TaskMicroBatches<'a>(pub(super) &'a mut dyn Task);
+
+impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
+    fn loss(&mut self, indices: &Vec<usize>) -> Result<Tensor, tch::TchError> {
+        self.0.loss(indices)
+    }
+
+    fn finish_backward(&mut self) -> Result<(), tch::TchError> {
+        self.0.finish_backward()
+    }
+}
