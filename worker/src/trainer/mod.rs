@@ -5,6 +5,8 @@
 //! of the best model, and the final report. It works on any [`Task`] — a model plus a loss over a
 //! batch of sample indices — and must not know what the model is.
 
+mod evaluation;
+mod logging;
 mod records;
 mod resume;
 mod sync;
@@ -16,13 +18,13 @@ use std::time::{Duration, Instant};
 use common::batch::BatchPlan;
 use common::config::{Config, LrScheduleKind};
 use tch::{nn, Device};
-use tracing::{info, warn};
+use tracing::warn;
 
-use crate::checkpoint::{self, BestRecord, NamedTensors, TrainState};
+use crate::checkpoint::{self, BestRecord, TrainState};
 use crate::collective::{Collective, CollectiveError, OpContext};
-use crate::ddp::{Ddp, DdpConfig, DdpError, StepStats};
+use crate::ddp::{Ddp, DdpConfig, DdpError};
 use crate::eval::Metrics;
-use crate::memory::{self, Phase};
+use crate::memory;
 use crate::optim::{AdamW, LrSchedule, Schedule};
 use crate::run_dir::MetricsLog;
 use crate::sampler::DistributedSampler;
@@ -31,7 +33,8 @@ pub use records::{eval_record, StepRecord};
 pub use sync::gather_u64;
 pub use task::{Split, Task};
 
-use resume::{EvalProgress, ResumeDecision};
+use logging::{new_bar, progress_bar_wanted};
+use resume::EvalProgress;
 use sync::{broadcast_json, save_checkpoint};
 
 #[derive(Debug, thiserror::Error)]
@@ -263,111 +266,6 @@ impl<'t> Trainer<'t> {
         self.setup.run_dir.join("checkpoints")
     }
 
-    /// Rank 0 finds, checks and loads the checkpoint, then tells everyone the outcome
-    /// (including its failure, so nobody waits for a rank that gave up); the tensors travel by
-    /// broadcast, so no shared file system is needed.
-    fn resume(&mut self) -> Result<(), TrainError> {
-        let decision = if self.leader() {
-            self.decide_resume()
-        } else {
-            ResumeDecision::default()
-        };
-        let (leader, ctx) = (self.leader(), self.ctx(0));
-        let decision: ResumeDecision =
-            broadcast_json(self.ddp.comm(), leader.then_some(&decision), ctx)?;
-        if let Some(error) = decision.error {
-            return Err(TrainError::Resume(error));
-        }
-        if let (Some(path), Some(state)) = (decision.path, decision.state) {
-            self.continue_from(PathBuf::from(path), state)?;
-        }
-        Ok(())
-    }
-
-    /// Rank 0's decision, with the checkpoint already loaded into its model and optimizer.
-    fn decide_resume(&mut self) -> ResumeDecision {
-        let checkpoints = self.checkpoints();
-        for line in crate::run_dir::clean_temporaries(&checkpoints) {
-            info!("checkpoints: {line}");
-        }
-        let world = self.ddp.world_size();
-        let mut decision = resume::resume_decision(
-            self.setup.config,
-            &checkpoints,
-            self.task.model_hash(),
-            self.setup.batch,
-            world,
-        );
-        if let (Some(path), None) = (&decision.path, &decision.error) {
-            let applied = checkpoint::load(Path::new(path))
-                .map_err(|e| e.to_string())
-                .and_then(|(model, optim, _)| {
-                    self.load(&model, &optim)
-                        .map_err(|e| format!("{path}: {e}"))
-                });
-            if let Err(e) = applied {
-                decision.error = Some(e);
-            }
-        }
-        decision
-    }
-
-    fn load(&mut self, model: &NamedTensors, optim: &NamedTensors) -> Result<(), TrainError> {
-        resume::load_params(&self.ddp.named_variables(), model)?;
-        self.optimizer
-            .load_state_tensors(optim)
-            .map_err(|e| TrainError::Resume(e.to_string()))
-    }
-
-    /// Every rank takes rank 0's parameters and optimizer state and the checkpoint's position;
-    /// the schedule keeps the length the run started with.
-    fn continue_from(&mut self, path: PathBuf, state: TrainState) -> Result<(), TrainError> {
-        self.ddp.broadcast_params(0)?;
-        // Everyone receives rank 0's optimizer state into tensors of the right shapes.
-        let mut shaped = self.optimizer.state_tensors();
-        let mut values: Vec<tch::Tensor> = shaped.iter().map(|(_, t)| t.shallow_clone()).collect();
-        let ctx = self.ctx(state.step);
-        self.ddp.comm().broadcast(&mut values, 0, ctx)?;
-        for ((_, t), v) in shaped.iter_mut().zip(values) {
-            *t = v;
-        }
-        self.optimizer
-            .load_state_tensors(&shaped)
-            .map_err(|e| TrainError::Resume(e.to_string()))?;
-        let total = state.schedule_steps.unwrap_or(self.total_steps);
-        if self.leader() {
-            self.announce_resume(&path, &state, total);
-        }
-        memory::update(|f| f.last_checkpoint = Some(path.display().to_string()));
-        memory::set_step(state.step);
-        // Older checkpoints have no length: as computed now.
-        self.total_steps = total;
-        self.schedule.total_steps = total;
-        self.start = TrainState {
-            schedule_steps: Some(total),
-            ..state
-        };
-        self.resumed_from = Some(path);
-        Ok(())
-    }
-
-    fn announce_resume(&self, path: &Path, state: &TrainState, total: u64) {
-        let world = self.ddp.world_size();
-        info!(
-            "resuming from {} (epoch {}, step {}, written by {} rank(s); now {world})",
-            path.display(),
-            state.epoch + 1,
-            state.step,
-            state.world_size
-        );
-        if state.world_size != world as u64 {
-            warn!(
-                "resuming with world {world} from a checkpoint of world {}: the run continues with the same global batch and learning-rate schedule ({total} steps), but not bit-exactly (each rank's share of the data and the order of the sums change)",
-                state.world_size
-            );
-        }
-    }
-
     /// Rank 0: the resolved config, a run directory holding only what this run owns, the
     /// metrics log and (in a terminal) the progress bar. Everyone: the progress so far.
     fn prepare_run_dir(&mut self) -> Result<(), TrainError> {
@@ -496,73 +394,6 @@ impl<'t> Trainer<'t> {
         self.log_step(epoch, lr, &stats, t0.elapsed().as_secs_f64())
     }
 
-    /// The step's record in `metrics.jsonl` (rank 0), and at logged steps every rank's peak
-    /// memory and a log line (or the progress bar).
-    fn log_step(
-        &mut self,
-        epoch: u64,
-        lr: f64,
-        stats: &StepStats,
-        secs: f64,
-    ) -> Result<(), TrainError> {
-        let step = self.progress.step;
-        let log_every = (self.steps_per_epoch / 10).max(1);
-        let log_now = step % log_every == 0 || step == self.total_steps;
-        // At logged steps every rank reports its peak; rank 0 logs the largest.
-        let peak = if log_now {
-            let ctx = self.ctx(step);
-            let all = gather_u64(self.ddp.comm(), memory::peak_bytes(self.device), ctx)?;
-            all.iter()
-                .enumerate()
-                .max_by_key(|(_, &b)| b)
-                .map(|(r, &b)| (r as u64, b))
-        } else {
-            None
-        };
-        let global = self.setup.batch.global;
-        let Some(file) = self.metrics.as_mut() else {
-            return Ok(());
-        };
-        file.append(&StepRecord {
-            kind: "step".into(),
-            epoch: epoch + 1,
-            step,
-            loss: stats.loss,
-            lr,
-            grad_norm: stats.grad_norm,
-            samples_per_s: global as f64 / secs.max(1e-9),
-            peak_mem_mib: peak.map(|(_, b)| mib(b)),
-            peak_mem_rank: peak.map(|(r, _)| r),
-        })?;
-        let p = &self.progress;
-        let elapsed = p.started.elapsed().as_secs_f64();
-        let rate = (p.steps_run * global) as f64 / elapsed.max(1e-9);
-        if let Some(bar) = self.bar.as_mut() {
-            bar.set_position(step);
-            bar.set_message(format!(
-                "epoch {}/{} loss {:.4} {rate:.0} samples/s",
-                epoch + 1,
-                self.epochs,
-                stats.loss
-            ));
-        } else if log_now {
-            let eta = elapsed / p.steps_run as f64 * self.total_steps.saturating_sub(step) as f64;
-            let (peak_rank, peak_bytes) = peak.unwrap_or_default();
-            info!(
-                "epoch {}/{} step {step}/{} loss {:.6} lr {lr:.3e} grad_norm {:.4} {rate:.0} samples/s {:.1} ms/step, peak mem {:.0} MiB (rank {peak_rank}) ETA {}",
-                epoch + 1,
-                self.epochs,
-                self.total_steps,
-                stats.loss,
-                stats.grad_norm,
-                elapsed * 1000.0 / p.steps_run as f64,
-                mib(peak_bytes),
-                format_duration(eta)
-            );
-        }
-        Ok(())
-    }
-
     /// A checkpoint at (epoch, step, samples consumed in that epoch), with the early-stopping
     /// bookkeeping.
     fn checkpoint(
@@ -592,139 +423,6 @@ impl<'t> Trainer<'t> {
         )?;
         let path = checkpoints.join(format!("step-{step:06}"));
         memory::update(|f| f.last_checkpoint = Some(path.display().to_string()));
-        Ok(())
-    }
-
-    /// Validation every `eval.every_n_epochs` (and after the last epoch), before the epoch's
-    /// checkpoint so that it knows the best so far.
-    fn validate_if_due(&mut self) -> Result<(), TrainError> {
-        let done = self.progress.epochs_done;
-        let every = u64::from(self.setup.config.eval.every_n_epochs);
-        if done % every != 0 && done != self.epochs {
-            return Ok(());
-        }
-        let t0 = Instant::now();
-        memory::enter(Phase::Evaluation);
-        let ctx = self.slow_ctx(self.progress.step);
-        let Some(m) = memory::check(self.task.evaluate(Split::Valid, self.ddp.comm(), ctx))? else {
-            return Ok(());
-        };
-        let secs = t0.elapsed().as_secs_f64();
-        let step = self.progress.step;
-        if let Some(file) = self.metrics.as_mut() {
-            file.append(&eval_record("valid", done, step, &m, secs))?;
-        }
-        let value = m.get(&self.metric).unwrap_or(f64::NAN);
-        if self.eval.best.as_ref().is_none_or(|b| value > b.value) {
-            self.new_best(m, value, secs)
-        } else {
-            self.no_improvement(&m, value, secs);
-            Ok(())
-        }
-    }
-
-    /// Saves the model as the best one (`<run dir>/best/`).
-    fn new_best(&mut self, m: Metrics, value: f64, secs: f64) -> Result<(), TrainError> {
-        let (done, step) = (self.progress.epochs_done, self.progress.step);
-        let line = format!("valid epoch {done}: {} ({secs:.1} s)", m.summary_line());
-        let previous = self.eval.best.replace(BestRecord {
-            epoch: done,
-            step,
-            metric: self.metric.clone(),
-            value,
-            valid: m,
-        });
-        self.eval.evals_since_best = 0;
-        let state = TrainState {
-            epoch: done,
-            step,
-            samples_in_epoch: 0,
-            best: self.eval.best.clone(),
-            ..self.start.clone()
-        };
-        let ctx = self.slow_ctx(step);
-        let best_dir = self.setup.run_dir.join("best");
-        save_checkpoint(&mut self.ddp, &[], &best_dir, state, 1, ctx)?;
-        let was = previous.map_or(String::new(), |p| {
-            format!(", was {:.4} at epoch {}", p.value, p.epoch)
-        });
-        self.say(format!("{line} — new best {} {value:.4}{was}", self.metric));
-        Ok(())
-    }
-
-    /// Counts an evaluation without improvement; stops early when patience runs out.
-    fn no_improvement(&mut self, m: &Metrics, value: f64, secs: f64) {
-        let done = self.progress.epochs_done;
-        self.eval.evals_since_best += 1;
-        let patience = self.setup.config.eval.patience;
-        let best = self.eval.best.as_ref().map_or(f64::NAN, |b| b.value);
-        self.say(format!(
-            "valid epoch {done}: {} ({secs:.1} s) — {} {value:.4}, best {best:.4} ({} evaluation(s) without improvement{})",
-            m.summary_line(),
-            self.metric,
-            self.eval.evals_since_best,
-            if patience > 0 { format!(", patience {patience}") } else { String::new() }
-        ));
-        if patience > 0 && self.eval.evals_since_best >= patience && done < self.epochs {
-            self.eval.stopped_early = true;
-            self.say(format!(
-                "early stopping after epoch {done}: {} has not improved for {patience} evaluation(s)",
-                self.metric
-            ));
-        }
-    }
-
-    /// The test evaluation of the best model (rank 0 reads it, everyone receives it), unless
-    /// the run was interrupted by the test hook.
-    fn test(&mut self) -> Result<Option<Metrics>, TrainError> {
-        let done = self.progress.epochs_done;
-        let interrupted = self
-            .setup
-            .stop_after_epoch
-            .is_some_and(|e| done == e && e < self.epochs && !self.eval.stopped_early);
-        if interrupted {
-            return Ok(None);
-        }
-        let step = self.progress.step;
-        if self.eval.best.is_some() {
-            self.load_best(step)?;
-        }
-        let t0 = Instant::now();
-        memory::enter(Phase::Evaluation);
-        let ctx = self.slow_ctx(step);
-        let test = memory::check(self.task.evaluate(Split::Test, self.ddp.comm(), ctx))?;
-        if let (Some(m), Some(file)) = (&test, self.metrics.as_mut()) {
-            let epoch = self.eval.best.as_ref().map_or(done, |b| b.epoch);
-            file.append(&eval_record(
-                "test",
-                epoch,
-                step,
-                m,
-                t0.elapsed().as_secs_f64(),
-            ))?;
-        }
-        Ok(test)
-    }
-
-    fn load_best(&mut self, step: u64) -> Result<(), TrainError> {
-        let leader = self.leader();
-        let failure = if leader {
-            resume::load_best(
-                &self.ddp.named_variables(),
-                &self.setup.run_dir.join("best"),
-            )
-            .err()
-            .map(|e| e.to_string())
-        } else {
-            None
-        };
-        let ctx = self.ctx(step);
-        let failure: Option<String> =
-            broadcast_json(self.ddp.comm(), leader.then_some(&failure), ctx)?;
-        if let Some(why) = failure {
-            return Err(TrainError::Resume(format!("loading the best model: {why}")));
-        }
-        self.ddp.broadcast_params(0)?;
         Ok(())
     }
 
@@ -759,17 +457,6 @@ impl<'t> Trainer<'t> {
                 .then(|| p.full_epoch_secs / p.full_epochs as f64),
         })
     }
-
-    /// A log line of rank 0, printed above the progress bar when there is one.
-    fn say(&self, line: String) {
-        if !self.leader() {
-            return;
-        }
-        match &self.bar {
-            Some(bar) => bar.suspend(|| info!("{line}")),
-            None => info!("{line}"),
-        }
-    }
 }
 
 /// The learning-rate schedule of `[train]` over `total_steps`.
@@ -790,38 +477,6 @@ fn lr_schedule(config: &Config, world: usize, total_steps: u64) -> LrSchedule {
         },
         min_lr: config.train.min_lr,
     }
-}
-
-/// A progress bar on rank 0 only when a person watches: stderr is a terminal and
-/// `GPTREC_PROGRESS` is not `plain`.
-fn progress_bar_wanted() -> bool {
-    std::io::IsTerminal::is_terminal(&std::io::stderr())
-        && std::env::var("GPTREC_PROGRESS").map_or(true, |v| v != "plain")
-}
-
-fn new_bar(total_steps: u64, position: u64) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::new(total_steps);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] step {pos}/{len} ETA {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    bar.set_position(position);
-    bar
-}
-
-/// `1h02m`, `3m05s`, `12s`.
-fn format_duration(secs: f64) -> String {
-    let s = secs.max(0.0).round() as u64;
-    match (s / 3600, (s % 3600) / 60, s % 60) {
-        (0, 0, s) => format!("{s}s"),
-        (0, m, s) => format!("{m}m{s:02}s"),
-        (h, m, _) => format!("{h}h{m:02}m"),
-    }
-}
-
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// The torch seed of optimizer step `step` on `rank`.

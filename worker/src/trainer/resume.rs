@@ -4,6 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::checkpoint::NamedTensors;
+use crate::memory;
+
 use common::batch::BatchPlan;
 use common::config::Config;
 use serde::{Deserialize, Serialize};
@@ -12,7 +15,7 @@ use tracing::{info, warn};
 
 use crate::checkpoint::{self, TrainState};
 
-use super::TrainError;
+use super::{broadcast_json, TrainError, Trainer};
 
 /// What early stopping remembers between evaluations (and across a resume).
 #[derive(Debug, Default)]
@@ -197,4 +200,119 @@ pub(super) fn own_the_run_dir(
         );
     }
     Ok(())
+}
+
+impl Trainer<'_> {
+    /// Rank 0 finds, checks and loads the checkpoint, then tells everyone the outcome
+    /// (including its failure, so nobody waits for a rank that gave up); the tensors travel by
+    /// broadcast, so no shared file system is needed.
+    pub(super) fn resume(&mut self) -> Result<(), TrainError> {
+        let decision = if self.leader() {
+            self.decide_resume()
+        } else {
+            ResumeDecision::default()
+        };
+        let (leader, ctx) = (self.leader(), self.ctx(0));
+        let decision: ResumeDecision =
+            broadcast_json(self.ddp.comm(), leader.then_some(&decision), ctx)?;
+        if let Some(error) = decision.error {
+            return Err(TrainError::Resume(error));
+        }
+        if let (Some(path), Some(state)) = (decision.path, decision.state) {
+            self.continue_from(PathBuf::from(path), state)?;
+        }
+        Ok(())
+    }
+
+    /// Rank 0's decision, with the checkpoint already loaded into its model and optimizer.
+    pub(super) fn decide_resume(&mut self) -> ResumeDecision {
+        let checkpoints = self.checkpoints();
+        for line in crate::run_dir::clean_temporaries(&checkpoints) {
+            info!("checkpoints: {line}");
+        }
+        let world = self.ddp.world_size();
+        let mut decision = resume_decision(
+            self.setup.config,
+            &checkpoints,
+            self.task.model_hash(),
+            self.setup.batch,
+            world,
+        );
+        if let (Some(path), None) = (&decision.path, &decision.error) {
+            let applied = checkpoint::load(Path::new(path))
+                .map_err(|e| e.to_string())
+                .and_then(|(model, optim, _)| {
+                    self.load(&model, &optim)
+                        .map_err(|e| format!("{path}: {e}"))
+                });
+            if let Err(e) = applied {
+                decision.error = Some(e);
+            }
+        }
+        decision
+    }
+
+    pub(super) fn load(
+        &mut self,
+        model: &NamedTensors,
+        optim: &NamedTensors,
+    ) -> Result<(), TrainError> {
+        load_params(&self.ddp.named_variables(), model)?;
+        self.optimizer
+            .load_state_tensors(optim)
+            .map_err(|e| TrainError::Resume(e.to_string()))
+    }
+
+    /// Every rank takes rank 0's parameters and optimizer state and the checkpoint's position;
+    /// the schedule keeps the length the run started with.
+    pub(super) fn continue_from(
+        &mut self,
+        path: PathBuf,
+        state: TrainState,
+    ) -> Result<(), TrainError> {
+        self.ddp.broadcast_params(0)?;
+        // Everyone receives rank 0's optimizer state into tensors of the right shapes.
+        let mut shaped = self.optimizer.state_tensors();
+        let mut values: Vec<tch::Tensor> = shaped.iter().map(|(_, t)| t.shallow_clone()).collect();
+        let ctx = self.ctx(state.step);
+        self.ddp.comm().broadcast(&mut values, 0, ctx)?;
+        for ((_, t), v) in shaped.iter_mut().zip(values) {
+            *t = v;
+        }
+        self.optimizer
+            .load_state_tensors(&shaped)
+            .map_err(|e| TrainError::Resume(e.to_string()))?;
+        let total = state.schedule_steps.unwrap_or(self.total_steps);
+        if self.leader() {
+            self.announce_resume(&path, &state, total);
+        }
+        memory::update(|f| f.last_checkpoint = Some(path.display().to_string()));
+        memory::set_step(state.step);
+        // Older checkpoints have no length: as computed now.
+        self.total_steps = total;
+        self.schedule.total_steps = total;
+        self.start = TrainState {
+            schedule_steps: Some(total),
+            ..state
+        };
+        self.resumed_from = Some(path);
+        Ok(())
+    }
+
+    pub(super) fn announce_resume(&self, path: &Path, state: &TrainState, total: u64) {
+        let world = self.ddp.world_size();
+        info!(
+            "resuming from {} (epoch {}, step {}, written by {} rank(s); now {world})",
+            path.display(),
+            state.epoch + 1,
+            state.step,
+            state.world_size
+        );
+        if state.world_size != world as u64 {
+            warn!(
+                "resuming with world {world} from a checkpoint of world {}: the run continues with the same global batch and learning-rate schedule ({total} steps), but not bit-exactly (each rank's share of the data and the order of the sums change)",
+                state.world_size
+            );
+        }
+    }
 }

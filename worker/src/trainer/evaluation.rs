@@ -1,0 +1,146 @@
+//! The evaluation cadence of a run: validation every `eval.every_n_epochs` with the best model
+//! kept in `<run dir>/best/` and early stopping on `eval.metric`, and the test evaluation of the
+//! best model at the end.
+
+use std::time::Instant;
+
+use crate::checkpoint::{BestRecord, TrainState};
+use crate::eval::Metrics;
+use crate::memory::{self, Phase};
+
+use super::{broadcast_json, eval_record, resume, save_checkpoint, Split, TrainError, Trainer};
+
+impl Trainer<'_> {
+    /// Validation every `eval.every_n_epochs` (and after the last epoch), before the epoch's
+    /// checkpoint so that it knows the best so far.
+    pub(super) fn validate_if_due(&mut self) -> Result<(), TrainError> {
+        let done = self.progress.epochs_done;
+        let every = u64::from(self.setup.config.eval.every_n_epochs);
+        if done % every != 0 && done != self.epochs {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        memory::enter(Phase::Evaluation);
+        let ctx = self.slow_ctx(self.progress.step);
+        let Some(m) = memory::check(self.task.evaluate(Split::Valid, self.ddp.comm(), ctx))? else {
+            return Ok(());
+        };
+        let secs = t0.elapsed().as_secs_f64();
+        let step = self.progress.step;
+        if let Some(file) = self.metrics.as_mut() {
+            file.append(&eval_record("valid", done, step, &m, secs))?;
+        }
+        let value = m.get(&self.metric).unwrap_or(f64::NAN);
+        if self.eval.best.as_ref().is_none_or(|b| value > b.value) {
+            self.new_best(m, value, secs)
+        } else {
+            self.no_improvement(&m, value, secs);
+            Ok(())
+        }
+    }
+
+    /// Saves the model as the best one (`<run dir>/best/`).
+    pub(super) fn new_best(&mut self, m: Metrics, value: f64, secs: f64) -> Result<(), TrainError> {
+        let (done, step) = (self.progress.epochs_done, self.progress.step);
+        let line = format!("valid epoch {done}: {} ({secs:.1} s)", m.summary_line());
+        let previous = self.eval.best.replace(BestRecord {
+            epoch: done,
+            step,
+            metric: self.metric.clone(),
+            value,
+            valid: m,
+        });
+        self.eval.evals_since_best = 0;
+        let state = TrainState {
+            epoch: done,
+            step,
+            samples_in_epoch: 0,
+            best: self.eval.best.clone(),
+            ..self.start.clone()
+        };
+        let ctx = self.slow_ctx(step);
+        let best_dir = self.setup.run_dir.join("best");
+        save_checkpoint(&mut self.ddp, &[], &best_dir, state, 1, ctx)?;
+        let was = previous.map_or(String::new(), |p| {
+            format!(", was {:.4} at epoch {}", p.value, p.epoch)
+        });
+        self.say(format!("{line} — new best {} {value:.4}{was}", self.metric));
+        Ok(())
+    }
+
+    /// Counts an evaluation without improvement; stops early when patience runs out.
+    pub(super) fn no_improvement(&mut self, m: &Metrics, value: f64, secs: f64) {
+        let done = self.progress.epochs_done;
+        self.eval.evals_since_best += 1;
+        let patience = self.setup.config.eval.patience;
+        let best = self.eval.best.as_ref().map_or(f64::NAN, |b| b.value);
+        self.say(format!(
+            "valid epoch {done}: {} ({secs:.1} s) — {} {value:.4}, best {best:.4} ({} evaluation(s) without improvement{})",
+            m.summary_line(),
+            self.metric,
+            self.eval.evals_since_best,
+            if patience > 0 { format!(", patience {patience}") } else { String::new() }
+        ));
+        if patience > 0 && self.eval.evals_since_best >= patience && done < self.epochs {
+            self.eval.stopped_early = true;
+            self.say(format!(
+                "early stopping after epoch {done}: {} has not improved for {patience} evaluation(s)",
+                self.metric
+            ));
+        }
+    }
+
+    /// The test evaluation of the best model (rank 0 reads it, everyone receives it), unless
+    /// the run was interrupted by the test hook.
+    pub(super) fn test(&mut self) -> Result<Option<Metrics>, TrainError> {
+        let done = self.progress.epochs_done;
+        let interrupted = self
+            .setup
+            .stop_after_epoch
+            .is_some_and(|e| done == e && e < self.epochs && !self.eval.stopped_early);
+        if interrupted {
+            return Ok(None);
+        }
+        let step = self.progress.step;
+        if self.eval.best.is_some() {
+            self.load_best(step)?;
+        }
+        let t0 = Instant::now();
+        memory::enter(Phase::Evaluation);
+        let ctx = self.slow_ctx(step);
+        let test = memory::check(self.task.evaluate(Split::Test, self.ddp.comm(), ctx))?;
+        if let (Some(m), Some(file)) = (&test, self.metrics.as_mut()) {
+            let epoch = self.eval.best.as_ref().map_or(done, |b| b.epoch);
+            file.append(&eval_record(
+                "test",
+                epoch,
+                step,
+                m,
+                t0.elapsed().as_secs_f64(),
+            ))?;
+        }
+        Ok(test)
+    }
+
+    pub(super) fn load_best(&mut self, step: u64) -> Result<(), TrainError> {
+        let leader = self.leader();
+        let failure = if leader {
+            resume::load_best(
+                &self.ddp.named_variables(),
+                &self.setup.run_dir.join("best"),
+            )
+            .err()
+            .map(|e| e.to_string())
+        } else {
+            None
+        };
+        let ctx = self.ctx(step);
+        let failure: Option<String> =
+            broadcast_json(self.ddp.comm(), leader.then_some(&failure), ctx)?;
+        if let Some(why) = failure {
+            return Err(TrainError::Resume(format!("loading the best model: {why}")));
+        }
+        self.ddp.broadcast_params(0)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,122 @@
+//! What a run tells its user as it goes (rank 0): a record per step in `metrics.jsonl`, a log
+//! line at every tenth of an epoch with every rank's peak memory (or a progress bar in a
+//! terminal), and log lines printed above that bar.
+
+use tracing::info;
+
+use crate::ddp::StepStats;
+use crate::memory;
+
+use super::{gather_u64, StepRecord, TrainError, Trainer};
+
+impl Trainer<'_> {
+    /// The step's record in `metrics.jsonl` (rank 0), and at logged steps every rank's peak
+    /// memory and a log line (or the progress bar).
+    pub(super) fn log_step(
+        &mut self,
+        epoch: u64,
+        lr: f64,
+        stats: &StepStats,
+        secs: f64,
+    ) -> Result<(), TrainError> {
+        let step = self.progress.step;
+        let log_every = (self.steps_per_epoch / 10).max(1);
+        let log_now = step % log_every == 0 || step == self.total_steps;
+        // At logged steps every rank reports its peak; rank 0 logs the largest.
+        let peak = if log_now {
+            let ctx = self.ctx(step);
+            let all = gather_u64(self.ddp.comm(), memory::peak_bytes(self.device), ctx)?;
+            all.iter()
+                .enumerate()
+                .max_by_key(|(_, &b)| b)
+                .map(|(r, &b)| (r as u64, b))
+        } else {
+            None
+        };
+        let global = self.setup.batch.global;
+        let Some(file) = self.metrics.as_mut() else {
+            return Ok(());
+        };
+        file.append(&StepRecord {
+            kind: "step".into(),
+            epoch: epoch + 1,
+            step,
+            loss: stats.loss,
+            lr,
+            grad_norm: stats.grad_norm,
+            samples_per_s: global as f64 / secs.max(1e-9),
+            peak_mem_mib: peak.map(|(_, b)| mib(b)),
+            peak_mem_rank: peak.map(|(r, _)| r),
+        })?;
+        let p = &self.progress;
+        let elapsed = p.started.elapsed().as_secs_f64();
+        let rate = (p.steps_run * global) as f64 / elapsed.max(1e-9);
+        if let Some(bar) = self.bar.as_mut() {
+            bar.set_position(step);
+            bar.set_message(format!(
+                "epoch {}/{} loss {:.4} {rate:.0} samples/s",
+                epoch + 1,
+                self.epochs,
+                stats.loss
+            ));
+        } else if log_now {
+            let eta = elapsed / p.steps_run as f64 * self.total_steps.saturating_sub(step) as f64;
+            let (peak_rank, peak_bytes) = peak.unwrap_or_default();
+            info!(
+                "epoch {}/{} step {step}/{} loss {:.6} lr {lr:.3e} grad_norm {:.4} {rate:.0} samples/s {:.1} ms/step, peak mem {:.0} MiB (rank {peak_rank}) ETA {}",
+                epoch + 1,
+                self.epochs,
+                self.total_steps,
+                stats.loss,
+                stats.grad_norm,
+                elapsed * 1000.0 / p.steps_run as f64,
+                mib(peak_bytes),
+                format_duration(eta)
+            );
+        }
+        Ok(())
+    }
+
+    /// A log line of rank 0, printed above the progress bar when there is one.
+    pub(super) fn say(&self, line: String) {
+        if !self.leader() {
+            return;
+        }
+        match &self.bar {
+            Some(bar) => bar.suspend(|| info!("{line}")),
+            None => info!("{line}"),
+        }
+    }
+}
+
+/// A progress bar on rank 0 only when a person watches: stderr is a terminal and
+/// `GPTREC_PROGRESS` is not `plain`.
+pub(super) fn progress_bar_wanted() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var("GPTREC_PROGRESS").map_or(true, |v| v != "plain")
+}
+
+pub(super) fn new_bar(total_steps: u64, position: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total_steps);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] step {pos}/{len} ETA {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_position(position);
+    bar
+}
+
+/// `1h02m`, `3m05s`, `12s`.
+fn format_duration(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    match (s / 3600, (s % 3600) / 60, s % 60) {
+        (0, 0, s) => format!("{s}s"),
+        (0, m, s) => format!("{m}m{s:02}s"),
+        (h, m, _) => format!("{h}h{m:02}m"),
+    }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
