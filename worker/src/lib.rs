@@ -4,6 +4,7 @@
 //! directory's integrity (`run_dir`). Each module owns
 //! one concern; none of them knows the recommender model (the engine works on any `tch` model).
 
+pub mod auto_micro;
 pub mod checkpoint;
 pub mod collective;
 pub mod cuda_runtime;
@@ -15,6 +16,7 @@ pub mod model;
 pub mod optim;
 pub mod rec;
 pub mod run_dir;
+pub mod run_report;
 pub mod sampler;
 pub mod store;
 pub mod trainer;

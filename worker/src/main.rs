@@ -12,14 +12,15 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use common::batch::BatchPlan;
 use common::config::{Config, ModelKind};
 use common::env_contract::WorkerEnv;
 use tch::{nn, Kind, Tensor};
 use tracing::info;
 use worker::collective::{OpContext, ReduceOp};
-use worker::memory::{self, Phase, ProbeOutcome};
-use worker::rec;
-use worker::trainer::{self as train, Split, TrainSetup};
+use worker::memory::{self, Phase};
+use worker::trainer::{self, Split, TrainSetup};
+use worker::{rec, run_report};
 
 /// One data-parallel worker of a `launch` job.
 #[derive(Debug, Parser)]
@@ -107,34 +108,130 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
     }
 }
 
+/// What the worker knows before it talks to anyone: its place in the job, the config and the
+/// batch plan, its device, and (rank 0) the run directory it holds.
+struct Start {
+    env: WorkerEnv,
+    config: Config,
+    batch: BatchPlan,
+    device: tch::Device,
+    memory_limit: Option<u64>,
+    run_dir: PathBuf,
+    /// Rank 0 holds the run directory until the process ends.
+    _run_lock: Option<worker::run_dir::RunLock>,
+}
+
+impl Start {
+    fn leader(&self) -> bool {
+        self.env.rank == 0
+    }
+}
+
 fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
+    let mut start = start(cli)?;
+    print_banner(cli, &start, alloc_conf_set);
+    let (_store_server, mut comm, ctx) = connect(&start)?;
+    let mut milestones = run_report::Milestones {
+        runtime_rss: memory::rss_bytes(),
+        ..Default::default()
+    };
+    // Data: the same on every rank (the split is seeded), read or generated.
+    let config = &start.config;
+    let data = rec::load_data(config, comm.as_mut(), ctx).context("loading the data")?;
+    let shape =
+        rec::data_shape(config, &data).context("measuring the data for the memory estimate")?;
+    memory::update(|f| f.data = Some(shape.clone()));
+    if start.leader() {
+        log_data(config, &data);
+    }
+    let (ks, users_at_once) = (&config.eval.topk, config.eval.batch_users);
+    let pop_valid =
+        rec::evaluate_popularity(&data, Split::Valid, ks, users_at_once, comm.as_mut(), ctx)
+            .context("evaluating the popularity baseline")?;
+    let pop_test =
+        rec::evaluate_popularity(&data, Split::Test, ks, users_at_once, comm.as_mut(), ctx)
+            .context("evaluating the popularity baseline")?;
+    if config.model.kind == ModelKind::Pop {
+        if start.leader() {
+            run_report::popularity_only(&start.run_dir, config, &pop_valid, &pop_test)?;
+        }
+        return Ok(());
+    }
+
+    milestones.data_rss = memory::rss_bytes();
+    memory::enter(Phase::ModelBuild);
+    let vs = nn::VarStore::new(start.device);
+    let mut task = memory::check(rec::RecTask::new(
+        config,
+        &data,
+        &vs,
+        start.device,
+        comm.as_mut(),
+        ctx,
+    ))
+    .context("building the model")?;
+    milestones.model_rss = memory::rss_bytes();
+    milestones.model_peak = memory::peak_bytes(start.device);
+    if start.config.batch.micro_auto {
+        plan_micro_batch(&mut start, &shape, &mut task, &vs, comm.as_mut(), ctx)?;
+    }
+    let device_kind = memory::device_kind(start.device);
+    let estimate = common::memory::estimate(&start.config, &start.batch, &shape, device_kind);
+    if start.leader() {
+        log_plan(&start, &estimate, &vs, &task);
+    }
+    let setup = TrainSetup {
+        config: &start.config,
+        batch: start.batch,
+        run_dir: start.run_dir.clone(),
+        stop_after_epoch: trainer::stop_after_epoch_from_env(),
+    };
+    let report = trainer::train(&mut task, &vs, comm, &setup).context("training")?;
+    if start.leader() {
+        run_report::RunSummary {
+            config: &start.config,
+            batch: start.batch,
+            device: start.device,
+            shape: &shape,
+            estimate: &estimate,
+            milestones,
+            report: &report,
+            pop_valid: &pop_valid,
+            pop_test: &pop_test,
+            run_dir: &start.run_dir,
+            world_size: start.env.world_size,
+        }
+        .finish()
+        .context("writing the run's summary")?;
+    }
+    Ok(())
+}
+
+/// Contract, config, batch plan and device, checked; rank 0 takes the run directory before
+/// anything is written or anyone connects.
+fn start(cli: &Cli) -> Result<Start, Failure> {
     let env = WorkerEnv::from_env()
         .context("reading the launch environment")
         .map_err(usage)?;
-    let mut config = Config::load(&cli.config, &cli.overrides)
+    let config = Config::load(&cli.config, &cli.overrides)
         .context("loading the config")
         .map_err(usage)?;
     memory::init(env.rank).map_err(|e| usage(anyhow::anyhow!(e)))?;
     let memory_limit = memory::simulated_limit(env.rank).map_err(|e| usage(anyhow::anyhow!(e)))?;
-    let mut batch = config
+    let batch = config
         .batch
         .resolve(u64::from(env.world_size))
         .with_context(|| format!("{}: checking the batch plan", cli.config.display()))
         .map_err(usage)?;
     let device = pick_device(&env).map_err(usage)?;
-    let leader = env.rank == 0;
-    // One run per run directory: rank 0 (the only writer) holds it until the process ends,
-    // taken before anything is written or anyone connects.
     let run_dir = config.run.output_dir.join(&config.run.name);
-    let _run_lock = if leader {
-        Some(
-            worker::run_dir::lock(&run_dir, &worker::store::run_fingerprint(&env.run_id))
-                .map_err(|e| usage(e.into()))?,
-        )
+    let run_lock = if env.rank == 0 {
+        let fingerprint = worker::store::run_fingerprint(&env.run_id);
+        Some(worker::run_dir::lock(&run_dir, &fingerprint).map_err(|e| usage(e.into()))?)
     } else {
         None
     };
-    if config.train.bf16 && !device.is_cuda() && leader {
+    if config.train.bf16 && !device.is_cuda() && env.rank == 0 {
         tracing::warn!("train.bf16 applies to CUDA only; this run is on the CPU and stays in f32");
     }
     memory::record(memory::RunFacts {
@@ -144,6 +241,19 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
         data: None,
         last_checkpoint: None,
     });
+    Ok(Start {
+        env,
+        config,
+        batch,
+        device,
+        memory_limit,
+        run_dir,
+        _run_lock: run_lock,
+    })
+}
+
+fn print_banner(cli: &Cli, start: &Start, alloc_conf_set: bool) {
+    let env = &start.env;
     println!(
         "worker rank {}/{} (local {}/{}, node {}/{}), pid {}, rendezvous {}:{} run id {}, restart {}/{}",
         env.rank,
@@ -163,11 +273,12 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
     println!(
         "config {} (run {:?}): {}",
         cli.config.display(),
-        config.run.name,
-        batch.derivation()
+        start.config.run.name,
+        start.batch.derivation()
     );
     println!(
-        "device {device:?}, libtorch threads {}, OMP_NUM_THREADS {}, PYTORCH_CUDA_ALLOC_CONF {}{}",
+        "device {:?}, libtorch threads {}, OMP_NUM_THREADS {}, PYTORCH_CUDA_ALLOC_CONF {}{}",
+        start.device,
         tch::get_num_threads(),
         std::env::var("OMP_NUM_THREADS").unwrap_or_else(|_| "unset".into()),
         std::env::var("PYTORCH_CUDA_ALLOC_CONF").unwrap_or_else(|_| "unset".into()),
@@ -177,14 +288,25 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
             ""
         }
     );
+}
 
-    // The distributed runtime: rendezvous, then the collective, checked with one all-reduce.
+/// What `connect` brings up: rank 0's store (served while it lives), this rank's collective,
+/// and the context of set-up operations.
+type Runtime = (
+    Option<worker::store::StoreServer>,
+    Box<dyn worker::collective::Collective>,
+    OpContext,
+);
+
+/// The distributed runtime: rendezvous, then the collective, checked with one all-reduce.
+fn connect(start: &Start) -> Result<Runtime, Failure> {
+    let (env, config, device) = (&start.env, &start.config, start.device);
     let timeout = Duration::from_secs(config.dist.timeout_s);
     let setup_timeout = timeout.max(worker::collective::SETUP_TIMEOUT_MIN);
-    let (_store_server, store) = worker::store::rendezvous(&env, setup_timeout)
-        .context("rendezvous with the other ranks")?;
+    let (store_server, store) =
+        worker::store::rendezvous(env, setup_timeout).context("rendezvous with the other ranks")?;
     let mut comm =
-        worker::collective::connect(config.dist.backend, device, &env, store, setup_timeout)
+        worker::collective::connect(config.dist.backend, device, env, store, setup_timeout)
             .context("connecting the collective")?;
     let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
     let ctx = OpContext {
@@ -207,386 +329,107 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
         comm.name(),
         env.world_size
     );
-
-    let runtime_rss = memory::rss_bytes();
-    // Data: the same on every rank (the split is seeded), read or generated.
-    let data = rec::load_data(&config, comm.as_mut(), ctx).context("loading the data")?;
-    let shape =
-        rec::data_shape(&config, &data).context("measuring the data for the memory estimate")?;
-    memory::update(|f| f.data = Some(shape.clone()));
-    let ds = &data.dataset;
-    if leader {
-        info!(
-            "data {}: {} users, {} items, {} train / {} valid / {} test interactions (ratings >= {})",
-            data.source.display(),
-            ds.n_users,
-            ds.n_items,
-            data.train_interactions(),
-            ds.valid.iter().map(Vec::len).sum::<usize>(),
-            ds.test.iter().map(Vec::len).sum::<usize>(),
-            config.data.min_rating
-        );
-    }
-    let ks = &config.eval.topk;
-    let users_at_once = config.eval.batch_users;
-    let pop_valid =
-        rec::evaluate_popularity(&data, Split::Valid, ks, users_at_once, comm.as_mut(), ctx)
-            .context("evaluating the popularity baseline")?;
-    let pop_test =
-        rec::evaluate_popularity(&data, Split::Test, ks, users_at_once, comm.as_mut(), ctx)
-            .context("evaluating the popularity baseline")?;
-
-    if config.model.kind == ModelKind::Pop {
-        if leader {
-            // The results of an earlier run here are not this one's: moved aside, not lost.
-            if let Some((to, moved)) = worker::run_dir::set_aside(&run_dir, 0, None)? {
-                info!(
-                    "moved {} of an earlier run to {}",
-                    moved.join(", "),
-                    to.display()
-                );
-            }
-            let path = run_dir.join("config.resolved.toml");
-            std::fs::write(&path, config.to_toml()?)
-                .with_context(|| format!("writing {}", path.display()))?;
-            let path = run_dir.join("metrics.jsonl");
-            let lines = format!(
-                "{}\n{}\n",
-                train::eval_record("valid", 0, 0, &pop_valid, 0.0),
-                train::eval_record("test", 0, 0, &pop_test, 0.0)
-            );
-            std::fs::write(&path, lines).with_context(|| format!("writing {}", path.display()))?;
-            println!("summary: model pop (nothing to train)");
-            println!("  valid     {}", pop_valid.summary_line());
-            println!("  test      {}", pop_test.summary_line());
-        }
-        return Ok(());
-    }
-
-    let data_rss = memory::rss_bytes();
-    memory::enter(Phase::ModelBuild);
-    let vs = nn::VarStore::new(device);
-    let mut task = memory::check(rec::RecTask::new(
-        &config,
-        &data,
-        &vs,
-        device,
-        comm.as_mut(),
-        ctx,
-    ))
-    .context("building the model")?;
-    let model_rss = memory::rss_bytes();
-    let model_peak = memory::peak_bytes(device);
-    if config.batch.micro_auto {
-        batch = auto_micro(
-            &config,
-            &shape,
-            &mut task,
-            &vs,
-            device,
-            memory_limit,
-            &env,
-            comm.as_mut(),
-            ctx,
-        )?;
-        config.batch = common::batch::BatchSpec {
-            global: Some(batch.global),
-            micro: Some(batch.micro),
-            grad_accum: Some(batch.grad_accum),
-            ..Default::default()
-        };
-        memory::update(|f| {
-            f.plan = batch;
-            f.config = config.clone();
-        });
-    }
-    let estimate = common::memory::estimate(&config, &batch, &shape, memory::device_kind(device));
-    if leader {
-        let name = memory::usage(device).1;
-        let budget = match memory::budget(device, memory_limit, env.local_world_size) {
-            Some(b) => format!("{}, {}", common::memory::mib_text(b.bytes), b.source),
-            None => "unknown: neither NVML nor the CUDA runtime answered".into(),
-        };
-        info!(
-            "memory estimate per worker on {name}: peak {} for {} (budget {budget})",
-            common::memory::mib_text(estimate.peak_bytes()),
-            batch.derivation(),
-        );
-    }
-    if leader {
-        let count = |trainable: bool| -> i64 {
-            vs.variables()
-                .values()
-                .filter(|t| t.requires_grad() == trainable)
-                .map(Tensor::numel)
-                .map(|n| n as i64)
-                .sum()
-        };
-        info!(
-            "model {:?} ({:?} text, {:?} GPT-2, {:?} scorer): {} trainable parameters, {} frozen",
-            config.model.kind,
-            config.model.text_mode,
-            config.model.preset,
-            config.model.scorer,
-            count(true),
-            count(false)
-        );
-        if config.model.activation_checkpointing {
-            info!(
-                "activation checkpointing: {} GPT-2 block(s) keep only their inputs and are recomputed during backward",
-                task.checkpointed_blocks()
-            );
-        }
-    }
-    let setup = TrainSetup {
-        config: &config,
-        batch,
-        run_dir: run_dir.clone(),
-        stop_after_epoch: train::stop_after_epoch_from_env(),
-    };
-    let report = train::train(&mut task, &vs, comm, &setup).context("training")?;
-    if leader {
-        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-        // The estimate next to what rank 0 measured, term by term where a measurement exists.
-        let measured = serde_json::json!({
-            "runtime_rss_mib": mib(runtime_rss),
-            "after_data_rss_mib": mib(data_rss),
-            "after_model_rss_mib": mib(model_rss),
-            "after_model_peak_mib": mib(model_peak),
-            "peak_rss_mib": report.peak_rss.iter().map(|&b| mib(b)).collect::<Vec<f64>>(),
-            "peak_device_mib": report.peak_device.as_ref().map(|v| v.iter().map(|&b| mib(b)).collect::<Vec<f64>>()),
-        });
-        let terms: Vec<serde_json::Value> = estimate
-            .terms
-            .iter()
-            .map(|t| serde_json::json!({"name": t.name, "mib": mib(t.bytes), "phase": format!("{:?}", t.phase).to_lowercase(), "detail": t.detail}))
-            .collect();
-        let record = serde_json::json!({
-            "device": format!("{device:?}"),
-            "plan": {"global": batch.global, "micro": batch.micro, "grad_accum": batch.grad_accum, "world": batch.world_size},
-            "data": {"users": shape.users, "items": shape.items, "interactions": shape.interactions, "user_tokens": shape.user_tokens, "item_tokens": shape.item_tokens},
-            "estimate": {"peak_mib": mib(estimate.peak_bytes()), "terms": terms},
-            "measured": measured,
-        });
-        let path = run_dir.join("memory.json");
-        if let Err(e) = std::fs::write(&path, format!("{record:#}\n")) {
-            tracing::warn!("could not write {}: {e}", path.display());
-        }
-        let peak: Vec<String> = report
-            .peak_rss
-            .iter()
-            .map(|&b| format!("{:.0}", mib(b)))
-            .collect();
-        let summary = serde_json::json!({
-            "kind": "summary",
-            "steps": report.steps,
-            "epochs": report.epochs_done,
-            "stopped_early": report.stopped_early,
-            "last_loss": report.last_loss,
-            "samples_per_s": report.samples_per_s,
-            "seconds_per_epoch": report.seconds_per_epoch,
-            "peak_rss_mib": report.peak_rss.iter().map(|&b| mib(b)).collect::<Vec<f64>>(),
-            "peak_device_mib": report.peak_device.as_ref().map(|v| v.iter().map(|&b| mib(b)).collect::<Vec<f64>>()),
-            "estimated_peak_mib": mib(estimate.peak_bytes()),
-            "world_size": env.world_size,
-        });
-        worker::run_dir::MetricsLog::open(&run_dir.join("metrics.jsonl"))
-            .and_then(|mut log| log.append(&summary))
-            .context("writing the summary record")?;
-        println!(
-            "summary: {} steps, {} epoch(s){}, last loss {}, {:.0} samples/s, {} s/epoch, peak RSS per rank [{}] MiB",
-            report.steps,
-            report.epochs_done,
-            if report.stopped_early { " (stopped early)" } else { "" },
-            report.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
-            report.samples_per_s,
-            report.seconds_per_epoch.map_or("-".into(), |s| format!("{s:.1}")),
-            peak.join(", ")
-        );
-        let measured_peak = match &report.peak_device {
-            Some(dev) => dev.iter().copied().max().unwrap_or(0),
-            None => report.peak_rss.iter().copied().max().unwrap_or(0),
-        };
-        println!(
-            "  memory: estimated peak {} per worker, measured {} ({}; memory.json has each term)",
-            common::memory::mib_text(estimate.peak_bytes()),
-            common::memory::mib_text(measured_peak),
-            if report.peak_device.is_some() {
-                "device memory, NVML"
-            } else {
-                "peak RSS"
-            }
-        );
-        if let Some(best) = &report.best {
-            println!(
-                "  best valid {} {:.4} at epoch {} (step {}); model in {}",
-                best.metric,
-                best.value,
-                best.epoch,
-                best.step,
-                run_dir.join("best").display()
-            );
-            println!("  valid     {}", best.valid.summary_line());
-        }
-        if let Some(test) = &report.test {
-            println!("  test      {}", test.summary_line());
-        }
-        println!("  pop valid {}", pop_valid.summary_line());
-        println!("  pop test  {}", pop_test.summary_line());
-        if let Some(test) = &report.test {
-            let metric = config.eval.metric.trim().to_ascii_lowercase();
-            if let (Some(ours), Some(pop)) = (test.get(&metric), pop_test.get(&metric)) {
-                println!(
-                    "  test {metric}: {ours:.4} vs popularity {pop:.4} ({:+.1}%)",
-                    if pop > 0.0 {
-                        (ours / pop - 1.0) * 100.0
-                    } else {
-                        0.0
-                    }
-                );
-            }
-        }
-    }
-    Ok(())
+    Ok((store_server, comm, ctx))
 }
 
-/// `batch.micro = "auto"`: every rank finds the largest micro batch (among those that keep
-/// `batch.global` exactly, up to `batch.max_micro`) whose estimate fits its memory with the
-/// safety margin — and, on a GPU, that really runs a forward and backward pass with the
-/// optimizer's state allocated — then the ranks agree on the smallest, and `grad_accum` follows.
-#[allow(clippy::too_many_arguments)]
-fn auto_micro(
-    config: &Config,
+fn log_data(config: &Config, data: &rec::RecData) {
+    let ds = &data.dataset;
+    info!(
+        "data {}: {} users, {} items, {} train / {} valid / {} test interactions (ratings >= {})",
+        data.source.display(),
+        ds.n_users,
+        ds.n_items,
+        data.train_interactions(),
+        ds.valid.iter().map(Vec::len).sum::<usize>(),
+        ds.test.iter().map(Vec::len).sum::<usize>(),
+        config.data.min_rating
+    );
+}
+
+/// `batch.micro = "auto"`: the plan the ranks agreed on replaces the configured one everywhere.
+fn plan_micro_batch(
+    start: &mut Start,
     shape: &common::memory::DataShape,
     task: &mut rec::RecTask,
     vs: &nn::VarStore,
-    device: tch::Device,
-    memory_limit: Option<u64>,
-    env: &WorkerEnv,
     comm: &mut dyn worker::collective::Collective,
     ctx: OpContext,
-) -> Result<common::batch::BatchPlan, Failure> {
-    use common::memory::{estimate, mib_text, usable};
-    let candidates = config
-        .batch
-        .auto_candidates(u64::from(env.world_size))
-        .context("batch.micro = \"auto\"")
-        .map_err(usage)?;
-    let kind = memory::device_kind(device);
-    let name = memory::usage(device).1;
-    let Some(memory::Budget {
-        bytes: budget,
-        source,
-    }) = memory::budget(device, memory_limit, env.local_world_size)
-    else {
-        return Err(usage(anyhow::anyhow!(
-            "batch.micro = \"auto\": cannot tell how much memory {name} has (neither NVML nor the CUDA runtime answered); set batch.micro to a number, or GPTREC_MEMORY_LIMIT_MB=N to plan with N MiB"
-        )));
-    };
-    let mut mine = None;
-    let mut tried = Vec::new();
-    for plan in &candidates {
-        let need = estimate(config, plan, shape, kind).peak_bytes();
-        if need > usable(budget) {
-            tried.push(format!("micro {} needs {}", plan.micro, mib_text(need)));
-            continue;
-        }
-        if device.is_cuda() {
-            match probe_step(task, vs, plan.micro as usize, device) {
-                ProbeOutcome::Fits(used) => info!(
-                    "batch.micro = \"auto\": rank {} ran micro {} using {} of {name}",
-                    env.rank,
-                    plan.micro,
-                    mib_text(used)
-                ),
-                ProbeOutcome::OutOfMemory(why) => {
-                    tried.push(format!("micro {} ran out of memory ({why})", plan.micro));
-                    continue;
-                }
-                ProbeOutcome::Failed(why) => {
-                    return Err(anyhow::anyhow!(
-                        "batch.micro = \"auto\": the probe step with micro {} failed, and not for lack of memory: {why}",
-                        plan.micro
-                    )
-                    .into())
-                }
-            }
-        }
-        mine = Some(*plan);
-        break;
-    }
-    let my_micro = mine.map_or(0, |p| p.micro);
-    let all = train::gather_u64(comm, my_micro, ctx).context("agreeing on the micro batch")?;
-    let chosen = all.iter().copied().min().unwrap_or(0);
-    let Some(plan) = candidates.iter().find(|p| p.micro == chosen).copied() else {
-        let short: Vec<String> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, &m)| m == 0)
-            .map(|(r, _)| r.to_string())
-            .collect();
-        let levers =
-            common::memory::other_levers(config, &candidates[candidates.len() - 1], shape, kind);
-        return Err(Failure {
-            error: anyhow::anyhow!(
-                "batch.micro = \"auto\": no micro batch that keeps global {} fits on rank(s) {} ({name}, budget {} with a {:.0}% margin){}{}; lower batch.global{}",
-                config.batch.global.unwrap_or(0),
-                short.join(", "),
-                mib_text(budget),
-                common::memory::SAFETY_MARGIN * 100.0,
-                if short.contains(&env.rank.to_string()) { ": " } else { "" },
-                if short.contains(&env.rank.to_string()) { tried.join(", ") } else { String::new() },
-                if levers.is_empty() { String::new() } else { format!(" or try {}", levers.join("; ")) }
-            ),
+) -> Result<(), Failure> {
+    use worker::auto_micro::{auto_micro, AutoMicroError};
+    let batch = auto_micro(
+        &start.config,
+        shape,
+        task,
+        vs,
+        start.device,
+        start.memory_limit,
+        &start.env,
+        comm,
+        ctx,
+    )
+    .map_err(|e| match e {
+        AutoMicroError::Usage(_) => usage(e.into()),
+        AutoMicroError::NoFit(_) => Failure {
+            error: e.into(),
             code: EXIT_OUT_OF_MEMORY,
-        });
+        },
+        AutoMicroError::Failed(_) => e.into(),
+    })?;
+    start.batch = batch;
+    start.config.batch = common::batch::BatchSpec {
+        global: Some(batch.global),
+        micro: Some(batch.micro),
+        grad_accum: Some(batch.grad_accum),
+        ..Default::default()
     };
-    if env.rank == 0 {
-        info!(
-            "batch.micro = \"auto\": largest micro per rank {all:?} (budget {} per worker, {source}); using {}",
-            mib_text(budget),
-            plan.derivation()
-        );
-    }
-    Ok(plan)
+    memory::update(|f| {
+        f.plan = batch;
+        f.config = start.config.clone();
+    });
+    Ok(())
 }
 
-/// One forward and backward pass of `micro` training samples with AdamW's two moments
-/// allocated, without changing any weight: the device memory this process then uses, or how
-/// it failed (only a real out-of-memory lets the caller try a smaller micro batch).
-fn probe_step(
-    task: &mut rec::RecTask,
+/// Rank 0: the memory estimate against the budget, and the model's size.
+fn log_plan(
+    start: &Start,
+    estimate: &common::memory::MemoryEstimate,
     vs: &nn::VarStore,
-    micro: usize,
-    device: tch::Device,
-) -> ProbeOutcome<u64> {
-    use worker::trainer::Task as _;
-    memory::enter(Phase::AutoProbe);
-    let n = task.train_len().max(1);
-    let indices: Vec<usize> = (0..micro).map(|i| i % n).collect();
-    let params = vs.trainable_variables();
-    memory::set_probing(true);
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let loss = task.loss(&indices)?;
-        loss.f_backward()?;
-        task.finish_backward()?;
-        let moments: Vec<Tensor> = params
-            .iter()
-            .flat_map(|p| [p.zeros_like(), p.zeros_like()])
-            .collect();
-        if let tch::Device::Cuda(i) = device {
-            tch::Cuda::synchronize(i as i64);
-        }
-        let used = memory::usage(device).0.used;
-        drop(moments);
-        Ok::<u64, tch::TchError>(used)
-    }));
-    memory::set_probing(false);
-    for p in &params {
-        let mut p = p.shallow_clone();
-        p.zero_grad();
+    task: &rec::RecTask,
+) {
+    let (config, device) = (&start.config, start.device);
+    let name = memory::usage(device).1;
+    let budget = match memory::budget(device, start.memory_limit, start.env.local_world_size) {
+        Some(b) => format!("{}, {}", common::memory::mib_text(b.bytes), b.source),
+        None => "unknown: neither NVML nor the CUDA runtime answered".into(),
+    };
+    info!(
+        "memory estimate per worker on {name}: peak {} for {} (budget {budget})",
+        common::memory::mib_text(estimate.peak_bytes()),
+        start.batch.derivation(),
+    );
+    let count = |trainable: bool| -> i64 {
+        vs.variables()
+            .values()
+            .filter(|t| t.requires_grad() == trainable)
+            .map(Tensor::numel)
+            .map(|n| n as i64)
+            .sum()
+    };
+    info!(
+        "model {:?} ({:?} text, {:?} GPT-2, {:?} scorer): {} trainable parameters, {} frozen",
+        config.model.kind,
+        config.model.text_mode,
+        config.model.preset,
+        config.model.scorer,
+        count(true),
+        count(false)
+    );
+    if config.model.activation_checkpointing {
+        info!(
+            "activation checkpointing: {} GPT-2 block(s) keep only their inputs and are recomputed during backward",
+            task.checkpointed_blocks()
+        );
     }
-    memory::classify_probe(outcome)
 }
 
 /// `cuda:LOCAL_RANK` when CUDA is usable, otherwise the CPU.

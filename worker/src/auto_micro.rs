@@ -1,0 +1,163 @@
+//! `batch.micro = "auto"`: before training, each rank finds the largest micro batch that keeps
+//! `batch.global` exactly and fits its memory — by the estimate, and on a GPU by one real
+//! forward and backward pass — and the ranks agree on the smallest. Only a real out-of-memory
+//! moves the probe on to a smaller plan; any other failure is reported as itself.
+
+use common::batch::BatchPlan;
+use common::config::Config;
+use common::env_contract::WorkerEnv;
+use tch::{nn, Tensor};
+use tracing::info;
+
+use crate::collective::{Collective, OpContext};
+use crate::memory::{self, Phase, ProbeOutcome};
+use crate::rec::RecTask;
+use crate::trainer::{gather_u64, Task as _};
+
+/// Why no plan came out; each maps to the worker's exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum AutoMicroError {
+    /// A setting that cannot work (exit code 2).
+    #[error("{0}")]
+    Usage(String),
+    /// No plan fits on some rank (exit code 3, as an out-of-memory).
+    #[error("{0}")]
+    NoFit(String),
+    /// The probe or the agreement failed for another reason (exit code 1).
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// `batch.micro = "auto"`: every rank finds the largest micro batch (among those that keep
+/// `batch.global` exactly, up to `batch.max_micro`) whose estimate fits its memory with the
+/// safety margin — and, on a GPU, that really runs a forward and backward pass with the
+/// optimizer's state allocated — then the ranks agree on the smallest, and `grad_accum` follows.
+#[allow(clippy::too_many_arguments)]
+pub fn auto_micro(
+    config: &Config,
+    shape: &common::memory::DataShape,
+    task: &mut RecTask,
+    vs: &nn::VarStore,
+    device: tch::Device,
+    memory_limit: Option<u64>,
+    env: &WorkerEnv,
+    comm: &mut dyn Collective,
+    ctx: OpContext,
+) -> Result<BatchPlan, AutoMicroError> {
+    use common::memory::{estimate, mib_text, usable};
+    let candidates = config
+        .batch
+        .auto_candidates(u64::from(env.world_size))
+        .map_err(|e| AutoMicroError::Usage(format!("batch.micro = \"auto\": {e}")))?;
+    let kind = memory::device_kind(device);
+    let name = memory::usage(device).1;
+    let Some(memory::Budget {
+        bytes: budget,
+        source,
+    }) = memory::budget(device, memory_limit, env.local_world_size)
+    else {
+        return Err(AutoMicroError::Usage(format!(
+            "batch.micro = \"auto\": cannot tell how much memory {name} has (neither NVML nor the CUDA runtime answered); set batch.micro to a number, or GPTREC_MEMORY_LIMIT_MB=N to plan with N MiB"
+        )));
+    };
+    let mut mine = None;
+    let mut tried = Vec::new();
+    for plan in &candidates {
+        let need = estimate(config, plan, shape, kind).peak_bytes();
+        if need > usable(budget) {
+            tried.push(format!("micro {} needs {}", plan.micro, mib_text(need)));
+            continue;
+        }
+        if device.is_cuda() {
+            match probe_step(task, vs, plan.micro as usize, device) {
+                ProbeOutcome::Fits(used) => info!(
+                    "batch.micro = \"auto\": rank {} ran micro {} using {} of {name}",
+                    env.rank,
+                    plan.micro,
+                    mib_text(used)
+                ),
+                ProbeOutcome::OutOfMemory(why) => {
+                    tried.push(format!("micro {} ran out of memory ({why})", plan.micro));
+                    continue;
+                }
+                ProbeOutcome::Failed(why) => {
+                    return Err(AutoMicroError::Failed(format!(
+                        "batch.micro = \"auto\": the probe step with micro {} failed, and not for lack of memory: {why}",
+                        plan.micro
+                    )))
+                }
+            }
+        }
+        mine = Some(*plan);
+        break;
+    }
+    let my_micro = mine.map_or(0, |p| p.micro);
+    let all = gather_u64(comm, my_micro, ctx)
+        .map_err(|e| AutoMicroError::Failed(format!("agreeing on the micro batch: {e}")))?;
+    let chosen = all.iter().copied().min().unwrap_or(0);
+    let Some(plan) = candidates.iter().find(|p| p.micro == chosen).copied() else {
+        let short: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, &m)| m == 0)
+            .map(|(r, _)| r.to_string())
+            .collect();
+        let levers =
+            common::memory::other_levers(config, &candidates[candidates.len() - 1], shape, kind);
+        return Err(AutoMicroError::NoFit(format!(
+                "batch.micro = \"auto\": no micro batch that keeps global {} fits on rank(s) {} ({name}, budget {} with a {:.0}% margin){}{}; lower batch.global{}",
+                config.batch.global.unwrap_or(0),
+                short.join(", "),
+                mib_text(budget),
+                common::memory::SAFETY_MARGIN * 100.0,
+                if short.contains(&env.rank.to_string()) { ": " } else { "" },
+                if short.contains(&env.rank.to_string()) { tried.join(", ") } else { String::new() },
+                if levers.is_empty() { String::new() } else { format!(" or try {}", levers.join("; ")) }
+        )));
+    };
+    if env.rank == 0 {
+        info!(
+            "batch.micro = \"auto\": largest micro per rank {all:?} (budget {} per worker, {source}); using {}",
+            mib_text(budget),
+            plan.derivation()
+        );
+    }
+    Ok(plan)
+}
+
+/// One forward and backward pass of `micro` training samples with AdamW's two moments
+/// allocated, without changing any weight: the device memory this process then uses, or how
+/// it failed (only a real out-of-memory lets the caller try a smaller micro batch).
+fn probe_step(
+    task: &mut RecTask,
+    vs: &nn::VarStore,
+    micro: usize,
+    device: tch::Device,
+) -> ProbeOutcome<u64> {
+    memory::enter(Phase::AutoProbe);
+    let n = task.train_len().max(1);
+    let indices: Vec<usize> = (0..micro).map(|i| i % n).collect();
+    let params = vs.trainable_variables();
+    memory::set_probing(true);
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let loss = task.loss(&indices)?;
+        loss.f_backward()?;
+        task.finish_backward()?;
+        let moments: Vec<Tensor> = params
+            .iter()
+            .flat_map(|p| [p.zeros_like(), p.zeros_like()])
+            .collect();
+        if let tch::Device::Cuda(i) = device {
+            tch::Cuda::synchronize(i as i64);
+        }
+        let used = memory::usage(device).0.used;
+        drop(moments);
+        Ok::<u64, tch::TchError>(used)
+    }));
+    memory::set_probing(false);
+    for p in &params {
+        let mut p = p.shallow_clone();
+        p.zero_grad();
+    }
+    memory::classify_probe(outcome)
+}

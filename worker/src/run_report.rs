@@ -1,0 +1,214 @@
+//! What rank 0 leaves behind when a run ends: `memory.json` (the estimate term by term next to
+//! what was measured), the `summary` record of `metrics.jsonl`, and the printed summary with the
+//! popularity baseline beside the model; and, for `model.kind = "pop"`, the baseline's own
+//! results. It reports; it computes nothing that the run depends on.
+
+use std::path::Path;
+
+use common::batch::BatchPlan;
+use common::config::Config;
+use common::memory::{mib_text, DataShape, MemoryEstimate};
+use serde_json::json;
+use tch::Device;
+
+use crate::eval::Metrics;
+use crate::run_dir::{MetricsLog, RunDirError};
+use crate::trainer::{eval_record, TrainReport};
+
+/// Rank 0's memory at the milestones of start-up (bytes).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Milestones {
+    pub runtime_rss: u64,
+    pub data_rss: u64,
+    pub model_rss: u64,
+    pub model_peak: u64,
+}
+
+/// Everything the end-of-run report shows.
+pub struct RunSummary<'a> {
+    pub config: &'a Config,
+    pub batch: BatchPlan,
+    pub device: Device,
+    pub shape: &'a DataShape,
+    pub estimate: &'a MemoryEstimate,
+    pub milestones: Milestones,
+    pub report: &'a TrainReport,
+    pub pop_valid: &'a Metrics,
+    pub pop_test: &'a Metrics,
+    pub run_dir: &'a Path,
+    pub world_size: u32,
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+impl RunSummary<'_> {
+    /// Writes `memory.json`, appends the summary record and prints the summary.
+    pub fn finish(&self) -> Result<(), RunDirError> {
+        self.write_memory_json();
+        MetricsLog::open(&self.run_dir.join("metrics.jsonl"))?.append(&self.record())?;
+        self.print();
+        Ok(())
+    }
+
+    fn peaks(&self) -> (Vec<f64>, Option<Vec<f64>>) {
+        let r = self.report;
+        (
+            r.peak_rss.iter().map(|&b| mib(b)).collect(),
+            r.peak_device
+                .as_ref()
+                .map(|v| v.iter().map(|&b| mib(b)).collect()),
+        )
+    }
+
+    /// The estimate next to what rank 0 measured, term by term where a measurement exists (a
+    /// failure to write it is a warning: the run's results are elsewhere).
+    fn write_memory_json(&self) {
+        let m = self.milestones;
+        let (peak_rss, peak_device) = self.peaks();
+        let terms: Vec<serde_json::Value> = self
+            .estimate
+            .terms
+            .iter()
+            .map(|t| json!({"name": t.name, "mib": mib(t.bytes), "phase": format!("{:?}", t.phase).to_lowercase(), "detail": t.detail}))
+            .collect();
+        let (b, s) = (self.batch, self.shape);
+        let record = json!({
+            "device": format!("{:?}", self.device),
+            "plan": {"global": b.global, "micro": b.micro, "grad_accum": b.grad_accum, "world": b.world_size},
+            "data": {"users": s.users, "items": s.items, "interactions": s.interactions, "user_tokens": s.user_tokens, "item_tokens": s.item_tokens},
+            "estimate": {"peak_mib": mib(self.estimate.peak_bytes()), "terms": terms},
+            "measured": {
+                "runtime_rss_mib": mib(m.runtime_rss),
+                "after_data_rss_mib": mib(m.data_rss),
+                "after_model_rss_mib": mib(m.model_rss),
+                "after_model_peak_mib": mib(m.model_peak),
+                "peak_rss_mib": peak_rss,
+                "peak_device_mib": peak_device,
+            },
+        });
+        let path = self.run_dir.join("memory.json");
+        if let Err(e) = std::fs::write(&path, format!("{record:#}\n")) {
+            tracing::warn!("could not write {}: {e}", path.display());
+        }
+    }
+
+    /// The `summary` record of `metrics.jsonl`.
+    fn record(&self) -> serde_json::Value {
+        let r = self.report;
+        let (peak_rss, peak_device) = self.peaks();
+        json!({
+            "kind": "summary",
+            "steps": r.steps,
+            "epochs": r.epochs_done,
+            "stopped_early": r.stopped_early,
+            "last_loss": r.last_loss,
+            "samples_per_s": r.samples_per_s,
+            "seconds_per_epoch": r.seconds_per_epoch,
+            "peak_rss_mib": peak_rss,
+            "peak_device_mib": peak_device,
+            "estimated_peak_mib": mib(self.estimate.peak_bytes()),
+            "world_size": self.world_size,
+        })
+    }
+
+    fn print(&self) {
+        let r = self.report;
+        let peak: Vec<String> = r
+            .peak_rss
+            .iter()
+            .map(|&b| format!("{:.0}", mib(b)))
+            .collect();
+        println!(
+            "summary: {} steps, {} epoch(s){}, last loss {}, {:.0} samples/s, {} s/epoch, peak RSS per rank [{}] MiB",
+            r.steps,
+            r.epochs_done,
+            if r.stopped_early { " (stopped early)" } else { "" },
+            r.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
+            r.samples_per_s,
+            r.seconds_per_epoch.map_or("-".into(), |s| format!("{s:.1}")),
+            peak.join(", ")
+        );
+        let measured_peak = match &r.peak_device {
+            Some(dev) => dev.iter().copied().max().unwrap_or(0),
+            None => r.peak_rss.iter().copied().max().unwrap_or(0),
+        };
+        println!(
+            "  memory: estimated peak {} per worker, measured {} ({}; memory.json has each term)",
+            mib_text(self.estimate.peak_bytes()),
+            mib_text(measured_peak),
+            if r.peak_device.is_some() {
+                "device memory, NVML"
+            } else {
+                "peak RSS"
+            }
+        );
+        if let Some(best) = &r.best {
+            println!(
+                "  best valid {} {:.4} at epoch {} (step {}); model in {}",
+                best.metric,
+                best.value,
+                best.epoch,
+                best.step,
+                self.run_dir.join("best").display()
+            );
+            println!("  valid     {}", best.valid.summary_line());
+        }
+        if let Some(test) = &r.test {
+            println!("  test      {}", test.summary_line());
+        }
+        println!("  pop valid {}", self.pop_valid.summary_line());
+        println!("  pop test  {}", self.pop_test.summary_line());
+        if let Some(test) = &r.test {
+            self.print_comparison(test);
+        }
+    }
+
+    /// `test ndcg@10: 0.1054 vs popularity 0.0889 (+18.7%)`.
+    fn print_comparison(&self, test: &Metrics) {
+        let metric = self.config.eval.metric.trim().to_ascii_lowercase();
+        if let (Some(ours), Some(pop)) = (test.get(&metric), self.pop_test.get(&metric)) {
+            let change = if pop > 0.0 {
+                (ours / pop - 1.0) * 100.0
+            } else {
+                0.0
+            };
+            println!("  test {metric}: {ours:.4} vs popularity {pop:.4} ({change:+.1}%)");
+        }
+    }
+}
+
+/// `model.kind = "pop"`: the baseline's results are the run's (an earlier run's files are moved
+/// aside first, not lost).
+pub fn popularity_only(
+    run_dir: &Path,
+    config: &Config,
+    valid: &Metrics,
+    test: &Metrics,
+) -> Result<(), RunDirError> {
+    if let Some((to, moved)) = crate::run_dir::set_aside(run_dir, 0, None)? {
+        tracing::info!(
+            "moved {} of an earlier run to {}",
+            moved.join(", "),
+            to.display()
+        );
+    }
+    let io = |path: &Path| {
+        let path = path.display().to_string();
+        move |source| RunDirError::Io { path, source }
+    };
+    let path = run_dir.join("config.resolved.toml");
+    let toml = config
+        .to_toml()
+        .map_err(|e| std::io::Error::other(e.to_string()))
+        .map_err(io(&path))?;
+    std::fs::write(&path, toml).map_err(io(&path))?;
+    let mut log = MetricsLog::open(&run_dir.join("metrics.jsonl"))?;
+    log.append(&eval_record("valid", 0, 0, valid, 0.0))?;
+    log.append(&eval_record("test", 0, 0, test, 0.0))?;
+    println!("summary: model pop (nothing to train)");
+    println!("  valid     {}", valid.summary_line());
+    println!("  test      {}", test.summary_line());
+    Ok(())
+}
