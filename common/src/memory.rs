@@ -47,8 +47,8 @@ pub struct Gpt2Dims {
 }
 
 impl Gpt2Dims {
-    /// The dimensions of a preset (the worker's `model::gpt2::Config` presets; a worker test
-    /// checks that the two agree).
+    /// The dimensions of a preset: the one table, which the worker's `model::gpt2::Config`
+    /// presets are built from.
     pub fn of(preset: Gpt2Preset) -> Gpt2Dims {
         match preset {
             Gpt2Preset::Tiny => Gpt2Dims {

@@ -505,14 +505,7 @@ pub fn read_ml1m(dir: &Path) -> Result<RawData, DataError> {
 // PRNG
 // ---------------------------------------------------------------------------------------------
 
-/// SplitMix64: advances `state` and returns the next 64-bit output.
-pub fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+use crate::rng::splitmix64;
 
 /// Uniform-ish integer in `0..n` (multiply-shift; bias < n / 2^64). `n` must be > 0.
 fn below(state: &mut u64, n: u64) -> u64 {

@@ -15,6 +15,7 @@ pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod rec;
+pub mod rng;
 pub mod run_dir;
 pub mod run_report;
 pub mod sampler;

@@ -14,16 +14,8 @@ use std::collections::HashMap;
 use tch::{Device, Kind, Tensor};
 use thiserror::Error;
 
-/// Shape of the learning-rate curve after warm-up.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Schedule {
-    /// `peak_lr` for the rest of training.
-    Constant,
-    /// Linear decay from `peak_lr` to `min_lr` at `total_steps`.
-    Linear,
-    /// Half-cosine decay from `peak_lr` to `min_lr` at `total_steps`.
-    Cosine,
-}
+/// Shape of the learning-rate curve after warm-up: `train.lr_schedule`'s own type.
+pub use common::config::LrScheduleKind as Schedule;
 
 /// Learning rate as a function of the number of optimizer steps already taken.
 #[derive(Clone, Copy, Debug, PartialEq)]

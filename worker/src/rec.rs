@@ -662,9 +662,9 @@ mod tests {
         let mut lists = |max: u64| -> Vec<Vec<u32>> {
             (0..n_users)
                 .map(|_| {
-                    let k = data::splitmix64(&mut state) % max;
+                    let k = crate::rng::splitmix64(&mut state) % max;
                     let mut v: Vec<u32> = (0..k)
-                        .map(|_| (data::splitmix64(&mut state) % n_items as u64) as u32)
+                        .map(|_| (crate::rng::splitmix64(&mut state) % n_items as u64) as u32)
                         .collect();
                     v.sort_unstable();
                     v.dedup();

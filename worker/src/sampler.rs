@@ -135,14 +135,8 @@ impl DistributedSampler {
     }
 }
 
-/// SplitMix64 step: used to hash `(seed, epoch)` and to expand it into xoshiro's state.
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+// SplitMix64 hashes `(seed, epoch)` and expands it into xoshiro's state.
+use crate::rng::splitmix64;
 
 /// xoshiro256** (Blackman & Vigna), a small, fast, platform-independent generator.
 struct Xoshiro256StarStar {

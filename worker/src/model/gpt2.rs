@@ -16,6 +16,8 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
+use common::config::Gpt2Preset;
+use common::memory::Gpt2Dims;
 use serde::Deserialize;
 use tch::{nn, Kind, Tensor};
 
@@ -71,14 +73,16 @@ fn default_pdrop() -> f64 {
 }
 
 impl Config {
-    /// GPT-2 small ("gpt2" on the Hugging Face hub, 124M parameters).
-    pub fn gpt2() -> Self {
+    /// A preset's dimensions (one table, `common::memory::Gpt2Dims`, which the memory estimate
+    /// reads too) with GPT-2's epsilon and dropouts.
+    fn preset(preset: Gpt2Preset) -> Self {
+        let d = Gpt2Dims::of(preset);
         Self {
-            n_layer: 12,
-            n_head: 12,
-            n_embd: 768,
-            n_positions: 1024,
-            vocab_size: 50257,
+            n_layer: d.n_layer as i64,
+            n_head: d.n_head as i64,
+            n_embd: d.n_embd as i64,
+            n_positions: d.n_positions as i64,
+            vocab_size: d.vocab_size as i64,
             layer_norm_epsilon: 1e-5,
             embd_pdrop: 0.1,
             attn_pdrop: 0.1,
@@ -86,15 +90,16 @@ impl Config {
         }
     }
 
-    /// A tiny model with GPT-2's vocabulary, for tests and smoke runs.
+    /// GPT-2 small ("gpt2" on the Hugging Face hub, 124M parameters: 12 layers, 12 heads,
+    /// width 768, 1024 positions, 50257 tokens).
+    pub fn gpt2() -> Self {
+        Self::preset(Gpt2Preset::Gpt2)
+    }
+
+    /// A tiny model with GPT-2's vocabulary, for tests and smoke runs (2 layers, 2 heads,
+    /// width 64, 128 positions).
     pub fn tiny() -> Self {
-        Self {
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 64,
-            n_positions: 128,
-            ..Self::gpt2()
-        }
+        Self::preset(Gpt2Preset::Tiny)
     }
 }
 
@@ -521,7 +526,7 @@ fn block_seeds(n: usize, train: bool) -> Vec<i64> {
     // A SplitMix64 stream from the base: unrelated seeds for neighbouring blocks.
     let mut state = base as u64;
     (0..n)
-        .map(|_| (crate::data::splitmix64(&mut state) >> 1) as i64)
+        .map(|_| (crate::rng::splitmix64(&mut state) >> 1) as i64)
         .collect()
 }
 
@@ -970,38 +975,5 @@ mod tests {
         assert_eq!(m.pending.borrow().len(), 1);
         m.discard_pending();
         assert!(m.pending.borrow().is_empty());
-    }
-}
-
-#[cfg(test)]
-mod preset_tests {
-    use common::config::Gpt2Preset;
-    use common::memory::Gpt2Dims;
-
-    #[test]
-    fn the_memory_estimate_knows_the_presets() {
-        for (preset, config) in [
-            (Gpt2Preset::Tiny, super::Config::tiny()),
-            (Gpt2Preset::Gpt2, super::Config::gpt2()),
-        ] {
-            let dims = Gpt2Dims::of(preset);
-            assert_eq!(
-                (
-                    dims.n_layer,
-                    dims.n_head,
-                    dims.n_embd,
-                    dims.n_positions,
-                    dims.vocab_size
-                ),
-                (
-                    config.n_layer as u64,
-                    config.n_head as u64,
-                    config.n_embd as u64,
-                    config.n_positions as u64,
-                    config.vocab_size as u64
-                ),
-                "{preset:?}"
-            );
-        }
     }
 }

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::batch::BatchPlan;
-use common::config::{Config, LrScheduleKind};
+use common::config::Config;
 use tch::{nn, Device};
 use tracing::warn;
 
@@ -25,7 +25,7 @@ use crate::collective::{Collective, CollectiveError, OpContext};
 use crate::ddp::{Ddp, DdpConfig, DdpError};
 use crate::eval::Metrics;
 use crate::memory;
-use crate::optim::{AdamW, LrSchedule, Schedule};
+use crate::optim::{AdamW, LrSchedule};
 use crate::run_dir::MetricsLog;
 use crate::sampler::DistributedSampler;
 
@@ -470,24 +470,18 @@ fn lr_schedule(config: &Config, world: usize, total_steps: u64) -> LrSchedule {
         peak_lr,
         warmup_steps: config.train.warmup_steps,
         total_steps,
-        schedule: match config.train.lr_schedule {
-            LrScheduleKind::Cosine => Schedule::Cosine,
-            LrScheduleKind::Linear => Schedule::Linear,
-            LrScheduleKind::Constant => Schedule::Constant,
-        },
+        schedule: config.train.lr_schedule,
         min_lr: config.train.min_lr,
     }
 }
 
 /// The torch seed of optimizer step `step` on `rank`.
 fn step_seed(seed: u64, step: u64, rank: usize) -> i64 {
-    // SplitMix64 of the three, so nearby steps and ranks get unrelated streams.
-    let mut x = seed
-        ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    // SplitMix64's mix of the three, so nearby steps and ranks get unrelated streams.
+    let x = seed
+        ^ step.wrapping_mul(crate::rng::GOLDEN)
         ^ (rank as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    ((x ^ (x >> 31)) >> 1) as i64
+    (crate::rng::mix(x) >> 1) as i64
 }
 
 fn io(path: &Path, source: std::io::Error) -> TrainError {
