@@ -67,33 +67,16 @@ pub struct TrainState {
     /// Digests of the tensor files, filled in by [`save`].
     #[serde(default)]
     pub files: std::collections::BTreeMap<String, FileDigest>,
-    /// The best validation result so far (its model is in `<run dir>/best/`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub best: Option<BestRecord>,
-    /// Evaluations since the best one (early stopping counts these).
-    #[serde(default)]
-    pub evals_since_best: u32,
-    /// Training ended early (patience ran out): a resume goes straight to the test evaluation.
-    #[serde(default)]
-    pub stopped_early: bool,
+    /// What the trainer keeps across a resume besides the position (its best model so far,
+    /// early stopping): its own fields, stored next to these in `state.json`; this module does
+    /// not read them.
+    #[serde(flatten)]
+    pub trainer: serde_json::Map<String, serde_json::Value>,
     /// The learning-rate schedule's length in optimizer steps, fixed at the run's first start
     /// (a resume with another world size can change the steps per epoch by one; the schedule
     /// keeps its length). Absent in checkpoints of older versions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule_steps: Option<u64>,
-}
-
-/// The best validation evaluation of a run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BestRecord {
-    /// Epochs done and optimizer steps taken when it was evaluated.
-    pub epoch: u64,
-    pub step: u64,
-    /// The metric that chose it (`eval.metric`) and its value.
-    pub metric: String,
-    pub value: f64,
-    /// All its validation metrics.
-    pub valid: crate::eval::Metrics,
 }
 
 /// Writes checkpoint `step` under `dir` atomically, points `latest` at it and keeps the newest
@@ -332,10 +315,8 @@ mod tests {
             model_hash: "abc".into(),
             rng: String::new(),
             files: Default::default(),
-            best: None,
-            evals_since_best: 0,
+            trainer: Default::default(),
             schedule_steps: None,
-            stopped_early: false,
         }
     }
 
@@ -439,6 +420,19 @@ mod tests {
         let (_, st) = find_latest(dir.path(), &mut skipped).unwrap().unwrap();
         assert_eq!(st.step, 5);
         assert!(skipped.is_empty());
+    }
+
+    #[test]
+    fn the_trainers_fields_travel_next_to_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut st = state(5);
+        st.trainer
+            .insert("evals_since_best".into(), serde_json::json!(2));
+        let path = save(dir.path(), &tensors(1.0), &tensors(1.0), &st, 2).unwrap();
+        let text = fs::read_to_string(path.join(STATE_FILE)).unwrap();
+        // Flat in state.json, as checkpoints of earlier versions have them.
+        assert!(text.contains("\n  \"evals_since_best\": 2"), "{text}");
+        assert_eq!(verify(&path).unwrap().trainer["evals_since_best"], 2);
     }
 
     #[test]

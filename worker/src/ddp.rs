@@ -9,7 +9,6 @@ use std::time::Duration;
 use tch::{nn, Tensor};
 
 use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
-use crate::memory::{self, Phase};
 use crate::optim::{clip_grad_norm, AdamW};
 
 /// Engine settings (from `[train]`, `[batch]` and `[dist]`).
@@ -47,11 +46,25 @@ pub enum DdpError {
 pub trait MicroBatchLoss<B> {
     /// Mean loss over `micro`, ready for backward.
     fn loss(&mut self, micro: &B) -> Result<Tensor, tch::TchError>;
+    /// Called as the step enters each of its phases, so that the caller can tell where it was
+    /// when something failed (the engine itself keeps no such state). Default: nothing.
+    fn phase(&mut self, _phase: StepPhase) {}
     /// Called after each `loss.backward()`; gradients accumulate as backward's do. Default:
     /// nothing left to do.
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         Ok(())
     }
+}
+
+/// The parts of one optimizer step, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPhase {
+    /// A micro-batch's forward pass.
+    Forward,
+    /// Its backward pass (and what the model recomputes in it).
+    Backward,
+    /// The all-reduce of the gradients, clipping and the optimizer update.
+    Optimizer,
 }
 
 /// What one optimizer step reports.
@@ -179,19 +192,19 @@ impl Ddp {
         let mut local_loss = 0.0;
         let mut bad_loss = None;
         for micro in window {
-            memory::enter(Phase::Forward);
-            let loss = memory::check(model.loss(micro))?;
+            model.phase(StepPhase::Forward);
+            let loss = model.loss(micro)?;
             let value = loss.f_double_value(&[])?;
             if !value.is_finite() {
                 bad_loss = Some(value);
                 break;
             }
             local_loss += value * scale;
-            memory::enter(Phase::Backward);
-            memory::check((loss * scale).f_backward())?;
-            memory::check(model.finish_backward())?;
+            model.phase(StepPhase::Backward);
+            (loss * scale).f_backward()?;
+            model.finish_backward()?;
         }
-        memory::enter(Phase::Optimizer);
+        model.phase(StepPhase::Optimizer);
         // Loss and a "bad loss" flag travel together first, so that every rank stops together
         // when any rank's loss is not finite (instead of the others waiting for its gradients).
         let ctx = self.ctx(step + 1);

@@ -4,11 +4,13 @@
 
 use std::time::Instant;
 
-use crate::checkpoint::{BestRecord, TrainState};
+use crate::checkpoint::TrainState;
 use crate::eval::Metrics;
 use crate::memory::{self, Phase};
 
-use super::{broadcast_json, eval_record, resume, save_checkpoint, Split, TrainError, Trainer};
+use super::{
+    broadcast_json, eval_record, resume, save_checkpoint, BestRecord, Split, TrainError, Trainer,
+};
 
 impl Trainer<'_> {
     /// Validation every `eval.every_n_epochs` (and after the last epoch), before the epoch's
@@ -55,7 +57,11 @@ impl Trainer<'_> {
             epoch: done,
             step,
             samples_in_epoch: 0,
-            best: self.eval.best.clone(),
+            trainer: resume::EvalProgress {
+                best: self.eval.best.clone(),
+                ..resume::EvalProgress::from_state(&self.start)?
+            }
+            .to_state(),
             ..self.start.clone()
         };
         let ctx = self.slow_ctx(step);

@@ -20,7 +20,7 @@ use common::config::Config;
 use tch::{nn, Device};
 use tracing::warn;
 
-use crate::checkpoint::{self, BestRecord, TrainState};
+use crate::checkpoint::{self, TrainState};
 use crate::collective::{Collective, CollectiveError, OpContext};
 use crate::ddp::{Ddp, DdpConfig, DdpError};
 use crate::eval::Metrics;
@@ -34,6 +34,7 @@ pub use sync::gather_u64;
 pub use task::{Split, Task};
 
 use logging::{new_bar, progress_bar_wanted};
+pub use resume::BestRecord;
 use resume::EvalProgress;
 use sync::{broadcast_json, save_checkpoint};
 
@@ -208,9 +209,7 @@ impl<'t> Trainer<'t> {
             model_hash: task.model_hash(),
             rng: resume::RNG_SCHEME.to_string(),
             files: Default::default(),
-            best: None,
-            evals_since_best: 0,
-            stopped_early: false,
+            trainer: Default::default(),
             schedule_steps: Some(total_steps),
         };
         Ok(Trainer {
@@ -269,11 +268,7 @@ impl<'t> Trainer<'t> {
     /// Rank 0: the resolved config, a run directory holding only what this run owns, the
     /// metrics log and (in a terminal) the progress bar. Everyone: the progress so far.
     fn prepare_run_dir(&mut self) -> Result<(), TrainError> {
-        self.eval = EvalProgress {
-            best: self.start.best.clone(),
-            evals_since_best: self.start.evals_since_best,
-            stopped_early: self.start.stopped_early,
-        };
+        self.eval = EvalProgress::from_state(&self.start)?;
         self.progress.step = self.start.step;
         self.progress.epochs_done = self.start.epoch;
         if !self.leader() {
@@ -379,13 +374,15 @@ impl<'t> Trainer<'t> {
         // (seed, step, rank): an interrupted and resumed run draws exactly the same numbers.
         tch::manual_seed(step_seed(self.setup.config.run.seed, step, self.ddp.rank()));
         let lr = self.schedule.lr_at(step);
-        let stats = self.ddp.step(
+        // An allocation failure is reported (and the rank exits) before anything else happens,
+        // so the launcher sees this rank fail first.
+        let stats = memory::check(self.ddp.step(
             window,
             &mut task::TaskMicroBatches(&mut *self.task),
             &mut self.optimizer,
             lr,
             step,
-        )?;
+        ))?;
         let step = step + 1;
         self.progress.step = step;
         memory::set_step(step);
@@ -406,9 +403,7 @@ impl<'t> Trainer<'t> {
             epoch,
             step,
             samples_in_epoch,
-            best: self.eval.best.clone(),
-            evals_since_best: self.eval.evals_since_best,
-            stopped_early: self.eval.stopped_early,
+            trainer: self.eval.to_state(),
             ..self.start.clone()
         };
         let checkpoints = self.checkpoints();

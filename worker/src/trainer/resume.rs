@@ -17,12 +17,48 @@ use crate::checkpoint::{self, TrainState};
 
 use super::{broadcast_json, TrainError, Trainer};
 
-/// What early stopping remembers between evaluations (and across a resume).
-#[derive(Debug, Default)]
+/// What early stopping remembers between evaluations, and across a resume (in the
+/// checkpoint's `state.json`, next to the position).
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub(super) struct EvalProgress {
-    pub(super) best: Option<crate::checkpoint::BestRecord>,
+    /// The best validation result so far (its model is in `<run dir>/best/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) best: Option<BestRecord>,
+    /// Evaluations since the best one (early stopping counts these).
+    #[serde(default)]
     pub(super) evals_since_best: u32,
+    /// Training ended early (patience ran out): a resume goes straight to the test evaluation.
+    #[serde(default)]
     pub(super) stopped_early: bool,
+}
+
+impl EvalProgress {
+    /// As a checkpoint stores it.
+    pub(super) fn to_state(&self) -> serde_json::Map<String, serde_json::Value> {
+        match serde_json::to_value(self) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        }
+    }
+
+    /// From a checkpoint's state.
+    pub(super) fn from_state(state: &TrainState) -> Result<EvalProgress, TrainError> {
+        serde_json::from_value(serde_json::Value::Object(state.trainer.clone()))
+            .map_err(|e| TrainError::Resume(format!("the checkpoint's early-stopping state: {e}")))
+    }
+}
+
+/// The best validation evaluation of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BestRecord {
+    /// Epochs done and optimizer steps taken when it was evaluated.
+    pub epoch: u64,
+    pub step: u64,
+    /// The metric that chose it (`eval.metric`) and its value.
+    pub metric: String,
+    pub value: f64,
+    /// All its validation metrics.
+    pub valid: crate::eval::Metrics,
 }
 
 /// Copies the model saved in `<run dir>/best/` into `params`.
@@ -173,7 +209,7 @@ pub(super) fn own_the_run_dir(
     start: &TrainState,
     resumed: bool,
 ) -> Result<(), TrainError> {
-    let best_step = start.best.as_ref().map(|b| b.step);
+    let best_step = EvalProgress::from_state(start)?.best.map(|b| b.step);
     if let Some((to, moved)) = crate::run_dir::set_aside(run_dir, start.step, best_step)? {
         warn!(
             "moved {} to {}: {} (nothing was deleted)",

@@ -4,7 +4,7 @@
 use tch::Tensor;
 
 use crate::collective::{Collective, OpContext};
-use crate::ddp::MicroBatchLoss;
+use crate::ddp::{MicroBatchLoss, StepPhase};
 use crate::eval::Metrics;
 
 use super::TrainError;
@@ -56,6 +56,15 @@ pub(super) struct TaskMicroBatches<'a>(pub(super) &'a mut dyn Task);
 impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
     fn loss(&mut self, indices: &Vec<usize>) -> Result<Tensor, tch::TchError> {
         self.0.loss(indices)
+    }
+
+    /// The engine's phase is the out-of-memory report's phase.
+    fn phase(&mut self, phase: StepPhase) {
+        crate::memory::enter(match phase {
+            StepPhase::Forward => crate::memory::Phase::Forward,
+            StepPhase::Backward => crate::memory::Phase::Backward,
+            StepPhase::Optimizer => crate::memory::Phase::Optimizer,
+        });
     }
 
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
