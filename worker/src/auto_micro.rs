@@ -9,10 +9,10 @@ use common::env_contract::WorkerEnv;
 use tch::{nn, Tensor};
 use tracing::info;
 
-use crate::collective::{Collective, OpContext};
 use crate::memory::{self, Phase, ProbeOutcome};
 use crate::rec::RecTask;
 use crate::trainer::{gather_u64, Task as _};
+use dist::collective::{Collective, OpContext};
 
 /// Why no plan came out; each maps to the worker's exit code.
 #[derive(Debug, thiserror::Error)]

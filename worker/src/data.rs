@@ -505,7 +505,7 @@ pub fn read_ml1m(dir: &Path) -> Result<RawData, DataError> {
 // PRNG
 // ---------------------------------------------------------------------------------------------
 
-use crate::rng::splitmix64;
+use dist::rng::splitmix64;
 
 /// Uniform-ish integer in `0..n` (multiply-shift; bias < n / 2^64). `n` must be > 0.
 fn below(state: &mut u64, n: u64) -> u64 {

@@ -1,23 +1,16 @@
-//! The worker library: everything one data-parallel training process needs — rendezvous
-//! (`store`), collectives (`collective`: `tcp`, `nccl`), the DDP engine (`ddp`), the sharded
-//! sampler (`sampler`), the optimizer (`optim`), checkpoints (`checkpoint`) and the run
-//! directory's integrity (`run_dir`). Each module owns
-//! one concern; none of them knows the recommender model (the engine works on any `tch` model).
+//! The worker library: the recommender (`data`: MovieLens-1M and synthetic data; `model`:
+//! GPT-2 and the recommender models; `eval`: full-ranking metrics; `rec`: the recommender as a
+//! trainable task) and the trainer that runs it on the distributed runtime (`dist`):
+//! `trainer` (the loop), `auto_micro`, `memory` (out-of-memory reports), `run_dir` (the run
+//! directory's integrity) and `run_report`. The runtime itself lives in the `dist` crate and
+//! knows nothing of any of this.
 
 pub mod auto_micro;
-pub mod checkpoint;
-pub mod collective;
-pub mod cuda_runtime;
 pub mod data;
-pub mod ddp;
 pub mod eval;
 pub mod memory;
 pub mod model;
-pub mod optim;
 pub mod rec;
-pub mod rng;
 pub mod run_dir;
 pub mod run_report;
-pub mod sampler;
-pub mod store;
 pub mod trainer;

@@ -15,9 +15,9 @@ use clap::Parser;
 use common::batch::BatchPlan;
 use common::config::{Config, ModelKind};
 use common::env_contract::WorkerEnv;
+use dist::collective::{OpContext, ReduceOp};
 use tch::{nn, Kind, Tensor};
 use tracing::info;
-use worker::collective::{OpContext, ReduceOp};
 use worker::memory::{self, Phase};
 use worker::trainer::{self, Split, TrainSetup};
 use worker::{rec, run_report};
@@ -226,7 +226,7 @@ fn start(cli: &Cli) -> Result<Start, Failure> {
     let device = pick_device(&env).map_err(usage)?;
     let run_dir = config.run.output_dir.join(&config.run.name);
     let run_lock = if env.rank == 0 {
-        let fingerprint = worker::store::run_fingerprint(&env.run_id);
+        let fingerprint = dist::store::run_fingerprint(&env.run_id);
         Some(worker::run_dir::lock(&run_dir, &fingerprint).map_err(|e| usage(e.into()))?)
     } else {
         None
@@ -266,7 +266,7 @@ fn print_banner(cli: &Cli, start: &Start, alloc_conf_set: bool) {
         env.master_addr,
         env.master_port,
         // The run id admits connections to the store: logs get its fingerprint only.
-        worker::store::run_fingerprint(&env.run_id),
+        dist::store::run_fingerprint(&env.run_id),
         env.restart_count,
         env.max_restarts
     );
@@ -293,8 +293,8 @@ fn print_banner(cli: &Cli, start: &Start, alloc_conf_set: bool) {
 /// What `connect` brings up: rank 0's store (served while it lives), this rank's collective,
 /// and the context of set-up operations.
 type Runtime = (
-    Option<worker::store::StoreServer>,
-    Box<dyn worker::collective::Collective>,
+    Option<dist::store::StoreServer>,
+    Box<dyn dist::collective::Collective>,
     OpContext,
 );
 
@@ -302,11 +302,11 @@ type Runtime = (
 fn connect(start: &Start) -> Result<Runtime, Failure> {
     let (env, config, device) = (&start.env, &start.config, start.device);
     let timeout = Duration::from_secs(config.dist.timeout_s);
-    let setup_timeout = timeout.max(worker::collective::SETUP_TIMEOUT_MIN);
+    let setup_timeout = timeout.max(dist::collective::SETUP_TIMEOUT_MIN);
     let (store_server, store) =
-        worker::store::rendezvous(env, setup_timeout).context("rendezvous with the other ranks")?;
+        dist::store::rendezvous(env, setup_timeout).context("rendezvous with the other ranks")?;
     let mut comm =
-        worker::collective::connect(config.dist.backend, device, env, store, setup_timeout)
+        dist::collective::connect(config.dist.backend, device, env, store, setup_timeout)
             .context("connecting the collective")?;
     let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
     let ctx = OpContext {
@@ -352,7 +352,7 @@ fn plan_micro_batch(
     shape: &common::memory::DataShape,
     task: &mut rec::RecTask,
     vs: &nn::VarStore,
-    comm: &mut dyn worker::collective::Collective,
+    comm: &mut dyn dist::collective::Collective,
     ctx: OpContext,
 ) -> Result<(), Failure> {
     use worker::auto_micro::{auto_micro, AutoMicroError};

@@ -312,7 +312,7 @@ fn nvml_memory(index: usize) -> Option<GpuMemory> {
 
 /// The CUDA runtime's own figures for `cuda:index` (any device CUDA sees, MIG included).
 fn cuda_memory(index: usize) -> Option<GpuMemory> {
-    let runtime = crate::cuda_runtime::CudaRuntime::load().ok()?;
+    let runtime = dist::cuda_runtime::CudaRuntime::load().ok()?;
     let (free, total) = runtime.memory(index).ok()?;
     Some(GpuMemory {
         free,

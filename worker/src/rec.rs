@@ -17,7 +17,6 @@ use common::memory::DataShape;
 use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 
-use crate::collective::{Collective, CollectiveError, OpContext};
 use crate::data::{self, DataError, Dataset, RawData};
 use crate::eval::{add_user, EvalError, MetricSums, Metrics};
 use crate::model::gpt2::{self, Gpt2, Gpt2Error, Tokenizer};
@@ -25,6 +24,7 @@ use crate::model::recommender::{
     popularity_scores, RecConfig, Recommender, Scorer, Text, TextFeatures, TokenTable,
 };
 use crate::trainer::{Split, Task, TrainError};
+use dist::collective::{Collective, CollectiveError, OpContext};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecError {
@@ -638,10 +638,10 @@ pub const EVAL_TIMEOUT_MIN: Duration = Duration::from_secs(600);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collective::tcp::{test_ring::with_ring, TcpCollective};
     use crate::eval::evaluate_all;
-    use crate::store::{StoreClient, StoreServer};
     use common::env_contract::WorkerEnv;
+    use dist::collective::tcp::{test_ring::with_ring, TcpCollective};
+    use dist::store::{StoreClient, StoreServer};
     use rusty_fork::rusty_fork_test;
 
     const CTX: OpContext = OpContext {
@@ -662,9 +662,9 @@ mod tests {
         let mut lists = |max: u64| -> Vec<Vec<u32>> {
             (0..n_users)
                 .map(|_| {
-                    let k = crate::rng::splitmix64(&mut state) % max;
+                    let k = dist::rng::splitmix64(&mut state) % max;
                     let mut v: Vec<u32> = (0..k)
-                        .map(|_| (crate::rng::splitmix64(&mut state) % n_items as u64) as u32)
+                        .map(|_| (dist::rng::splitmix64(&mut state) % n_items as u64) as u32)
                         .collect();
                     v.sort_unstable();
                     v.dedup();

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use common::env_contract::WorkerEnv;
+use dist::collective::tcp::TcpCollective;
+use dist::collective::{Collective, OpContext, ReduceOp};
 use tch::{Kind, Tensor};
-use worker::collective::tcp::TcpCollective;
-use worker::collective::{Collective, OpContext, ReduceOp};
 
 fn main() -> Result<()> {
     let sizes: Vec<usize> = std::env::args()
@@ -25,7 +25,7 @@ fn main() -> Result<()> {
     };
     let env = WorkerEnv::from_env().context("reading the launch environment")?;
     let timeout = Duration::from_secs(120);
-    let (_server, store) = worker::store::rendezvous(&env, timeout)?;
+    let (_server, store) = dist::store::rendezvous(&env, timeout)?;
     let mut comm = TcpCollective::connect(&env, store, timeout)?;
     let ctx = OpContext { step: 0, timeout };
     let leader = env.rank == 0;

@@ -104,11 +104,11 @@ fn run() -> Result<()> {
         .context("checking the batch plan")?;
     tch::set_num_threads(1);
     let timeout = Duration::from_secs(config.dist.timeout_s);
-    let setup_timeout = timeout.max(worker::collective::SETUP_TIMEOUT_MIN);
-    let (_server, store) = worker::store::rendezvous(&env, setup_timeout)
-        .context("rendezvous with the other ranks")?;
+    let setup_timeout = timeout.max(dist::collective::SETUP_TIMEOUT_MIN);
+    let (_server, store) =
+        dist::store::rendezvous(&env, setup_timeout).context("rendezvous with the other ranks")?;
     let comm =
-        worker::collective::connect(config.dist.backend, Device::Cpu, &env, store, setup_timeout)
+        dist::collective::connect(config.dist.backend, Device::Cpu, &env, store, setup_timeout)
             .context("connecting the collective")?;
 
     // The same seed everywhere: same data on every rank; a different init would be overwritten

@@ -4,9 +4,9 @@
 
 use std::time::Instant;
 
-use crate::checkpoint::TrainState;
 use crate::eval::Metrics;
 use crate::memory::{self, Phase};
+use dist::checkpoint::TrainState;
 
 use super::{
     broadcast_json, eval_record, resume, save_checkpoint, BestRecord, Split, TrainError, Trainer,

@@ -4,8 +4,8 @@
 
 use tracing::info;
 
-use crate::ddp::StepStats;
 use crate::memory;
+use dist::ddp::StepStats;
 
 use super::{gather_u64, StepRecord, TrainError, Trainer};
 

@@ -20,14 +20,14 @@ use common::config::Config;
 use tch::{nn, Device};
 use tracing::warn;
 
-use crate::checkpoint::{self, TrainState};
-use crate::collective::{Collective, CollectiveError, OpContext};
-use crate::ddp::{Ddp, DdpConfig, DdpError};
 use crate::eval::Metrics;
 use crate::memory;
-use crate::optim::{AdamW, LrSchedule};
 use crate::run_dir::MetricsLog;
-use crate::sampler::DistributedSampler;
+use dist::checkpoint::{self, TrainState};
+use dist::collective::{Collective, CollectiveError, OpContext};
+use dist::ddp::{Ddp, DdpConfig, DdpError};
+use dist::optim::{AdamW, LrSchedule};
+use dist::sampler::DistributedSampler;
 
 pub use records::{eval_record, StepRecord};
 pub use sync::gather_u64;
@@ -474,9 +474,9 @@ fn lr_schedule(config: &Config, world: usize, total_steps: u64) -> LrSchedule {
 fn step_seed(seed: u64, step: u64, rank: usize) -> i64 {
     // SplitMix64's mix of the three, so nearby steps and ranks get unrelated streams.
     let x = seed
-        ^ step.wrapping_mul(crate::rng::GOLDEN)
+        ^ step.wrapping_mul(dist::rng::GOLDEN)
         ^ (rank as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
-    (crate::rng::mix(x) >> 1) as i64
+    (dist::rng::mix(x) >> 1) as i64
 }
 
 fn io(path: &Path, source: std::io::Error) -> TrainError {

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint::NamedTensors;
 use crate::memory;
+use dist::checkpoint::NamedTensors;
 
 use common::batch::BatchPlan;
 use common::config::Config;
@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 use tracing::{info, warn};
 
-use crate::checkpoint::{self, TrainState};
+use dist::checkpoint::{self, TrainState};
 
 use super::{broadcast_json, TrainError, Trainer};
 

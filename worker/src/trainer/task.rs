@@ -3,9 +3,9 @@
 
 use tch::Tensor;
 
-use crate::collective::{Collective, OpContext};
-use crate::ddp::{MicroBatchLoss, StepPhase};
 use crate::eval::Metrics;
+use dist::collective::{Collective, OpContext};
+use dist::ddp::{MicroBatchLoss, StepPhase};
 
 use super::TrainError;
 

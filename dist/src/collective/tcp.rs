@@ -719,9 +719,9 @@ fn read_exact_until(
     Ok(())
 }
 
-/// A real ring on threads, for tests here and in other modules.
-#[cfg(test)]
-pub(crate) mod test_ring {
+/// A real ring on threads, for tests here and in other crates (feature `test-support`).
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_ring {
     use super::*;
     use crate::store::StoreServer;
 
@@ -730,7 +730,7 @@ pub(crate) mod test_ring {
     }
 
     /// Runs `body(rank, communicator)` on `world` threads connected by a real ring.
-    pub(crate) fn with_ring<T: Send + 'static>(
+    pub fn with_ring<T: Send + 'static>(
         world: u32,
         body: impl Fn(usize, &mut TcpCollective) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
