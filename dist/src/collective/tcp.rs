@@ -734,6 +734,14 @@ pub mod test_ring {
         world: u32,
         body: impl Fn(usize, &mut TcpCollective) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
+        with_ring_owned(world, move |rank, mut comm| body(rank, &mut comm))
+    }
+
+    /// [`with_ring`], giving each thread its communicator to own (e.g. for a DDP engine).
+    pub fn with_ring_owned<T: Send + 'static>(
+        world: u32,
+        body: impl Fn(usize, TcpCollective) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "ring-test").unwrap();
         let addr = server.local_addr();
         let body = std::sync::Arc::new(body);
@@ -747,13 +755,13 @@ pub mod test_ring {
                         Duration::from_secs(10),
                     )
                     .unwrap();
-                    let mut comm = TcpCollective::connect(
+                    let comm = TcpCollective::connect(
                         &env(rank, world, addr.port()),
                         store,
                         Duration::from_secs(10),
                     )
                     .unwrap();
-                    body(rank as usize, &mut comm)
+                    body(rank as usize, comm)
                 })
             })
             .collect();
