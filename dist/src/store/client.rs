@@ -1,0 +1,333 @@
+//! The store's client: connect with retries and the run-id handshake, then one request at a
+//! time, each bounded by a timeout.
+
+use std::fmt;
+use std::io::{self, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// One rank's connection to the store. Requests are answered in order, one at a time. After a
+/// transport error (timeout, closed connection, bad reply) the connection is given up and every
+/// later call fails with [`StoreError::Broken`].
+pub struct StoreClient {
+    stream: TcpStream,
+    addr: String,
+    broken: Option<String>,
+}
+
+impl fmt::Debug for StoreClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreClient")
+            .field("addr", &self.addr)
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+/// Outcome of one connection attempt.
+enum Attempt {
+    /// Worth another try (nobody listening yet, connection dropped during the handshake).
+    Retry(String),
+    /// Final (wrong run, not a store).
+    Fatal(StoreError),
+}
+
+impl StoreClient {
+    /// Connects to the store at `addr` (`"host:port"`, `"[v6]:port"`) and presents `run_id`,
+    /// retrying with backoff for up to `deadline` while nobody answers. Fails with
+    /// [`StoreError::Unreachable`] naming the address and the time spent, or at once with
+    /// [`StoreError::WrongRun`] when the store serves another run.
+    pub fn connect(
+        addr: &str,
+        run_id: &str,
+        deadline: Duration,
+    ) -> Result<StoreClient, StoreError> {
+        check_host_port(addr)?;
+        let start = Instant::now();
+        let end = start.checked_add(deadline);
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            let reason = match Self::attempt(addr, run_id, end) {
+                Ok(client) => return Ok(client),
+                Err(Attempt::Fatal(err)) => return Err(err),
+                Err(Attempt::Retry(reason)) => reason,
+            };
+            let remaining = end.map_or(MAX_BACKOFF, |end| {
+                end.saturating_duration_since(Instant::now())
+            });
+            if remaining.is_zero() {
+                return Err(StoreError::Unreachable {
+                    addr: addr.to_string(),
+                    waited: start.elapsed(),
+                    reason,
+                });
+            }
+            tracing::debug!(
+                addr,
+                "rendezvous store not reachable yet ({reason}); retrying"
+            );
+            thread::sleep(backoff.min(remaining));
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    fn attempt(addr: &str, run_id: &str, end: Option<Instant>) -> Result<StoreClient, Attempt> {
+        let remaining = || {
+            end.map_or(Duration::MAX, |e| {
+                e.saturating_duration_since(Instant::now())
+            })
+        };
+        let targets: Vec<SocketAddr> = match addr.to_socket_addrs() {
+            Ok(targets) => targets.collect(),
+            Err(err) => return Err(Attempt::Retry(format!("cannot resolve it: {err}"))),
+        };
+        let mut reason = "the host name resolves to no address".to_string();
+        let mut connected = None;
+        for target in targets {
+            let limit = remaining().clamp(Duration::from_millis(50), Duration::from_secs(2));
+            match TcpStream::connect_timeout(&target, limit) {
+                Ok(stream) => {
+                    connected = Some(stream);
+                    break;
+                }
+                Err(err) => reason = describe_io(&err),
+            }
+        }
+        let Some(stream) = connected else {
+            return Err(Attempt::Retry(reason));
+        };
+        let retry_io = |err: io::Error| Attempt::Retry(describe_io(&err));
+        stream.set_nodelay(true).map_err(retry_io)?;
+        stream
+            .set_write_timeout(Some(IO_TIMEOUT))
+            .map_err(retry_io)?;
+        let handshake_limit = remaining().clamp(Duration::from_secs(1), HANDSHAKE_TIMEOUT);
+        stream
+            .set_read_timeout(Some(handshake_limit))
+            .map_err(retry_io)?;
+        let mut client = StoreClient {
+            stream,
+            addr: addr.to_string(),
+            broken: None,
+        };
+        let hello = Request::Hello {
+            protocol: PROTOCOL,
+            run_id: run_id.to_string(),
+        };
+        let frame = encode_frame(&hello).map_err(|len| {
+            Attempt::Fatal(StoreError::FrameTooLarge {
+                addr: addr.to_string(),
+                len,
+                limit: MAX_FRAME_BYTES,
+            })
+        })?;
+        if let Err(err) = client.stream.write_all(&frame) {
+            return Err(Attempt::Retry(format!(
+                "{} during the handshake",
+                describe_io(&err)
+            )));
+        }
+        let body = match read_frame(&mut client.stream) {
+            Ok(body) => body,
+            Err(FrameReadError::Io(err)) => {
+                return Err(Attempt::Retry(format!(
+                    "{} during the handshake",
+                    describe_io(&err)
+                )))
+            }
+            Err(FrameReadError::TooLarge(len)) => {
+                return Err(Attempt::Fatal(StoreError::Protocol {
+                    addr: addr.to_string(),
+                    detail: format!(
+                        "a {len}-byte frame in answer to the handshake; is something other than \
+                         the store listening there?"
+                    ),
+                }))
+            }
+        };
+        match decode_body::<Response>(&body) {
+            Ok(Response::Welcome) => {
+                tracing::debug!(addr, "connected to the rendezvous store");
+                Ok(client)
+            }
+            Ok(Response::WrongRun { fingerprint }) => Err(Attempt::Fatal(StoreError::WrongRun {
+                addr: addr.to_string(),
+                found: fingerprint,
+                expected: run_fingerprint(run_id),
+            })),
+            Ok(Response::Refused { reason }) => Err(Attempt::Fatal(StoreError::Refused {
+                addr: addr.to_string(),
+                op: "the handshake".into(),
+                reason,
+            })),
+            Ok(other) => Err(Attempt::Fatal(StoreError::Protocol {
+                addr: addr.to_string(),
+                detail: format!("{} in answer to the handshake", other.kind()),
+            })),
+            Err(detail) => Err(Attempt::Fatal(StoreError::Protocol {
+                addr: addr.to_string(),
+                detail: format!(
+                    "{detail} in answer to the handshake; is something other than the store \
+                     listening there?"
+                ),
+            })),
+        }
+    }
+
+    /// Stores `value` under `key`, replacing any previous value, and wakes the ranks waiting on it.
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let request = Request::Set {
+            key: key.to_string(),
+            value: value.to_vec(),
+        };
+        let op = || format!("set {key:?}");
+        match self.exchange(&op, &request, IO_TIMEOUT)? {
+            Response::Done => Ok(()),
+            other => Err(self.unexpected(op(), other)),
+        }
+    }
+
+    /// The value under `key`, or `None` if nobody has set it yet (does not block).
+    pub fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let request = Request::Get {
+            key: key.to_string(),
+        };
+        let op = || format!("get {key:?}");
+        match self.exchange(&op, &request, IO_TIMEOUT)? {
+            Response::Value(value) => Ok(value),
+            other => Err(self.unexpected(op(), other)),
+        }
+    }
+
+    /// Blocks until every key exists and returns their values in the order of `keys`. After
+    /// `timeout` it fails with [`StoreError::WaitTimeout`] naming the keys still missing.
+    pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        if timeout_ms == 0 && !timeout.is_zero() {
+            timeout_ms = 1;
+        }
+        let request = Request::Wait {
+            keys: keys.iter().map(|key| key.to_string()).collect(),
+            timeout_ms,
+        };
+        let op = || format!("wait for {keys:?}");
+        match self.exchange(&op, &request, timeout.saturating_add(WAIT_SLACK))? {
+            Response::Values(values) if values.len() == keys.len() => Ok(values),
+            Response::WaitTimedOut { missing } => Err(StoreError::WaitTimeout {
+                addr: self.addr.clone(),
+                timeout,
+                missing,
+            }),
+            other => Err(self.unexpected(op(), other)),
+        }
+    }
+
+    /// Atomically adds `delta` to the counter under `key` (a missing key counts as 0; the value
+    /// is stored as decimal text) and returns the new value.
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        let request = Request::Add {
+            key: key.to_string(),
+            delta,
+        };
+        let op = || format!("add {key:?}");
+        match self.exchange(&op, &request, IO_TIMEOUT)? {
+            Response::Counter(value) => Ok(value),
+            other => Err(self.unexpected(op(), other)),
+        }
+    }
+
+    /// Sends one request and reads its answer, giving the connection up on transport errors.
+    fn exchange(
+        &mut self,
+        op: &dyn Fn() -> String,
+        request: &Request,
+        answer_within: Duration,
+    ) -> Result<Response, StoreError> {
+        if let Some(reason) = &self.broken {
+            return Err(StoreError::Broken {
+                addr: self.addr.clone(),
+                reason: reason.clone(),
+            });
+        }
+        // Checked before anything is sent, so an oversized value leaves the connection usable.
+        let frame = encode_frame(request).map_err(|len| StoreError::FrameTooLarge {
+            addr: self.addr.clone(),
+            len,
+            limit: MAX_FRAME_BYTES,
+        })?;
+        let result = self.transport(op, &frame, answer_within);
+        if let Err(err) = &result {
+            self.broken = Some(err.to_string());
+        }
+        result
+    }
+
+    fn transport(
+        &mut self,
+        op: &dyn Fn() -> String,
+        frame: &[u8],
+        answer_within: Duration,
+    ) -> Result<Response, StoreError> {
+        let addr = self.addr.clone();
+        let connection = |cause| StoreError::Connection {
+            addr: addr.clone(),
+            op: op(),
+            cause,
+        };
+        self.stream
+            .set_read_timeout(Some(answer_within.max(Duration::from_millis(1))))
+            .map_err(connection)?;
+        self.stream.write_all(frame).map_err(connection)?;
+        let body = match read_frame(&mut self.stream) {
+            Ok(body) => body,
+            Err(FrameReadError::Io(err))
+                if matches!(
+                    err.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(StoreError::NoAnswer {
+                    addr: self.addr.clone(),
+                    op: op(),
+                    waited: answer_within,
+                })
+            }
+            Err(FrameReadError::Io(err)) => return Err(connection(err)),
+            Err(FrameReadError::TooLarge(len)) => {
+                return Err(StoreError::FrameTooLarge {
+                    addr: self.addr.clone(),
+                    len,
+                    limit: MAX_FRAME_BYTES,
+                })
+            }
+        };
+        decode_body(&body).map_err(|detail| StoreError::Protocol {
+            addr: self.addr.clone(),
+            detail: format!("{detail} in answer to {}", op()),
+        })
+    }
+
+    /// The error for an answer that does not fit the request. A refusal leaves the connection
+    /// usable; anything else means the two sides disagree, so the connection is given up.
+    fn unexpected(&mut self, op: String, response: Response) -> StoreError {
+        if let Response::Refused { reason } = response {
+            return StoreError::Refused {
+                addr: self.addr.clone(),
+                op,
+                reason,
+            };
+        }
+        let err = StoreError::Protocol {
+            addr: self.addr.clone(),
+            detail: format!("{} in answer to {op}", response.kind()),
+        };
+        self.broken = Some(err.to_string());
+        err
+    }
+}
