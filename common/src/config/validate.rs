@@ -3,189 +3,220 @@
 use super::*;
 
 impl Config {
-    /// Semantic checks that need no world size: the one place where field values are checked.
+    /// Semantic checks that need no world size: the one place where field values are checked,
+    /// section by section.
     ///
     /// Errors carry [`Location::Unknown`]; [`Config::parse`] fills in where the value came from.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let run = &self.run;
-        if run.name.is_empty() {
-            return Err(ConfigError::invalid("run.name", "must not be empty"));
-        }
-        if run.name == "."
-            || run.name == ".."
-            || run.name.contains(['/', '\\', '\0'])
-            || run.name.trim() != run.name
-        {
-            return Err(ConfigError::invalid(
-                "run.name",
-                format!(
-                    "must be a plain directory name (no `/`, `\\`, surrounding spaces, not `.` or `..`) (got {:?})",
-                    run.name
-                ),
-            ));
-        }
-        if run.output_dir.as_os_str().is_empty() {
-            return Err(ConfigError::invalid("run.output_dir", "must not be empty"));
-        }
-
-        let data = &self.data;
-        if data.dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
-            return Err(ConfigError::invalid(
-                "data.dir",
-                "must not be empty (leave it out to generate synthetic data)",
-            ));
-        }
-        if !(1..=5).contains(&data.min_rating) {
-            return Err(ConfigError::invalid(
-                "data.min_rating",
-                format!("must be between 1 and 5 (got {})", data.min_rating),
-            ));
-        }
-
-        let model = &self.model;
-        if model.embedding_dim < 1 {
-            return Err(ConfigError::invalid(
-                "model.embedding_dim",
-                format!("must be >= 1 (got {})", model.embedding_dim),
-            ));
-        }
-        if model
-            .gpt2_weights
-            .as_ref()
-            .is_some_and(|p| p.as_os_str().is_empty())
-        {
-            return Err(ConfigError::invalid(
-                "model.gpt2_weights",
-                "must not be empty (leave it out for random initialisation)",
-            ));
-        }
-
-        if !model.l2.is_finite() || model.l2 < 0.0 {
-            return Err(ConfigError::invalid(
-                "model.l2",
-                format!("must be >= 0 and finite (got {})", model.l2),
-            ));
-        }
-        if model.max_text_tokens < 1 || model.max_text_tokens > 1024 {
-            return Err(ConfigError::invalid(
-                "model.max_text_tokens",
-                format!(
-                    "must be between 1 and 1024 (GPT-2's positions) (got {})",
-                    model.max_text_tokens
-                ),
-            ));
-        }
-        if model.trainable_layers.is_some() && model.freeze_gpt2 {
-            return Err(ConfigError::invalid(
-                "model.trainable_layers",
-                "contradicts model.freeze_gpt2 = true; set one of them",
-            ));
-        }
-        if model.activation_checkpointing {
-            let nothing = if model.kind != ModelKind::Gpt2rec {
-                Some("model.kind is not \"gpt2rec\"")
-            } else if model.text_mode != TextMode::Dynamic {
-                Some("model.text_mode is not \"dynamic\" (cached mode keeps no GPT-2 activations)")
-            } else if model.freeze_gpt2 || model.trainable_layers == Some(0) {
-                Some("no GPT-2 block trains (a frozen block keeps no activations)")
-            } else {
-                None
-            };
-            if let Some(why) = nothing {
-                return Err(ConfigError::invalid(
-                    "model.activation_checkpointing",
-                    format!("has nothing to checkpoint: {why}; remove it"),
-                ));
-            }
-        }
-
-        let eval = &self.eval;
-        if eval.topk.is_empty() {
-            return Err(ConfigError::invalid(
-                "eval.topk",
-                "must list at least one cut-off, e.g. [10, 20]",
-            ));
-        }
-        for (i, &k) in eval.topk.iter().enumerate() {
-            if k < 1 {
-                return Err(ConfigError::invalid(
-                    "eval.topk",
-                    format!("cut-offs must be >= 1 (got {k})"),
-                ));
-            }
-            if eval.topk[..i].contains(&k) {
-                return Err(ConfigError::invalid(
-                    "eval.topk",
-                    format!("lists {k} twice"),
-                ));
-            }
-        }
-        if eval.every_n_epochs < 1 {
-            return Err(ConfigError::invalid(
-                "eval.every_n_epochs",
-                format!("must be >= 1 (got {})", eval.every_n_epochs),
-            ));
-        }
-        if eval.batch_users < 1 {
-            return Err(ConfigError::invalid(
-                "eval.batch_users",
-                format!("must be >= 1 (got {})", eval.batch_users),
-            ));
-        }
-        parse_metric(&eval.metric, &eval.topk)
-            .map_err(|why| ConfigError::invalid("eval.metric", why))?;
-
-        let train = &self.train;
-        if train.epochs < 1 {
-            return Err(ConfigError::invalid(
-                "train.epochs",
-                format!("must be >= 1 (got {})", train.epochs),
-            ));
-        }
-        check_positive("train.lr", train.lr)?;
-        if !train.weight_decay.is_finite() || train.weight_decay < 0.0 {
-            return Err(ConfigError::invalid(
-                "train.weight_decay",
-                format!("must be >= 0 and finite (got {})", train.weight_decay),
-            ));
-        }
-        check_positive("train.max_grad_norm", train.max_grad_norm)?;
-        if !train.min_lr.is_finite() || train.min_lr < 0.0 || train.min_lr > train.lr {
-            return Err(ConfigError::invalid(
-                "train.min_lr",
-                format!(
-                    "must be >= 0 and <= train.lr {} (got {})",
-                    train.lr, train.min_lr
-                ),
-            ));
-        }
-
+        check_run(&self.run)?;
+        check_data(&self.data)?;
+        check_model(&self.model)?;
+        check_eval(&self.eval)?;
+        check_train(&self.train)?;
         self.batch.check().map_err(|source| ConfigError::Batch {
             at: Location::Unknown,
             source: Box::new(source),
         })?;
-
-        if self.dist.timeout_s < 1 {
-            return Err(ConfigError::invalid(
-                "dist.timeout_s",
-                format!("must be >= 1 (got {})", self.dist.timeout_s),
-            ));
-        }
-        check_positive("dist.bucket_mb", self.dist.bucket_mb)?;
-        if self.checkpoint.keep < 1 {
-            return Err(ConfigError::invalid(
-                "checkpoint.keep",
-                format!("must be >= 1 (got {})", self.checkpoint.keep),
-            ));
-        }
-        if self.checkpoint.resume.trim().is_empty() {
-            return Err(ConfigError::invalid(
-                "checkpoint.resume",
-                "must be \"auto\", \"never\" or a checkpoint path",
-            ));
-        }
-        Ok(())
+        check_dist(&self.dist)?;
+        check_checkpoint(&self.checkpoint)
     }
+}
+
+/// `[run]`: a plain directory name and an output directory.
+fn check_run(run: &RunConfig) -> Result<(), ConfigError> {
+    if run.name.is_empty() {
+        return Err(ConfigError::invalid("run.name", "must not be empty"));
+    }
+    if run.name == "."
+        || run.name == ".."
+        || run.name.contains(['/', '\\', '\0'])
+        || run.name.trim() != run.name
+    {
+        return Err(ConfigError::invalid(
+            "run.name",
+            format!(
+                "must be a plain directory name (no `/`, `\\`, surrounding spaces, not `.` or `..`) (got {:?})",
+                run.name
+            ),
+        ));
+    }
+    if run.output_dir.as_os_str().is_empty() {
+        return Err(ConfigError::invalid("run.output_dir", "must not be empty"));
+    }
+    Ok(())
+}
+
+/// `[data]`.
+fn check_data(data: &DataConfig) -> Result<(), ConfigError> {
+    if data.dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
+        return Err(ConfigError::invalid(
+            "data.dir",
+            "must not be empty (leave it out to generate synthetic data)",
+        ));
+    }
+    if !(1..=5).contains(&data.min_rating) {
+        return Err(ConfigError::invalid(
+            "data.min_rating",
+            format!("must be between 1 and 5 (got {})", data.min_rating),
+        ));
+    }
+    Ok(())
+}
+
+/// `[model]`, including settings that contradict each other.
+fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
+    if model.embedding_dim < 1 {
+        return Err(ConfigError::invalid(
+            "model.embedding_dim",
+            format!("must be >= 1 (got {})", model.embedding_dim),
+        ));
+    }
+    if model
+        .gpt2_weights
+        .as_ref()
+        .is_some_and(|p| p.as_os_str().is_empty())
+    {
+        return Err(ConfigError::invalid(
+            "model.gpt2_weights",
+            "must not be empty (leave it out for random initialisation)",
+        ));
+    }
+
+    if !model.l2.is_finite() || model.l2 < 0.0 {
+        return Err(ConfigError::invalid(
+            "model.l2",
+            format!("must be >= 0 and finite (got {})", model.l2),
+        ));
+    }
+    if model.max_text_tokens < 1 || model.max_text_tokens > 1024 {
+        return Err(ConfigError::invalid(
+            "model.max_text_tokens",
+            format!(
+                "must be between 1 and 1024 (GPT-2's positions) (got {})",
+                model.max_text_tokens
+            ),
+        ));
+    }
+    if model.trainable_layers.is_some() && model.freeze_gpt2 {
+        return Err(ConfigError::invalid(
+            "model.trainable_layers",
+            "contradicts model.freeze_gpt2 = true; set one of them",
+        ));
+    }
+    if model.activation_checkpointing {
+        let nothing = if model.kind != ModelKind::Gpt2rec {
+            Some("model.kind is not \"gpt2rec\"")
+        } else if model.text_mode != TextMode::Dynamic {
+            Some("model.text_mode is not \"dynamic\" (cached mode keeps no GPT-2 activations)")
+        } else if model.freeze_gpt2 || model.trainable_layers == Some(0) {
+            Some("no GPT-2 block trains (a frozen block keeps no activations)")
+        } else {
+            None
+        };
+        if let Some(why) = nothing {
+            return Err(ConfigError::invalid(
+                "model.activation_checkpointing",
+                format!("has nothing to checkpoint: {why}; remove it"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `[eval]`: the cut-offs and the metric that picks the best model.
+fn check_eval(eval: &EvalConfig) -> Result<(), ConfigError> {
+    if eval.topk.is_empty() {
+        return Err(ConfigError::invalid(
+            "eval.topk",
+            "must list at least one cut-off, e.g. [10, 20]",
+        ));
+    }
+    for (i, &k) in eval.topk.iter().enumerate() {
+        if k < 1 {
+            return Err(ConfigError::invalid(
+                "eval.topk",
+                format!("cut-offs must be >= 1 (got {k})"),
+            ));
+        }
+        if eval.topk[..i].contains(&k) {
+            return Err(ConfigError::invalid(
+                "eval.topk",
+                format!("lists {k} twice"),
+            ));
+        }
+    }
+    if eval.every_n_epochs < 1 {
+        return Err(ConfigError::invalid(
+            "eval.every_n_epochs",
+            format!("must be >= 1 (got {})", eval.every_n_epochs),
+        ));
+    }
+    if eval.batch_users < 1 {
+        return Err(ConfigError::invalid(
+            "eval.batch_users",
+            format!("must be >= 1 (got {})", eval.batch_users),
+        ));
+    }
+    parse_metric(&eval.metric, &eval.topk)
+        .map_err(|why| ConfigError::invalid("eval.metric", why))?;
+    Ok(())
+}
+
+/// `[train]`.
+fn check_train(train: &TrainConfig) -> Result<(), ConfigError> {
+    if train.epochs < 1 {
+        return Err(ConfigError::invalid(
+            "train.epochs",
+            format!("must be >= 1 (got {})", train.epochs),
+        ));
+    }
+    check_positive("train.lr", train.lr)?;
+    if !train.weight_decay.is_finite() || train.weight_decay < 0.0 {
+        return Err(ConfigError::invalid(
+            "train.weight_decay",
+            format!("must be >= 0 and finite (got {})", train.weight_decay),
+        ));
+    }
+    check_positive("train.max_grad_norm", train.max_grad_norm)?;
+    if !train.min_lr.is_finite() || train.min_lr < 0.0 || train.min_lr > train.lr {
+        return Err(ConfigError::invalid(
+            "train.min_lr",
+            format!(
+                "must be >= 0 and <= train.lr {} (got {})",
+                train.lr, train.min_lr
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `[dist]`.
+fn check_dist(dist: &DistConfig) -> Result<(), ConfigError> {
+    if dist.timeout_s < 1 {
+        return Err(ConfigError::invalid(
+            "dist.timeout_s",
+            format!("must be >= 1 (got {})", dist.timeout_s),
+        ));
+    }
+    check_positive("dist.bucket_mb", dist.bucket_mb)?;
+    Ok(())
+}
+
+/// `[checkpoint]`.
+fn check_checkpoint(checkpoint: &CheckpointConfig) -> Result<(), ConfigError> {
+    if checkpoint.keep < 1 {
+        return Err(ConfigError::invalid(
+            "checkpoint.keep",
+            format!("must be >= 1 (got {})", checkpoint.keep),
+        ));
+    }
+    if checkpoint.resume.trim().is_empty() {
+        return Err(ConfigError::invalid(
+            "checkpoint.resume",
+            "must be \"auto\", \"never\" or a checkpoint path",
+        ));
+    }
+    Ok(())
 }
 
 pub(super) fn check_positive(key: &str, value: f64) -> Result<(), ConfigError> {
