@@ -343,6 +343,36 @@ const EMBEDDING_COPIES: u64 = 5;
 /// sums, products, the L2 squares) and the MLP scorer's hidden layer.
 const ID_ROW_COPIES: u64 = 8;
 
+/// What every term of the estimate reads: the config, the plan, the data, the device and
+/// derived sizes.
+struct Inputs<'a> {
+    config: &'a Config,
+    plan: &'a BatchPlan,
+    data: &'a DataShape,
+    device: DeviceKind,
+    cuda: bool,
+    bf16: bool,
+    /// How the model reads text (`None`: IDs only).
+    text: Option<TextMode>,
+    gpt2: Gpt2Dims,
+    /// GPT-2's width and the ID embedding size.
+    d: u64,
+    dim: u64,
+}
+
+/// Parameter counts of the model (f32 values).
+struct Sizes {
+    /// Projections of the text features into the ID space, and the MLP scorer.
+    proj: u64,
+    mlp: u64,
+    gpt2_params: u64,
+    gpt2_trainable: u64,
+    /// GPT-2 blocks that train (and so keep activations).
+    trained_blocks: u64,
+    params: u64,
+    trainable: u64,
+}
+
 /// The estimate of one worker's memory for `config` run with `plan` on `device`.
 pub fn estimate(
     config: &Config,
@@ -351,19 +381,42 @@ pub fn estimate(
     device: DeviceKind,
 ) -> MemoryEstimate {
     let m = &config.model;
-    let mut terms = Vec::new();
     let gpt2 = Gpt2Dims::of(m.preset);
-    let d = gpt2.n_embd;
-    let dim = m.embedding_dim as u64;
-    let (users, items) = (data.users, data.items);
     let cuda = device == DeviceKind::Cuda;
-    let bf16 = cuda && config.train.bf16;
-    let text = match m.kind {
-        ModelKind::Gpt2rec => Some(m.text_mode),
-        _ => None,
+    let x = Inputs {
+        config,
+        plan,
+        data,
+        device,
+        cuda,
+        bf16: cuda && config.train.bf16,
+        text: (m.kind == ModelKind::Gpt2rec).then_some(m.text_mode),
+        gpt2,
+        d: gpt2.n_embd,
+        dim: m.embedding_dim as u64,
     };
+    let mut terms = runtime_terms(&x);
+    if m.kind != ModelKind::Pop {
+        let sizes = model_sizes(&x);
+        terms.extend(parameter_terms(&x, &sizes));
+        terms.extend(text_terms(&x));
+        terms.extend(activation_terms(&x, &sizes));
+        terms.push(evaluation_term(&x));
+        if cuda {
+            terms.push(allocator_reserve(&terms));
+        }
+    }
+    MemoryEstimate {
+        device,
+        plan: *plan,
+        terms,
+    }
+}
 
-    terms.push(MemoryTerm {
+/// The process itself: the CUDA context, or libtorch's RSS, the host data and the tokenizer.
+fn runtime_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
+    let (cuda, data) = (x.cuda, x.data);
+    let mut terms = vec![MemoryTerm {
         name: if cuda {
             "CUDA context"
         } else {
@@ -380,7 +433,7 @@ pub fn estimate(
         } else {
             "process baseline, measured".into()
         },
-    });
+    }];
     if !cuda {
         terms.push(MemoryTerm {
             name: "data (host)",
@@ -392,7 +445,7 @@ pub fn estimate(
             ),
         });
     }
-    if !cuda && m.kind == ModelKind::Gpt2rec {
+    if !cuda && x.config.model.kind == ModelKind::Gpt2rec {
         terms.push(MemoryTerm {
             name: "tokenizer (host)",
             bytes: TOKENIZER_BYTES,
@@ -400,17 +453,14 @@ pub fn estimate(
             detail: "GPT-2 BPE tables, measured".into(),
         });
     }
-    if m.kind == ModelKind::Pop {
-        return MemoryEstimate {
-            device,
-            plan: *plan,
-            terms,
-        };
-    }
+    terms
+}
 
-    // Parameters: ID embeddings, text projections, MLP scorer, GPT-2 in dynamic mode.
-    let ids = (users + items) * dim;
-    let proj = if text.is_some() {
+/// Parameters: ID embeddings, text projections, MLP scorer, GPT-2 in dynamic mode.
+fn model_sizes(x: &Inputs<'_>) -> Sizes {
+    let (m, gpt2, d, dim) = (&x.config.model, &x.gpt2, x.d, x.dim);
+    let ids = (x.data.users + x.data.items) * dim;
+    let proj = if x.text.is_some() {
         2 * (d * dim + dim)
     } else {
         0
@@ -420,7 +470,7 @@ pub fn estimate(
     } else {
         0
     };
-    let (gpt2_params, gpt2_trainable, trained_blocks) = match text {
+    let (gpt2_params, gpt2_trainable, trained_blocks) = match x.text {
         Some(TextMode::Dynamic) => {
             let all = gpt2.params();
             let blocks = if m.freeze_gpt2 {
@@ -440,83 +490,100 @@ pub fn estimate(
         }
         _ => (0, 0, 0),
     };
-    let params = ids + proj + mlp + gpt2_params;
-    let trainable = ids + proj + mlp + gpt2_trainable;
+    Sizes {
+        proj,
+        mlp,
+        gpt2_params,
+        gpt2_trainable,
+        trained_blocks,
+        params: ids + proj + mlp + gpt2_params,
+        trainable: ids + proj + mlp + gpt2_trainable,
+    }
+}
+
+/// Parameters, gradients, AdamW's state and temporaries, rank 0's checkpoint, the all-reduce
+/// and NCCL buffers, and autocast's bf16 copies.
+fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
+    let (m, d, dim) = (&x.config.model, x.d, x.dim);
+    let (users, items) = (x.data.users, x.data.items);
+    let (params, trainable) = (s.params, s.trainable);
     let mut parts = vec![format!("IDs ({users}+{items}) x {dim}")];
-    if proj > 0 {
+    if s.proj > 0 {
         parts.push(format!("projections 2 x {d} x {dim}"));
     }
-    if mlp > 0 {
+    if s.mlp > 0 {
         parts.push("MLP scorer".into());
     }
-    if gpt2_params > 0 {
-        parts.push(format!("GPT-2 {:?} {}", m.preset, gpt2_params).to_lowercase());
+    if s.gpt2_params > 0 {
+        parts.push(format!("GPT-2 {:?} {}", m.preset, s.gpt2_params).to_lowercase());
     }
-    terms.push(MemoryTerm {
-        name: "parameters",
-        bytes: params * F32,
-        phase: Phase::Always,
-        detail: format!("{params} f32: {}", parts.join(" + ")),
-    });
-    terms.push(MemoryTerm {
-        name: "gradients",
-        bytes: trainable * F32,
-        phase: Phase::Always,
-        detail: format!("{trainable} trainable f32"),
-    });
-    terms.push(MemoryTerm {
-        name: "optimizer (AdamW)",
-        bytes: 2 * trainable * F32,
-        phase: Phase::Always,
-        detail: "2 moments per trainable value".into(),
-    });
     // AdamW works parameter by parameter; three temporaries the size of the largest one.
-    let largest = [users * dim, items * dim, proj / 2, mlp]
+    let largest = [users * dim, items * dim, s.proj / 2, s.mlp]
         .into_iter()
-        .chain((gpt2_trainable > 0).then_some(gpt2.vocab_size * d))
+        .chain((s.gpt2_trainable > 0).then_some(x.gpt2.vocab_size * d))
         .max()
         .unwrap_or(0);
-    terms.push(MemoryTerm {
-        name: "optimizer temporaries",
-        bytes: 3 * largest * F32,
-        phase: Phase::Training,
-        detail: format!("3 x the largest trainable tensor ({largest} f32)"),
-    });
-    // Rank 0's checkpoint: snapshots of the optimizer state, then each file's bytes.
-    terms.push(MemoryTerm {
-        name: "checkpoint (rank 0)",
-        bytes: (2 * trainable + params.max(2 * trainable)) * F32,
-        phase: Phase::Checkpoint,
-        detail: "optimizer snapshot + the larger file's bytes".into(),
-    });
-    if plan.world_size > 1 {
-        let bucket = (config.dist.bucket_mb * MIB) as u64;
-        let bytes = 2 * bucket.min(trainable * F32);
+    let mut terms = vec![
+        MemoryTerm {
+            name: "parameters",
+            bytes: params * F32,
+            phase: Phase::Always,
+            detail: format!("{params} f32: {}", parts.join(" + ")),
+        },
+        MemoryTerm {
+            name: "gradients",
+            bytes: trainable * F32,
+            phase: Phase::Always,
+            detail: format!("{trainable} trainable f32"),
+        },
+        MemoryTerm {
+            name: "optimizer (AdamW)",
+            bytes: 2 * trainable * F32,
+            phase: Phase::Always,
+            detail: "2 moments per trainable value".into(),
+        },
+        MemoryTerm {
+            name: "optimizer temporaries",
+            bytes: 3 * largest * F32,
+            phase: Phase::Training,
+            detail: format!("3 x the largest trainable tensor ({largest} f32)"),
+        },
+        // Rank 0's checkpoint: snapshots of the optimizer state, then each file's bytes.
+        MemoryTerm {
+            name: "checkpoint (rank 0)",
+            bytes: (2 * trainable + params.max(2 * trainable)) * F32,
+            phase: Phase::Checkpoint,
+            detail: "optimizer snapshot + the larger file's bytes".into(),
+        },
+    ];
+    if x.plan.world_size > 1 {
+        let bucket_mb = x.config.dist.bucket_mb;
+        let bucket = (bucket_mb * MIB) as u64;
         terms.push(MemoryTerm {
             name: "all-reduce buffers",
-            bytes,
+            bytes: 2 * bucket.min(trainable * F32),
             phase: Phase::Training,
-            detail: format!("2 x one bucket (dist.bucket_mb {})", config.dist.bucket_mb),
+            detail: format!("2 x one bucket (dist.bucket_mb {bucket_mb})"),
         });
     }
-    terms.extend(nccl_buffers(config, plan, device));
-    if bf16 && gpt2_params > 0 {
+    terms.extend(nccl_buffers(x.config, x.plan, x.device));
+    if x.bf16 && s.gpt2_params > 0 {
         terms.push(MemoryTerm {
             name: "bf16 weight copies",
-            bytes: gpt2_params * 2,
+            bytes: s.gpt2_params * 2,
             phase: Phase::Training,
             detail: "autocast's bf16 copies of GPT-2's weights".into(),
         });
     }
+    terms
+}
 
-    match text {
+/// The text side: cached features (and the encoder that builds them), or token tables.
+fn text_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
+    let (m, gpt2, d, data) = (&x.config.model, &x.gpt2, x.d, x.data);
+    let (users, items) = (data.users, data.items);
+    match x.text {
         Some(TextMode::Cached) => {
-            terms.push(MemoryTerm {
-                name: "cached text features",
-                bytes: (users + items) * d * F32,
-                phase: Phase::Always,
-                detail: format!("({users}+{items}) x {d} f32"),
-            });
             // Building them: a frozen GPT-2, the gathered and standardised copies of a table.
             let rows = users.max(items);
             let encode = CACHE_ROWS
@@ -524,26 +591,34 @@ pub fn estimate(
                 * d
                 * (EMBEDDING_COPIES + 8)
                 * F32;
-            terms.push(MemoryTerm {
-                name: "text encoder (caching)",
-                bytes: gpt2.params() * F32 + 4 * rows * d * F32 + encode,
-                phase: Phase::Build,
-                detail: format!(
-                    "frozen GPT-2 {:?} {} f32 + 4 copies of a {rows} x {d} table",
-                    m.preset,
-                    gpt2.params()
-                )
-                .to_lowercase(),
-            });
+            vec![
+                MemoryTerm {
+                    name: "cached text features",
+                    bytes: (users + items) * d * F32,
+                    phase: Phase::Always,
+                    detail: format!("({users}+{items}) x {d} f32"),
+                },
+                MemoryTerm {
+                    name: "text encoder (caching)",
+                    bytes: gpt2.params() * F32 + 4 * rows * d * F32 + encode,
+                    phase: Phase::Build,
+                    detail: format!(
+                        "frozen GPT-2 {:?} {} f32 + 4 copies of a {rows} x {d} table",
+                        m.preset,
+                        gpt2.params()
+                    )
+                    .to_lowercase(),
+                },
+            ]
         }
-        Some(TextMode::Dynamic) => {
-            terms.push(MemoryTerm {
+        Some(TextMode::Dynamic) => vec![
+            MemoryTerm {
                 name: "GPT-2 initialisation",
                 bytes: gpt2.vocab_size * d * F32,
                 phase: Phase::Build,
                 detail: "a copy of the token embedding while it is initialised".into(),
-            });
-            terms.push(MemoryTerm {
+            },
+            MemoryTerm {
                 name: "token tables",
                 bytes: (users + items) * m.max_text_tokens as u64 * 16,
                 phase: Phase::Always,
@@ -551,105 +626,115 @@ pub fn estimate(
                     "({users}+{items}) x {} tokens x (i64 id + i64 mask)",
                     m.max_text_tokens
                 ),
-            });
-        }
-        None => {}
+            },
+        ],
+        None => Vec::new(),
     }
+}
 
-    // Activations of one micro-batch: B users, B positives and B negatives.
-    let b = plan.micro;
-    let id_rows = 3 * b;
-    let width = if text.is_some() { dim + d } else { dim };
-    let mut id_bytes = id_rows * width * ID_ROW_COPIES * F32;
-    if mlp > 0 {
+/// Activations of one micro-batch: B users, B positives and B negatives, and GPT-2's in
+/// dynamic mode.
+fn activation_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
+    let (b, d, dim) = (x.plan.micro, x.d, x.dim);
+    let width = if x.text.is_some() { dim + d } else { dim };
+    let mut id_bytes = 3 * b * width * ID_ROW_COPIES * F32;
+    if s.mlp > 0 {
         id_bytes += 2 * b * 4 * dim * F32;
     }
-    terms.push(MemoryTerm {
+    let mut terms = vec![MemoryTerm {
         name: "activations (IDs)",
         bytes: id_bytes,
         phase: Phase::Training,
         detail: format!("3 x micro {b} rows x {width} x {ID_ROW_COPIES} copies x 4 B"),
-    });
-    if text == Some(TextMode::Dynamic) {
-        // Users' texts and items' (positives and negatives together) go through GPT-2 as two
-        // batches, each cut to its longest text. Only blocks above the frozen ones keep
-        // activations for backward; a frozen stack still needs one block's working set.
-        let (lu, li) = (data.user_tokens, data.item_tokens);
-        let token_rows = b * lu + 2 * b * li;
-        let score_rows = b * lu * lu + 2 * b * li * li;
-        let kept = trained_blocks.max(1);
-        let dtype = if bf16 { 2 } else { F32 };
-        let per_block = token_rows * d * BLOCK_ACTIVATION_COPIES * dtype
-            + score_rows * gpt2.n_head * ATTENTION_SCORE_COPIES * F32;
-        let embed = if trained_blocks > 0 {
-            token_rows * d * EMBEDDING_COPIES * F32
-        } else {
-            0
-        };
-        let in_bf16 = if bf16 { " in bf16" } else { "" };
-        let (bytes, detail) = if m.activation_checkpointing && trained_blocks > 0 {
-            // Each trained block keeps its f32 input; backward recomputes one block at a time
-            // and passes the gradient at its input and output on. Never more than without.
-            let copies = trained_blocks * CHECKPOINT_COPIES_PER_BLOCK + CHECKPOINT_BOUNDARY_COPIES;
-            (
-                (copies * token_rows * d * F32 + per_block + embed).min(kept * per_block + embed),
-                format!(
-                    "checkpointed: micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x ({trained_blocks} blocks x {CHECKPOINT_COPIES_PER_BLOCK} + {CHECKPOINT_BOUNDARY_COPIES} copies) + one block x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
-                ),
-            )
-        } else {
-            (
-                kept * per_block + embed,
-                format!(
-                    "micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x {kept} block(s) x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
-                ),
-            )
-        };
-        terms.push(MemoryTerm {
-            name: "activations (GPT-2)",
-            bytes,
-            phase: Phase::Training,
-            detail,
-        });
+    }];
+    if x.text == Some(TextMode::Dynamic) {
+        terms.push(gpt2_activations(x, s));
     }
+    terms
+}
 
-    // Evaluation: every user's and item's representation, and a block of scores.
-    let eval_users = config.eval.batch_users as u64;
+/// GPT-2's activations in dynamic mode. Users' texts and items' (positives and negatives
+/// together) go through GPT-2 as two batches, each cut to its longest text. Only blocks above
+/// the frozen ones keep activations for backward; a frozen stack still needs one block's
+/// working set.
+fn gpt2_activations(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
+    let (b, d, gpt2) = (x.plan.micro, x.d, &x.gpt2);
+    let (lu, li) = (x.data.user_tokens, x.data.item_tokens);
+    let trained_blocks = s.trained_blocks;
+    let token_rows = b * lu + 2 * b * li;
+    let score_rows = b * lu * lu + 2 * b * li * li;
+    let kept = trained_blocks.max(1);
+    let dtype = if x.bf16 { 2 } else { F32 };
+    let per_block = token_rows * d * BLOCK_ACTIVATION_COPIES * dtype
+        + score_rows * gpt2.n_head * ATTENTION_SCORE_COPIES * F32;
+    let embed = if trained_blocks > 0 {
+        token_rows * d * EMBEDDING_COPIES * F32
+    } else {
+        0
+    };
+    let in_bf16 = if x.bf16 { " in bf16" } else { "" };
+    let (bytes, detail) = if x.config.model.activation_checkpointing && trained_blocks > 0 {
+        // Each trained block keeps its f32 input; backward recomputes one block at a time
+        // and passes the gradient at its input and output on. Never more than without.
+        let copies = trained_blocks * CHECKPOINT_COPIES_PER_BLOCK + CHECKPOINT_BOUNDARY_COPIES;
+        (
+            (copies * token_rows * d * F32 + per_block + embed).min(kept * per_block + embed),
+            format!(
+                "checkpointed: micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x ({trained_blocks} blocks x {CHECKPOINT_COPIES_PER_BLOCK} + {CHECKPOINT_BOUNDARY_COPIES} copies) + one block x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
+            ),
+        )
+    } else {
+        (
+            kept * per_block + embed,
+            format!(
+                "micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x {kept} block(s) x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
+            ),
+        )
+    };
+    MemoryTerm {
+        name: "activations (GPT-2)",
+        bytes,
+        phase: Phase::Training,
+        detail,
+    }
+}
+
+/// Evaluation: every user's and item's representation, and a block of scores.
+fn evaluation_term(x: &Inputs<'_>) -> MemoryTerm {
+    let (data, dim, d) = (x.data, x.dim, x.d);
+    let (users, items) = (data.users, data.items);
+    let eval_users = x.config.eval.batch_users as u64;
     let mut eval = (users + items) * dim * F32 + 3 * eval_users * items * F32;
-    if m.scorer == ScorerKind::Mlp {
+    if x.config.model.scorer == ScorerKind::Mlp {
         eval += eval_users * items * 2 * dim * F32;
     }
-    if text == Some(TextMode::Dynamic) {
+    if x.text == Some(TextMode::Dynamic) {
         eval +=
             ENCODE_ROWS * data.item_tokens.max(data.user_tokens) * d * (EMBEDDING_COPIES + 8) * F32;
     }
-    terms.push(MemoryTerm {
+    MemoryTerm {
         name: "evaluation",
         bytes: eval,
         phase: Phase::Eval,
         detail: format!("tables + {eval_users} users x {items} items x 3 copies"),
-    });
-
-    if cuda {
-        let tensors: u64 = terms
-            .iter()
-            .filter(|t| t.name != "CUDA context" && t.name != NCCL_TERM)
-            .map(|t| t.bytes)
-            .sum();
-        terms.push(MemoryTerm {
-            name: "allocator reserve",
-            bytes: (tensors as f64 * CUDA_ALLOCATOR_RESERVE) as u64,
-            phase: Phase::Always,
-            detail: format!(
-                "{:.0}% of the tensors (caching allocator)",
-                CUDA_ALLOCATOR_RESERVE * 100.0
-            ),
-        });
     }
-    MemoryEstimate {
-        device,
-        plan: *plan,
-        terms,
+}
+
+/// What the CUDA caching allocator holds beyond the live tensors.
+fn allocator_reserve(terms: &[MemoryTerm]) -> MemoryTerm {
+    let tensors: u64 = terms
+        .iter()
+        .filter(|t| t.name != "CUDA context" && t.name != NCCL_TERM)
+        .map(|t| t.bytes)
+        .sum();
+    MemoryTerm {
+        name: "allocator reserve",
+        bytes: (tensors as f64 * CUDA_ALLOCATOR_RESERVE) as u64,
+        phase: Phase::Always,
+        detail: format!(
+            "{:.0}% of the tensors (caching allocator)",
+            CUDA_ALLOCATOR_RESERVE * 100.0
+        ),
     }
 }
 
