@@ -373,118 +373,12 @@ impl BatchSpec {
                     problem: "leaves no micro batch to try".into(),
                 });
         }
-        let plan = |global, micro, grad_accum| BatchPlan {
-            global,
-            micro,
-            grad_accum,
-            world_size: w,
-        };
+        let plan = |global, micro, grad_accum| plan_of(w, global, micro, grad_accum);
         match (self.global, self.micro, self.grad_accum) {
-            (Some(g), Some(m), Some(a)) => {
-                let p = mul(&[("micro", m), ("grad_accum", a), ("world", w)])?;
-                if p == g {
-                    return Ok(plan(g, m, a));
-                }
-                let mut suggestions = vec![plan(p, m, a)];
-                let mut keep = Vec::new();
-                if g % w == 0 {
-                    let q = g / w;
-                    if q % m == 0 {
-                        keep.push(plan(g, m, q / m));
-                    }
-                    if q % a == 0 {
-                        keep.push(plan(g, q / a, a));
-                    }
-                    if keep.is_empty() {
-                        keep.extend(
-                            nearest_divisors(q, m)
-                                .into_iter()
-                                .map(|d| plan(g, d, q / d)),
-                        );
-                    }
-                }
-                let mut detail = format!(
-                    "global {g} != micro {m} x grad_accum {a} x world {w} = {p}; nearest valid: global {p}"
-                );
-                if g % w != 0 {
-                    detail.push_str(", ");
-                    detail.push_str(&impossible_keep(g, w));
-                } else if !keep.is_empty() {
-                    let texts: Vec<String> = keep
-                        .iter()
-                        .map(|k| format!("micro {} x grad_accum {}", k.micro, k.grad_accum))
-                        .collect();
-                    detail.push_str(&format!(", or keep global {g} with {}", join_or(&texts)));
-                }
-                suggestions.extend(keep);
-                Err(BatchError::Mismatch {
-                    spec: Box::new(self.clone()),
-                    world_size: w,
-                    detail,
-                    suggestions,
-                })
-            }
-            (Some(g), Some(m), None) => {
-                let d = mul(&[("micro", m), ("world", w)])?;
-                if g % d == 0 {
-                    return Ok(plan(g, m, g / d));
-                }
-                let near: Vec<BatchPlan> = neighbour_multiples(g, d)
-                    .into_iter()
-                    .map(|n| plan(n, m, n / d))
-                    .collect();
-                let near_text: Vec<String> = near
-                    .iter()
-                    .map(|p| format!("{} (grad_accum {})", p.global, p.grad_accum))
-                    .collect();
-                let mut detail = format!(
-                    "global {g} is not divisible by micro {m} x world {w} = {d} ({g} / {d} = {}); nearest valid: global {}",
-                    ratio(g, d),
-                    join_or(&near_text)
-                );
-                let keep = self.keep_global_text(g, w, m, true, &mut detail);
-                self.not_divisible(w, detail, near.into_iter().chain(keep).collect())
-            }
-            (Some(g), None, Some(a)) => {
-                let d = mul(&[("grad_accum", a), ("world", w)])?;
-                if g % d == 0 {
-                    return Ok(plan(g, g / d, a));
-                }
-                let near: Vec<BatchPlan> = neighbour_multiples(g, d)
-                    .into_iter()
-                    .map(|n| plan(n, n / d, a))
-                    .collect();
-                let near_text: Vec<String> = near
-                    .iter()
-                    .map(|p| format!("{} (micro {})", p.global, p.micro))
-                    .collect();
-                let mut detail = format!(
-                    "global {g} is not divisible by grad_accum {a} x world {w} = {d} ({g} / {d} = {}); nearest valid: global {}",
-                    ratio(g, d),
-                    join_or(&near_text)
-                );
-                let keep = self.keep_global_text(g, w, a, false, &mut detail);
-                self.not_divisible(w, detail, near.into_iter().chain(keep).collect())
-            }
-            (Some(g), None, None) => {
-                if g % w == 0 {
-                    return Ok(plan(g, g / w, 1));
-                }
-                let near: Vec<BatchPlan> = neighbour_multiples(g, w)
-                    .into_iter()
-                    .map(|n| plan(n, n / w, 1))
-                    .collect();
-                let near_text: Vec<String> = near
-                    .iter()
-                    .map(|p| format!("{} (micro {})", p.global, p.micro))
-                    .collect();
-                let detail = format!(
-                    "global {g} is not divisible by world {w} ({g} / {w} = {}); nearest valid: global {}",
-                    ratio(g, w),
-                    join_or(&near_text)
-                );
-                self.not_divisible(w, detail, near)
-            }
+            (Some(g), Some(m), Some(a)) => self.all_three(g, m, a, w),
+            (Some(g), Some(m), None) => self.global_and_micro(g, m, w),
+            (Some(g), None, Some(a)) => self.global_and_grad_accum(g, a, w),
+            (Some(g), None, None) => self.global_only(g, w),
             (None, Some(m), Some(a)) => {
                 let g = mul(&[("micro", m), ("grad_accum", a), ("world", w)])?;
                 Ok(plan(g, m, a))
@@ -496,6 +390,119 @@ impl BatchSpec {
             // `check` rejected these above; kept total without panicking.
             (None, None, a) => Err(BatchError::Underdetermined { grad_accum: a }),
         }
+    }
+
+    /// All three given: they must satisfy the invariant; the error suggests plans that do.
+    fn all_three(&self, g: u64, m: u64, a: u64, w: u64) -> Result<BatchPlan, BatchError> {
+        let p = mul(&[("micro", m), ("grad_accum", a), ("world", w)])?;
+        if p == g {
+            return Ok(plan_of(w, g, m, a));
+        }
+        let mut suggestions = vec![plan_of(w, p, m, a)];
+        let mut keep = Vec::new();
+        if g % w == 0 {
+            let q = g / w;
+            if q % m == 0 {
+                keep.push(plan_of(w, g, m, q / m));
+            }
+            if q % a == 0 {
+                keep.push(plan_of(w, g, q / a, a));
+            }
+            if keep.is_empty() {
+                keep.extend(
+                    nearest_divisors(q, m)
+                        .into_iter()
+                        .map(|d| plan_of(w, g, d, q / d)),
+                );
+            }
+        }
+        let mut detail = format!(
+            "global {g} != micro {m} x grad_accum {a} x world {w} = {p}; nearest valid: global {p}"
+        );
+        if g % w != 0 {
+            detail.push_str(", ");
+            detail.push_str(&impossible_keep(g, w));
+        } else if !keep.is_empty() {
+            let texts: Vec<String> = keep
+                .iter()
+                .map(|k| format!("micro {} x grad_accum {}", k.micro, k.grad_accum))
+                .collect();
+            detail.push_str(&format!(", or keep global {g} with {}", join_or(&texts)));
+        }
+        suggestions.extend(keep);
+        Err(BatchError::Mismatch {
+            spec: Box::new(self.clone()),
+            world_size: w,
+            detail,
+            suggestions,
+        })
+    }
+
+    /// Global and micro given: grad_accum = global / (micro x world), exactly.
+    fn global_and_micro(&self, g: u64, m: u64, w: u64) -> Result<BatchPlan, BatchError> {
+        let d = mul(&[("micro", m), ("world", w)])?;
+        if g % d == 0 {
+            return Ok(plan_of(w, g, m, g / d));
+        }
+        let near: Vec<BatchPlan> = neighbour_multiples(g, d)
+            .into_iter()
+            .map(|n| plan_of(w, n, m, n / d))
+            .collect();
+        let near_text: Vec<String> = near
+            .iter()
+            .map(|p| format!("{} (grad_accum {})", p.global, p.grad_accum))
+            .collect();
+        let mut detail = format!(
+            "global {g} is not divisible by micro {m} x world {w} = {d} ({g} / {d} = {}); nearest valid: global {}",
+            ratio(g, d),
+            join_or(&near_text)
+        );
+        let keep = self.keep_global_text(g, w, m, true, &mut detail);
+        self.not_divisible(w, detail, near.into_iter().chain(keep).collect())
+    }
+
+    /// Global and grad_accum given: micro = global / (grad_accum x world), exactly.
+    fn global_and_grad_accum(&self, g: u64, a: u64, w: u64) -> Result<BatchPlan, BatchError> {
+        let d = mul(&[("grad_accum", a), ("world", w)])?;
+        if g % d == 0 {
+            return Ok(plan_of(w, g, g / d, a));
+        }
+        let near: Vec<BatchPlan> = neighbour_multiples(g, d)
+            .into_iter()
+            .map(|n| plan_of(w, n, n / d, a))
+            .collect();
+        let near_text: Vec<String> = near
+            .iter()
+            .map(|p| format!("{} (micro {})", p.global, p.micro))
+            .collect();
+        let mut detail = format!(
+            "global {g} is not divisible by grad_accum {a} x world {w} = {d} ({g} / {d} = {}); nearest valid: global {}",
+            ratio(g, d),
+            join_or(&near_text)
+        );
+        let keep = self.keep_global_text(g, w, a, false, &mut detail);
+        self.not_divisible(w, detail, near.into_iter().chain(keep).collect())
+    }
+
+    /// Global only: grad_accum 1, micro = global / world, exactly.
+    fn global_only(&self, g: u64, w: u64) -> Result<BatchPlan, BatchError> {
+        if g % w == 0 {
+            return Ok(plan_of(w, g, g / w, 1));
+        }
+        let near: Vec<BatchPlan> = neighbour_multiples(g, w)
+            .into_iter()
+            .map(|n| plan_of(w, n, n / w, 1))
+            .collect();
+        let near_text: Vec<String> = near
+            .iter()
+            .map(|p| format!("{} (micro {})", p.global, p.micro))
+            .collect();
+        let detail = format!(
+            "global {g} is not divisible by world {w} ({g} / {w} = {}); nearest valid: global {}",
+            ratio(g, w),
+            join_or(&near_text)
+        );
+        self.not_divisible(w, detail, near)
     }
 
     /// With `micro = "auto"`: every plan that keeps `global` on `world_size` workers with
@@ -658,6 +665,16 @@ impl BatchPlan {
 impl fmt::Display for BatchPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.derivation())
+    }
+}
+
+/// A plan on `world_size` workers.
+fn plan_of(world_size: u64, global: u64, micro: u64, grad_accum: u64) -> BatchPlan {
+    BatchPlan {
+        global,
+        micro,
+        grad_accum,
+        world_size,
     }
 }
 
