@@ -41,12 +41,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Before anything starts CUDA or a thread: the allocator reads this once, at its start.
     let alloc_conf_set = set_alloc_conf_default();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .without_time()
-        .with_target(false)
-        .init();
+    worker::run_report::init_logging();
     // libtorch reports a failed allocation by an error that tch's infallible calls turn into a
     // panic: those are caught below and explained; the default hook stays for real bugs.
     let default_hook = std::panic::take_hook();

@@ -1,7 +1,8 @@
-//! What rank 0 leaves behind when a run ends: `memory.json` (the estimate term by term next to
-//! what was measured), the `summary` record of `metrics.jsonl`, and the printed summary with the
-//! popularity baseline beside the model; and, for `model.kind = "pop"`, the baseline's own
-//! results. It reports; it computes nothing that the run depends on.
+//! What the worker tells its user: the log format of its binaries, and what rank 0 leaves behind
+//! when a run ends — `memory.json` (the estimate term by term next to what was measured), the
+//! `summary` record of `metrics.jsonl`, and the printed summary with the popularity baseline
+//! beside the model; and, for `model.kind = "pop"`, the baseline's own results. It reports; it
+//! computes nothing that the run depends on.
 
 use std::path::Path;
 
@@ -14,6 +15,17 @@ use tch::Device;
 use crate::eval::Metrics;
 use crate::run_dir::{MetricsLog, RunDirError};
 use crate::trainer::{eval_record, TrainReport};
+
+/// Log lines of the worker's binaries: on stderr, without timestamps or targets (the launcher
+/// prefixes each line with its rank), in colour only on a terminal.
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .with_target(false)
+        .init();
+}
 
 /// Rank 0's memory at the milestones of start-up (bytes).
 #[derive(Debug, Clone, Copy, Default)]

@@ -80,12 +80,7 @@ fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .without_time()
-        .with_target(false)
-        .init();
+    worker::run_report::init_logging();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
