@@ -1,0 +1,378 @@
+//! The terms of the estimate, one function per group: the process, the model's parameters and
+//! optimizer, the text side, activations, evaluation and the allocator's reserve.
+
+use super::*;
+
+/// What every term of the estimate reads: the config, the plan, the data, the device and
+/// derived sizes.
+pub(super) struct Inputs<'a> {
+    pub(super) config: &'a Config,
+    pub(super) plan: &'a BatchPlan,
+    pub(super) data: &'a DataShape,
+    pub(super) device: DeviceKind,
+    pub(super) cuda: bool,
+    pub(super) bf16: bool,
+    /// How the model reads text (`None`: IDs only).
+    pub(super) text: Option<TextMode>,
+    pub(super) gpt2: Gpt2Dims,
+    /// GPT-2's width and the ID embedding size.
+    pub(super) d: u64,
+    pub(super) dim: u64,
+}
+
+/// Parameter counts of the model (f32 values).
+pub(super) struct Sizes {
+    /// Projections of the text features into the ID space, and the MLP scorer.
+    pub(super) proj: u64,
+    pub(super) mlp: u64,
+    pub(super) gpt2_params: u64,
+    pub(super) gpt2_trainable: u64,
+    /// GPT-2 blocks that train (and so keep activations).
+    pub(super) trained_blocks: u64,
+    pub(super) params: u64,
+    pub(super) trainable: u64,
+}
+
+/// The process itself: the CUDA context, or libtorch's RSS, the host data and the tokenizer.
+pub(super) fn runtime_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
+    let (cuda, data) = (x.cuda, x.data);
+    let mut terms = vec![MemoryTerm {
+        name: if cuda {
+            "CUDA context"
+        } else {
+            "runtime (libtorch)"
+        },
+        bytes: if cuda {
+            CUDA_CONTEXT_BYTES
+        } else {
+            CPU_RUNTIME_BYTES
+        },
+        phase: Phase::Always,
+        detail: if cuda {
+            "context and kernels, assumed".into()
+        } else {
+            "process baseline, measured".into()
+        },
+    }];
+    if !cuda {
+        terms.push(MemoryTerm {
+            name: "data (host)",
+            bytes: data.interactions * HOST_BYTES_PER_INTERACTION,
+            phase: Phase::Always,
+            detail: format!(
+                "{} interactions x {HOST_BYTES_PER_INTERACTION} B ({})",
+                data.interactions, data.source
+            ),
+        });
+    }
+    if !cuda && x.config.model.kind == ModelKind::Gpt2rec {
+        terms.push(MemoryTerm {
+            name: "tokenizer (host)",
+            bytes: TOKENIZER_BYTES,
+            phase: Phase::Always,
+            detail: "GPT-2 BPE tables, measured".into(),
+        });
+    }
+    terms
+}
+
+/// Parameters: ID embeddings, text projections, MLP scorer, GPT-2 in dynamic mode.
+pub(super) fn model_sizes(x: &Inputs<'_>) -> Sizes {
+    let (m, gpt2, d, dim) = (&x.config.model, &x.gpt2, x.d, x.dim);
+    let ids = (x.data.users + x.data.items) * dim;
+    let proj = if x.text.is_some() {
+        2 * (d * dim + dim)
+    } else {
+        0
+    };
+    let mlp = if m.scorer == ScorerKind::Mlp {
+        2 * dim * dim + dim + dim + 1
+    } else {
+        0
+    };
+    let (gpt2_params, gpt2_trainable, trained_blocks) = match x.text {
+        Some(TextMode::Dynamic) => {
+            let all = gpt2.params();
+            let blocks = if m.freeze_gpt2 {
+                0
+            } else {
+                m.trainable_layers
+                    .map_or(gpt2.n_layer, |n| u64::from(n).min(gpt2.n_layer))
+            };
+            let trainable = if m.freeze_gpt2 {
+                0
+            } else if m.trainable_layers.is_some() {
+                blocks * gpt2.block_params() + if blocks > 0 { 2 * d } else { 0 }
+            } else {
+                all
+            };
+            (all, trainable, blocks)
+        }
+        _ => (0, 0, 0),
+    };
+    Sizes {
+        proj,
+        mlp,
+        gpt2_params,
+        gpt2_trainable,
+        trained_blocks,
+        params: ids + proj + mlp + gpt2_params,
+        trainable: ids + proj + mlp + gpt2_trainable,
+    }
+}
+
+/// Parameters, gradients, AdamW's state and temporaries, rank 0's checkpoint, the all-reduce
+/// and NCCL buffers, and autocast's bf16 copies.
+pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
+    let (m, d, dim) = (&x.config.model, x.d, x.dim);
+    let (users, items) = (x.data.users, x.data.items);
+    let (params, trainable) = (s.params, s.trainable);
+    let mut parts = vec![format!("IDs ({users}+{items}) x {dim}")];
+    if s.proj > 0 {
+        parts.push(format!("projections 2 x {d} x {dim}"));
+    }
+    if s.mlp > 0 {
+        parts.push("MLP scorer".into());
+    }
+    if s.gpt2_params > 0 {
+        parts.push(format!("GPT-2 {:?} {}", m.preset, s.gpt2_params).to_lowercase());
+    }
+    // AdamW works parameter by parameter; three temporaries the size of the largest one.
+    let largest = [users * dim, items * dim, s.proj / 2, s.mlp]
+        .into_iter()
+        .chain((s.gpt2_trainable > 0).then_some(x.gpt2.vocab_size * d))
+        .max()
+        .unwrap_or(0);
+    let mut terms = vec![
+        MemoryTerm {
+            name: "parameters",
+            bytes: params * F32,
+            phase: Phase::Always,
+            detail: format!("{params} f32: {}", parts.join(" + ")),
+        },
+        MemoryTerm {
+            name: "gradients",
+            bytes: trainable * F32,
+            phase: Phase::Always,
+            detail: format!("{trainable} trainable f32"),
+        },
+        MemoryTerm {
+            name: "optimizer (AdamW)",
+            bytes: 2 * trainable * F32,
+            phase: Phase::Always,
+            detail: "2 moments per trainable value".into(),
+        },
+        MemoryTerm {
+            name: "optimizer temporaries",
+            bytes: 3 * largest * F32,
+            phase: Phase::Training,
+            detail: format!("3 x the largest trainable tensor ({largest} f32)"),
+        },
+        // Rank 0's checkpoint: snapshots of the optimizer state, then each file's bytes.
+        MemoryTerm {
+            name: "checkpoint (rank 0)",
+            bytes: (2 * trainable + params.max(2 * trainable)) * F32,
+            phase: Phase::Checkpoint,
+            detail: "optimizer snapshot + the larger file's bytes".into(),
+        },
+    ];
+    if x.plan.world_size > 1 {
+        let bucket_mb = x.config.dist.bucket_mb;
+        let bucket = (bucket_mb * MIB) as u64;
+        terms.push(MemoryTerm {
+            name: "all-reduce buffers",
+            bytes: 2 * bucket.min(trainable * F32),
+            phase: Phase::Training,
+            detail: format!("2 x one bucket (dist.bucket_mb {bucket_mb})"),
+        });
+    }
+    terms.extend(nccl_buffers(x.config, x.plan, x.device));
+    if x.bf16 && s.gpt2_params > 0 {
+        terms.push(MemoryTerm {
+            name: "bf16 weight copies",
+            bytes: s.gpt2_params * 2,
+            phase: Phase::Training,
+            detail: "autocast's bf16 copies of GPT-2's weights".into(),
+        });
+    }
+    terms
+}
+
+/// The text side: cached features (and the encoder that builds them), or token tables.
+pub(super) fn text_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
+    let (m, gpt2, d, data) = (&x.config.model, &x.gpt2, x.d, x.data);
+    let (users, items) = (data.users, data.items);
+    match x.text {
+        Some(TextMode::Cached) => {
+            // Building them: a frozen GPT-2, the gathered and standardised copies of a table.
+            let rows = users.max(items);
+            let encode = CACHE_ROWS
+                * data.item_tokens.max(data.user_tokens)
+                * d
+                * (EMBEDDING_COPIES + 8)
+                * F32;
+            vec![
+                MemoryTerm {
+                    name: "cached text features",
+                    bytes: (users + items) * d * F32,
+                    phase: Phase::Always,
+                    detail: format!("({users}+{items}) x {d} f32"),
+                },
+                MemoryTerm {
+                    name: "text encoder (caching)",
+                    bytes: gpt2.params() * F32 + 4 * rows * d * F32 + encode,
+                    phase: Phase::Build,
+                    detail: format!(
+                        "frozen GPT-2 {:?} {} f32 + 4 copies of a {rows} x {d} table",
+                        m.preset,
+                        gpt2.params()
+                    )
+                    .to_lowercase(),
+                },
+            ]
+        }
+        Some(TextMode::Dynamic) => vec![
+            MemoryTerm {
+                name: "GPT-2 initialisation",
+                bytes: gpt2.vocab_size * d * F32,
+                phase: Phase::Build,
+                detail: "a copy of the token embedding while it is initialised".into(),
+            },
+            MemoryTerm {
+                name: "token tables",
+                bytes: (users + items) * m.max_text_tokens as u64 * 16,
+                phase: Phase::Always,
+                detail: format!(
+                    "({users}+{items}) x {} tokens x (i64 id + i64 mask)",
+                    m.max_text_tokens
+                ),
+            },
+        ],
+        None => Vec::new(),
+    }
+}
+
+/// Activations of one micro-batch: B users, B positives and B negatives, and GPT-2's in
+/// dynamic mode.
+pub(super) fn activation_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
+    let (b, d, dim) = (x.plan.micro, x.d, x.dim);
+    let width = if x.text.is_some() { dim + d } else { dim };
+    let mut id_bytes = 3 * b * width * ID_ROW_COPIES * F32;
+    if s.mlp > 0 {
+        id_bytes += 2 * b * 4 * dim * F32;
+    }
+    let mut terms = vec![MemoryTerm {
+        name: "activations (IDs)",
+        bytes: id_bytes,
+        phase: Phase::Training,
+        detail: format!("3 x micro {b} rows x {width} x {ID_ROW_COPIES} copies x 4 B"),
+    }];
+    if x.text == Some(TextMode::Dynamic) {
+        terms.push(gpt2_activations(x, s));
+    }
+    terms
+}
+
+/// GPT-2's activations in dynamic mode. Users' texts and items' (positives and negatives
+/// together) go through GPT-2 as two batches, each cut to its longest text. Only blocks above
+/// the frozen ones keep activations for backward; a frozen stack still needs one block's
+/// working set.
+pub(super) fn gpt2_activations(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
+    let (b, d, gpt2) = (x.plan.micro, x.d, &x.gpt2);
+    let (lu, li) = (x.data.user_tokens, x.data.item_tokens);
+    let trained_blocks = s.trained_blocks;
+    let token_rows = b * lu + 2 * b * li;
+    let score_rows = b * lu * lu + 2 * b * li * li;
+    let kept = trained_blocks.max(1);
+    let dtype = if x.bf16 { 2 } else { F32 };
+    let per_block = token_rows * d * BLOCK_ACTIVATION_COPIES * dtype
+        + score_rows * gpt2.n_head * ATTENTION_SCORE_COPIES * F32;
+    let embed = if trained_blocks > 0 {
+        token_rows * d * EMBEDDING_COPIES * F32
+    } else {
+        0
+    };
+    let in_bf16 = if x.bf16 { " in bf16" } else { "" };
+    let (bytes, detail) = if x.config.model.activation_checkpointing && trained_blocks > 0 {
+        // Each trained block keeps its f32 input; backward recomputes one block at a time
+        // and passes the gradient at its input and output on. Never more than without.
+        let copies = trained_blocks * CHECKPOINT_COPIES_PER_BLOCK + CHECKPOINT_BOUNDARY_COPIES;
+        (
+            (copies * token_rows * d * F32 + per_block + embed).min(kept * per_block + embed),
+            format!(
+                "checkpointed: micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x ({trained_blocks} blocks x {CHECKPOINT_COPIES_PER_BLOCK} + {CHECKPOINT_BOUNDARY_COPIES} copies) + one block x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
+            ),
+        )
+    } else {
+        (
+            kept * per_block + embed,
+            format!(
+                "micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x {kept} block(s) x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
+            ),
+        )
+    };
+    MemoryTerm {
+        name: "activations (GPT-2)",
+        bytes,
+        phase: Phase::Training,
+        detail,
+    }
+}
+
+/// Evaluation: every user's and item's representation, and a block of scores.
+pub(super) fn evaluation_term(x: &Inputs<'_>) -> MemoryTerm {
+    let (data, dim, d) = (x.data, x.dim, x.d);
+    let (users, items) = (data.users, data.items);
+    let eval_users = x.config.eval.batch_users as u64;
+    let mut eval = (users + items) * dim * F32 + 3 * eval_users * items * F32;
+    if x.config.model.scorer == ScorerKind::Mlp {
+        eval += eval_users * items * 2 * dim * F32;
+    }
+    if x.text == Some(TextMode::Dynamic) {
+        eval +=
+            ENCODE_ROWS * data.item_tokens.max(data.user_tokens) * d * (EMBEDDING_COPIES + 8) * F32;
+    }
+    MemoryTerm {
+        name: "evaluation",
+        bytes: eval,
+        phase: Phase::Eval,
+        detail: format!("tables + {eval_users} users x {items} items x 3 copies"),
+    }
+}
+
+/// What the CUDA caching allocator holds beyond the live tensors.
+pub(super) fn allocator_reserve(terms: &[MemoryTerm]) -> MemoryTerm {
+    let tensors: u64 = terms
+        .iter()
+        .filter(|t| t.name != "CUDA context" && t.name != NCCL_TERM)
+        .map(|t| t.bytes)
+        .sum();
+    MemoryTerm {
+        name: "allocator reserve",
+        bytes: (tensors as f64 * CUDA_ALLOCATOR_RESERVE) as u64,
+        phase: Phase::Always,
+        detail: format!(
+            "{:.0}% of the tensors (caching allocator)",
+            CUDA_ALLOCATOR_RESERVE * 100.0
+        ),
+    }
+}
+
+/// NCCL's own buffers, when more than one rank reduces through NCCL on GPUs.
+pub(super) fn nccl_buffers(
+    config: &Config,
+    plan: &BatchPlan,
+    device: DeviceKind,
+) -> Option<MemoryTerm> {
+    let nccl = config.dist.backend != crate::config::Backend::Tcp;
+    (device == DeviceKind::Cuda && nccl && plan.world_size > 1).then(|| MemoryTerm {
+        name: NCCL_TERM,
+        bytes: NCCL_CHANNELS * 2 * NCCL_CONNECTION_BYTES + NCCL_NVLS_BYTES,
+        phase: Phase::Always,
+        detail: format!(
+            "{NCCL_CHANNELS} channels x 2 connections x {} + NVLS {} (outside the caching allocator)",
+            mib_text(NCCL_CONNECTION_BYTES),
+            mib_text(NCCL_NVLS_BYTES)
+        ),
+    })
+}
