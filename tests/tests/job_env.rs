@@ -4,11 +4,11 @@
 
 mod support;
 
-use std::net::TcpListener;
 use std::time::Duration;
 
 use support::{
-    launch_cmd, rank_lines, tiny_bpr_sets, unique_run_id, wait_no_processes, wait_output, Output,
+    free_port, launch_cmd, rank_lines, tiny_bpr_sets, unique_run_id, wait_no_processes,
+    wait_output, Output,
 };
 
 const T: Duration = Duration::from_secs(60);
@@ -20,13 +20,6 @@ fn run_with_env(args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Outpu
         cmd.env(k, v);
     }
     wait_output(cmd.spawn().expect("start launch"), timeout)
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 #[test]

@@ -370,31 +370,31 @@ fn last_stderr_line_without_newline_is_kept() {
     assert!(out.stderr.contains("    | final words"), "{}", out.stderr);
 }
 
-#[test]
-fn sigkill_to_launch_leaves_no_worker_alive() {
-    let id = unique_run_id("orphan");
-    // Workers with children of their own, ignoring SIGTERM for good measure.
-    let script = sh("trap '' TERM; sleep 60 & sleep 61 & wait");
-    let mut child = launch_cmd(&args(
-        &[
-            "--num-processes",
-            "3",
-            "--master-port",
-            "0",
-            "--run-id",
-            &id,
-        ],
-        &script,
-    ))
-    .spawn()
-    .unwrap();
-    assert_eq!(wait_processes(&id, 9, T).len(), 9, "3 workers + 6 sleeps");
+/// Starts `launch` with `flags` on `script` (run id `id`), waits for `expected` processes of the
+/// run, SIGKILLs `launch` and checks that nothing of the run is left.
+fn sigkill_leaves_nothing(id: &str, flags: &[&str], script: &str, expected: usize, what: &str) {
+    let mut head = vec!["--master-port", "0", "--run-id", id];
+    head.extend_from_slice(flags);
+    let mut child = launch_cmd(&args(&head, &sh(script))).spawn().unwrap();
+    assert_eq!(wait_processes(id, expected, T).len(), expected, "{what}");
     kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).unwrap();
     let _ = child.wait();
     assert_eq!(
-        wait_no_processes(&id, Duration::from_secs(5)),
+        wait_no_processes(id, Duration::from_secs(5)),
         Vec::<i32>::new(),
-        "orphans survived SIGKILL of launch"
+        "orphans survived SIGKILL of launch ({what})"
+    );
+}
+
+#[test]
+fn sigkill_to_launch_leaves_no_worker_alive() {
+    // Workers with children of their own, ignoring SIGTERM for good measure.
+    sigkill_leaves_nothing(
+        &unique_run_id("orphan"),
+        &["--num-processes", "3"],
+        "trap '' TERM; sleep 60 & sleep 61 & wait",
+        9,
+        "3 workers + 6 sleeps",
     );
 }
 
@@ -402,32 +402,12 @@ fn sigkill_to_launch_leaves_no_worker_alive() {
 /// launcher's own children alone): SIGKILL of `launch` in the second round leaves nothing.
 #[test]
 fn sigkill_to_launch_after_a_restart_leaves_no_worker_alive() {
-    let id = unique_run_id("orphan2");
-    let script = sh(
+    sigkill_leaves_nothing(
+        &unique_run_id("orphan2"),
+        &["--num-processes", "2", "--max-restarts", "1"],
         "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exit 1; fi; trap '' TERM; sleep 60 & sleep 61 & wait",
-    );
-    let mut child = launch_cmd(&args(
-        &[
-            "--num-processes",
-            "2",
-            "--master-port",
-            "0",
-            "--max-restarts",
-            "1",
-            "--run-id",
-            &id,
-        ],
-        &script,
-    ))
-    .spawn()
-    .unwrap();
-    assert_eq!(wait_processes(&id, 6, T).len(), 6, "2 workers + 4 sleeps");
-    kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).unwrap();
-    let _ = child.wait();
-    assert_eq!(
-        wait_no_processes(&id, Duration::from_secs(5)),
-        Vec::<i32>::new(),
-        "orphans survived SIGKILL of launch in the second round"
+        6,
+        "second round: 2 workers + 4 sleeps",
     );
 }
 

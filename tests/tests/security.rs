@@ -6,18 +6,11 @@
 mod support;
 
 use std::io::Write as _;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt as _;
 use std::time::{Duration, Instant};
 
 use support::*;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
 
 fn tiny_args(out: &std::path::Path, extra: &[&str]) -> Vec<String> {
     let mut args = vec!["configs/default.toml".to_string()];

@@ -475,6 +475,11 @@ pub fn device_kind(device: Device) -> DeviceKind {
     }
 }
 
+/// Bytes as MiB (for records and JSON).
+pub fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
 fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }

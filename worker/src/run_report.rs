@@ -13,6 +13,7 @@ use serde_json::json;
 use tch::Device;
 
 use crate::eval::Metrics;
+use crate::memory::mib;
 use crate::run_dir::{MetricsLog, RunDirError};
 use crate::trainer::{eval_record, TrainReport};
 
@@ -49,10 +50,6 @@ pub struct RunSummary<'a> {
     pub pop_test: &'a Metrics,
     pub run_dir: &'a Path,
     pub world_size: u32,
-}
-
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
 }
 
 impl RunSummary<'_> {

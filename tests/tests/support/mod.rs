@@ -38,6 +38,15 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// A TCP port that was free a moment ago (for a fixed `--master-port`).
+#[allow(dead_code)] // not every test binary needs it
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
 /// A run id no other test uses, so processes can be found by it.
 pub fn unique_run_id(tag: &str) -> String {
     let nanos = std::time::SystemTime::now()

@@ -4,7 +4,7 @@
 
 use tracing::info;
 
-use crate::memory;
+use crate::memory::{self, mib};
 use dist::ddp::StepStats;
 
 use super::{gather_u64, StepRecord, TrainError, Trainer};
@@ -115,8 +115,4 @@ fn format_duration(secs: f64) -> String {
         (0, m, s) => format!("{m}m{s:02}s"),
         (h, m, _) => format!("{h}h{m:02}m"),
     }
-}
-
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
 }
