@@ -8,7 +8,7 @@
 //! `file:line:column` for what the file says, `--set ...` for an override.
 //!
 //! Batch arithmetic that needs the world size lives in [`crate::batch`];
-//! [`Config::batch_plan`] ties the two together.
+//! [`crate::train_plan::TrainPlan`] ties the two together.
 
 mod error;
 mod source;
@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{BatchError, BatchPlan, BatchSpec};
+use crate::batch::BatchSpec;
 
 use error::one_line;
 pub use error::{ConfigError, Location};
@@ -448,11 +448,6 @@ impl Config {
             )),
         }
     }
-
-    /// The batch plan for `world_size` data-parallel workers.
-    pub fn batch_plan(&self, world_size: u64) -> Result<BatchPlan, BatchError> {
-        self.batch.resolve(world_size)
-    }
 }
 
 /// Splits `"name@K"` into its name and K, checking the name and that K is in `topk`.
@@ -603,9 +598,9 @@ timeout_s = 60
         assert_eq!(c.batch.grad_accum, Some(3));
         assert_eq!(c.dist.backend, Backend::Nccl);
         assert_eq!(c.dist.timeout_s, 60);
-        assert_eq!(c.batch_plan(2).unwrap().grad_accum, 3);
-        assert_eq!(c.batch_plan(1).unwrap_err().key_path(), "batch");
-        assert_eq!(c.batch_plan(1).unwrap_err().suggestions().len(), 3);
+        assert_eq!(c.batch.resolve(2).unwrap().grad_accum, 3);
+        assert_eq!(c.batch.resolve(1).unwrap_err().key_path(), "batch");
+        assert_eq!(c.batch.resolve(1).unwrap_err().suggestions().len(), 3);
     }
 
     #[test]
@@ -927,7 +922,7 @@ timeout_s = 60
         let c = parse_with(MINIMAL, &["dist.timeout_s=5"]).unwrap();
         assert_eq!(c.dist.timeout_s, 5);
         let c = parse_with("", &["batch.global=32", "batch.micro=4"]).unwrap();
-        assert_eq!(c.batch_plan(2).unwrap().grad_accum, 4);
+        assert_eq!(c.batch.resolve(2).unwrap().grad_accum, 4);
     }
 
     #[test]
@@ -1088,11 +1083,11 @@ timeout_s = 60
         assert_eq!(c.dist.timeout_s, 120);
         // global 192 alone: micro = 192 / world on every common process count.
         for world in [1, 2, 3, 4, 6, 8] {
-            let plan = c.batch_plan(world).unwrap();
+            let plan = c.batch.resolve(world).unwrap();
             assert_eq!((plan.micro * world, plan.grad_accum), (192, 1), "{world}");
         }
         assert_eq!(
-            c.batch_plan(2).unwrap().derivation(),
+            c.batch.resolve(2).unwrap().derivation(),
             "micro 96 x grad_accum 1 x world 2 = global 192"
         );
         let again = Config::parse(&c.to_toml().unwrap(), "resolved", &[]).unwrap();

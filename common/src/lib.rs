@@ -9,7 +9,8 @@
 //! - the job shape ([`job_shape`]): nodes, node rank, rendezvous, run id and processes per node
 //!   from flags, Slurm ([`hostlist`]) or torchrun's `PET_*` variables, each with its source;
 //! - the memory estimate ([`memory`]): each term of a worker's memory from the config and the
-//!   batch plan, and the plans that keep the global batch with less memory.
+//!   batch plan, and the plans that keep the global batch with less memory;
+//! - the training plan ([`train_plan`]): a config and its batch plan, resolved once.
 //!
 //! It must not depend on libtorch (`tch`) or anything heavy: the launcher links it and must build
 //! and start fast. It does no I/O beyond reading a config file, spawns nothing, touches no
@@ -22,3 +23,4 @@ pub mod env_contract;
 pub mod hostlist;
 pub mod job_shape;
 pub mod memory;
+pub mod train_plan;

@@ -14,7 +14,10 @@
 
 use std::fmt::Write as _;
 
+mod phase;
 mod terms;
+
+pub use phase::{Fault, Phase, PhaseSink, SIMULATED_OOM};
 
 use crate::batch::BatchPlan;
 use crate::config::{Config, Gpt2Preset, ModelKind, ScorerKind, SyntheticSize, TextMode};
@@ -174,7 +177,7 @@ pub struct SyntheticSpec {
 
 /// When a term's memory is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
+pub enum Held {
     /// From start-up to the end (parameters, optimizer state, ...).
     Always,
     /// Only while training steps run (gradients of activations, activations).
@@ -194,7 +197,7 @@ pub struct MemoryTerm {
     /// Short name: `parameters`, `gradients`, `optimizer (AdamW)`, ...
     pub name: &'static str,
     pub bytes: u64,
-    pub phase: Phase,
+    pub held: Held,
     /// How it was computed, e.g. `3 x 64 x 40 tokens x 64 wide x 2 layers x 26 copies x 4 B`.
     pub detail: String,
 }
@@ -214,32 +217,26 @@ impl MemoryEstimate {
     /// allocator keeps it; measured with `scripts/bench/memory.sh`, where "the largest phase"
     /// underestimated peak RSS by up to 35%).
     pub fn peak_bytes(&self) -> u64 {
-        let sum = |phase| -> u64 {
+        let sum = |held| -> u64 {
             self.terms
                 .iter()
-                .filter(|t| t.phase == phase)
+                .filter(|t| t.held == held)
                 .map(|t| t.bytes)
                 .sum()
         };
-        let phases = [
-            Phase::Training,
-            Phase::Build,
-            Phase::Checkpoint,
-            Phase::Eval,
-        ]
-        .map(sum);
+        let phases = [Held::Training, Held::Build, Held::Checkpoint, Held::Eval].map(sum);
         let transient = match self.device {
             DeviceKind::Cuda => phases.into_iter().max().unwrap_or(0),
             DeviceKind::Cpu => phases.into_iter().sum(),
         };
-        sum(Phase::Always) + transient
+        sum(Held::Always) + transient
     }
 
-    /// Bytes of all terms held in `phase`.
-    pub fn phase_bytes(&self, phase: Phase) -> u64 {
+    /// Bytes of all terms held while `held`.
+    pub fn held_bytes(&self, held: Held) -> u64 {
         self.terms
             .iter()
-            .filter(|t| t.phase == phase)
+            .filter(|t| t.held == held)
             .map(|t| t.bytes)
             .sum()
     }
@@ -257,12 +254,12 @@ impl MemoryEstimate {
     pub fn table(&self, indent: &str) -> String {
         let mut out = String::new();
         for t in &self.terms {
-            let when = match t.phase {
-                Phase::Always => "",
-                Phase::Training => " (training)",
-                Phase::Build => " (model build, freed)",
-                Phase::Checkpoint => " (checkpoint, freed)",
-                Phase::Eval => " (evaluation)",
+            let when = match t.held {
+                Held::Always => "",
+                Held::Training => " (training)",
+                Held::Build => " (model build, freed)",
+                Held::Checkpoint => " (checkpoint, freed)",
+                Held::Eval => " (evaluation)",
             };
             let _ = writeln!(
                 out,
@@ -702,15 +699,10 @@ mod tests {
             &DataShape::assumed(&c),
             DeviceKind::Cpu,
         );
-        let sum = |p| e.phase_bytes(p);
-        let phases = [
-            Phase::Training,
-            Phase::Build,
-            Phase::Checkpoint,
-            Phase::Eval,
-        ];
+        let sum = |p| e.held_bytes(p);
+        let phases = [Held::Training, Held::Build, Held::Checkpoint, Held::Eval];
         // CPU: every phase adds up.
-        let expected = sum(Phase::Always) + phases.into_iter().map(sum).sum::<u64>();
+        let expected = sum(Held::Always) + phases.into_iter().map(sum).sum::<u64>();
         assert_eq!(e.peak_bytes(), expected);
         // GPU: only the largest phase counts.
         let g = estimate(
@@ -719,9 +711,9 @@ mod tests {
             &DataShape::assumed(&c),
             DeviceKind::Cuda,
         );
-        let gsum = |p| g.phase_bytes(p);
+        let gsum = |p| g.held_bytes(p);
         let largest = phases.into_iter().map(gsum).max().unwrap();
-        assert_eq!(g.peak_bytes(), gsum(Phase::Always) + largest);
+        assert_eq!(g.peak_bytes(), gsum(Held::Always) + largest);
         let table = e.table("  ");
         assert!(table.contains("estimated peak"), "{table}");
         assert!(table.contains("parameters"), "{table}");

@@ -95,7 +95,7 @@ fn launch(cli: &Cli) -> i32 {
         }
     }
     if let Some(wc) = &plan.config {
-        info!("{}: {}", wc.path.display(), wc.batch.derivation());
+        info!("{}: {}", wc.source.display(), wc.batch.derivation());
     }
     // Only where the devices were looked up (`--num-processes auto`): a start stays fast.
     if let Some(check) = plan.gpus.is_some().then(|| plan.memory_check()).flatten() {

@@ -18,6 +18,7 @@ use common::memory::{
 };
 
 use common::job_shape::{self, Flags, JobShape, NumProcesses, Source, RUN_ID_VAR};
+use common::train_plan::TrainPlan;
 
 use crate::cli::{Cli, GpuIds};
 use crate::gpu::{self, Gpu};
@@ -25,24 +26,10 @@ use crate::gpu::{self, Gpu};
 /// A bad command line, config or environment: reported in one line, exit code 2.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
-    #[error("{0}")]
-    Config(#[from] common::config::ConfigError),
-    #[error("{config}: {source}")]
-    Batch {
-        config: String,
-        source: Box<common::batch::BatchError>,
-    },
+    #[error(transparent)]
+    Config(#[from] common::train_plan::TrainPlanError),
     #[error("{0}")]
     Usage(String),
-}
-
-/// The config the workers will run, as the launcher checked it.
-#[derive(Debug)]
-pub struct WorkerConfig {
-    pub path: PathBuf,
-    pub config: Config,
-    /// `micro x grad_accum x world = global` for this world size.
-    pub batch: BatchPlan,
 }
 
 /// Everything needed to start (or describe) the worker group on this node.
@@ -64,7 +51,7 @@ pub struct Plan {
     /// `OMP_NUM_THREADS` we set because the user did not (value, cores it was derived from).
     pub omp_threads: Option<(usize, usize)>,
     /// The config and its batch derivation, when running the worker on a config.
-    pub config: Option<WorkerConfig>,
+    pub config: Option<TrainPlan>,
     /// Visible GPUs, when they were looked up (`auto` or a dry run).
     pub gpus: Option<Vec<Gpu>>,
     /// `CUDA_VISIBLE_DEVICES` for the workers when `--gpu-ids` chose their GPUs.
@@ -426,7 +413,7 @@ impl Plan {
             let _ = writeln!(
                 out,
                 "  config:       {} (run {:?})",
-                wc.path.display(),
+                wc.source.display(),
                 wc.config.run.name
             );
             let _ = writeln!(out, "  batch:        {}", wc.batch.derivation());
@@ -664,7 +651,7 @@ fn select_gpus(
 fn command_and_config(
     cli: &Cli,
     world_size: u32,
-) -> Result<(Vec<OsString>, Option<WorkerConfig>), PlanError> {
+) -> Result<(Vec<OsString>, Option<TrainPlan>), PlanError> {
     match (&cli.config, cli.program.is_empty()) {
         (Some(_), false) => Err(PlanError::Usage(
             "give either CONFIG (runs the worker) or `-- PROGRAM ARGS...`, not both".into(),
@@ -687,14 +674,7 @@ fn command_and_config(
             Ok((cli.program.clone(), None))
         }
         (Some(path), true) => {
-            let config = Config::load(path, &cli.overrides)?;
-            let batch = config
-                .batch
-                .resolve(u64::from(world_size))
-                .map_err(|source| PlanError::Batch {
-                    config: path.display().to_string(),
-                    source: Box::new(source),
-                })?;
+            let train = TrainPlan::load(path, &cli.overrides, u64::from(world_size))?;
             let worker = match &cli.worker {
                 Some(worker) => worker.clone(),
                 None => default_worker()?,
@@ -705,14 +685,7 @@ fn command_and_config(
                 command.push(set.into());
             }
             command.push(path.clone().into_os_string());
-            Ok((
-                command,
-                Some(WorkerConfig {
-                    path: path.clone(),
-                    config,
-                    batch,
-                }),
-            ))
+            Ok((command, Some(train)))
         }
     }
 }

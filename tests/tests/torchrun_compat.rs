@@ -12,6 +12,11 @@ use std::time::Duration;
 
 use support::*;
 
+/// The two tests run one at a time: under torchrun our store takes `MASTER_PORT + 1` (see
+/// `dist::store::store_port`), and the kernel hands out neighbouring ephemeral ports, so the
+/// other test's `launch` picking exactly that port while both run is a real, if rare, collision.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn torch_venv() -> Option<PathBuf> {
     let venv = PathBuf::from(std::env::var_os("GPTREC_TORCH_VENV")?);
     venv.join("bin/python").is_file().then_some(venv)
@@ -19,6 +24,7 @@ fn torch_venv() -> Option<PathBuf> {
 
 #[test]
 fn torch_distributed_script_runs_under_launch() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let Some(venv) = torch_venv() else {
         eprintln!("skipped: no PyTorch venv (run scripts/setup.sh)");
         return;
@@ -55,6 +61,7 @@ dist.destroy_process_group()\n";
 
 #[test]
 fn worker_runs_under_torchrun() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let Some(venv) = torch_venv() else {
         eprintln!("skipped: no PyTorch venv (run scripts/setup.sh)");
         return;

@@ -4,12 +4,13 @@
 //! moves the probe on to a smaller plan; any other failure is reported as itself.
 
 use common::batch::BatchPlan;
-use common::config::Config;
 use common::env_contract::WorkerEnv;
+use common::memory::{DataShape, Phase, PhaseSink as _};
+use common::train_plan::TrainPlan;
 use tch::{nn, Tensor};
 use tracing::info;
 
-use crate::memory::{self, Phase, ProbeOutcome};
+use crate::memory::{self, PhaseTracker, ProbeOutcome};
 use crate::rec::RecTask;
 use crate::trainer::{gather_u64, Task as _};
 use dist::collective::{Collective, OpContext};
@@ -28,29 +29,45 @@ pub enum AutoMicroError {
     Failed(String),
 }
 
+/// What the probe plans for and runs on.
+#[derive(Clone, Copy)]
+pub struct Probe<'a> {
+    /// The configured plan (`micro = "auto"`).
+    pub plan: &'a TrainPlan,
+    pub shape: &'a DataShape,
+    pub device: tch::Device,
+    /// `GPTREC_MEMORY_LIMIT_MB`, when set for this rank.
+    pub memory_limit: Option<u64>,
+    pub env: &'a WorkerEnv,
+    pub tracker: &'a PhaseTracker,
+}
+
 /// `batch.micro = "auto"`: every rank finds the largest micro batch (among those that keep
 /// `batch.global` exactly, up to `batch.max_micro`) whose estimate fits its memory with the
 /// safety margin — and, on a GPU, that really runs a forward and backward pass with the
 /// optimizer's state allocated — then the ranks agree on the smallest, and `grad_accum` follows.
-#[allow(clippy::too_many_arguments)]
 pub fn auto_micro(
-    config: &Config,
-    shape: &common::memory::DataShape,
+    probe: &Probe<'_>,
     task: &mut RecTask,
     vs: &nn::VarStore,
-    device: tch::Device,
-    memory_limit: Option<u64>,
-    env: &WorkerEnv,
     comm: &mut dyn Collective,
     ctx: OpContext,
 ) -> Result<BatchPlan, AutoMicroError> {
     use common::memory::{estimate, mib_text, usable};
+    let Probe {
+        plan: TrainPlan { config, .. },
+        shape,
+        device,
+        memory_limit,
+        env,
+        tracker,
+    } = *probe;
     let candidates = config
         .batch
         .auto_candidates(u64::from(env.world_size))
         .map_err(|e| AutoMicroError::Usage(format!("batch.micro = \"auto\": {e}")))?;
     let kind = memory::device_kind(device);
-    let name = memory::usage(device).1;
+    let name = tracker.sample(device).1;
     let Some(memory::Budget {
         bytes: budget,
         source,
@@ -69,7 +86,7 @@ pub fn auto_micro(
             continue;
         }
         if device.is_cuda() {
-            match probe_step(task, vs, plan.micro as usize, device) {
+            match probe_step(task, vs, plan.micro as usize, device, tracker) {
                 ProbeOutcome::Fits(used) => info!(
                     "batch.micro = \"auto\": rank {} ran micro {} using {} of {name}",
                     env.rank,
@@ -133,28 +150,29 @@ fn probe_step(
     vs: &nn::VarStore,
     micro: usize,
     device: tch::Device,
+    tracker: &PhaseTracker,
 ) -> ProbeOutcome<u64> {
-    memory::enter(Phase::AutoProbe);
+    tracker.enter(Phase::AutoProbe);
     let n = task.train_len().max(1);
     let indices: Vec<usize> = (0..micro).map(|i| i % n).collect();
     let params = vs.trainable_variables();
-    memory::set_probing(true);
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let loss = task.loss(&indices)?;
-        loss.f_backward()?;
-        task.finish_backward()?;
-        let moments: Vec<Tensor> = params
-            .iter()
-            .flat_map(|p| [p.zeros_like(), p.zeros_like()])
-            .collect();
-        if let tch::Device::Cuda(i) = device {
-            tch::Cuda::synchronize(i as i64);
-        }
-        let used = memory::usage(device).0.used;
-        drop(moments);
-        Ok::<u64, tch::TchError>(used)
-    }));
-    memory::set_probing(false);
+    let outcome = tracker.probing(|| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let loss = task.loss(&indices)?;
+            loss.f_backward()?;
+            task.finish_backward()?;
+            let moments: Vec<Tensor> = params
+                .iter()
+                .flat_map(|p| [p.zeros_like(), p.zeros_like()])
+                .collect();
+            if let tch::Device::Cuda(i) = device {
+                tch::Cuda::synchronize(i as i64);
+            }
+            let used = tracker.sample(device).0.used;
+            drop(moments);
+            Ok::<u64, tch::TchError>(used)
+        }))
+    });
     for p in &params {
         let mut p = p.shallow_clone();
         p.zero_grad();

@@ -12,13 +12,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use common::batch::BatchPlan;
 use common::config::{Config, ModelKind};
 use common::env_contract::WorkerEnv;
+use common::memory::{Phase, PhaseSink as _};
+use common::train_plan::TrainPlan;
 use dist::collective::{OpContext, ReduceOp};
 use tch::{nn, Kind, Tensor};
 use tracing::info;
-use worker::memory::{self, Phase};
+use worker::memory::{self, PhaseTracker, RunFacts};
 use worker::trainer::{self, Split, TrainSetup};
 use worker::{rec, run_report};
 
@@ -42,19 +43,24 @@ fn main() -> ExitCode {
     // Before anything starts CUDA or a thread: the allocator reads this once, at its start.
     let alloc_conf_set = set_alloc_conf_default();
     worker::run_report::init_logging();
+    // The one out-of-memory tracker of this process: handed down to everything that runs a
+    // phase, and held by the panic hook.
+    let tracker = PhaseTracker::new();
     // libtorch reports a failed allocation by an error that tch's infallible calls turn into a
     // panic: those are caught below and explained; the default hook stays for real bugs.
     let default_hook = std::panic::take_hook();
+    let hook_tracker = tracker.clone();
     std::panic::set_hook(Box::new(move |info| {
         let text = memory::panic_text(info.payload());
         // Reported and exited here, before unwinding closes the connections to the others.
-        worker::memory::exit_if_oom(&text);
-        if !worker::memory::is_oom(&text) {
+        hook_tracker.exit_if_oom(&text);
+        if !memory::is_oom(&text) {
             default_hook(info);
         }
     }));
-    let outcome =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&cli, alloc_conf_set)));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run(&cli, &tracker, alloc_conf_set)
+    }));
     let failure = match outcome {
         Ok(Ok(())) => return ExitCode::SUCCESS,
         Ok(Err(e)) => e,
@@ -64,7 +70,7 @@ fn main() -> ExitCode {
         },
     };
     let text = format!("{:#}", failure.error);
-    worker::memory::exit_if_oom(&text);
+    tracker.exit_if_oom(&text);
     // One line, the whole chain of context: what was being done and why it failed.
     eprintln!("worker: error: {text}");
     ExitCode::from(failure.code)
@@ -107,13 +113,14 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
 /// batch plan, its device, and (rank 0) the run directory it holds.
 struct Start {
     env: WorkerEnv,
-    config: Config,
-    batch: BatchPlan,
+    /// The config and its batch plan; replaced once if `batch.micro = "auto"` measures another.
+    plan: TrainPlan,
     device: tch::Device,
     memory_limit: Option<u64>,
     run_dir: PathBuf,
     /// Rank 0 holds the run directory until the process ends.
     _run_lock: Option<worker::run_dir::RunLock>,
+    tracker: PhaseTracker,
 }
 
 impl Start {
@@ -122,8 +129,8 @@ impl Start {
     }
 }
 
-fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
-    let mut start = start(cli)?;
+fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Failure> {
+    let mut start = start(cli, tracker)?;
     print_banner(cli, &start, alloc_conf_set);
     let (_store_server, mut comm, ctx) = connect(&start)?;
     let mut milestones = run_report::Milestones {
@@ -131,11 +138,11 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
         ..Default::default()
     };
     // Data: the same on every rank (the split is seeded), read or generated.
-    let config = &start.config;
+    let config = &start.plan.config;
     let data = rec::load_data(config, comm.as_mut(), ctx).context("loading the data")?;
     let shape =
         rec::data_shape(config, &data).context("measuring the data for the memory estimate")?;
-    memory::update(|f| f.data = Some(shape.clone()));
+    tracker.update(|f| f.data = Some(shape.clone()));
     if start.leader() {
         log_data(config, &data);
     }
@@ -154,38 +161,39 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
     }
 
     milestones.data_rss = memory::rss_bytes();
-    memory::enter(Phase::ModelBuild);
+    tracker.enter(Phase::ModelBuild);
     let vs = nn::VarStore::new(start.device);
-    let mut task = memory::check(rec::RecTask::new(
+    let built = rec::RecTask::new(
         config,
         &data,
         &vs,
         start.device,
         comm.as_mut(),
         ctx,
-    ))
-    .context("building the model")?;
+        tracker,
+    );
+    let mut task = tracker.check(built).context("building the model")?;
     milestones.model_rss = memory::rss_bytes();
-    milestones.model_peak = memory::peak_bytes(start.device);
-    if start.config.batch.micro_auto {
+    milestones.model_peak = tracker.peak_bytes(start.device);
+    if start.plan.config.batch.micro_auto {
         plan_micro_batch(&mut start, &shape, &mut task, &vs, comm.as_mut(), ctx)?;
     }
     let device_kind = memory::device_kind(start.device);
-    let estimate = common::memory::estimate(&start.config, &start.batch, &shape, device_kind);
+    let plan = &start.plan;
+    let estimate = common::memory::estimate(&plan.config, &plan.batch, &shape, device_kind);
     if start.leader() {
         log_plan(&start, &estimate, &vs, &task);
     }
     let setup = TrainSetup {
-        config: &start.config,
-        batch: start.batch,
+        plan,
         run_dir: start.run_dir.clone(),
+        memory: tracker.clone(),
         stop_after_epoch: trainer::stop_after_epoch_from_env(),
     };
     let report = trainer::train(&mut task, &vs, comm, &setup).context("training")?;
     if start.leader() {
         run_report::RunSummary {
-            config: &start.config,
-            batch: start.batch,
+            plan,
             device: start.device,
             shape: &shape,
             estimate: &estimate,
@@ -204,20 +212,18 @@ fn run(cli: &Cli, alloc_conf_set: bool) -> Result<(), Failure> {
 
 /// Contract, config, batch plan and device, checked; rank 0 takes the run directory before
 /// anything is written or anyone connects.
-fn start(cli: &Cli) -> Result<Start, Failure> {
+fn start(cli: &Cli, tracker: &PhaseTracker) -> Result<Start, Failure> {
     let env = WorkerEnv::from_env()
         .context("reading the launch environment")
         .map_err(usage)?;
-    let config = Config::load(&cli.config, &cli.overrides)
+    let plan = TrainPlan::load(&cli.config, &cli.overrides, u64::from(env.world_size))
         .context("loading the config")
         .map_err(usage)?;
-    memory::init(env.rank).map_err(|e| usage(anyhow::anyhow!(e)))?;
+    let config = &plan.config;
+    tracker
+        .arm_from_env(env.rank)
+        .map_err(|e| usage(anyhow::anyhow!(e)))?;
     let memory_limit = memory::simulated_limit(env.rank).map_err(|e| usage(anyhow::anyhow!(e)))?;
-    let batch = config
-        .batch
-        .resolve(u64::from(env.world_size))
-        .with_context(|| format!("{}: checking the batch plan", cli.config.display()))
-        .map_err(usage)?;
     let device = pick_device(&env).map_err(usage)?;
     let run_dir = config.run.output_dir.join(&config.run.name);
     let run_lock = if env.rank == 0 {
@@ -229,21 +235,20 @@ fn start(cli: &Cli) -> Result<Start, Failure> {
     if config.train.bf16 && !device.is_cuda() && env.rank == 0 {
         tracing::warn!("train.bf16 applies to CUDA only; this run is on the CPU and stays in f32");
     }
-    memory::record(memory::RunFacts {
-        config: config.clone(),
-        plan: batch,
+    tracker.record(RunFacts {
+        plan: plan.clone(),
         device,
         data: None,
         last_checkpoint: None,
     });
     Ok(Start {
         env,
-        config,
-        batch,
+        plan,
         device,
         memory_limit,
         run_dir,
         _run_lock: run_lock,
+        tracker: tracker.clone(),
     })
 }
 
@@ -268,8 +273,8 @@ fn print_banner(cli: &Cli, start: &Start, alloc_conf_set: bool) {
     println!(
         "config {} (run {:?}): {}",
         cli.config.display(),
-        start.config.run.name,
-        start.batch.derivation()
+        start.plan.config.run.name,
+        start.plan.batch.derivation()
     );
     println!(
         "device {:?}, libtorch threads {}, OMP_NUM_THREADS {}, PYTORCH_CUDA_ALLOC_CONF {}{}",
@@ -295,7 +300,7 @@ type Runtime = (
 
 /// The distributed runtime: rendezvous, then the collective, checked with one all-reduce.
 fn connect(start: &Start) -> Result<Runtime, Failure> {
-    let (env, config, device) = (&start.env, &start.config, start.device);
+    let (env, config, device) = (&start.env, &start.plan.config, start.device);
     let timeout = Duration::from_secs(config.dist.timeout_s);
     let setup_timeout = timeout.max(dist::collective::SETUP_TIMEOUT_MIN);
     let (store_server, store) =
@@ -350,19 +355,16 @@ fn plan_micro_batch(
     comm: &mut dyn dist::collective::Collective,
     ctx: OpContext,
 ) -> Result<(), Failure> {
-    use worker::auto_micro::{auto_micro, AutoMicroError};
-    let batch = auto_micro(
-        &start.config,
+    use worker::auto_micro::{auto_micro, AutoMicroError, Probe};
+    let probe = Probe {
+        plan: &start.plan,
         shape,
-        task,
-        vs,
-        start.device,
-        start.memory_limit,
-        &start.env,
-        comm,
-        ctx,
-    )
-    .map_err(|e| match e {
+        device: start.device,
+        memory_limit: start.memory_limit,
+        env: &start.env,
+        tracker: &start.tracker,
+    };
+    let batch = auto_micro(&probe, task, vs, comm, ctx).map_err(|e| match e {
         AutoMicroError::Usage(_) => usage(e.into()),
         AutoMicroError::NoFit(_) => Failure {
             error: e.into(),
@@ -370,17 +372,8 @@ fn plan_micro_batch(
         },
         AutoMicroError::Failed(_) => e.into(),
     })?;
-    start.batch = batch;
-    start.config.batch = common::batch::BatchSpec {
-        global: Some(batch.global),
-        micro: Some(batch.micro),
-        grad_accum: Some(batch.grad_accum),
-        ..Default::default()
-    };
-    memory::update(|f| {
-        f.plan = batch;
-        f.config = start.config.clone();
-    });
+    start.plan = start.plan.with_measured(batch);
+    start.tracker.update(|f| f.plan = start.plan.clone());
     Ok(())
 }
 
@@ -391,8 +384,8 @@ fn log_plan(
     vs: &nn::VarStore,
     task: &rec::RecTask,
 ) {
-    let (config, device) = (&start.config, start.device);
-    let name = memory::usage(device).1;
+    let (config, device) = (&start.plan.config, start.device);
+    let name = start.tracker.sample(device).1;
     let budget = match memory::budget(device, start.memory_limit, start.env.local_world_size) {
         Some(b) => format!("{}, {}", common::memory::mib_text(b.bytes), b.source),
         None => "unknown: neither NVML nor the CUDA runtime answered".into(),
@@ -400,7 +393,7 @@ fn log_plan(
     info!(
         "memory estimate per worker on {name}: peak {} for {} (budget {budget})",
         common::memory::mib_text(estimate.peak_bytes()),
-        start.batch.derivation(),
+        start.plan.batch.derivation(),
     );
     let count = |trainable: bool| -> i64 {
         vs.variables()

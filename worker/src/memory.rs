@@ -1,175 +1,17 @@
-//! Memory as the worker sees it while running: which phase it is in (so an out-of-memory error
-//! can say where it happened), how much memory it uses and has (RSS and available RAM on the
-//! CPU; NVML's figures for its GPU), its peak, the `GPTREC_FAULT_OOM` fault-injection hook that
-//! tests the out-of-memory path without a GPU, and the out-of-memory report itself.
+//! Memory as the worker measures it: how much this process uses and its device has (RSS and
+//! available RAM on the CPU; NVML's or the CUDA runtime's figures on a GPU), the budget it may
+//! plan with, and how a failure is recognised as an allocation failure. The [`tracker`] turns
+//! such a failure into the out-of-memory report.
 //!
 //! It never decides what to do about memory — the caller stops or picks another plan — and the
 //! arithmetic of the estimate lives in `common::memory`.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Mutex, OnceLock};
+pub mod tracker;
 
-use common::batch::BatchPlan;
-use common::config::Config;
-use common::memory::{self as estimate, DataShape, DeviceKind};
+use common::memory::{self as estimate, DeviceKind};
 use tch::Device;
 
-/// What the worker is doing, for the out-of-memory message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Phase {
-    Setup = 0,
-    ModelBuild = 1,
-    TextCaching = 2,
-    Forward = 3,
-    Backward = 4,
-    Optimizer = 5,
-    Evaluation = 6,
-    AutoProbe = 7,
-}
-
-impl Phase {
-    const ALL: [Phase; 8] = [
-        Phase::Setup,
-        Phase::ModelBuild,
-        Phase::TextCaching,
-        Phase::Forward,
-        Phase::Backward,
-        Phase::Optimizer,
-        Phase::Evaluation,
-        Phase::AutoProbe,
-    ];
-
-    /// The name used in messages and in `GPTREC_FAULT_OOM`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Phase::Setup => "setup",
-            Phase::ModelBuild => "build",
-            Phase::TextCaching => "caching",
-            Phase::Forward => "forward",
-            Phase::Backward => "backward",
-            Phase::Optimizer => "optimizer",
-            Phase::Evaluation => "eval",
-            Phase::AutoProbe => "probe",
-        }
-    }
-
-    /// How the message says it: "during the forward pass".
-    pub fn description(self) -> &'static str {
-        match self {
-            Phase::Setup => "while starting up",
-            Phase::ModelBuild => "while building the model",
-            Phase::TextCaching => "while caching the text features",
-            Phase::Forward => "during the forward pass",
-            Phase::Backward => "during the backward pass",
-            Phase::Optimizer => "during the optimizer step (all-reduce, clipping, AdamW)",
-            Phase::Evaluation => "during evaluation",
-            Phase::AutoProbe => "while probing micro batch sizes (batch.micro = \"auto\")",
-        }
-    }
-
-    fn from_u8(v: u8) -> Phase {
-        Phase::ALL
-            .get(usize::from(v))
-            .copied()
-            .unwrap_or(Phase::Setup)
-    }
-}
-
-static PHASE: AtomicU8 = AtomicU8::new(0);
-static STEP: AtomicU64 = AtomicU64::new(0);
-static RANK: AtomicU64 = AtomicU64::new(0);
-static PEAK_DEVICE: AtomicU64 = AtomicU64::new(0);
-static FAULT: OnceLock<Option<Fault>> = OnceLock::new();
-static PROBING: AtomicBool = AtomicBool::new(false);
-
-/// `GPTREC_FAULT_OOM=phase[@rank][:step]`: raise a simulated CUDA out-of-memory error the first
-/// time `phase` is entered on `rank` (every rank when absent) at or after optimizer step `step`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fault {
-    pub phase: Phase,
-    pub rank: Option<u64>,
-    pub after_step: u64,
-}
-
-/// The text a simulated failure raises: what libtorch says on a real CUDA OOM, marked.
-pub const SIMULATED_OOM: &str =
-    "CUDA out of memory. Tried to allocate 1.23 GiB (simulated by GPTREC_FAULT_OOM)";
-
-impl Fault {
-    /// Parses the variable's value; `None` for an empty one.
-    pub fn parse(text: &str) -> Result<Option<Fault>, String> {
-        let text = text.trim();
-        if text.is_empty() {
-            return Ok(None);
-        }
-        let (rest, after_step) = match text.split_once(':') {
-            Some((rest, step)) => (
-                rest,
-                step.parse().map_err(|_| {
-                    format!("GPTREC_FAULT_OOM={text}: step {step:?} is not a number")
-                })?,
-            ),
-            None => (text, 0),
-        };
-        let (phase, rank) = match rest.split_once('@') {
-            Some((phase, rank)) => (
-                phase,
-                Some(rank.parse().map_err(|_| {
-                    format!("GPTREC_FAULT_OOM={text}: rank {rank:?} is not a number")
-                })?),
-            ),
-            None => (rest, None),
-        };
-        let phase = Phase::ALL
-            .into_iter()
-            .find(|p| p.name() == phase)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Phase::ALL.iter().map(|p| p.name()).collect();
-                format!(
-                    "GPTREC_FAULT_OOM={text}: unknown phase {phase:?} (one of {})",
-                    names.join(", ")
-                )
-            })?;
-        Ok(Some(Fault {
-            phase,
-            rank,
-            after_step,
-        }))
-    }
-}
-
-/// Reads `GPTREC_FAULT_OOM` once and records the rank; call at start-up.
-pub fn init(rank: u32) -> Result<(), String> {
-    RANK.store(u64::from(rank), Ordering::Relaxed);
-    let fault = Fault::parse(&std::env::var("GPTREC_FAULT_OOM").unwrap_or_default())?;
-    let _ = FAULT.set(fault);
-    Ok(())
-}
-
-/// Enters `phase`. With a matching `GPTREC_FAULT_OOM`, panics as a libtorch allocation would.
-pub fn enter(phase: Phase) {
-    PHASE.store(phase as u8, Ordering::Relaxed);
-    if let Some(Some(f)) = FAULT.get() {
-        let rank = RANK.load(Ordering::Relaxed);
-        if f.phase == phase
-            && f.rank.is_none_or(|r| r == rank)
-            && STEP.load(Ordering::Relaxed) >= f.after_step
-        {
-            panic!("{SIMULATED_OOM}");
-        }
-    }
-}
-
-/// The phase entered last.
-pub fn current() -> Phase {
-    Phase::from_u8(PHASE.load(Ordering::Relaxed))
-}
-
-/// Records the number of optimizer steps done (for the fault hook and the message).
-pub fn set_step(step: u64) {
-    STEP.store(step, Ordering::Relaxed);
-}
+pub use tracker::{PhaseTracker, RunFacts, EXIT_OUT_OF_MEMORY};
 
 /// Whether an error text is an allocation failure: CUDA's caching allocator ("CUDA out of
 /// memory"), a CUDA runtime error ("out of memory"), or libtorch's CPU allocator.
@@ -344,7 +186,6 @@ pub fn usage(device: Device) -> (Usage, String) {
                 ),
                 None => (Usage::default(), "memory unknown".into()),
             };
-            PEAK_DEVICE.fetch_max(u.used, Ordering::Relaxed);
             (u, format!("cuda:{i} ({name})"))
         }
         _ => (
@@ -355,19 +196,6 @@ pub fn usage(device: Device) -> (Usage, String) {
             },
             "cpu".to_string(),
         ),
-    }
-}
-
-/// This process's peak so far: RSS high-water mark on the CPU; on a GPU the largest NVML figure
-/// sampled (libtorch's caching allocator keeps what it reserved, so samples at log steps and
-/// at the end see the peak reservation).
-pub fn peak_bytes(device: Device) -> u64 {
-    match device {
-        Device::Cuda(_) => {
-            let _ = usage(device);
-            PEAK_DEVICE.load(Ordering::Relaxed)
-        }
-        _ => peak_rss_bytes(),
     }
 }
 
@@ -439,34 +267,6 @@ fn gpu_budget(
     })
 }
 
-/// What the worker knows when memory runs out, kept up to date as it goes (for the report).
-#[derive(Clone)]
-pub struct RunFacts {
-    pub config: Config,
-    pub plan: BatchPlan,
-    pub device: Device,
-    pub data: Option<DataShape>,
-    pub last_checkpoint: Option<String>,
-}
-
-static FACTS: Mutex<Option<RunFacts>> = Mutex::new(None);
-
-/// Records what the report needs (at start-up).
-pub fn record(facts: RunFacts) {
-    if let Ok(mut slot) = FACTS.lock() {
-        *slot = Some(facts);
-    }
-}
-
-/// Updates the recorded facts (nothing before [`record`]).
-pub fn update(change: impl FnOnce(&mut RunFacts)) {
-    if let Ok(mut slot) = FACTS.lock() {
-        if let Some(facts) = slot.as_mut() {
-            change(facts);
-        }
-    }
-}
-
 /// The device kind of the estimate for a libtorch device.
 pub fn device_kind(device: Device) -> DeviceKind {
     match device {
@@ -480,126 +280,7 @@ pub fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-fn gib(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
-/// The out-of-memory message: rank, device, phase, memory in use and free, the plan, its
-/// estimate, the nearest plans keeping the global batch, other levers, and the last checkpoint.
-/// A few lines; the first says what happened.
-pub fn oom_report(detail: &str) -> String {
-    let phase = current();
-    let rank = RANK.load(Ordering::Relaxed);
-    let facts = FACTS.lock().ok().and_then(|f| f.clone());
-    let device = facts.as_ref().map_or(Device::Cpu, |f| f.device);
-    let (u, name) = usage(device);
-    let what = if device.is_cuda() {
-        "on the device"
-    } else {
-        "resident"
-    };
-    let mut lines = vec![format!(
-        "out of memory on rank {rank} ({name}) {} at step {}: {} {what}, {} free of {}",
-        phase.description(),
-        STEP.load(Ordering::Relaxed),
-        gib(u.used),
-        gib(u.free),
-        gib(u.total)
-    )];
-    lines.push(format!("  libtorch said: {}", first_line(detail)));
-    if let Some(f) = &facts {
-        let shape = f
-            .data
-            .clone()
-            .unwrap_or_else(|| DataShape::assumed(&f.config));
-        let kind = device_kind(device);
-        let est = estimate::estimate(&f.config, &f.plan, &shape, kind);
-        lines.push(format!(
-            "  batch plan: {} (estimated peak {} per worker)",
-            f.plan.derivation(),
-            estimate::mib_text(est.peak_bytes())
-        ));
-        let smaller: Vec<String> = estimate::smaller_micro_plans(&f.plan)
-            .iter()
-            .take(3)
-            .map(|p| {
-                format!(
-                    "{} (estimate {})",
-                    estimate::change_text(&f.plan, p),
-                    estimate::mib_text(estimate::estimate(&f.config, p, &shape, kind).peak_bytes())
-                )
-            })
-            .collect();
-        if smaller.is_empty() {
-            lines.push(format!(
-                "  no smaller micro batch keeps global {} (micro is 1); lower batch.global or use the levers below",
-                f.plan.global
-            ));
-        } else {
-            lines.push(format!(
-                "  nearest plans keeping global {}: {}; or batch.micro = \"auto\"",
-                f.plan.global,
-                smaller.join("; ")
-            ));
-        }
-        let mut levers = estimate::other_levers(&f.config, &f.plan, &shape, kind);
-        let expandable = ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"]
-            .iter()
-            .filter_map(|n| std::env::var(n).ok())
-            .any(|v| v.contains("expandable_segments:True"));
-        if device.is_cuda() && !expandable {
-            levers.push(
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)".into(),
-            );
-        }
-        if !levers.is_empty() {
-            lines.push(format!("  other levers: {}", levers.join("; ")));
-        }
-        lines.push(match &f.last_checkpoint {
-            Some(path) => format!(
-                "  nothing was lost: the last checkpoint {path} is intact; the run resumes from it"
-            ),
-            None => "  no checkpoint had been written yet".to_string(),
-        });
-    }
-    lines.join("\n")
-}
-
-/// Exit code of a worker that ran out of memory.
-pub const EXIT_OUT_OF_MEMORY: i32 = 3;
-
-/// Marks a stretch where running out of memory is expected and handled by the caller
-/// (`batch.micro = "auto"` probing): [`exit_if_oom`] lets it pass.
-pub fn set_probing(on: bool) {
-    PROBING.store(on, Ordering::Relaxed);
-}
-
-/// When `detail` is an allocation failure (and no probe expects one): prints the report and
-/// exits with [`EXIT_OUT_OF_MEMORY`] at once — before unwinding closes this rank's
-/// connections, so that the launcher sees this rank fail first, as the root cause, and the
-/// others do not report a lost peer instead.
-pub fn exit_if_oom(detail: &str) {
-    if PROBING.load(Ordering::Relaxed) || !is_oom(detail) {
-        return;
-    }
-    use std::io::Write as _;
-    let report = oom_report(detail);
-    let mut err = std::io::stderr().lock();
-    let _ = writeln!(err, "worker: error: {report}");
-    let _ = err.flush();
-    let _ = std::io::stdout().flush();
-    std::process::exit(EXIT_OUT_OF_MEMORY);
-}
-
-/// [`exit_if_oom`] on an error result, passing every other outcome through.
-pub fn check<T, E: std::fmt::Display>(result: Result<T, E>) -> Result<T, E> {
-    if let Err(e) = &result {
-        exit_if_oom(&e.to_string());
-    }
-    result
-}
-
-fn first_line(text: &str) -> &str {
+pub(crate) fn first_line(text: &str) -> &str {
     text.lines().next().unwrap_or(text).trim()
 }
 
@@ -608,36 +289,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fault_specs_parse() {
-        assert_eq!(Fault::parse("").unwrap(), None);
-        assert_eq!(
-            Fault::parse("forward").unwrap(),
-            Some(Fault {
-                phase: Phase::Forward,
-                rank: None,
-                after_step: 0
-            })
-        );
-        assert_eq!(
-            Fault::parse("backward@1:5").unwrap(),
-            Some(Fault {
-                phase: Phase::Backward,
-                rank: Some(1),
-                after_step: 5
-            })
-        );
-        let e = Fault::parse("fwd").unwrap_err();
-        assert!(
-            e.contains("unknown phase \"fwd\"") && e.contains("forward"),
-            "{e}"
-        );
-        assert!(Fault::parse("eval@x").unwrap_err().contains("rank \"x\""));
-        assert!(Fault::parse("eval:y").unwrap_err().contains("step \"y\""));
-    }
-
-    #[test]
     fn allocation_failures_are_recognised() {
-        assert!(is_oom(SIMULATED_OOM));
+        assert!(is_oom(common::memory::SIMULATED_OOM));
         assert!(is_oom("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB"));
         assert!(is_oom("CUDA error: out of memory"));
         assert!(is_oom("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1234 bytes."));
@@ -718,6 +371,6 @@ mod tests {
         let (u, name) = usage(Device::Cpu);
         assert_eq!(name, "cpu");
         assert!(u.used > 0 && u.total > u.used && u.free > 0, "{u:?}");
-        assert!(peak_bytes(Device::Cpu) >= rss_bytes() / 2);
+        assert!(peak_rss_bytes() >= rss_bytes() / 2);
     }
 }

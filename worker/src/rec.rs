@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::config::{Config, Gpt2Preset, ModelKind, ScorerKind, TextMode};
-use common::memory::DataShape;
+use common::memory::{DataShape, Phase, PhaseSink};
 use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 
@@ -246,8 +246,9 @@ pub fn cached_text_features(
     device: Device,
     comm: &mut dyn Collective,
     ctx: OpContext,
+    phases: &dyn PhaseSink,
 ) -> Result<TextFeatures, RecError> {
-    crate::memory::enter(crate::memory::Phase::TextCaching);
+    phases.enter(Phase::TextCaching);
     // The same weights on every rank by construction: drawn from the CPU generator with one
     // seed (or read from the file), then moved to the device. Drawn on each rank's GPU they
     // would agree only if every GPU's generator gave the same numbers, and nothing broadcasts
@@ -290,7 +291,7 @@ pub fn cached_text_features(
     };
     let users = encode(&data.user_texts)?;
     let items = encode(&data.item_texts)?;
-    crate::memory::enter(crate::memory::Phase::ModelBuild);
+    phases.enter(Phase::ModelBuild);
     Ok(TextFeatures { users, items })
 }
 
@@ -344,7 +345,7 @@ pub struct RecTask {
 
 impl RecTask {
     /// Builds the model of `config.model` (`gpt2rec` or `bpr`) in `vs`. Every rank calls it
-    /// (cached mode encodes texts collectively).
+    /// (cached mode encodes texts collectively, telling `phases` while it does).
     pub fn new(
         config: &Config,
         data: &RecData,
@@ -352,6 +353,7 @@ impl RecTask {
         device: Device,
         comm: &mut dyn Collective,
         ctx: OpContext,
+        phases: &dyn PhaseSink,
     ) -> Result<RecTask, RecError> {
         let ds = &data.dataset;
         let text = match (config.model.kind, config.model.text_mode) {
@@ -361,9 +363,9 @@ impl RecTask {
                 ))
             }
             (ModelKind::Bpr, _) => Text::None,
-            (ModelKind::Gpt2rec, TextMode::Cached) => {
-                Text::Cached(cached_text_features(config, data, device, comm, ctx)?)
-            }
+            (ModelKind::Gpt2rec, TextMode::Cached) => Text::Cached(cached_text_features(
+                config, data, device, comm, ctx, phases,
+            )?),
             (ModelKind::Gpt2rec, TextMode::Dynamic) => {
                 tch::manual_seed(config.run.seed as i64);
                 let mut gpt2 = build_gpt2(vs, Some("gpt2"), config, device)?;
@@ -734,7 +736,7 @@ mod tests {
             config.model.kind = ModelKind::Bpr;
             let vs = nn::VarStore::new(Device::Cpu);
             let mut comm = with_single();
-            let mut task = RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX).unwrap();
+            let mut task = RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX, &()).unwrap();
             let idx: Vec<usize> = (0..task.train_len()).step_by(7).collect();
             // Recompute the negatives the loss drew by replaying torch's generator.
             for seed in [1i64, 2] {
@@ -774,7 +776,8 @@ mod tests {
         config.model.max_text_tokens = 16;
         let vs = nn::VarStore::new(Device::Cpu);
         let mut comm = with_single();
-        let mut task = RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX).unwrap();
+        let mut task =
+            RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX, &()).unwrap();
         let vars: HashMap<String, Tensor> = vs.variables().into_iter().collect();
         assert!(!vars["gpt2.h.0.attn.c_attn.weight"].requires_grad());
         assert!(!vars["gpt2.wte.weight"].requires_grad());

@@ -6,9 +6,9 @@
 
 use std::path::Path;
 
-use common::batch::BatchPlan;
 use common::config::Config;
 use common::memory::{mib_text, DataShape, MemoryEstimate};
+use common::train_plan::TrainPlan;
 use serde_json::json;
 use tch::Device;
 
@@ -39,8 +39,7 @@ pub struct Milestones {
 
 /// Everything the end-of-run report shows.
 pub struct RunSummary<'a> {
-    pub config: &'a Config,
-    pub batch: BatchPlan,
+    pub plan: &'a TrainPlan,
     pub device: Device,
     pub shape: &'a DataShape,
     pub estimate: &'a MemoryEstimate,
@@ -80,9 +79,9 @@ impl RunSummary<'_> {
             .estimate
             .terms
             .iter()
-            .map(|t| json!({"name": t.name, "mib": mib(t.bytes), "phase": format!("{:?}", t.phase).to_lowercase(), "detail": t.detail}))
+            .map(|t| json!({"name": t.name, "mib": mib(t.bytes), "phase": format!("{:?}", t.held).to_lowercase(), "detail": t.detail}))
             .collect();
-        let (b, s) = (self.batch, self.shape);
+        let (b, s) = (self.plan.batch, self.shape);
         let record = json!({
             "device": format!("{:?}", self.device),
             "plan": {"global": b.global, "micro": b.micro, "grad_accum": b.grad_accum, "world": b.world_size},
@@ -176,7 +175,7 @@ impl RunSummary<'_> {
 
     /// `test ndcg@10: 0.1054 vs popularity 0.0889 (+18.7%)`.
     fn print_comparison(&self, test: &Metrics) {
-        let metric = self.config.eval.metric.trim().to_ascii_lowercase();
+        let metric = self.plan.config.eval.metric.trim().to_ascii_lowercase();
         if let (Some(ours), Some(pop)) = (test.get(&metric), self.pop_test.get(&metric)) {
             let change = if pop > 0.0 {
                 (ours / pop - 1.0) * 100.0

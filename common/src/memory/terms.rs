@@ -47,7 +47,7 @@ pub(super) fn runtime_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
         } else {
             CPU_RUNTIME_BYTES
         },
-        phase: Phase::Always,
+        held: Held::Always,
         detail: if cuda {
             "context and kernels, assumed".into()
         } else {
@@ -58,7 +58,7 @@ pub(super) fn runtime_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
         terms.push(MemoryTerm {
             name: "data (host)",
             bytes: data.interactions * HOST_BYTES_PER_INTERACTION,
-            phase: Phase::Always,
+            held: Held::Always,
             detail: format!(
                 "{} interactions x {HOST_BYTES_PER_INTERACTION} B ({})",
                 data.interactions, data.source
@@ -69,7 +69,7 @@ pub(super) fn runtime_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
         terms.push(MemoryTerm {
             name: "tokenizer (host)",
             bytes: TOKENIZER_BYTES,
-            phase: Phase::Always,
+            held: Held::Always,
             detail: "GPT-2 BPE tables, measured".into(),
         });
     }
@@ -147,32 +147,32 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         MemoryTerm {
             name: "parameters",
             bytes: params * F32,
-            phase: Phase::Always,
+            held: Held::Always,
             detail: format!("{params} f32: {}", parts.join(" + ")),
         },
         MemoryTerm {
             name: "gradients",
             bytes: trainable * F32,
-            phase: Phase::Always,
+            held: Held::Always,
             detail: format!("{trainable} trainable f32"),
         },
         MemoryTerm {
             name: "optimizer (AdamW)",
             bytes: 2 * trainable * F32,
-            phase: Phase::Always,
+            held: Held::Always,
             detail: "2 moments per trainable value".into(),
         },
         MemoryTerm {
             name: "optimizer temporaries",
             bytes: 3 * largest * F32,
-            phase: Phase::Training,
+            held: Held::Training,
             detail: format!("3 x the largest trainable tensor ({largest} f32)"),
         },
         // Rank 0's checkpoint: snapshots of the optimizer state, then each file's bytes.
         MemoryTerm {
             name: "checkpoint (rank 0)",
             bytes: (2 * trainable + params.max(2 * trainable)) * F32,
-            phase: Phase::Checkpoint,
+            held: Held::Checkpoint,
             detail: "optimizer snapshot + the larger file's bytes".into(),
         },
     ];
@@ -182,7 +182,7 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         terms.push(MemoryTerm {
             name: "all-reduce buffers",
             bytes: 2 * bucket.min(trainable * F32),
-            phase: Phase::Training,
+            held: Held::Training,
             detail: format!("2 x one bucket (dist.bucket_mb {bucket_mb})"),
         });
     }
@@ -191,7 +191,7 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         terms.push(MemoryTerm {
             name: "bf16 weight copies",
             bytes: s.gpt2_params * 2,
-            phase: Phase::Training,
+            held: Held::Training,
             detail: "autocast's bf16 copies of GPT-2's weights".into(),
         });
     }
@@ -215,13 +215,13 @@ pub(super) fn text_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
                 MemoryTerm {
                     name: "cached text features",
                     bytes: (users + items) * d * F32,
-                    phase: Phase::Always,
+                    held: Held::Always,
                     detail: format!("({users}+{items}) x {d} f32"),
                 },
                 MemoryTerm {
                     name: "text encoder (caching)",
                     bytes: gpt2.params() * F32 + 4 * rows * d * F32 + encode,
-                    phase: Phase::Build,
+                    held: Held::Build,
                     detail: format!(
                         "frozen GPT-2 {:?} {} f32 + 4 copies of a {rows} x {d} table",
                         m.preset,
@@ -235,13 +235,13 @@ pub(super) fn text_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
             MemoryTerm {
                 name: "GPT-2 initialisation",
                 bytes: gpt2.vocab_size * d * F32,
-                phase: Phase::Build,
+                held: Held::Build,
                 detail: "a copy of the token embedding while it is initialised".into(),
             },
             MemoryTerm {
                 name: "token tables",
                 bytes: (users + items) * m.max_text_tokens as u64 * 16,
-                phase: Phase::Always,
+                held: Held::Always,
                 detail: format!(
                     "({users}+{items}) x {} tokens x (i64 id + i64 mask)",
                     m.max_text_tokens
@@ -264,7 +264,7 @@ pub(super) fn activation_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
     let mut terms = vec![MemoryTerm {
         name: "activations (IDs)",
         bytes: id_bytes,
-        phase: Phase::Training,
+        held: Held::Training,
         detail: format!("3 x micro {b} rows x {width} x {ID_ROW_COPIES} copies x 4 B"),
     }];
     if x.text == Some(TextMode::Dynamic) {
@@ -314,7 +314,7 @@ pub(super) fn gpt2_activations(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
     MemoryTerm {
         name: "activations (GPT-2)",
         bytes,
-        phase: Phase::Training,
+        held: Held::Training,
         detail,
     }
 }
@@ -335,7 +335,7 @@ pub(super) fn evaluation_term(x: &Inputs<'_>) -> MemoryTerm {
     MemoryTerm {
         name: "evaluation",
         bytes: eval,
-        phase: Phase::Eval,
+        held: Held::Eval,
         detail: format!("tables + {eval_users} users x {items} items x 3 copies"),
     }
 }
@@ -350,7 +350,7 @@ pub(super) fn allocator_reserve(terms: &[MemoryTerm]) -> MemoryTerm {
     MemoryTerm {
         name: "allocator reserve",
         bytes: (tensors as f64 * CUDA_ALLOCATOR_RESERVE) as u64,
-        phase: Phase::Always,
+        held: Held::Always,
         detail: format!(
             "{:.0}% of the tensors (caching allocator)",
             CUDA_ALLOCATOR_RESERVE * 100.0
@@ -368,7 +368,7 @@ pub(super) fn nccl_buffers(
     (device == DeviceKind::Cuda && nccl && plan.world_size > 1).then(|| MemoryTerm {
         name: NCCL_TERM,
         bytes: NCCL_CHANNELS * 2 * NCCL_CONNECTION_BYTES + NCCL_NVLS_BYTES,
-        phase: Phase::Always,
+        held: Held::Always,
         detail: format!(
             "{NCCL_CHANNELS} channels x 2 connections x {} + NVLS {} (outside the caching allocator)",
             mib_text(NCCL_CONNECTION_BYTES),

@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use common::config::Config;
 use common::env_contract::WorkerEnv;
+use common::train_plan::TrainPlan;
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use worker::trainer::{self as train, Task, TrainSetup};
 
@@ -93,10 +93,9 @@ fn main() -> ExitCode {
 fn run() -> Result<()> {
     let cli = Cli::parse();
     let env = WorkerEnv::from_env().context("reading the launch environment")?;
-    let config = Config::load(&cli.config, &cli.overrides).context("loading the config")?;
-    let batch = config
-        .batch_plan(u64::from(env.world_size))
-        .context("checking the batch plan")?;
+    let plan = TrainPlan::load(&cli.config, &cli.overrides, u64::from(env.world_size))
+        .context("loading the config")?;
+    let config = &plan.config;
     tch::set_num_threads(1);
     let timeout = Duration::from_secs(config.dist.timeout_s);
     let setup_timeout = timeout.max(dist::collective::SETUP_TIMEOUT_MIN);
@@ -146,9 +145,9 @@ fn run() -> Result<()> {
     };
     let run_dir = config.run.output_dir.join(&config.run.name);
     let setup = TrainSetup {
-        config: &config,
-        batch,
+        plan: &plan,
         run_dir: run_dir.clone(),
+        memory: Default::default(),
         stop_after_epoch: train::stop_after_epoch_from_env(),
     };
     let report = train::train(&mut task, &vs, comm, &setup).context("training")?;

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use crate::eval::Metrics;
-use crate::memory::{self, Phase};
+use common::memory::{Phase, PhaseSink as _};
 use dist::checkpoint::TrainState;
 
 use super::{
@@ -17,14 +17,15 @@ impl Trainer<'_> {
     /// checkpoint so that it knows the best so far.
     pub(super) fn validate_if_due(&mut self) -> Result<(), TrainError> {
         let done = self.progress.epochs_done;
-        let every = u64::from(self.setup.config.eval.every_n_epochs);
+        let every = u64::from(self.setup.plan.config.eval.every_n_epochs);
         if done % every != 0 && done != self.epochs {
             return Ok(());
         }
         let t0 = Instant::now();
-        memory::enter(Phase::Evaluation);
+        self.setup.memory.enter(Phase::Evaluation);
         let ctx = self.slow_ctx(self.progress.step);
-        let Some(m) = memory::check(self.task.evaluate(Split::Valid, self.ddp.comm(), ctx))? else {
+        let valid = self.task.evaluate(Split::Valid, self.ddp.comm(), ctx);
+        let Some(m) = self.setup.memory.check(valid)? else {
             return Ok(());
         };
         let secs = t0.elapsed().as_secs_f64();
@@ -78,7 +79,7 @@ impl Trainer<'_> {
     pub(super) fn no_improvement(&mut self, m: &Metrics, value: f64, secs: f64) {
         let done = self.progress.epochs_done;
         self.eval.evals_since_best += 1;
-        let patience = self.setup.config.eval.patience;
+        let patience = self.setup.plan.config.eval.patience;
         let best = self.eval.best.as_ref().map_or(f64::NAN, |b| b.value);
         self.say(format!(
             "valid epoch {done}: {} ({secs:.1} s) — {} {value:.4}, best {best:.4} ({} evaluation(s) without improvement{})",
@@ -112,9 +113,10 @@ impl Trainer<'_> {
             self.load_best(step)?;
         }
         let t0 = Instant::now();
-        memory::enter(Phase::Evaluation);
+        self.setup.memory.enter(Phase::Evaluation);
         let ctx = self.slow_ctx(step);
-        let test = memory::check(self.task.evaluate(Split::Test, self.ddp.comm(), ctx))?;
+        let test = self.task.evaluate(Split::Test, self.ddp.comm(), ctx);
+        let test = self.setup.memory.check(test)?;
         if let (Some(m), Some(file)) = (&test, self.metrics.as_mut()) {
             let epoch = self.eval.best.as_ref().map_or(done, |b| b.epoch);
             file.append(&eval_record(

@@ -4,7 +4,7 @@
 
 use tracing::info;
 
-use crate::memory::{self, mib};
+use crate::memory::mib;
 use dist::ddp::StepStats;
 
 use super::{gather_u64, StepRecord, TrainError, Trainer};
@@ -25,7 +25,11 @@ impl Trainer<'_> {
         // At logged steps every rank reports its peak; rank 0 logs the largest.
         let peak = if log_now {
             let ctx = self.ctx(step);
-            let all = gather_u64(self.ddp.comm(), memory::peak_bytes(self.device), ctx)?;
+            let all = gather_u64(
+                self.ddp.comm(),
+                self.setup.memory.peak_bytes(self.device),
+                ctx,
+            )?;
             all.iter()
                 .enumerate()
                 .max_by_key(|(_, &b)| b)
@@ -33,7 +37,7 @@ impl Trainer<'_> {
         } else {
             None
         };
-        let global = self.setup.batch.global;
+        let global = self.setup.plan.batch.global;
         let Some(file) = self.metrics.as_mut() else {
             return Ok(());
         };

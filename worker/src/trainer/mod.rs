@@ -15,13 +15,13 @@ mod task;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::batch::BatchPlan;
 use common::config::Config;
+use common::train_plan::TrainPlan;
 use tch::{nn, Device};
 use tracing::warn;
 
 use crate::eval::Metrics;
-use crate::memory;
+use crate::memory::{self, PhaseTracker};
 use crate::run_dir::MetricsLog;
 use dist::checkpoint::{self, TrainState};
 use dist::collective::{Collective, CollectiveError, OpContext};
@@ -87,9 +87,11 @@ pub struct TrainReport {
 
 /// Everything the loop needs besides the task.
 pub struct TrainSetup<'a> {
-    pub config: &'a Config,
-    pub batch: BatchPlan,
+    /// The config and the batch plan (as `batch.micro = "auto"` measured it, if it did).
+    pub plan: &'a TrainPlan,
     pub run_dir: PathBuf,
+    /// Told the phase and step as the run goes (the out-of-memory report).
+    pub memory: PhaseTracker,
     /// Stop cleanly after this many epochs (a test hook that simulates an interrupted run;
     /// `GPTREC_STOP_AFTER_EPOCH`).
     pub stop_after_epoch: Option<u64>,
@@ -169,7 +171,7 @@ impl<'t> Trainer<'t> {
         comm: Box<dyn Collective>,
         setup: &'t TrainSetup<'t>,
     ) -> Result<Trainer<'t>, TrainError> {
-        let (config, batch) = (setup.config, setup.batch);
+        let (config, batch) = (&setup.plan.config, setup.plan.batch);
         let timeout = Duration::from_secs(config.dist.timeout_s);
         let ddp = Ddp::new(
             comm,
@@ -278,6 +280,7 @@ impl<'t> Trainer<'t> {
         std::fs::create_dir_all(run_dir).map_err(|e| io(run_dir, e))?;
         let resolved = self
             .setup
+            .plan
             .config
             .to_toml()
             .map_err(|e| TrainError::Plan(e.to_string()))?;
@@ -332,8 +335,8 @@ impl<'t> Trainer<'t> {
             0
         };
         let (micro, grad_accum) = (
-            self.setup.batch.micro as usize,
-            self.setup.batch.grad_accum as usize,
+            self.setup.plan.batch.micro as usize,
+            self.setup.plan.batch.grad_accum as usize,
         );
         let batches = self.sampler.batches(epoch, micro, skip, true);
         let mut samples_in_epoch = skip as u64 * world;
@@ -342,10 +345,10 @@ impl<'t> Trainer<'t> {
         let windows = batches.len() / grad_accum;
         for (w, window) in batches.chunks(grad_accum).take(windows).enumerate() {
             self.train_step(epoch, window)?;
-            samples_in_epoch += self.setup.batch.global;
+            samples_in_epoch += self.setup.plan.batch.global;
             let (step, every) = (
                 self.progress.step,
-                self.setup.config.checkpoint.every_n_steps,
+                self.setup.plan.config.checkpoint.every_n_steps,
             );
             // The last step of an epoch is saved as the end of the epoch.
             if every > 0 && step % every == 0 && w + 1 < windows {
@@ -372,20 +375,27 @@ impl<'t> Trainer<'t> {
         let step = self.progress.step;
         // Any randomness of the task (dropout, negative sampling) is a function of
         // (seed, step, rank): an interrupted and resumed run draws exactly the same numbers.
-        tch::manual_seed(step_seed(self.setup.config.run.seed, step, self.ddp.rank()));
+        tch::manual_seed(step_seed(
+            self.setup.plan.config.run.seed,
+            step,
+            self.ddp.rank(),
+        ));
         let lr = self.schedule.lr_at(step);
         // An allocation failure is reported (and the rank exits) before anything else happens,
         // so the launcher sees this rank fail first.
-        let stats = memory::check(self.ddp.step(
+        let stats = self.setup.memory.check(self.ddp.step(
             window,
-            &mut task::TaskMicroBatches(&mut *self.task),
+            &mut task::TaskMicroBatches {
+                task: &mut *self.task,
+                phases: &self.setup.memory,
+            },
             &mut self.optimizer,
             lr,
             step,
         ))?;
         let step = step + 1;
         self.progress.step = step;
-        memory::set_step(step);
+        self.setup.memory.set_step(step);
         self.progress.steps_run += 1;
         self.progress.last_loss = Some(stats.loss);
         self.log_step(epoch, lr, &stats, t0.elapsed().as_secs_f64())
@@ -413,11 +423,13 @@ impl<'t> Trainer<'t> {
             &self.optimizer.state_tensors(),
             &checkpoints,
             state,
-            self.setup.config.checkpoint.keep as usize,
+            self.setup.plan.config.checkpoint.keep as usize,
             ctx,
         )?;
         let path = checkpoints.join(format!("step-{step:06}"));
-        memory::update(|f| f.last_checkpoint = Some(path.display().to_string()));
+        self.setup
+            .memory
+            .update(|f| f.last_checkpoint = Some(path.display().to_string()));
         Ok(())
     }
 
@@ -426,7 +438,7 @@ impl<'t> Trainer<'t> {
         let ctx = self.ctx(self.progress.step);
         let peak_rss = gather_u64(self.ddp.comm(), memory::peak_rss_bytes(), ctx)?;
         let peak_device = if self.device.is_cuda() {
-            let peak = memory::peak_bytes(self.device);
+            let peak = self.setup.memory.peak_bytes(self.device);
             Some(gather_u64(self.ddp.comm(), peak, ctx)?)
         } else {
             None
@@ -444,7 +456,7 @@ impl<'t> Trainer<'t> {
             peak_rss,
             peak_device,
             samples_per_s: if p.steps_run > 0 {
-                (p.steps_run * self.setup.batch.global) as f64 / secs.max(1e-9)
+                (p.steps_run * self.setup.plan.batch.global) as f64 / secs.max(1e-9)
             } else {
                 0.0
             },

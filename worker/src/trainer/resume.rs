@@ -4,11 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::memory;
 use dist::checkpoint::NamedTensors;
 
-use common::batch::BatchPlan;
-use common::config::Config;
+use common::train_plan::TrainPlan;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 use tracing::{info, warn};
@@ -88,12 +86,12 @@ pub(super) struct ResumeDecision {
 }
 
 pub(super) fn resume_decision(
-    config: &Config,
+    plan: &TrainPlan,
     default_dir: &Path,
     model_hash: String,
-    batch: BatchPlan,
     world: usize,
 ) -> ResumeDecision {
+    let (config, batch) = (&plan.config, plan.batch);
     let setting = config.checkpoint.resume.trim();
     let (dir, explicit) = match setting {
         "never" => return ResumeDecision::default(),
@@ -267,13 +265,8 @@ impl Trainer<'_> {
             info!("checkpoints: {line}");
         }
         let world = self.ddp.world_size();
-        let mut decision = resume_decision(
-            self.setup.config,
-            &checkpoints,
-            self.task.model_hash(),
-            self.setup.batch,
-            world,
-        );
+        let mut decision =
+            resume_decision(self.setup.plan, &checkpoints, self.task.model_hash(), world);
         if let (Some(path), None) = (&decision.path, &decision.error) {
             let applied = checkpoint::load(Path::new(path))
                 .map_err(|e| e.to_string())
@@ -322,8 +315,9 @@ impl Trainer<'_> {
         if self.leader() {
             self.announce_resume(&path, &state, total);
         }
-        memory::update(|f| f.last_checkpoint = Some(path.display().to_string()));
-        memory::set_step(state.step);
+        let tracker = &self.setup.memory;
+        tracker.update(|f| f.last_checkpoint = Some(path.display().to_string()));
+        tracker.set_step(state.step);
         // Older checkpoints have no length: as computed now.
         self.total_steps = total;
         self.schedule.total_steps = total;

@@ -4,6 +4,7 @@
 use tch::Tensor;
 
 use crate::eval::Metrics;
+use common::memory::{Phase, PhaseSink};
 use dist::collective::{Collective, OpContext};
 use dist::ddp::{MicroBatchLoss, StepPhase};
 
@@ -51,23 +52,26 @@ impl Split {
 }
 
 /// A task as the DDP engine runs it, micro-batch by micro-batch.
-pub(super) struct TaskMicroBatches<'a>(pub(super) &'a mut dyn Task);
+pub(super) struct TaskMicroBatches<'a> {
+    pub(super) task: &'a mut dyn Task,
+    pub(super) phases: &'a dyn PhaseSink,
+}
 
 impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
     fn loss(&mut self, indices: &Vec<usize>) -> Result<Tensor, tch::TchError> {
-        self.0.loss(indices)
+        self.task.loss(indices)
     }
 
     /// The engine's phase is the out-of-memory report's phase.
     fn phase(&mut self, phase: StepPhase) {
-        crate::memory::enter(match phase {
-            StepPhase::Forward => crate::memory::Phase::Forward,
-            StepPhase::Backward => crate::memory::Phase::Backward,
-            StepPhase::Optimizer => crate::memory::Phase::Optimizer,
+        self.phases.enter(match phase {
+            StepPhase::Forward => Phase::Forward,
+            StepPhase::Backward => Phase::Backward,
+            StepPhase::Optimizer => Phase::Optimizer,
         });
     }
 
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
-        self.0.finish_backward()
+        self.task.finish_backward()
     }
 }
