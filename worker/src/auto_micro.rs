@@ -11,9 +11,9 @@ use tch::{nn, Tensor};
 use tracing::info;
 
 use crate::memory::{self, PhaseTracker, ProbeOutcome};
-use crate::rec::RecTask;
-use crate::trainer::{gather_u64, Task as _};
+use crate::trainer::gather_u64;
 use dist::collective::{Collective, OpContext};
+use recommender::RecTask;
 
 /// Why no plan came out; each maps to the worker's exit code.
 #[derive(Debug, thiserror::Error)]

@@ -20,8 +20,8 @@ use dist::collective::{OpContext, ReduceOp};
 use tch::{nn, Kind, Tensor};
 use tracing::info;
 use worker::memory::{self, PhaseTracker, RunFacts};
+use worker::run_report;
 use worker::trainer::{self, Split, TrainSetup};
-use worker::{rec, run_report};
 
 /// One data-parallel worker of a `launch` job.
 #[derive(Debug, Parser)]
@@ -139,19 +139,25 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
     };
     // Data: the same on every rank (the split is seeded), read or generated.
     let config = &start.plan.config;
-    let data = rec::load_data(config, comm.as_mut(), ctx).context("loading the data")?;
-    let shape =
-        rec::data_shape(config, &data).context("measuring the data for the memory estimate")?;
+    let data = recommender::load_data(config, comm.as_mut(), ctx).context("loading the data")?;
+    let shape = recommender::data_shape(config, &data)
+        .context("measuring the data for the memory estimate")?;
     tracker.update(|f| f.data = Some(shape.clone()));
     if start.leader() {
         log_data(config, &data);
     }
     let (ks, users_at_once) = (&config.eval.topk, config.eval.batch_users);
-    let pop_valid =
-        rec::evaluate_popularity(&data, Split::Valid, ks, users_at_once, comm.as_mut(), ctx)
-            .context("evaluating the popularity baseline")?;
+    let pop_valid = recommender::evaluate_popularity(
+        &data,
+        Split::Valid,
+        ks,
+        users_at_once,
+        comm.as_mut(),
+        ctx,
+    )
+    .context("evaluating the popularity baseline")?;
     let pop_test =
-        rec::evaluate_popularity(&data, Split::Test, ks, users_at_once, comm.as_mut(), ctx)
+        recommender::evaluate_popularity(&data, Split::Test, ks, users_at_once, comm.as_mut(), ctx)
             .context("evaluating the popularity baseline")?;
     if config.model.kind == ModelKind::Pop {
         if start.leader() {
@@ -163,7 +169,7 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
     milestones.data_rss = memory::rss_bytes();
     tracker.enter(Phase::ModelBuild);
     let vs = nn::VarStore::new(start.device);
-    let built = rec::RecTask::new(
+    let built = recommender::RecTask::new(
         config,
         &data,
         &vs,
@@ -311,7 +317,7 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
     let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
     let ctx = OpContext {
         step: 0,
-        timeout: setup_timeout.max(rec::EVAL_TIMEOUT_MIN),
+        timeout: setup_timeout.max(recommender::EVAL_TIMEOUT_MIN),
     };
     comm.all_reduce(&mut check, ReduceOp::Sum, ctx)
         .context("checking the collective")?;
@@ -332,7 +338,7 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
     Ok((store_server, comm, ctx))
 }
 
-fn log_data(config: &Config, data: &rec::RecData) {
+fn log_data(config: &Config, data: &recommender::RecData) {
     let ds = &data.dataset;
     info!(
         "data {}: {} users, {} items, {} train / {} valid / {} test interactions (ratings >= {})",
@@ -350,7 +356,7 @@ fn log_data(config: &Config, data: &rec::RecData) {
 fn plan_micro_batch(
     start: &mut Start,
     shape: &common::memory::DataShape,
-    task: &mut rec::RecTask,
+    task: &mut recommender::RecTask,
     vs: &nn::VarStore,
     comm: &mut dyn dist::collective::Collective,
     ctx: OpContext,
@@ -382,7 +388,7 @@ fn log_plan(
     start: &Start,
     estimate: &common::memory::MemoryEstimate,
     vs: &nn::VarStore,
-    task: &rec::RecTask,
+    task: &recommender::RecTask,
 ) {
     let (config, device) = (&start.plan.config, start.device);
     let name = start.tracker.sample(device).1;

@@ -12,10 +12,10 @@ use common::train_plan::TrainPlan;
 use serde_json::json;
 use tch::Device;
 
-use crate::eval::Metrics;
 use crate::memory::mib;
 use crate::run_dir::{MetricsLog, RunDirError};
 use crate::trainer::{eval_record, TrainReport};
+use recommender::eval::Metrics;
 
 /// Log lines of the worker's binaries: on stderr, without timestamps or targets (the launcher
 /// prefixes each line with its rank), in colour only on a terminal.

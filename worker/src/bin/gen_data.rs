@@ -55,12 +55,12 @@ fn run() -> Result<()> {
     };
     std::fs::create_dir_all(&cli.dir).with_context(|| format!("creating {}", cli.dir.display()))?;
     let start = Instant::now();
-    worker::data::generate_ml1m(&cli.dir, size, cli.seed).context("generating the data")?;
+    recommender::data::generate_ml1m(&cli.dir, size, cli.seed).context("generating the data")?;
     let generated = start.elapsed();
     let start = Instant::now();
-    let raw = worker::data::read_ml1m(&cli.dir).context("reading the data back")?;
+    let raw = recommender::data::read_ml1m(&cli.dir).context("reading the data back")?;
     let read = start.elapsed();
-    let dataset = worker::data::build_dataset(&raw, cli.min_rating, cli.seed);
+    let dataset = recommender::data::build_dataset(&raw, cli.min_rating, cli.seed);
     let count = |parts: &[Vec<u32>]| parts.iter().map(Vec::len).sum::<usize>();
     println!(
         "{}: {} users, {} movies, {} ratings (written in {:.2} s, read in {:.3} s)",

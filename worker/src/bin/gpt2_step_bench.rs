@@ -17,9 +17,9 @@ use anyhow::{bail, Result};
 use clap::Parser;
 use common::config::{Config, Gpt2Preset, TextMode};
 use common::memory::{estimate, DataShape, DeviceKind, Gpt2Dims};
+use recommender::model::gpt2::Gpt2;
 use tch::{nn, Device, Kind, Tensor};
 use worker::memory::{peak_rss_bytes, rss_bytes};
-use worker::model::gpt2::Gpt2;
 
 #[derive(Debug, Parser)]
 #[command(name = "gpt2-step-bench")]
@@ -51,7 +51,7 @@ fn main() -> Result<()> {
     if cli.steps < 2 || cli.micro < 1 || cli.tokens < 1 {
         bail!("--steps must be >= 2, --micro and --tokens >= 1");
     }
-    let gpt2_config = worker::rec::gpt2_config(preset);
+    let gpt2_config = recommender::text::gpt2_config(preset);
     if cli.tokens > gpt2_config.n_positions {
         bail!(
             "--tokens {} exceeds the preset's {} positions",

@@ -4,9 +4,9 @@
 
 use std::time::Instant;
 
-use crate::eval::Metrics;
 use common::memory::{Phase, PhaseSink as _};
 use dist::checkpoint::TrainState;
+use recommender::eval::Metrics;
 
 use super::{
     broadcast_json, eval_record, resume, save_checkpoint, BestRecord, Split, TrainError, Trainer,

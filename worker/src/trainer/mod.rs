@@ -20,7 +20,6 @@ use common::train_plan::TrainPlan;
 use tch::{nn, Device};
 use tracing::warn;
 
-use crate::eval::Metrics;
 use crate::memory::{self, PhaseTracker};
 use crate::run_dir::MetricsLog;
 use dist::checkpoint::{self, TrainState};
@@ -28,10 +27,12 @@ use dist::collective::{Collective, CollectiveError, OpContext};
 use dist::ddp::{Ddp, DdpConfig, DdpError};
 use dist::optim::{AdamW, LrSchedule};
 use dist::sampler::DistributedSampler;
+use recommender::eval::Metrics;
 
+pub use recommender::Split;
 pub use records::{eval_record, StepRecord};
 pub use sync::gather_u64;
-pub use task::{Split, Task};
+pub use task::Task;
 
 use logging::{new_bar, progress_bar_wanted};
 pub use resume::BestRecord;

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::eval::Metrics;
+use recommender::eval::Metrics;
 
 /// One evaluation as a line of `metrics.jsonl`: `{"kind":"eval","split":"valid","epoch":..,
 /// "step":..,"users":..,"recall@10":..,...,"seconds":..}`.

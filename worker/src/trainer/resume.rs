@@ -56,7 +56,7 @@ pub struct BestRecord {
     pub metric: String,
     pub value: f64,
     /// All its validation metrics.
-    pub valid: crate::eval::Metrics,
+    pub valid: recommender::eval::Metrics,
 }
 
 /// Copies the model saved in `<run dir>/best/` into `params`.

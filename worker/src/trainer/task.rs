@@ -3,10 +3,11 @@
 
 use tch::Tensor;
 
-use crate::eval::Metrics;
 use common::memory::{Phase, PhaseSink};
 use dist::collective::{Collective, OpContext};
 use dist::ddp::{MicroBatchLoss, StepPhase};
+use recommender::eval::Metrics;
+use recommender::Split;
 
 use super::TrainError;
 
@@ -32,22 +33,6 @@ pub trait Task {
         _ctx: OpContext,
     ) -> Result<Option<Metrics>, TrainError> {
         Ok(None)
-    }
-}
-
-/// Which held-out part of the data an evaluation ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Split {
-    Valid,
-    Test,
-}
-
-impl Split {
-    pub fn name(self) -> &'static str {
-        match self {
-            Split::Valid => "valid",
-            Split::Test => "test",
-        }
     }
 }
 

@@ -1,0 +1,69 @@
+//! `gptrec-recommender`: the recommender, as a library any trainer can drive.
+//!
+//! It owns:
+//! - the data ([`data`]): MovieLens-1M's `.dat` files read and checked, the synthetic generator
+//!   in their format, implicit feedback and the per-user split; [`input`] makes them the data a
+//!   model trains on (texts included) and measures its shape for the memory estimate;
+//! - the models ([`model`]): GPT-2 laid out like Hugging Face's, its tokenizer, and the
+//!   recommender head (ID embeddings fused with text features, a scorer, BPR); [`text`] builds
+//!   the text side from `[model]`;
+//! - evaluation: the full-ranking metrics ([`eval`]) and their computation across ranks
+//!   ([`sharded_eval`]), the popularity baseline included;
+//! - [`task::RecTask`]: the model of `[model]` over the data, with a loss per micro-batch and an
+//!   evaluation per split.
+//!
+//! It must not drive a training loop, write checkpoints, resolve batch plans or talk to the
+//! launcher: that is the `worker`'s trainer, which calls [`task::RecTask`]. It uses the
+//! distributed runtime (`dist`) only through a `Collective` handed in, for the work that is
+//! split across ranks (caching text features, evaluation).
+
+pub mod data;
+pub mod eval;
+pub mod input;
+pub mod model;
+pub mod sharded_eval;
+pub mod task;
+pub mod text;
+
+use data::DataError;
+use dist::collective::CollectiveError;
+use eval::EvalError;
+use model::gpt2::Gpt2Error;
+
+pub use input::{data_shape, load_data, RecData};
+pub use sharded_eval::{evaluate_popularity, evaluate_sharded, EVAL_TIMEOUT_MIN};
+pub use task::RecTask;
+
+/// Why the recommender could not load, build, train or evaluate.
+#[derive(Debug, thiserror::Error)]
+pub enum RecError {
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error(transparent)]
+    Eval(#[from] EvalError),
+    #[error(transparent)]
+    Gpt2(#[from] Gpt2Error),
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Which held-out part of the data an evaluation ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    Valid,
+    Test,
+}
+
+impl Split {
+    /// `"valid"` or `"test"`, as records and messages say it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Valid => "valid",
+            Split::Test => "test",
+        }
+    }
+}

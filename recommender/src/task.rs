@@ -1,0 +1,343 @@
+//! The recommender as a trainable task: the model built from `[model]` (`gpt2rec` in `cached` or
+//! `dynamic` text mode, `bpr`) over the data, its loss over a micro-batch of training pairs
+//! with negatives re-drawn every batch, and its full-ranking evaluation.
+//!
+//! It must not drive a training loop, write checkpoints or talk to the launcher: a trainer
+//! calls [`RecTask::loss`] and [`RecTask::evaluate`]. All ranks call the collective parts
+//! (building in `cached` mode, evaluation) together and in the same order.
+
+use common::config::{Config, ModelKind, ScorerKind, TextMode};
+use common::memory::PhaseSink;
+use dist::collective::{Collective, OpContext};
+use tch::{nn, Device, Kind, Tensor};
+
+use crate::data::{self, Dataset};
+use crate::eval::Metrics;
+use crate::input::RecData;
+use crate::model::gpt2::Tokenizer;
+use crate::model::recommender::{RecConfig, Recommender, Scorer, Text};
+use crate::sharded_eval::{evaluate_sharded, train_and_valid};
+use crate::text::{build_gpt2, cached_text_features, token_table};
+use crate::{RecError, Split};
+
+/// The recommender as a trainable task: BPR over (user, positive, negative) triples.
+pub struct RecTask {
+    model: Recommender,
+    /// (user, positive item) of every training interaction; the sampler shards its indices.
+    pairs: Vec<(u32, u32)>,
+    train: Vec<Vec<u32>>,
+    valid: Vec<Vec<u32>>,
+    test: Vec<Vec<u32>>,
+    /// Train ∪ valid per user: what a test ranking excludes.
+    train_valid: Vec<Vec<u32>>,
+    n_items: u32,
+    l2: f64,
+    device: Device,
+    ks: Vec<usize>,
+    batch_users: usize,
+    hash: String,
+    /// Forward passes under bf16 autocast (`train.bf16` on CUDA).
+    bf16: bool,
+}
+
+impl RecTask {
+    /// Builds the model of `config.model` (`gpt2rec` or `bpr`) in `vs`. Every rank calls it
+    /// (cached mode encodes texts collectively, telling `phases` while it does).
+    pub fn new(
+        config: &Config,
+        data: &RecData,
+        vs: &nn::VarStore,
+        device: Device,
+        comm: &mut dyn Collective,
+        ctx: OpContext,
+        phases: &dyn PhaseSink,
+    ) -> Result<RecTask, RecError> {
+        let ds = &data.dataset;
+        let text = match (config.model.kind, config.model.text_mode) {
+            (ModelKind::Pop, _) => {
+                return Err(RecError::Invalid(
+                    "model.kind = \"pop\" has nothing to train".into(),
+                ))
+            }
+            (ModelKind::Bpr, _) => Text::None,
+            (ModelKind::Gpt2rec, TextMode::Cached) => Text::Cached(cached_text_features(
+                config, data, device, comm, ctx, phases,
+            )?),
+            (ModelKind::Gpt2rec, TextMode::Dynamic) => {
+                tch::manual_seed(config.run.seed as i64);
+                let mut gpt2 = build_gpt2(vs, Some("gpt2"), config, device)?;
+                freeze_gpt2_layers(vs, config, gpt2.config().n_layer);
+                gpt2.set_activation_checkpointing(config.model.activation_checkpointing);
+                let tok = Tokenizer::new()?;
+                Text::Dynamic {
+                    users: token_table(
+                        &tok,
+                        &data.user_texts,
+                        config.model.max_text_tokens,
+                        device,
+                    ),
+                    items: token_table(
+                        &tok,
+                        &data.item_texts,
+                        config.model.max_text_tokens,
+                        device,
+                    ),
+                    gpt2: Box::new(gpt2),
+                }
+            }
+        };
+        tch::manual_seed(config.run.seed as i64 + 1);
+        let rec_config = RecConfig {
+            n_users: i64::from(ds.n_users),
+            n_items: i64::from(ds.n_items),
+            dim: config.model.embedding_dim as i64,
+            scorer: match config.model.scorer {
+                ScorerKind::Dot => Scorer::Dot,
+                ScorerKind::Mlp => Scorer::Mlp,
+            },
+        };
+        let model = Recommender::new(&vs.root(), rec_config, text);
+        if config.train.bf16 && device.is_cuda() {
+            crate::model::autocast::use_bf16_autocast();
+        }
+        let pairs = ds
+            .train
+            .iter()
+            .enumerate()
+            .flat_map(|(u, items)| items.iter().map(move |&i| (u as u32, i)))
+            .collect();
+        let train_valid = train_and_valid(ds);
+        Ok(RecTask {
+            model,
+            pairs,
+            train: ds.train.clone(),
+            valid: ds.valid.clone(),
+            test: ds.test.clone(),
+            train_valid,
+            n_items: ds.n_items,
+            l2: config.model.l2,
+            device,
+            ks: config.eval.topk.clone(),
+            batch_users: config.eval.batch_users,
+            hash: model_hash(config, ds),
+            bf16: config.train.bf16 && device.is_cuda(),
+        })
+    }
+}
+
+impl RecTask {
+    /// GPT-2 blocks recomputed during backward (activation checkpointing), 0 when off.
+    pub fn checkpointed_blocks(&self) -> usize {
+        self.model.checkpointed_blocks()
+    }
+}
+
+/// Dynamic mode: `freeze_gpt2` freezes every GPT-2 variable; `trainable_layers = N` leaves only
+/// the top N blocks and the final layer norm trainable.
+fn freeze_gpt2_layers(vs: &nn::VarStore, config: &Config, n_layer: i64) {
+    let keep = |name: &str| -> bool {
+        if config.model.freeze_gpt2 {
+            return false;
+        }
+        let Some(n) = config.model.trainable_layers else {
+            return true;
+        };
+        if name.starts_with("gpt2.ln_f.") {
+            return n > 0;
+        }
+        name.strip_prefix("gpt2.h.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|i| i.parse::<i64>().ok())
+            .is_some_and(|i| i >= n_layer - i64::from(n))
+    };
+    for (name, var) in vs.variables() {
+        if name.starts_with("gpt2.") && !keep(&name) {
+            let _ = var.set_requires_grad(false);
+        }
+    }
+}
+
+/// A fingerprint of what the checkpoint's tensors mean: the `[model]` section and the data's
+/// shape (another data set gives other embedding tables).
+fn model_hash(config: &Config, ds: &Dataset) -> String {
+    use sha2::Digest;
+    // Activation checkpointing changes how gradients are computed, not the model: a run may
+    // turn it on and resume.
+    let model = common::config::ModelConfig {
+        activation_checkpointing: false,
+        ..config.model.clone()
+    };
+    let text = format!(
+        "{}/{}x{}",
+        serde_json::to_string(&model).unwrap_or_default(),
+        ds.n_users,
+        ds.n_items
+    );
+    let digest = sha2::Sha256::digest(text.as_bytes());
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl RecTask {
+    /// Number of training samples: (user, positive item) pairs; a sampler shards `0..len`.
+    pub fn train_len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// Mean BPR loss over the training pairs `indices` (one micro-batch), ready for backward.
+    pub fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
+        // A previous micro-batch abandoned before its backward leaves nothing behind.
+        self.model.discard_pending();
+        // Negatives come from torch's generator, which the trainer reseeds every step: the
+        // same numbers after a resume, different ones every batch.
+        let mut state = Tensor::f_randint(i64::MAX, [1], (Kind::Int64, Device::Cpu))?
+            .f_int64_value(&[0])? as u64;
+        let n = indices.len();
+        let (mut users, mut pos, mut neg) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for &i in indices {
+            let (u, p) = self.pairs[i];
+            // A user who has every item in train has no negative: reuse the positive (the
+            // pair then adds a constant to the loss and no gradient through the score).
+            let negative = data::sample_negative(&self.train[u as usize], self.n_items, &mut state)
+                .unwrap_or(p);
+            users.push(i64::from(u));
+            pos.push(i64::from(p));
+            neg.push(i64::from(negative));
+        }
+        let t = |v: &[i64]| Tensor::from_slice(v).to_device(self.device);
+        let (users, pos, neg) = (t(&users), t(&pos), t(&neg));
+        Ok(crate::model::autocast::autocast(self.bf16, || {
+            self.model.bpr_loss(&users, &pos, &neg, self.l2, true)
+        }))
+    }
+
+    /// Completes the backward pass (activation checkpointing recomputes its blocks here).
+    pub fn finish_backward(&mut self) -> Result<(), tch::TchError> {
+        // The recompute runs under the forward's autocast setting.
+        crate::model::autocast::autocast(self.bf16, || self.model.finish_backward())
+    }
+
+    /// A fingerprint of the model's configuration and the data's shape.
+    pub fn model_hash(&self) -> String {
+        self.hash.clone()
+    }
+
+    /// Full-ranking metrics of the current model on `split`; every rank calls it together.
+    pub fn evaluate(
+        &mut self,
+        split: Split,
+        comm: &mut dyn Collective,
+        ctx: OpContext,
+    ) -> Result<Metrics, RecError> {
+        let (users, items) = self.model.tables(self.device);
+        let (exclude, positives) = match split {
+            Split::Valid => (&self.train, &self.valid),
+            Split::Test => (&self.train_valid, &self.test),
+        };
+        let model = &self.model;
+        let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
+            let _guard = tch::no_grad_guard();
+            let ids: Vec<i64> = batch.iter().map(|&u| u as i64).collect();
+            let rows = users.f_index_select(0, &Tensor::from_slice(&ids).to_device(self.device))?;
+            Ok(model.score_tables(&rows, &items))
+        };
+        let metrics = evaluate_sharded(
+            &mut score,
+            exclude,
+            positives,
+            &self.ks,
+            self.batch_users,
+            comm,
+            ctx,
+        )?;
+        Ok(metrics)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::input::tests::tiny_data;
+    use common::env_contract::WorkerEnv;
+    use dist::collective::tcp::TcpCollective;
+    use dist::store::{StoreClient, StoreServer};
+    use rusty_fork::rusty_fork_test;
+
+    const CTX: OpContext = OpContext {
+        step: 0,
+        timeout: Duration::from_secs(20),
+    };
+
+    // In its own process: the replay needs torch's global generator to itself (other tests
+    // running in parallel threads draw from it and reseed it).
+    rusty_fork_test! {
+        #[test]
+        fn negatives_are_never_train_items_and_change_every_batch() {
+            let dir = tempfile::tempdir().unwrap();
+            let d = tiny_data(&dir.path().join("d"));
+            let mut config = Config::default();
+            config.model.kind = ModelKind::Bpr;
+            let vs = nn::VarStore::new(Device::Cpu);
+            let mut comm = with_single();
+            let mut task = RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX, &()).unwrap();
+            let idx: Vec<usize> = (0..task.train_len()).step_by(7).collect();
+            // Recompute the negatives the loss drew by replaying torch's generator.
+            for seed in [1i64, 2] {
+                tch::manual_seed(seed);
+                let mut state =
+                    Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]) as u64;
+                for &i in &idx {
+                    let (u, _) = task.pairs[i];
+                    let n = data::sample_negative(&task.train[u as usize], task.n_items, &mut state)
+                        .unwrap();
+                    assert!(task.train[u as usize].binary_search(&n).is_err());
+                }
+                tch::manual_seed(seed);
+                let loss = task.loss(&idx).unwrap().double_value(&[]);
+                assert!(loss.is_finite() && loss > 0.0);
+            }
+        }
+    }
+
+    fn with_single() -> Box<dyn Collective> {
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "one").unwrap();
+        let addr = server.local_addr();
+        let store = StoreClient::connect(&addr.to_string(), "one", Duration::from_secs(5)).unwrap();
+        let env = WorkerEnv::single_node(0, 1, "127.0.0.1", addr.port(), "one");
+        let comm = TcpCollective::connect(&env, store, Duration::from_secs(5)).unwrap();
+        std::mem::forget(server);
+        Box::new(comm)
+    }
+
+    #[test]
+    fn trainable_layers_freeze_the_lower_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = tiny_data(&dir.path().join("d"));
+        let mut config = Config::default();
+        config.model.text_mode = TextMode::Dynamic;
+        config.model.trainable_layers = Some(1);
+        config.model.max_text_tokens = 16;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut comm = with_single();
+        let mut task =
+            RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX, &()).unwrap();
+        let vars: HashMap<String, Tensor> = vs.variables().into_iter().collect();
+        assert!(!vars["gpt2.h.0.attn.c_attn.weight"].requires_grad());
+        assert!(!vars["gpt2.wte.weight"].requires_grad());
+        assert!(vars["gpt2.h.1.attn.c_attn.weight"].requires_grad());
+        assert!(vars["gpt2.ln_f.weight"].requires_grad());
+        let loss = task.loss(&[0, 1, 2, 3]).unwrap();
+        loss.backward();
+        let g = vars["gpt2.h.1.mlp.c_fc.weight"].grad();
+        assert!(g.defined() && g.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+        // Evaluation encodes every text with the current GPT-2.
+        let m = task.evaluate(Split::Valid, comm.as_mut(), CTX).unwrap();
+        assert!(m.users > 0);
+    }
+}

@@ -1,0 +1,153 @@
+//! The text side of the recommender: GPT-2 built for a preset (with Hugging Face weights loaded
+//! when `model.gpt2_weights` is set), texts tokenised into tables, and `cached` mode's features
+//! — every text encoded once by a frozen GPT-2, the work split across ranks.
+
+use std::collections::HashMap;
+
+use common::config::{Config, Gpt2Preset};
+use common::memory::{Phase, PhaseSink};
+use dist::collective::{Collective, OpContext};
+use tch::{nn, Device, Kind, Tensor};
+use tracing::info;
+
+use crate::input::RecData;
+use crate::model::gpt2::{self, Gpt2, Tokenizer};
+use crate::model::recommender::{TextFeatures, TokenTable};
+use crate::RecError;
+
+/// GPT-2's config for a preset.
+pub fn gpt2_config(preset: Gpt2Preset) -> gpt2::Config {
+    match preset {
+        Gpt2Preset::Tiny => gpt2::Config::tiny(),
+        Gpt2Preset::Gpt2 => gpt2::Config::gpt2(),
+    }
+}
+
+/// Builds GPT-2 under `path` and loads `model.gpt2_weights` into it when set. `vs` must be the
+/// store `path` belongs to (weights are loaded through a temporary store when `path` is not its
+/// root).
+pub(crate) fn build_gpt2(
+    vs: &nn::VarStore,
+    prefix: Option<&str>,
+    config: &Config,
+    device: Device,
+) -> Result<Gpt2, RecError> {
+    let gcfg = gpt2_config(config.model.preset);
+    if config.model.max_text_tokens as i64 > gcfg.n_positions {
+        return Err(RecError::Invalid(format!(
+            "model.max_text_tokens = {} exceeds the {:?} preset's {} positions",
+            config.model.max_text_tokens, config.model.preset, gcfg.n_positions
+        )));
+    }
+    let root = vs.root();
+    let path = match prefix {
+        Some(p) => &root / p,
+        None => root,
+    };
+    let model = Gpt2::new(&path, &gcfg);
+    if let Some(weights) = &config.model.gpt2_weights {
+        let mut tmp = nn::VarStore::new(device);
+        let _ = Gpt2::new(&tmp.root(), &gcfg);
+        let report = gpt2::load_hf_safetensors(&mut tmp, weights).map_err(|e| {
+            RecError::Invalid(format!("model.gpt2_weights = {}: {e}", weights.display()))
+        })?;
+        let ours: HashMap<String, Tensor> = vs.variables().into_iter().collect();
+        tch::no_grad(|| -> Result<(), RecError> {
+            for (name, value) in tmp.variables() {
+                let key = match prefix {
+                    Some(p) => format!("{p}.{name}"),
+                    None => name.clone(),
+                };
+                let Some(var) = ours.get(&key) else {
+                    return Err(RecError::Invalid(format!(
+                        "GPT-2 variable {key} is missing"
+                    )));
+                };
+                var.shallow_clone().f_copy_(&value)?;
+            }
+            Ok(())
+        })?;
+        info!(
+            "loaded {} GPT-2 tensors from {}",
+            report.loaded,
+            weights.display()
+        );
+    }
+    Ok(model)
+}
+
+/// Token tables of `texts` on `device`, each cut to `max_len` tokens.
+pub(crate) fn token_table(
+    tok: &Tokenizer,
+    texts: &[String],
+    max_len: usize,
+    device: Device,
+) -> TokenTable {
+    let (ids, mask) = tok.encode_batch(texts, max_len);
+    TokenTable {
+        ids: ids.to_device(device),
+        mask: mask.to_device(device),
+    }
+}
+
+/// Rows of text GPT-2 encodes at once while caching features.
+const CACHE_ROWS: usize = 64;
+
+/// `cached` mode: every user's and item's text encoded once by a frozen GPT-2, the rows split
+/// evenly across ranks and gathered, then standardised per feature (GPT-2's hidden states have
+/// a few dimensions hundreds of times larger than the rest, which would swamp the projection)
+/// and scaled to rows of norm about 1.
+pub fn cached_text_features(
+    config: &Config,
+    data: &RecData,
+    device: Device,
+    comm: &mut dyn Collective,
+    ctx: OpContext,
+    phases: &dyn PhaseSink,
+) -> Result<TextFeatures, RecError> {
+    phases.enter(Phase::TextCaching);
+    // The same weights on every rank by construction: drawn from the CPU generator with one
+    // seed (or read from the file), then moved to the device. Drawn on each rank's GPU they
+    // would agree only if every GPU's generator gave the same numbers, and nothing broadcasts
+    // this encoder (it is not part of the trained model).
+    tch::manual_seed(config.run.seed as i64);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let gpt2 = build_gpt2(&vs, None, config, Device::Cpu)?;
+    vs.set_device(device);
+    let tok = Tokenizer::new()?;
+    let mut encode = |texts: &[String]| -> Result<Tensor, RecError> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let per_rank = texts.len().div_ceil(world).max(1);
+        let start = (rank * per_rank).min(texts.len());
+        let end = (start + per_rank).min(texts.len());
+        let width = gpt2.config().n_embd;
+        let mut parts = Vec::new();
+        let _guard = tch::no_grad_guard();
+        for chunk in texts[start..end].chunks(CACHE_ROWS) {
+            let table = token_table(&tok, chunk, config.model.max_text_tokens, device);
+            let hidden = gpt2.forward(&table.ids, &table.mask, false);
+            parts.push(Gpt2::mean_pool(&hidden, &table.mask));
+        }
+        // Pad to the same number of rows everywhere (all_gather needs equal shapes).
+        let mine = end - start;
+        if mine < per_rank {
+            parts.push(Tensor::zeros(
+                [(per_rank - mine) as i64, width],
+                (Kind::Float, device),
+            ));
+        }
+        let mine = Tensor::cat(&parts, 0);
+        let all = comm.all_gather(&mine, ctx)?;
+        let all: Vec<Tensor> = all.iter().map(|t| t.to_device(device)).collect();
+        let full = Tensor::cat(&all, 0).narrow(0, 0, texts.len() as i64);
+        let mean = full.mean_dim([0i64].as_slice(), true, Kind::Float);
+        let std = full.std_dim([0i64].as_slice(), false, true);
+        // Unit-variance columns, then rows of norm ~1: projected, they start at the scale of
+        // the ID embeddings instead of swamping them.
+        Ok((full - mean) / (std + 1e-6) / (width as f64).sqrt())
+    };
+    let users = encode(&data.user_texts)?;
+    let items = encode(&data.item_texts)?;
+    phases.enter(Phase::ModelBuild);
+    Ok(TextFeatures { users, items })
+}

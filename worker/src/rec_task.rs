@@ -1,0 +1,46 @@
+//! The recommender as the trainer's [`Task`]: `recommender::RecTask`'s loss and evaluation
+//! behind the trainer's interface, and its errors as the trainer's.
+
+use recommender::eval::Metrics;
+use recommender::{RecError, RecTask, Split};
+use tch::Tensor;
+
+use crate::trainer::{Task, TrainError};
+use dist::collective::{Collective, OpContext};
+
+impl Task for RecTask {
+    fn train_len(&self) -> usize {
+        RecTask::train_len(self)
+    }
+
+    fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
+        RecTask::loss(self, indices)
+    }
+
+    fn finish_backward(&mut self) -> Result<(), tch::TchError> {
+        RecTask::finish_backward(self)
+    }
+
+    fn model_hash(&self) -> String {
+        RecTask::model_hash(self)
+    }
+
+    fn evaluate(
+        &mut self,
+        split: Split,
+        comm: &mut dyn Collective,
+        ctx: OpContext,
+    ) -> Result<Option<Metrics>, TrainError> {
+        Ok(Some(RecTask::evaluate(self, split, comm, ctx)?))
+    }
+}
+
+impl From<RecError> for TrainError {
+    fn from(e: RecError) -> TrainError {
+        match e {
+            RecError::Collective(c) => TrainError::Collective(c),
+            RecError::Torch(t) => TrainError::Torch(t),
+            other => TrainError::Plan(other.to_string()),
+        }
+    }
+}
