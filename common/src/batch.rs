@@ -621,6 +621,16 @@ impl BatchSpec {
 }
 
 impl BatchPlan {
+    /// The plan of these four numbers, as given (see [`BatchPlan::is_consistent`]).
+    pub const fn new(global: u64, micro: u64, grad_accum: u64, world_size: u64) -> BatchPlan {
+        BatchPlan {
+            global,
+            micro,
+            grad_accum,
+            world_size,
+        }
+    }
+
     /// Whether `micro * grad_accum * world_size == global` (without overflow) and all are >= 1.
     pub fn is_consistent(&self) -> bool {
         self.micro >= 1
@@ -670,12 +680,7 @@ impl fmt::Display for BatchPlan {
 
 /// A plan on `world_size` workers.
 fn plan_of(world_size: u64, global: u64, micro: u64, grad_accum: u64) -> BatchPlan {
-    BatchPlan {
-        global,
-        micro,
-        grad_accum,
-        world_size,
-    }
+    BatchPlan::new(global, micro, grad_accum, world_size)
 }
 
 #[cfg(test)]
@@ -768,12 +773,7 @@ mod tests {
     }
 
     fn plan(global: u64, micro: u64, grad_accum: u64, world_size: u64) -> BatchPlan {
-        BatchPlan {
-            global,
-            micro,
-            grad_accum,
-            world_size,
-        }
+        BatchPlan::new(global, micro, grad_accum, world_size)
     }
 
     #[test]

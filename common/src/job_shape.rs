@@ -172,89 +172,10 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
     let slurm = SlurmStep::from_env(env)?;
     let pet = Pet { env };
     let mut notices = Vec::new();
-
-    let nnodes = if flags.standalone {
-        if flags.nnodes.is_some_and(|n| n > 1) {
-            return Err(ShapeError(
-                "--standalone is a single-node run; it cannot be combined with --nnodes > 1".into(),
-            ));
-        }
-        Sourced::new(1, Source::Flag("--standalone"))
-    } else if let Some(n) = flags.nnodes {
-        Sourced::new(n, Source::Flag("--nnodes"))
-    } else if let Some(s) = &slurm {
-        s.nnodes.clone()
-    } else if let Some(n) = pet.get("NNODES", parse_nnodes)? {
-        n
-    } else {
-        Sourced::new(1, Source::Default(""))
-    };
-    if let Some(s) = &slurm {
-        s.check_one_task_per_node(nnodes.value)?;
-        if s.step_id.is_none() && nnodes.value > 1 && matches!(nnodes.source, Source::Slurm(_)) {
-            return Err(ShapeError(format!(
-                "launch runs in the batch script of a {}-node Slurm job ({}), which runs on the first node only: start one launch per node with `srun --ntasks-per-node=1 launch ...` (as scripts/slurm/train.sbatch does)",
-                nnodes.value, nnodes.source
-            )));
-        }
-    }
-    let node_rank = if let Some(r) = flags.node_rank {
-        Sourced::new(r, Source::Flag("--node-rank"))
-    } else if let (Some(s), false) = (&slurm, flags.standalone) {
-        s.node_rank.clone()
-    } else if let Some(r) = pet.get("NODE_RANK", parse_u32)? {
-        r
-    } else {
-        Sourced::new(0, Source::Default(""))
-    };
-    if node_rank.value >= nnodes.value {
-        return Err(ShapeError(format!(
-            "node rank {} ({}) is out of range for {} node(s) ({}); ranks are 0..{}",
-            node_rank.value,
-            node_rank.source,
-            nnodes.value,
-            nnodes.source,
-            nnodes.value - 1
-        )));
-    }
+    let nnodes = resolve_nnodes(flags, &slurm, &pet)?;
+    let node_rank = resolve_node_rank(flags, &slurm, &pet, &nnodes)?;
     let multi = nnodes.value > 1;
-    let (endpoint_host, endpoint_port) = match pet.rdzv_endpoint()? {
-        Some((host, port)) => (Some(host), port),
-        None => (None, None),
-    };
-    let master_addr = if let Some(a) = &flags.master_addr {
-        Sourced::new(a.clone(), Source::Flag("--master-addr"))
-    } else if let (Some(s), true) = (&slurm, multi) {
-        s.master_addr.clone()
-    } else if let Some(a) = pet.get("MASTER_ADDR", parse_host)? {
-        a
-    } else if let Some(a) = endpoint_host {
-        a
-    } else {
-        Sourced::new(
-            "127.0.0.1".to_string(),
-            Source::Default(if multi { "" } else { "single node" }),
-        )
-    };
-    let master_port = if flags.standalone {
-        Sourced::new(0, Source::Flag("--standalone"))
-    } else if let Some(p) = flags.master_port {
-        Sourced::new(p, Source::Flag("--master-port"))
-    } else if let Some(s) = &slurm {
-        s.master_port.clone()
-    } else if let Some(p) = pet.get("MASTER_PORT", parse_port)? {
-        p
-    } else if let Some(p) = endpoint_port {
-        p
-    } else {
-        Sourced::new(DEFAULT_MASTER_PORT, Source::Default(""))
-    };
-    if multi && master_port.value == 0 {
-        return Err(ShapeError(format!(
-            "master port 0 ({}) picks a port on this node only; with {} nodes every node needs the same fixed port",
-            master_port.source, nnodes.value
-        )));
-    }
+    let (master_addr, master_port) = resolve_master(flags, &slurm, &pet, &nnodes)?;
     let run_id = resolve_run_id(flags, env, &slurm, &pet, multi)?;
     if multi && matches!(run_id.source, Source::Slurm(_)) {
         notices.push(format!(
@@ -283,6 +204,119 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
         slurm,
         notices,
     })
+}
+
+/// Nodes: `--standalone`, `--nnodes`, the Slurm step, `PET_NNODES`, else 1; a Slurm batch
+/// script of a multi-node job is refused (it runs on the first node only).
+fn resolve_nnodes(
+    flags: &Flags,
+    slurm: &Option<SlurmStep>,
+    pet: &Pet<'_>,
+) -> Result<Sourced<u32>, ShapeError> {
+    let nnodes = if flags.standalone {
+        if flags.nnodes.is_some_and(|n| n > 1) {
+            return Err(ShapeError(
+                "--standalone is a single-node run; it cannot be combined with --nnodes > 1".into(),
+            ));
+        }
+        Sourced::new(1, Source::Flag("--standalone"))
+    } else if let Some(n) = flags.nnodes {
+        Sourced::new(n, Source::Flag("--nnodes"))
+    } else if let Some(s) = slurm {
+        s.nnodes.clone()
+    } else if let Some(n) = pet.get("NNODES", parse_nnodes)? {
+        n
+    } else {
+        Sourced::new(1, Source::Default(""))
+    };
+    if let Some(s) = slurm {
+        s.check_one_task_per_node(nnodes.value)?;
+        if s.step_id.is_none() && nnodes.value > 1 && matches!(nnodes.source, Source::Slurm(_)) {
+            return Err(ShapeError(format!(
+                "launch runs in the batch script of a {}-node Slurm job ({}), which runs on the first node only: start one launch per node with `srun --ntasks-per-node=1 launch ...` (as scripts/slurm/train.sbatch does)",
+                nnodes.value, nnodes.source
+            )));
+        }
+    }
+    Ok(nnodes)
+}
+
+/// This node's rank: `--node-rank`, the Slurm step, `PET_NODE_RANK`, else 0; below `nnodes`.
+fn resolve_node_rank(
+    flags: &Flags,
+    slurm: &Option<SlurmStep>,
+    pet: &Pet<'_>,
+    nnodes: &Sourced<u32>,
+) -> Result<Sourced<u32>, ShapeError> {
+    let node_rank = if let Some(r) = flags.node_rank {
+        Sourced::new(r, Source::Flag("--node-rank"))
+    } else if let (Some(s), false) = (slurm, flags.standalone) {
+        s.node_rank.clone()
+    } else if let Some(r) = pet.get("NODE_RANK", parse_u32)? {
+        r
+    } else {
+        Sourced::new(0, Source::Default(""))
+    };
+    if node_rank.value >= nnodes.value {
+        return Err(ShapeError(format!(
+            "node rank {} ({}) is out of range for {} node(s) ({}); ranks are 0..{}",
+            node_rank.value,
+            node_rank.source,
+            nnodes.value,
+            nnodes.source,
+            nnodes.value - 1
+        )));
+    }
+    Ok(node_rank)
+}
+
+/// The rendezvous address and port: flags, the Slurm step, `PET_MASTER_*`, then
+/// `PET_RDZV_ENDPOINT`, else the defaults; several nodes need a fixed port.
+fn resolve_master(
+    flags: &Flags,
+    slurm: &Option<SlurmStep>,
+    pet: &Pet<'_>,
+    nnodes: &Sourced<u32>,
+) -> Result<(Sourced<String>, Sourced<u16>), ShapeError> {
+    let multi = nnodes.value > 1;
+    let (endpoint_host, endpoint_port) = match pet.rdzv_endpoint()? {
+        Some((host, port)) => (Some(host), port),
+        None => (None, None),
+    };
+    let master_addr = if let Some(a) = &flags.master_addr {
+        Sourced::new(a.clone(), Source::Flag("--master-addr"))
+    } else if let (Some(s), true) = (slurm, multi) {
+        s.master_addr.clone()
+    } else if let Some(a) = pet.get("MASTER_ADDR", parse_host)? {
+        a
+    } else if let Some(a) = endpoint_host {
+        a
+    } else {
+        Sourced::new(
+            "127.0.0.1".to_string(),
+            Source::Default(if multi { "" } else { "single node" }),
+        )
+    };
+    let master_port = if flags.standalone {
+        Sourced::new(0, Source::Flag("--standalone"))
+    } else if let Some(p) = flags.master_port {
+        Sourced::new(p, Source::Flag("--master-port"))
+    } else if let Some(s) = slurm {
+        s.master_port.clone()
+    } else if let Some(p) = pet.get("MASTER_PORT", parse_port)? {
+        p
+    } else if let Some(p) = endpoint_port {
+        p
+    } else {
+        Sourced::new(DEFAULT_MASTER_PORT, Source::Default(""))
+    };
+    if multi && master_port.value == 0 {
+        return Err(ShapeError(format!(
+            "master port 0 ({}) picks a port on this node only; with {} nodes every node needs the same fixed port",
+            master_port.source, nnodes.value
+        )));
+    }
+    Ok((master_addr, master_port))
 }
 
 fn resolve_run_id(

@@ -502,12 +502,7 @@ mod tests {
     use super::*;
 
     fn plan(global: u64, micro: u64, grad_accum: u64, world_size: u64) -> BatchPlan {
-        BatchPlan {
-            global,
-            micro,
-            grad_accum,
-            world_size,
-        }
+        BatchPlan::new(global, micro, grad_accum, world_size)
     }
 
     fn shape(users: u64, items: u64) -> DataShape {

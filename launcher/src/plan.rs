@@ -210,56 +210,26 @@ impl Plan {
     /// plan change that keeps the global batch. `None` when no config is run.
     pub fn memory_check(&self) -> Option<MemoryCheck> {
         let wc = self.config.as_ref()?;
-        let config = &wc.config;
-        let data = DataShape::assumed(config);
         let gpus: &[Gpu] = self.gpus.as_deref().unwrap_or(&[]);
         let kind = if gpus.is_empty() {
             DeviceKind::Cpu
         } else {
             DeviceKind::Cuda
         };
-        let ram = memory_info();
-        // The same simulation knob the workers read (tests, and "what if this GPU were smaller").
-        let limit = std::env::var("GPTREC_MEMORY_LIMIT_MB")
-            .ok()
-            .and_then(|t| common::memory::parse_memory_limit(&t).ok());
-        let budgets: Vec<(String, Option<(u64, u64)>)> = (0..self.nproc)
-            .map(|local_rank| {
-                let rank = self.node_rank * self.nproc + local_rank;
-                match limit {
-                    Some((bytes, only)) if only.is_none_or(|r| r == rank) => (
-                        "simulated limit GPTREC_MEMORY_LIMIT_MB".to_string(),
-                        Some((bytes, bytes)),
-                    ),
-                    _ => self.device_budget(kind, gpus, ram, local_rank),
-                }
-            })
-            .collect();
+        let est = Estimating {
+            config: &wc.config,
+            data: DataShape::assumed(&wc.config),
+            kind,
+        };
+        let budgets = self.local_budgets(kind, gpus);
         let mut plan = wc.batch;
         let mut lines = Vec::new();
-        let mut warnings = Vec::new();
-        if config.batch.micro_auto {
-            // What `auto` would choose from the estimate: the smallest over the ranks.
-            let chosen = budgets
-                .iter()
-                .filter_map(|(_, b)| b.map(|(free, _)| free))
-                .filter_map(|free| largest_fitting_plan(config, &wc.batch, &data, kind, free))
-                .min_by_key(|p| p.micro);
-            match chosen {
-                Some(p) => {
-                    lines.push(format!(
-                        "micro \"auto\": by the estimate, {} (each worker checks on its own device at start)",
-                        p.derivation()
-                    ));
-                    plan = p;
-                }
-                None => lines.push(
-                    "micro \"auto\": by the estimate no micro batch fits; the workers will stop with the reason"
-                        .to_string(),
-                ),
-            }
+        if wc.config.batch.micro_auto {
+            let (chosen, line) = est.auto_micro(&wc.batch, &budgets);
+            plan = chosen.unwrap_or(plan);
+            lines.push(line);
         }
-        let estimate = estimate(config, &plan, &data, kind);
+        let estimate = estimate(est.config, &plan, &est.data, kind);
         let peak = estimate.peak_bytes();
         lines.push(format!(
             "estimate per worker ({}, {}; {}):",
@@ -268,9 +238,10 @@ impl Plan {
                 DeviceKind::Cpu => "CPU",
             },
             plan.derivation(),
-            data.source
+            est.data.source
         ));
         lines.extend(estimate.table("  ").lines().map(str::to_string));
+        let mut warnings = Vec::new();
         for (local_rank, (device, budget)) in budgets.iter().enumerate() {
             let Some((free, total)) = *budget else {
                 lines.push(format!("local rank {local_rank}: {device}: memory unknown"));
@@ -296,32 +267,33 @@ impl Plan {
                 }
             ));
             if !fits {
-                let mut w = format!(
-                    "local rank {local_rank} ({device}): the estimate {} leaves less than {:.0}% of {} free",
-                    mib_text(peak),
-                    SAFETY_MARGIN * 100.0,
-                    mib_text(free)
-                );
-                match largest_fitting_plan(config, &plan, &data, kind, free) {
-                    Some(p) => w.push_str(&format!(
-                        "; set batch.micro = {} ({}, estimate {})",
-                        p.micro,
-                        change_text(&plan, &p),
-                        mib_text(estimate_peak(config, &p, &data, kind))
-                    )),
-                    None => w.push_str(&format!(
-                        "; no micro batch keeping global {} fits",
-                        plan.global
-                    )),
-                }
-                let levers = other_levers(config, &plan, &data, kind);
-                if !levers.is_empty() {
-                    w.push_str(&format!("; or {}", levers.join("; ")));
-                }
-                warnings.push(w);
+                let rank = format!("local rank {local_rank} ({device})");
+                warnings.push(est.does_not_fit(&rank, &plan, peak, free));
             }
         }
         Some(MemoryCheck { lines, warnings })
+    }
+
+    /// What each local rank may use and where the figure comes from: the simulated limit
+    /// `GPTREC_MEMORY_LIMIT_MB` the workers read too (tests, and "what if this GPU were
+    /// smaller"), else its device's (free, total) bytes.
+    fn local_budgets(&self, kind: DeviceKind, gpus: &[Gpu]) -> Vec<(String, Option<(u64, u64)>)> {
+        let ram = memory_info();
+        let limit = std::env::var("GPTREC_MEMORY_LIMIT_MB")
+            .ok()
+            .and_then(|t| common::memory::parse_memory_limit(&t).ok());
+        (0..self.nproc)
+            .map(|local_rank| {
+                let rank = self.node_rank * self.nproc + local_rank;
+                match limit {
+                    Some((bytes, only)) if only.is_none_or(|r| r == rank) => (
+                        "simulated limit GPTREC_MEMORY_LIMIT_MB".to_string(),
+                        Some((bytes, bytes)),
+                    ),
+                    _ => self.device_budget(kind, gpus, ram, local_rank),
+                }
+            })
+            .collect()
     }
 
     /// Makes sure the rendezvous port can be used, on the node that hosts it. On a single-node
@@ -547,6 +519,69 @@ const GIB: f64 = (1u64 << 30) as f64;
 pub struct MemoryCheck {
     pub lines: Vec<String>,
     pub warnings: Vec<String>,
+}
+
+/// The estimate's inputs for the dry run's checks.
+struct Estimating<'a> {
+    config: &'a Config,
+    data: DataShape,
+    kind: DeviceKind,
+}
+
+impl Estimating<'_> {
+    /// What `micro = "auto"` would choose from the estimate (the smallest over the ranks), and
+    /// the line saying so.
+    fn auto_micro(
+        &self,
+        configured: &BatchPlan,
+        budgets: &[(String, Option<(u64, u64)>)],
+    ) -> (Option<BatchPlan>, String) {
+        let chosen = budgets
+            .iter()
+            .filter_map(|(_, b)| b.map(|(free, _)| free))
+            .filter_map(|free| {
+                largest_fitting_plan(self.config, configured, &self.data, self.kind, free)
+            })
+            .min_by_key(|p| p.micro);
+        let line = match chosen {
+            Some(p) => format!(
+                "micro \"auto\": by the estimate, {} (each worker checks on its own device at start)",
+                p.derivation()
+            ),
+            None => "micro \"auto\": by the estimate no micro batch fits; the workers will stop with the reason"
+                .to_string(),
+        };
+        (chosen, line)
+    }
+
+    /// The warning for `rank`, whose `free` bytes do not hold `peak` with the margin: the
+    /// largest micro batch that fits and keeps the global batch, and other levers.
+    fn does_not_fit(&self, rank: &str, plan: &BatchPlan, peak: u64, free: u64) -> String {
+        let (config, data, kind) = (self.config, &self.data, self.kind);
+        let mut w = format!(
+            "{rank}: the estimate {} leaves less than {:.0}% of {} free",
+            mib_text(peak),
+            SAFETY_MARGIN * 100.0,
+            mib_text(free)
+        );
+        match largest_fitting_plan(config, plan, data, kind, free) {
+            Some(p) => w.push_str(&format!(
+                "; set batch.micro = {} ({}, estimate {})",
+                p.micro,
+                change_text(plan, &p),
+                mib_text(estimate_peak(config, &p, data, kind))
+            )),
+            None => w.push_str(&format!(
+                "; no micro batch keeping global {} fits",
+                plan.global
+            )),
+        }
+        let levers = other_levers(config, plan, data, kind);
+        if !levers.is_empty() {
+            w.push_str(&format!("; or {}", levers.join("; ")));
+        }
+        w
+    }
 }
 
 fn estimate_peak(config: &Config, plan: &BatchPlan, data: &DataShape, kind: DeviceKind) -> u64 {

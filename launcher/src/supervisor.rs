@@ -6,7 +6,7 @@
 use std::io::Write as _;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, ExitStatus, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -511,46 +511,10 @@ fn spawn_worker(
     round: u32,
     watchdog: &mut Watchdog,
 ) -> std::io::Result<(i32, Tail)> {
-    let mut command = Command::new(&plan.command[0]);
-    command
-        .args(&plan.command[1..])
-        .envs(env.to_vars())
-        .envs(plan.extra_env())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Own process group: teardown reaches the worker's children, and the terminal's Ctrl-C
-        // reaches only the launcher, which forwards it.
-        .process_group(0);
-    let launcher = std::process::id() as i32;
-    // SAFETY: only async-signal-safe calls (prctl, getppid), no allocation, between fork and exec.
-    unsafe {
-        command.pre_exec(move || {
-            // Die with the launcher, even if it is SIGKILLed (the spawning thread is the main
-            // thread, which lives as long as the launcher).
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != launcher {
-                // The launcher died before prctl took effect.
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
-    let mut child = command.spawn()?;
+    let mut child = worker_command(plan, env).spawn()?;
     let pid = child.id() as i32;
     watchdog.watch(pid);
-    let log = match &plan.log_dir {
-        Some(dir) => match output::open_log(dir, env.rank) {
-            Ok(log) => Some(log),
-            Err(e) => {
-                warn!("cannot write {}/rank-{}.log: {e}", dir.display(), env.rank);
-                None
-            }
-        },
-        None => None,
-    };
+    let log = rank_log(plan, env.rank);
     let tail: Tail = Default::default();
     let streams: [(Option<Box<dyn std::io::Read + Send>>, Stream); 2] = [
         (
@@ -582,7 +546,62 @@ fn spawn_worker(
             None => done(),
         }
     }
-    let tx = tx.clone();
+    report_exit(child, tx.clone(), round, env)?;
+    Ok((pid, tail))
+}
+
+/// The worker's command: the plan's program with the rank's environment, its output piped, in
+/// its own process group, and bound to die with the launcher.
+fn worker_command(plan: &Plan, env: &common::env_contract::WorkerEnv) -> Command {
+    let mut command = Command::new(&plan.command[0]);
+    command
+        .args(&plan.command[1..])
+        .envs(env.to_vars())
+        .envs(plan.extra_env())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // Own process group: teardown reaches the worker's children, and the terminal's Ctrl-C
+        // reaches only the launcher, which forwards it.
+        .process_group(0);
+    let launcher = std::process::id() as i32;
+    // SAFETY: only async-signal-safe calls (prctl, getppid), no allocation, between fork and exec.
+    unsafe {
+        command.pre_exec(move || {
+            // Die with the launcher, even if it is SIGKILLed (the spawning thread is the main
+            // thread, which lives as long as the launcher).
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != launcher {
+                // The launcher died before prctl took effect.
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+    command
+}
+
+/// `--log-dir`'s file for `rank` (a warning, and no file, when it cannot be opened).
+fn rank_log(plan: &Plan, rank: u32) -> Option<Arc<Mutex<std::fs::File>>> {
+    let dir = plan.log_dir.as_ref()?;
+    match output::open_log(dir, rank) {
+        Ok(log) => Some(log),
+        Err(e) => {
+            warn!("cannot write {}/rank-{rank}.log: {e}", dir.display());
+            None
+        }
+    }
+}
+
+/// Waits for the worker on its own thread and sends its exit as an event.
+fn report_exit(
+    mut child: std::process::Child,
+    tx: Sender<Event>,
+    round: u32,
+    env: &common::env_contract::WorkerEnv,
+) -> std::io::Result<()> {
     let local_rank = env.local_rank;
     std::thread::Builder::new()
         .name(format!("wait-rank{}", env.rank))
@@ -602,7 +621,7 @@ fn spawn_worker(
                 at: Instant::now(),
             });
         })?;
-    Ok((pid, tail))
+    Ok(())
 }
 
 fn ending_of(status: ExitStatus) -> Ending {

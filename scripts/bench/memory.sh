@@ -20,12 +20,7 @@
 # measured.peak_device_mib; the table below then compares that with the GPU estimate.
 set -eu
 cd "$(dirname "$0")/../.."
-. scripts/setup.sh >/dev/null
-cargo build --release --workspace >/dev/null 2>&1 || cargo build --release --workspace
-launch="$PWD/target/release/launch"
-out="${BENCH_OUT:-$(mktemp -d)}"
-mkdir -p "$out"
-echo "runs in $out"
+. scripts/bench/lib.sh
 
 run_case() { # name procs sets...
   local name=$1 procs=$2

@@ -15,12 +15,7 @@
 set -eu
 cd "$(dirname "$0")/../.."
 sizes="${1:-small full}"
-. scripts/setup.sh >/dev/null
-cargo build --release --workspace >/dev/null 2>&1 || cargo build --release --workspace
-launch="$PWD/target/release/launch"
-out="${BENCH_OUT:-$(mktemp -d)}"
-mkdir -p "$out"
-echo "runs in $out"
+. scripts/bench/lib.sh
 
 results="$out/results.tsv"
 : >"$results"

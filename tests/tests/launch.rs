@@ -25,24 +25,22 @@ fn args<'a>(head: &[&'a str], tail: &'a [String]) -> Vec<&'a str> {
         .collect()
 }
 
+/// `launch --num-processes 3 --master-port 0 --run-id ID -- sh -c SCRIPT`.
+fn launch_three(id: &str, script: &[String]) -> Output {
+    launch(
+        &args(
+            &["--num-processes", "3", "--master-port", "0", "--run-id", id],
+            script,
+        ),
+        T,
+    )
+}
+
 #[test]
 fn three_workers_get_the_torchrun_environment() {
     let id = unique_run_id("env");
     let script = sh("env | grep -E '^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_WORLD_SIZE|ROLE_NAME|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_RESTART_COUNT|TORCHELASTIC_MAX_RESTARTS|TORCHELASTIC_RUN_ID|OMP_NUM_THREADS)='");
-    let out = launch(
-        &args(
-            &[
-                "--num-processes",
-                "3",
-                "--master-port",
-                "0",
-                "--run-id",
-                &id,
-            ],
-            &script,
-        ),
-        T,
-    );
+    let out = launch_three(&id, &script);
     assert_eq!(out.code(), Some(0), "{}", out.stderr);
     let mut seen: BTreeMap<u32, BTreeMap<String, String>> = BTreeMap::new();
     for (rank, text) in rank_lines(&out.stdout) {
@@ -152,20 +150,7 @@ fn failing_worker_gives_its_exit_code_a_summary_and_no_leftovers() {
 fn worker_killed_by_sigkill_is_reported_with_the_signal() {
     let id = unique_run_id("kill9");
     let script = sh("if [ \"$RANK\" = 2 ]; then sleep 0.2; kill -9 $$; fi; sleep 60 & wait");
-    let out = launch(
-        &args(
-            &[
-                "--num-processes",
-                "3",
-                "--master-port",
-                "0",
-                "--run-id",
-                &id,
-            ],
-            &script,
-        ),
-        T,
-    );
+    let out = launch_three(&id, &script);
     assert_eq!(out.code(), Some(128 + 9), "{}", out.stderr);
     assert!(out.stderr.contains("root cause: rank 2"), "{}", out.stderr);
     assert!(out.stderr.contains("killed by SIGKILL"), "{}", out.stderr);
@@ -779,23 +764,8 @@ fn bad_cli_input_is_rejected_without_panic() {
 #[test]
 fn worker_under_launch_reads_its_environment_and_config() {
     let dir = tempfile::tempdir().unwrap();
-    let output_dir = format!("run.output_dir={:?}", dir.path().display().to_string());
-    let out = launch(
-        &[
-            "--num-processes",
-            "2",
-            "--master-port",
-            "0",
-            "configs/default.toml",
-            "--set",
-            &output_dir,
-            "--set",
-            "data.synthetic=\"tiny\"",
-            "--set",
-            "train.epochs=1",
-        ],
-        Duration::from_secs(300),
-    );
+    let sets = ["data.synthetic=\"tiny\"", "train.epochs=1"];
+    let out = launch_default_config(dir.path(), "default", None, &[], &sets);
     assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
     let lines = rank_lines(&out.stdout);
     for rank in 0..2u32 {

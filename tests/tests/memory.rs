@@ -13,7 +13,8 @@ use support::*;
 
 /// The plan every figure below is for (the shipped config's batch may change):
 /// micro 64 x grad_accum 2 x world 2 = global 256.
-const PINNED_BATCH: [&str; 4] = ["--set", "batch.global=256", "--set", "batch.micro=64"];
+const PINNED_SETS: [&str; 2] = ["batch.global=256", "batch.micro=64"];
+const PINNED_BATCH: [&str; 4] = ["--set", PINNED_SETS[0], "--set", PINNED_SETS[1]];
 
 /// The dry run of the default config with 2 workers on [`PINNED_BATCH`], `extra` as arguments.
 fn dry_run(env: &[(&str, &str)], extra: &[&str]) -> Output {
@@ -29,33 +30,10 @@ fn dry_run(env: &[(&str, &str)], extra: &[&str]) -> Output {
 
 /// `launch` on the default config with 2 workers and tiny data, `extra` as `--set`s.
 fn run(out_dir: &Path, name: &str, run_id: &str, env: &[(&str, &str)], extra: &[&str]) -> Output {
-    let output_dir = format!("run.output_dir={:?}", out_dir.display().to_string());
-    let run_name = format!("run.name={name:?}");
-    let mut args = vec![
-        "--num-processes",
-        "2",
-        "--master-port",
-        "0",
-        "--run-id",
-        run_id,
-        "configs/default.toml",
-        "--set",
-        &output_dir,
-        "--set",
-        &run_name,
-        "--set",
-        "data.synthetic=\"tiny\"",
-    ];
-    args.extend(PINNED_BATCH);
-    for e in extra {
-        args.push("--set");
-        args.push(e);
-    }
-    let mut cmd = launch_cmd(&args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    wait_output(cmd.spawn().expect("start launch"), Duration::from_secs(600))
+    let mut sets = vec!["data.synthetic=\"tiny\""];
+    sets.extend(PINNED_SETS);
+    sets.extend(extra);
+    launch_default_config(out_dir, name, Some(run_id), env, &sets)
 }
 
 #[test]

@@ -6,7 +6,6 @@
 mod support;
 
 use std::path::Path;
-use std::time::Duration;
 
 use serde_json::Value;
 use support::*;
@@ -30,24 +29,7 @@ fn test_record(records: &[Value]) -> &Value {
 }
 
 fn run(out_dir: &Path, name: &str, extra: &[&str]) -> Output {
-    let output_dir = format!("run.output_dir={:?}", out_dir.display().to_string());
-    let run_name = format!("run.name={name:?}");
-    let mut args = vec![
-        "--num-processes",
-        "2",
-        "--master-port",
-        "0",
-        "configs/default.toml",
-        "--set",
-        &output_dir,
-        "--set",
-        &run_name,
-    ];
-    for e in extra {
-        args.push("--set");
-        args.push(e);
-    }
-    launch(&args, Duration::from_secs(600))
+    launch_default_config(out_dir, name, None, &[], extra)
 }
 
 #[test]

@@ -10,9 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use support::slurm::{
-    processes_with_env, wait_no_processes_with_env, Options, SlurmCluster, JOB_TIMEOUT,
-};
+use support::slurm::{wait_no_processes_with_env, Options, SlurmCluster, JOB_TIMEOUT};
 use support::*;
 
 /// How long the processes of a finished (or failed) job may take to disappear.

@@ -80,25 +80,7 @@ impl StoreClient {
                 e.saturating_duration_since(Instant::now())
             })
         };
-        let targets: Vec<SocketAddr> = match addr.to_socket_addrs() {
-            Ok(targets) => targets.collect(),
-            Err(err) => return Err(Attempt::Retry(format!("cannot resolve it: {err}"))),
-        };
-        let mut reason = "the host name resolves to no address".to_string();
-        let mut connected = None;
-        for target in targets {
-            let limit = remaining().clamp(Duration::from_millis(50), Duration::from_secs(2));
-            match TcpStream::connect_timeout(&target, limit) {
-                Ok(stream) => {
-                    connected = Some(stream);
-                    break;
-                }
-                Err(err) => reason = describe_io(&err),
-            }
-        }
-        let Some(stream) = connected else {
-            return Err(Attempt::Retry(reason));
-        };
+        let stream = connect_any(addr, remaining)?;
         let retry_io = |err: io::Error| Attempt::Retry(describe_io(&err));
         stream.set_nodelay(true).map_err(retry_io)?;
         stream
@@ -113,6 +95,14 @@ impl StoreClient {
             addr: addr.to_string(),
             broken: None,
         };
+        client.handshake(run_id)?;
+        tracing::debug!(addr, "connected to the rendezvous store");
+        Ok(client)
+    }
+
+    /// Says hello with the run id; only a welcome lets the connection be used.
+    fn handshake(&mut self, run_id: &str) -> Result<(), Attempt> {
+        let addr = self.addr.as_str();
         let hello = Request::Hello {
             protocol: PROTOCOL,
             run_id: run_id.to_string(),
@@ -124,13 +114,13 @@ impl StoreClient {
                 limit: MAX_FRAME_BYTES,
             })
         })?;
-        if let Err(err) = client.stream.write_all(&frame) {
+        if let Err(err) = self.stream.write_all(&frame) {
             return Err(Attempt::Retry(format!(
                 "{} during the handshake",
                 describe_io(&err)
             )));
         }
-        let body = match read_frame(&mut client.stream) {
+        let body = match read_frame(&mut self.stream) {
             Ok(body) => body,
             Err(FrameReadError::Io(err)) => {
                 return Err(Attempt::Retry(format!(
@@ -149,10 +139,7 @@ impl StoreClient {
             }
         };
         match decode_body::<Response>(&body) {
-            Ok(Response::Welcome) => {
-                tracing::debug!(addr, "connected to the rendezvous store");
-                Ok(client)
-            }
+            Ok(Response::Welcome) => Ok(()),
             Ok(Response::WrongRun { fingerprint }) => Err(Attempt::Fatal(StoreError::WrongRun {
                 addr: addr.to_string(),
                 found: fingerprint,
@@ -330,4 +317,22 @@ impl StoreClient {
         self.broken = Some(err.to_string());
         err
     }
+}
+
+/// A TCP connection to the first address of `addr` that answers, each tried for at most 2 s
+/// (and what is left of the deadline); why none did, to retry.
+fn connect_any(addr: &str, remaining: impl Fn() -> Duration) -> Result<TcpStream, Attempt> {
+    let targets: Vec<SocketAddr> = match addr.to_socket_addrs() {
+        Ok(targets) => targets.collect(),
+        Err(err) => return Err(Attempt::Retry(format!("cannot resolve it: {err}"))),
+    };
+    let mut reason = "the host name resolves to no address".to_string();
+    for target in targets {
+        let limit = remaining().clamp(Duration::from_millis(50), Duration::from_secs(2));
+        match TcpStream::connect_timeout(&target, limit) {
+            Ok(stream) => return Ok(stream),
+            Err(err) => reason = describe_io(&err),
+        }
+    }
+    Err(Attempt::Retry(reason))
 }

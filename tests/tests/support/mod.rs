@@ -107,6 +107,38 @@ pub fn launch(args: &[&str], timeout: Duration) -> Output {
     wait_output(child, timeout)
 }
 
+/// `launch --num-processes 2 --master-port 0 [--run-id ID] configs/default.toml` with the run
+/// directory `out_dir/name`, then `sets` as `--set`s; `env` added to its environment.
+pub fn launch_default_config(
+    out_dir: &Path,
+    name: &str,
+    run_id: Option<&str>,
+    env: &[(&str, &str)],
+    sets: &[&str],
+) -> Output {
+    let output_dir = format!("run.output_dir={:?}", out_dir.display().to_string());
+    let run_name = format!("run.name={name:?}");
+    let mut args = vec!["--num-processes", "2", "--master-port", "0"];
+    if let Some(id) = run_id {
+        args.extend(["--run-id", id]);
+    }
+    args.extend([
+        "configs/default.toml",
+        "--set",
+        &output_dir,
+        "--set",
+        &run_name,
+    ]);
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    let mut cmd = launch_cmd(&args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    wait_output(cmd.spawn().expect("start launch"), Duration::from_secs(600))
+}
+
 /// Collects a child's output, killing it if it outlives `timeout`.
 pub fn wait_output(child: Child, timeout: Duration) -> Output {
     Live::new(child).finish(timeout)
@@ -228,7 +260,14 @@ impl Live {
 /// Pids of live processes whose environment contains `TORCHELASTIC_RUN_ID=<run_id>`
 /// (workers and anything they started). Zombies are not counted: they hold nothing.
 pub fn processes_of_run(run_id: &str) -> Vec<i32> {
-    let needle = format!("TORCHELASTIC_RUN_ID={run_id}\0");
+    processes_with_env("TORCHELASTIC_RUN_ID", run_id)
+}
+
+/// Pids of live processes whose environment holds `KEY=VALUE` exactly (e.g. the
+/// `LAUNCH_RUN_ID` a test gave its job: the batch script, srun, every launch and worker).
+/// Zombies are not counted.
+pub fn processes_with_env(key: &str, value: &str) -> Vec<i32> {
+    let needle = format!("{key}={value}");
     let mut pids = Vec::new();
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return pids;
@@ -244,7 +283,7 @@ pub fn processes_of_run(run_id: &str) -> Vec<i32> {
         let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
             continue;
         };
-        if !contains(&environ, needle.as_bytes()) {
+        if !environ.split(|&b| b == 0).any(|v| v == needle.as_bytes()) {
             continue;
         }
         let state = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
@@ -281,10 +320,6 @@ pub fn wait_processes(run_id: &str, count: usize, timeout: Duration) -> Vec<i32>
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 /// Lines `[rank N] text` of `output`, as (N, text).

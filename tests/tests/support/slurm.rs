@@ -16,7 +16,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{repo_root, Live};
+use super::{processes_with_env, repo_root, Live};
 
 /// Ports the clusters use: slurmctld on a block's first port, slurmd `i` on first + 1 + i.
 /// Above the kernel's ephemeral range (32768-60999) and above the ports `launch` derives for
@@ -533,39 +533,6 @@ impl Drop for SlurmCluster {
 fn job_id_of(stdout: &str) -> Option<u64> {
     let first = stdout.lines().next()?;
     first.split(';').next()?.trim().parse().ok()
-}
-
-/// Pids of live processes whose environment holds `KEY=VALUE` exactly (e.g. the
-/// `LAUNCH_RUN_ID` a test gave its job: the batch script, srun, every launch and worker).
-pub fn processes_with_env(key: &str, value: &str) -> Vec<i32> {
-    let needle = format!("{key}={value}");
-    let mut pids = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return pids;
-    };
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if !environ.split(|&b| b == 0).any(|v| v == needle.as_bytes()) {
-            continue;
-        }
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        let zombie = stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
-        if !zombie {
-            pids.push(pid);
-        }
-    }
-    pids
 }
 
 /// Waits until no process has `KEY=VALUE` in its environment (or `timeout`); what is left,

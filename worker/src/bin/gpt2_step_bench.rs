@@ -96,12 +96,7 @@ fn main() -> Result<()> {
     config.model.preset = preset;
     config.model.text_mode = TextMode::Dynamic;
     config.model.activation_checkpointing = cli.checkpointing;
-    let plan = common::batch::BatchPlan {
-        global: cli.micro,
-        micro: cli.micro,
-        grad_accum: 1,
-        world_size: 1,
-    };
+    let plan = common::batch::BatchPlan::new(cli.micro, cli.micro, 1, 1);
     let shape = DataShape {
         users: 1,
         items: 1,
