@@ -25,15 +25,17 @@ fn args<'a>(head: &[&'a str], tail: &'a [String]) -> Vec<&'a str> {
         .collect()
 }
 
+/// `--num-processes N --master-port 0 --run-id ID -- sh -c SCRIPT`.
+fn run_args<'a>(n: &'a str, id: &'a str, script: &'a [String]) -> Vec<&'a str> {
+    args(
+        &["--num-processes", n, "--master-port", "0", "--run-id", id],
+        script,
+    )
+}
+
 /// `launch --num-processes 3 --master-port 0 --run-id ID -- sh -c SCRIPT`.
 fn launch_three(id: &str, script: &[String]) -> Output {
-    launch(
-        &args(
-            &["--num-processes", "3", "--master-port", "0", "--run-id", id],
-            script,
-        ),
-        T,
-    )
+    launch(&run_args("3", id, script), T)
 }
 
 #[test]
@@ -197,19 +199,7 @@ fn signal_test(signal: Signal) {
         "trap 'echo got-INT > {0}/$RANK; exit 130' INT; trap 'echo got-TERM > {0}/$RANK; exit 143' TERM; trap 'echo got-HUP > {0}/$RANK; exit 129' HUP; echo ready; sleep 60 & wait",
         dir.path().display()
     ));
-    let child = launch_cmd(&args(
-        &[
-            "--num-processes",
-            "3",
-            "--master-port",
-            "0",
-            "--run-id",
-            &id,
-        ],
-        &script,
-    ))
-    .spawn()
-    .unwrap();
+    let child = launch_cmd(&run_args("3", &id, &script)).spawn().unwrap();
     let pid = Pid::from_raw(child.id() as i32);
     assert_eq!(wait_processes(&id, 6, T).len(), 6, "3 workers + 3 sleeps");
     std::thread::sleep(Duration::from_millis(200)); // let the traps be installed
@@ -825,21 +815,7 @@ fn escaped_children_are_stopped_and_orphans_reaped_as_they_go() {
     let script = sh(
         "i=0; while [ $i -lt 100 ]; do (sleep 0.01 &); i=$((i+1)); done; setsid sleep 600 & sleep 3; exit 4",
     );
-    let live = Live::new(
-        launch_cmd(&args(
-            &[
-                "--num-processes",
-                "1",
-                "--master-port",
-                "0",
-                "--run-id",
-                &id,
-            ],
-            &script,
-        ))
-        .spawn()
-        .unwrap(),
-    );
+    let live = Live::new(launch_cmd(&run_args("1", &id, &script)).spawn().unwrap());
     std::thread::sleep(Duration::from_millis(2000));
     let piled = zombies_of(live.pid().as_raw());
     let out = live.finish(T);

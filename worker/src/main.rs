@@ -120,7 +120,6 @@ struct Start {
     run_dir: PathBuf,
     /// Rank 0 holds the run directory until the process ends.
     _run_lock: Option<worker::run_dir::RunLock>,
-    tracker: PhaseTracker,
 }
 
 impl Start {
@@ -182,13 +181,21 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
     milestones.model_rss = memory::rss_bytes();
     milestones.model_peak = tracker.peak_bytes(start.device);
     if start.plan.config.batch.micro_auto {
-        plan_micro_batch(&mut start, &shape, &mut task, &vs, comm.as_mut(), ctx)?;
+        plan_micro_batch(
+            &mut start,
+            tracker,
+            &shape,
+            &mut task,
+            &vs,
+            comm.as_mut(),
+            ctx,
+        )?;
     }
     let device_kind = memory::device_kind(start.device);
     let plan = &start.plan;
     let estimate = common::memory::estimate(&plan.config, &plan.batch, &shape, device_kind);
     if start.leader() {
-        log_plan(&start, &estimate, &vs, &task);
+        log_plan(&start, tracker, &estimate, &vs, &task);
     }
     let setup = TrainSetup {
         plan,
@@ -254,7 +261,6 @@ fn start(cli: &Cli, tracker: &PhaseTracker) -> Result<Start, Failure> {
         memory_limit,
         run_dir,
         _run_lock: run_lock,
-        tracker: tracker.clone(),
     })
 }
 
@@ -355,6 +361,7 @@ fn log_data(config: &Config, data: &recommender::RecData) {
 /// `batch.micro = "auto"`: the plan the ranks agreed on replaces the configured one everywhere.
 fn plan_micro_batch(
     start: &mut Start,
+    tracker: &PhaseTracker,
     shape: &common::memory::DataShape,
     task: &mut recommender::RecTask,
     vs: &nn::VarStore,
@@ -368,7 +375,7 @@ fn plan_micro_batch(
         device: start.device,
         memory_limit: start.memory_limit,
         env: &start.env,
-        tracker: &start.tracker,
+        tracker,
     };
     let batch = auto_micro(&probe, task, vs, comm, ctx).map_err(|e| match e {
         AutoMicroError::Usage(_) => usage(e.into()),
@@ -379,19 +386,20 @@ fn plan_micro_batch(
         AutoMicroError::Failed(_) => e.into(),
     })?;
     start.plan = start.plan.with_measured(batch);
-    start.tracker.update(|f| f.plan = start.plan.clone());
+    tracker.update(|f| f.plan = start.plan.clone());
     Ok(())
 }
 
 /// Rank 0: the memory estimate against the budget, and the model's size.
 fn log_plan(
     start: &Start,
+    tracker: &PhaseTracker,
     estimate: &common::memory::MemoryEstimate,
     vs: &nn::VarStore,
     task: &recommender::RecTask,
 ) {
     let (config, device) = (&start.plan.config, start.device);
-    let name = start.tracker.sample(device).1;
+    let name = tracker.sample(device).1;
     let budget = match memory::budget(device, start.memory_limit, start.env.local_world_size) {
         Some(b) => format!("{}, {}", common::memory::mib_text(b.bytes), b.source),
         None => "unknown: neither NVML nor the CUDA runtime answered".into(),
