@@ -376,8 +376,8 @@ impl BatchSpec {
         let plan = |global, micro, grad_accum| plan_of(w, global, micro, grad_accum);
         match (self.global, self.micro, self.grad_accum) {
             (Some(g), Some(m), Some(a)) => self.all_three(g, m, a, w),
-            (Some(g), Some(m), None) => self.global_and_micro(g, m, w),
-            (Some(g), None, Some(a)) => self.global_and_grad_accum(g, a, w),
+            (Some(g), Some(m), None) => self.global_and(g, Given::Micro(m), w),
+            (Some(g), None, Some(a)) => self.global_and(g, Given::GradAccum(a), w),
             (Some(g), None, None) => self.global_only(g, w),
             (None, Some(m), Some(a)) => {
                 let g = mul(&[("micro", m), ("grad_accum", a), ("world", w)])?;
@@ -438,49 +438,33 @@ impl BatchSpec {
         })
     }
 
-    /// Global and micro given: grad_accum = global / (micro x world), exactly.
-    fn global_and_micro(&self, g: u64, m: u64, w: u64) -> Result<BatchPlan, BatchError> {
-        let d = mul(&[("micro", m), ("world", w)])?;
+    /// Global and one of micro / grad_accum given: the other = global / (given x world),
+    /// exactly; otherwise an error naming the nearest globals that divide.
+    fn global_and(&self, g: u64, given: Given, w: u64) -> Result<BatchPlan, BatchError> {
+        let (name, v) = given.name_value();
+        let d = mul(&[(name, v), ("world", w)])?;
+        let plan = |n: u64| match given {
+            Given::Micro(m) => plan_of(w, n, m, n / d),
+            Given::GradAccum(a) => plan_of(w, n, n / d, a),
+        };
         if g % d == 0 {
-            return Ok(plan_of(w, g, m, g / d));
+            return Ok(plan(g));
         }
-        let near: Vec<BatchPlan> = neighbour_multiples(g, d)
-            .into_iter()
-            .map(|n| plan_of(w, n, m, n / d))
-            .collect();
+        let near: Vec<BatchPlan> = neighbour_multiples(g, d).into_iter().map(plan).collect();
         let near_text: Vec<String> = near
             .iter()
-            .map(|p| format!("{} (grad_accum {})", p.global, p.grad_accum))
+            .map(|p| match given {
+                Given::Micro(_) => format!("{} (grad_accum {})", p.global, p.grad_accum),
+                Given::GradAccum(_) => format!("{} (micro {})", p.global, p.micro),
+            })
             .collect();
         let mut detail = format!(
-            "global {g} is not divisible by micro {m} x world {w} = {d} ({g} / {d} = {}); nearest valid: global {}",
+            "global {g} is not divisible by {name} {v} x world {w} = {d} ({g} / {d} = {}); nearest valid: global {}",
             ratio(g, d),
             join_or(&near_text)
         );
-        let keep = self.keep_global_text(g, w, m, true, &mut detail);
-        self.not_divisible(w, detail, near.into_iter().chain(keep).collect())
-    }
-
-    /// Global and grad_accum given: micro = global / (grad_accum x world), exactly.
-    fn global_and_grad_accum(&self, g: u64, a: u64, w: u64) -> Result<BatchPlan, BatchError> {
-        let d = mul(&[("grad_accum", a), ("world", w)])?;
-        if g % d == 0 {
-            return Ok(plan_of(w, g, g / d, a));
-        }
-        let near: Vec<BatchPlan> = neighbour_multiples(g, d)
-            .into_iter()
-            .map(|n| plan_of(w, n, n / d, a))
-            .collect();
-        let near_text: Vec<String> = near
-            .iter()
-            .map(|p| format!("{} (micro {})", p.global, p.micro))
-            .collect();
-        let mut detail = format!(
-            "global {g} is not divisible by grad_accum {a} x world {w} = {d} ({g} / {d} = {}); nearest valid: global {}",
-            ratio(g, d),
-            join_or(&near_text)
-        );
-        let keep = self.keep_global_text(g, w, a, false, &mut detail);
+        let micro_given = matches!(given, Given::Micro(_));
+        let keep = self.keep_global_text(g, w, v, micro_given, &mut detail);
         self.not_divisible(w, detail, near.into_iter().chain(keep).collect())
     }
 
@@ -681,6 +665,22 @@ impl fmt::Display for BatchPlan {
 /// A plan on `world_size` workers.
 fn plan_of(world_size: u64, global: u64, micro: u64, grad_accum: u64) -> BatchPlan {
     BatchPlan::new(global, micro, grad_accum, world_size)
+}
+
+/// The one of micro / grad_accum that was given alongside the global batch.
+#[derive(Debug, Clone, Copy)]
+enum Given {
+    Micro(u64),
+    GradAccum(u64),
+}
+
+impl Given {
+    fn name_value(self) -> (&'static str, u64) {
+        match self {
+            Given::Micro(m) => ("micro", m),
+            Given::GradAccum(a) => ("grad_accum", a),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -365,8 +365,7 @@ mod tests {
             let world = ring.world_size();
             let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
             let mut adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.0);
-            let sampler =
-                crate::sampler::DistributedSampler::new(256, world, rank, 1, true, false).unwrap();
+            let sampler = crate::sampler::DistributedSampler::new(256, world, rank, 1).unwrap();
             let (mut first, mut last, mut step) = (None, 0.0, 0u64);
             for epoch in 0..30 {
                 for window in sampler.batches(epoch, 16, 0, true).chunks(2) {

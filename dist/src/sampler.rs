@@ -36,14 +36,14 @@ pub struct DistributedSampler {
 
 impl DistributedSampler {
     /// A sampler for `rank` of `world_size` over `len` samples. `seed` must be the same on every
-    /// rank. Errors when `world_size == 0` or `rank >= world_size`.
+    /// rank. Shuffled, not dropping the tail, as in `torch.utils.data.DistributedSampler`; see
+    /// [`Self::with_shuffle`] and [`Self::with_drop_last`]. Errors when `world_size == 0` or
+    /// `rank >= world_size`.
     pub fn new(
         len: usize,
         world_size: usize,
         rank: usize,
         seed: u64,
-        shuffle: bool,
-        drop_last: bool,
     ) -> Result<Self, SamplerError> {
         if world_size == 0 {
             return Err(SamplerError::ZeroWorldSize);
@@ -56,9 +56,20 @@ impl DistributedSampler {
             world_size,
             rank,
             seed,
-            shuffle,
-            drop_last,
+            shuffle: true,
+            drop_last: false,
         })
+    }
+
+    /// Whether each epoch's order is a seeded permutation (default) or `0..len` in order.
+    pub fn with_shuffle(self, shuffle: bool) -> Self {
+        Self { shuffle, ..self }
+    }
+
+    /// Whether the tail that does not divide evenly over the ranks is dropped (default: no, the
+    /// shards are padded by wrapping around).
+    pub fn with_drop_last(self, drop_last: bool) -> Self {
+        Self { drop_last, ..self }
     }
 
     /// Samples per rank per epoch: `ceil(len / world)` (the shards are padded by wrapping) or
@@ -203,8 +214,10 @@ mod tests {
     ) -> Vec<Vec<usize>> {
         (0..world)
             .map(|r| {
-                DistributedSampler::new(len, world, r, seed, shuffle, drop_last)
+                DistributedSampler::new(len, world, r, seed)
                     .unwrap()
+                    .with_shuffle(shuffle)
+                    .with_drop_last(drop_last)
                     .indices(epoch)
             })
             .collect()
@@ -223,10 +236,10 @@ mod tests {
     #[test]
     fn new_rejects_bad_rank_and_world() {
         assert_eq!(
-            DistributedSampler::new(10, 0, 0, 0, true, false),
+            DistributedSampler::new(10, 0, 0, 0),
             Err(SamplerError::ZeroWorldSize)
         );
-        let err = DistributedSampler::new(10, 3, 3, 0, true, false).unwrap_err();
+        let err = DistributedSampler::new(10, 3, 3, 0).unwrap_err();
         assert_eq!(
             err,
             SamplerError::RankOutOfRange {
@@ -235,7 +248,7 @@ mod tests {
             }
         );
         assert!(!err.to_string().contains('\n'));
-        assert!(DistributedSampler::new(10, 3, 2, 0, true, false).is_ok());
+        assert!(DistributedSampler::new(10, 3, 2, 0).is_ok());
     }
 
     #[test]
@@ -266,7 +279,7 @@ mod tests {
 
     #[test]
     fn empty_dataset_gives_nothing() {
-        let s = DistributedSampler::new(0, 4, 1, 0, true, false).unwrap();
+        let s = DistributedSampler::new(0, 4, 1, 0).unwrap();
         assert_eq!(s.num_samples(), 0);
         assert!(s.indices(0).is_empty());
         assert!(s.batches(0, 4, 0, false).is_empty());
@@ -274,7 +287,9 @@ mod tests {
 
     #[test]
     fn batches_shapes_and_edge_cases() {
-        let s = DistributedSampler::new(10, 1, 0, 0, false, false).unwrap();
+        let s = DistributedSampler::new(10, 1, 0, 0)
+            .unwrap()
+            .with_shuffle(false);
         assert_eq!(
             s.batches(0, 4, 0, false),
             vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8, 9]]
@@ -293,7 +308,7 @@ mod tests {
     fn prng_is_pinned() {
         // Pins the generator so a change to it (which would silently change every run's data
         // order and break resuming old checkpoints) is caught.
-        let s = DistributedSampler::new(10, 1, 0, 42, true, false).unwrap();
+        let s = DistributedSampler::new(10, 1, 0, 42).unwrap();
         let first = s.indices(0);
         let mut sorted = first.clone();
         sorted.sort_unstable();
@@ -343,7 +358,7 @@ mod tests {
             len in 0usize..500, world in 1usize..9, seed in any::<u64>(),
             shuffle in any::<bool>(), epoch in 0u64..1000,
         ) {
-            let probe = DistributedSampler::new(len, world, 0, seed, shuffle, false).unwrap();
+            let probe = DistributedSampler::new(len, world, 0, seed).unwrap().with_shuffle(shuffle);
             let n = probe.num_samples();
             prop_assert_eq!(n, len.div_ceil(world));
             let s = shards(len, world, seed, shuffle, false, epoch);
@@ -398,7 +413,7 @@ mod tests {
             drop_last_batch in any::<bool>(), epoch in 0u64..100,
         ) {
             for rank in 0..world {
-                let s = DistributedSampler::new(len, world, rank, seed, true, drop_last).unwrap();
+                let s = DistributedSampler::new(len, world, rank, seed).unwrap().with_drop_last(drop_last);
                 let full = s.batches(epoch, micro, 0, drop_last_batch);
                 let k = k.min(full.len());
                 let resumed = s.batches(epoch, micro, k * micro, drop_last_batch);

@@ -11,6 +11,7 @@
 //! out-of-range item ids are ignored (an out-of-range positive still counts in |R(u)|).
 
 use std::cmp::Ordering;
+use std::marker::PhantomData;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -29,10 +30,12 @@ pub enum EvalError {
     InvalidUsers(f64),
 }
 
-/// Sums over evaluated users, reducible across ranks by adding (so a split evaluation equals a
-/// single-process one up to floating-point summation order).
+/// The five metrics at each cut-off of `ks` (index `j` of a series is cut-off `ks[j]`) over
+/// `users` evaluated users. `What` says whether the values are sums ([`MetricSums`]) or per-user
+/// means ([`Metrics`]); the two share the layout and differ in what they can do.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MetricSums {
+#[serde(bound = "")]
+pub struct MetricTable<What> {
     pub ks: Vec<usize>,
     pub users: u64,
     pub recall: Vec<f64>,
@@ -40,21 +43,69 @@ pub struct MetricSums {
     pub mrr: Vec<f64>,
     pub hit: Vec<f64>,
     pub precision: Vec<f64>,
+    #[serde(skip)]
+    what: PhantomData<What>,
+}
+
+/// Marker: a [`MetricTable`] of sums over users.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sums;
+
+/// Marker: a [`MetricTable`] of per-user means.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Means;
+
+/// Sums over evaluated users, reducible across ranks by adding (so a split evaluation equals a
+/// single-process one up to floating-point summation order).
+pub type MetricSums = MetricTable<Sums>;
+
+/// Per-user means of each metric at each cut-off.
+pub type Metrics = MetricTable<Means>;
+
+impl<What> MetricTable<What> {
+    /// The metric names, in the order of [`MetricTable::columns`].
+    pub const NAMES: [&'static str; 5] = ["recall", "ndcg", "mrr", "hit", "precision"];
+
+    fn from_columns(ks: &[usize], users: u64, columns: [Vec<f64>; 5]) -> Self {
+        let [recall, ndcg, mrr, hit, precision] = columns;
+        MetricTable {
+            ks: ks.to_vec(),
+            users,
+            recall,
+            ndcg,
+            mrr,
+            hit,
+            precision,
+            what: PhantomData,
+        }
+    }
+
+    /// The five series, in the order of [`MetricTable::NAMES`].
+    pub fn columns(&self) -> [&Vec<f64>; 5] {
+        [
+            &self.recall,
+            &self.ndcg,
+            &self.mrr,
+            &self.hit,
+            &self.precision,
+        ]
+    }
+
+    fn columns_mut(&mut self) -> [&mut Vec<f64>; 5] {
+        [
+            &mut self.recall,
+            &mut self.ndcg,
+            &mut self.mrr,
+            &mut self.hit,
+            &mut self.precision,
+        ]
+    }
 }
 
 impl MetricSums {
     /// Empty sums for the cut-offs `ks` (any order; a cut-off of 0 always contributes 0).
     pub fn new(ks: &[usize]) -> Self {
-        let n = ks.len();
-        MetricSums {
-            ks: ks.to_vec(),
-            users: 0,
-            recall: vec![0.0; n],
-            ndcg: vec![0.0; n],
-            mrr: vec![0.0; n],
-            hit: vec![0.0; n],
-            precision: vec![0.0; n],
-        }
+        Self::from_columns(ks, 0, std::array::from_fn(|_| vec![0.0; ks.len()]))
     }
 
     /// Adds `other` into `self`. Errors (leaving `self` unchanged) when the cut-offs differ.
@@ -66,13 +117,7 @@ impl MetricSums {
             });
         }
         self.users += other.users;
-        for (a, b) in [
-            (&mut self.recall, &other.recall),
-            (&mut self.ndcg, &other.ndcg),
-            (&mut self.mrr, &other.mrr),
-            (&mut self.hit, &other.hit),
-            (&mut self.precision, &other.precision),
-        ] {
+        for (a, b) in self.columns_mut().into_iter().zip(other.columns()) {
             for (x, y) in a.iter_mut().zip(b) {
                 *x += *y;
             }
@@ -85,11 +130,9 @@ impl MetricSums {
     pub fn to_vec(&self) -> Vec<f64> {
         let mut v = Vec::with_capacity(1 + 5 * self.ks.len());
         v.push(self.users as f64);
-        v.extend_from_slice(&self.recall);
-        v.extend_from_slice(&self.ndcg);
-        v.extend_from_slice(&self.mrr);
-        v.extend_from_slice(&self.hit);
-        v.extend_from_slice(&self.precision);
+        for column in self.columns() {
+            v.extend_from_slice(column);
+        }
         v
     }
 
@@ -108,15 +151,7 @@ impl MetricSums {
             return Err(EvalError::InvalidUsers(u));
         }
         let part = |i: usize| v[1 + i * n..1 + (i + 1) * n].to_vec();
-        Ok(MetricSums {
-            ks: ks.to_vec(),
-            users: u as u64,
-            recall: part(0),
-            ndcg: part(1),
-            mrr: part(2),
-            hit: part(3),
-            precision: part(4),
-        })
+        Ok(Self::from_columns(ks, u as u64, std::array::from_fn(part)))
     }
 
     /// Means over the evaluated users (all zeros when no user was evaluated).
@@ -126,29 +161,9 @@ impl MetricSums {
         } else {
             1.0 / self.users as f64
         };
-        let m = |s: &[f64]| s.iter().map(|x| x * d).collect::<Vec<f64>>();
-        Metrics {
-            ks: self.ks.clone(),
-            users: self.users,
-            recall: m(&self.recall),
-            ndcg: m(&self.ndcg),
-            mrr: m(&self.mrr),
-            hit: m(&self.hit),
-            precision: m(&self.precision),
-        }
+        let columns = self.columns().map(|s| s.iter().map(|x| x * d).collect());
+        Metrics::from_columns(&self.ks, self.users, columns)
     }
-}
-
-/// Per-user means of each metric at each cut-off.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Metrics {
-    pub ks: Vec<usize>,
-    pub users: u64,
-    pub recall: Vec<f64>,
-    pub ndcg: Vec<f64>,
-    pub mrr: Vec<f64>,
-    pub hit: Vec<f64>,
-    pub precision: Vec<f64>,
 }
 
 impl Metrics {
@@ -158,15 +173,9 @@ impl Metrics {
         let (metric, k) = name.split_once('@')?;
         let k: usize = k.trim().parse().ok()?;
         let idx = self.ks.iter().position(|&x| x == k)?;
-        let series = match metric.trim().to_ascii_lowercase().as_str() {
-            "recall" => &self.recall,
-            "ndcg" => &self.ndcg,
-            "mrr" => &self.mrr,
-            "hit" => &self.hit,
-            "precision" => &self.precision,
-            _ => return None,
-        };
-        series.get(idx).copied()
+        let metric = metric.trim().to_ascii_lowercase();
+        let column = Self::NAMES.iter().position(|n| *n == metric)?;
+        self.columns()[column].get(idx).copied()
     }
 
     /// One line, e.g. `users=6040 recall@10=0.1776 mrr@10=0.4187 ndcg@10=0.2401 hit@10=0.7199

@@ -109,7 +109,7 @@ fn every_rank_ends_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "w3", 1, "check_params_every = 1\n");
     let out = fixture(3, &config, &["batch.global=12"], &[]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     let p0 = params(dir.path(), "w3", 0);
     for rank in 1..3 {
         assert_eq!(
@@ -127,19 +127,19 @@ fn resume_continues_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let whole = write_config(dir.path(), "whole", 4, "");
     let out = fixture(2, &whole, &[], &[]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
 
     let split = write_config(dir.path(), "split", 4, "");
     let out = fixture(2, &split, &[], &[("GPTREC_STOP_AFTER_EPOCH", "2")]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     assert_eq!(
         losses(dir.path(), "split").len(),
         120,
         "stopped after 2 epochs"
     );
     let out = fixture(2, &split, &[], &[]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
-    assert!(out.stderr.contains("resuming from"), "{}", out.stderr);
+    out.assert_code(0);
+    out.assert_stderr("resuming from");
 
     assert_eq!(losses(dir.path(), "split"), losses(dir.path(), "whole"));
     for rank in 0..2 {
@@ -159,7 +159,7 @@ fn crash_mid_epoch_then_resume_is_exact() {
     let dropout = [("GPTREC_FIXTURE_DROPOUT", "0.2")];
     let whole = write_config(dir.path(), "whole", 2, "[checkpoint]\nevery_n_steps = 45\n");
     let out = fixture(2, &whole, &[], &dropout);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
 
     let crash = write_config(dir.path(), "crash", 2, "[checkpoint]\nevery_n_steps = 45\n");
     let out = fixture(
@@ -168,14 +168,10 @@ fn crash_mid_epoch_then_resume_is_exact() {
         &[],
         &[dropout[0], ("GPTREC_FIXTURE_EXIT_AT_CALL", "100")],
     );
-    assert_eq!(out.code(), Some(3), "{}", out.stderr);
+    out.assert_code(3);
     let out = fixture(2, &crash, &[], &dropout);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
-    assert!(
-        out.stderr.contains("step-000090 (epoch 2, step 90"),
-        "{}",
-        out.stderr
-    );
+    out.assert_code(0);
+    out.assert_stderr("step-000090 (epoch 2, step 90");
 
     assert_eq!(losses(dir.path(), "crash"), losses(dir.path(), "whole"));
     for rank in 0..2 {
@@ -193,37 +189,21 @@ fn resume_across_world_sizes_and_refusals() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "elastic", 2, "");
     let out = fixture(2, &config, &[], &[("GPTREC_STOP_AFTER_EPOCH", "1")]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
 
     let out = fixture(1, &config, &["batch.global=16"], &[]);
     assert_ne!(out.code(), Some(0));
-    assert!(
-        out.stderr.contains("global batch 8, this run has 16"),
-        "{}",
-        out.stderr
-    );
-    assert!(
-        out.stderr.contains("set batch.global = 8"),
-        "{}",
-        out.stderr
-    );
+    out.assert_stderr("global batch 8, this run has 16");
+    out.assert_stderr("set batch.global = 8");
 
     let out = fixture(1, &config, &["model.embedding_dim=32"], &[]);
     assert_ne!(out.code(), Some(0));
-    assert!(
-        out.stderr.contains("different model config"),
-        "{}",
-        out.stderr
-    );
+    out.assert_stderr("different model config");
 
     // World 1 (micro 4 x grad_accum 2) continues what world 2 started.
     let out = fixture(1, &config, &[], &[]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
-    assert!(
-        out.stderr.contains("written by 2 rank(s); now 1"),
-        "{}",
-        out.stderr
-    );
+    out.assert_code(0);
+    out.assert_stderr("written by 2 rank(s); now 1");
     assert_eq!(losses(dir.path(), "elastic").len(), 120);
 }
 
@@ -233,7 +213,7 @@ fn truncated_checkpoint_is_skipped_on_resume() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "trunc", 3, "");
     let out = fixture(2, &config, &[], &[("GPTREC_STOP_AFTER_EPOCH", "2")]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     let newest = dir
         .path()
         .join("runs/trunc/checkpoints/step-000120/model.safetensors");
@@ -245,13 +225,9 @@ fn truncated_checkpoint_is_skipped_on_resume() {
         .set_len(len / 3)
         .unwrap();
     let out = fixture(2, &config, &[], &[]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
-    assert!(out.stderr.contains("skipping checkpoint"), "{}", out.stderr);
-    assert!(
-        out.stderr.contains("step-000060 (epoch 2, step 60"),
-        "{}",
-        out.stderr
-    );
+    out.assert_code(0);
+    out.assert_stderr("skipping checkpoint");
+    out.assert_stderr("step-000060 (epoch 2, step 60");
 }
 
 /// One worker stops answering (SIGSTOP): the others fail within the timeout plus a few seconds,
@@ -283,25 +259,9 @@ fn a_stopped_worker_makes_the_others_fail_in_time() {
     .spawn()
     .unwrap();
     let out = wait_output(child, Duration::from_secs(60));
-    assert_eq!(out.code(), Some(1), "{}", out.stderr);
-    assert!(
-        out.stderr
-            .contains("all_reduce at step 3 timed out after 3.0 s"),
-        "{}",
-        out.stderr
-    );
-    assert!(
-        out.stderr.contains("no answer from rank(s) [1]"),
-        "{}",
-        out.stderr
-    );
-    assert!(
-        out.elapsed < Duration::from_secs(25),
-        "took {:?}",
-        out.elapsed
-    );
-    assert_eq!(
-        wait_no_processes(&id, Duration::from_secs(5)),
-        Vec::<i32>::new()
-    );
+    out.assert_code(1);
+    out.assert_stderr("all_reduce at step 3 timed out after 3.0 s");
+    out.assert_stderr("no answer from rank(s) [1]");
+    out.assert_ended_within(25);
+    assert_no_processes(&id, Duration::from_secs(5));
 }

@@ -313,11 +313,7 @@ fn no_nvidia_smi_is_a_one_line_error() {
     assert_eq!(out.code(), Some(2), "{}", both(&out));
     assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
     assert!(out.stderr.starts_with("gpu-box: error: "), "{}", out.stderr);
-    assert!(
-        out.stderr.contains(missing.to_str().unwrap()),
-        "{}",
-        out.stderr
-    );
+    out.assert_stderr(missing.to_str().unwrap());
     assert!(gb.launch_args().is_empty() && gb.log_dirs("default").is_empty());
 
     // an nvidia-smi that fails (no driver) is the same kind of error, with its first line
@@ -331,12 +327,7 @@ fn no_nvidia_smi_is_a_one_line_error() {
     let out = gb.run_cmd(cmd);
     assert_eq!(out.code(), Some(2), "{}", both(&out));
     assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
-    assert!(
-        out.stderr
-            .contains("couldn't communicate with the NVIDIA driver"),
-        "{}",
-        out.stderr
-    );
+    out.assert_stderr("couldn't communicate with the NVIDIA driver");
     assert!(gb.launch_args().is_empty());
 }
 

@@ -86,7 +86,7 @@ fn dry_run_names_where_each_value_came_from() {
         ("PET_NPROC_PER_NODE", "2"),
     ];
     let out = run_with_env(&["--dry-run", "--", "true"], &pet, T);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     for needle in [
         "world size:   6 = 3 node(s) x 2 process(es); this node: rank 2 of 3",
         "nodes:        3  [Kubernetes/TorchX PET_NNODES=3]",
@@ -122,7 +122,7 @@ fn dry_run_names_where_each_value_came_from() {
     ];
     slurm.extend(pet);
     let out = run_with_env(&["--dry-run", "--", "true"], &slurm, T);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     for needle in [
         "nodes:        2  [Slurm SLURM_STEP_NUM_NODES=2]",
         "node rank:    1  [Slurm SLURM_NODEID=1]",
@@ -160,14 +160,9 @@ fn several_tasks_per_node_in_a_slurm_step_is_a_one_line_error() {
         ("SLURM_STEP_NODELIST", "n0"),
     ];
     let out = run_with_env(&["--", "true"], &env, T);
-    assert_eq!(out.code(), Some(2), "{}", out.stderr);
+    out.assert_code(2);
     assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
-    assert!(
-        out.stderr.contains("runs 8 tasks on 1 node(s)")
-            && out.stderr.contains("--ntasks-per-node=1"),
-        "{}",
-        out.stderr
-    );
+    out.assert_stderr_all(&["runs 8 tasks on 1 node(s)", "--ntasks-per-node=1"]);
 }
 
 #[test]
@@ -175,7 +170,7 @@ fn gpu_ids_run_one_worker_per_listed_gpu() {
     let show = "echo \"gpu $LOCAL_RANK $CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER\"";
     let sim = [("GPTREC_SIMULATE_GPUS", "4")];
     let out = run_with_env(&["--gpu-ids", "2,0", "--", "sh", "-c", show], &sim, T);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     let mut lines: Vec<_> = rank_lines(&out.stdout)
         .into_iter()
         .map(|(r, t)| format!("{r}: {t}"))
@@ -205,7 +200,7 @@ fn gpu_ids_run_one_worker_per_listed_gpu() {
         ],
         T,
     );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     assert!(
         out.stdout.contains("gpu 1 5,7 PCI_BUS_ID"),
         "{}",
@@ -213,7 +208,7 @@ fn gpu_ids_run_one_worker_per_listed_gpu() {
     );
     // The dry run shows each local rank's GPU.
     let out = run_with_env(&["--dry-run", "--gpu-ids", "3,1", "--", "true"], &sim, T);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     for needle in [
         "local rank 0: device cuda:0 = GPU 3",
         "local rank 1: device cuda:1 = GPU 1",
@@ -249,7 +244,7 @@ fn mig_instances_in_cuda_visible_devices_are_gpus() {
         &env,
         T,
     );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     assert!(
         out.stdout.contains(&format!("gpu 0 {legacy}")),
         "{}",
@@ -260,7 +255,7 @@ fn mig_instances_in_cuda_visible_devices_are_gpus() {
         &env,
         T,
     );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     for needle in [
         "2 visible GPU(s), starting 2 process(es)".to_string(),
         format!("local rank 0: device cuda:0 = {modern} (MIG instance"),

@@ -25,12 +25,15 @@ fn args<'a>(head: &[&'a str], tail: &'a [String]) -> Vec<&'a str> {
         .collect()
 }
 
+/// `--num-processes N --master-port 0 EXTRA... -- sh -c SCRIPT`.
+fn flags<'a>(n: &'a str, extra: &[&'a str], script: &'a [String]) -> Vec<&'a str> {
+    let head = ["--num-processes", n, "--master-port", "0"];
+    args(&[&head[..], extra].concat(), script)
+}
+
 /// `--num-processes N --master-port 0 --run-id ID -- sh -c SCRIPT`.
 fn run_args<'a>(n: &'a str, id: &'a str, script: &'a [String]) -> Vec<&'a str> {
-    args(
-        &["--num-processes", n, "--master-port", "0", "--run-id", id],
-        script,
-    )
+    flags(n, &["--run-id", id], script)
 }
 
 /// `launch --num-processes 3 --master-port 0 --run-id ID -- sh -c SCRIPT`.
@@ -43,7 +46,7 @@ fn three_workers_get_the_torchrun_environment() {
     let id = unique_run_id("env");
     let script = sh("env | grep -E '^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_WORLD_SIZE|ROLE_NAME|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_RESTART_COUNT|TORCHELASTIC_MAX_RESTARTS|TORCHELASTIC_RUN_ID|OMP_NUM_THREADS)='");
     let out = launch_three(&id, &script);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     let mut seen: BTreeMap<u32, BTreeMap<String, String>> = BTreeMap::new();
     for (rank, text) in rank_lines(&out.stdout) {
         let (k, v) = text.split_once('=').expect("KEY=VALUE");
@@ -81,13 +84,10 @@ fn three_workers_get_the_torchrun_environment() {
 #[test]
 fn user_omp_num_threads_is_kept() {
     let script = sh("echo omp=$OMP_NUM_THREADS");
-    let out = launch_cmd(&args(
-        &["--num-processes", "2", "--master-port", "0"],
-        &script,
-    ))
-    .env("OMP_NUM_THREADS", "7")
-    .output()
-    .unwrap();
+    let out = launch_cmd(&flags("2", &[], &script))
+        .env("OMP_NUM_THREADS", "7")
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         rank_lines(&stdout)
@@ -106,41 +106,16 @@ fn failing_worker_gives_its_exit_code_a_summary_and_no_leftovers() {
         "if [ \"$RANK\" = 1 ]; then sleep 0.3; echo 'about to fail' >&2; echo 'ValueError: boom' >&2; exit 3; fi; sleep 60 & wait",
     );
     let out = launch(
-        &args(
-            &[
-                "--num-processes",
-                "3",
-                "--master-port",
-                "0",
-                "--grace-period",
-                "5",
-                "--run-id",
-                &id,
-            ],
-            &script,
-        ),
+        &flags("3", &["--grace-period", "5", "--run-id", &id], &script),
         T,
     );
-    assert_eq!(out.code(), Some(3), "{}", out.stderr);
-    assert!(
-        out.stderr
-            .contains("root cause: rank 1 (local_rank 1, pid "),
-        "{}",
-        out.stderr
-    );
-    assert!(out.stderr.contains("exit code 3 after"), "{}", out.stderr);
-    assert!(
-        out.stderr.contains("    | ValueError: boom"),
-        "{}",
-        out.stderr
-    );
-    assert!(out.stderr.contains("launch exits with 3"), "{}", out.stderr);
+    out.assert_code(3);
+    out.assert_stderr("root cause: rank 1 (local_rank 1, pid ");
+    out.assert_stderr("exit code 3 after");
+    out.assert_stderr("    | ValueError: boom");
+    out.assert_stderr("launch exits with 3");
     // Well-behaved workers end on SIGTERM: teardown must not wait for the grace period.
-    assert!(
-        out.elapsed < Duration::from_secs(4),
-        "took {:?}",
-        out.elapsed
-    );
+    out.assert_ended_within(4);
     assert_eq!(
         processes_of_run(&id),
         Vec::<i32>::new(),
@@ -154,8 +129,8 @@ fn worker_killed_by_sigkill_is_reported_with_the_signal() {
     let script = sh("if [ \"$RANK\" = 2 ]; then sleep 0.2; kill -9 $$; fi; sleep 60 & wait");
     let out = launch_three(&id, &script);
     assert_eq!(out.code(), Some(128 + 9), "{}", out.stderr);
-    assert!(out.stderr.contains("root cause: rank 2"), "{}", out.stderr);
-    assert!(out.stderr.contains("killed by SIGKILL"), "{}", out.stderr);
+    out.assert_stderr("root cause: rank 2");
+    out.assert_stderr("killed by SIGKILL");
     assert_eq!(processes_of_run(&id), Vec::<i32>::new());
 }
 
@@ -169,25 +144,13 @@ fn worker_ignoring_sigterm_is_killed_after_the_grace_period() {
         dir.path().display()
     ));
     let out = launch(
-        &args(
-            &[
-                "--num-processes",
-                "2",
-                "--master-port",
-                "0",
-                "--grace-period",
-                "1",
-                "--run-id",
-                &id,
-            ],
-            &script,
-        ),
+        &flags("2", &["--grace-period", "1", "--run-id", &id], &script),
         T,
     );
-    assert_eq!(out.code(), Some(5), "{}", out.stderr);
-    assert!(out.stderr.contains("sending SIGKILL"), "{}", out.stderr);
+    out.assert_code(5);
+    out.assert_stderr("sending SIGKILL");
     assert!(out.elapsed >= Duration::from_secs(1), "{:?}", out.elapsed);
-    assert!(out.elapsed < Duration::from_secs(8), "{:?}", out.elapsed);
+    out.assert_ended_within(8);
     assert_eq!(processes_of_run(&id), Vec::<i32>::new());
 }
 
@@ -216,10 +179,7 @@ fn signal_test(signal: Signal) {
             out.stderr
         );
     }
-    assert_eq!(
-        wait_no_processes(&id, Duration::from_secs(3)),
-        Vec::<i32>::new()
-    );
+    assert_no_processes(&id, Duration::from_secs(3));
 }
 
 #[test]
@@ -241,17 +201,9 @@ fn sighup_to_launch_is_forwarded() {
 fn second_sigint_kills_at_once() {
     let id = unique_run_id("int2");
     let script = sh("trap '' INT TERM; echo ready; while true; do sleep 0.05; done");
-    let child = launch_cmd(&args(
-        &[
-            "--num-processes",
-            "2",
-            "--master-port",
-            "0",
-            "--grace-period",
-            "30",
-            "--run-id",
-            &id,
-        ],
+    let child = launch_cmd(&flags(
+        "2",
+        &["--grace-period", "30", "--run-id", &id],
         &script,
     ))
     .spawn()
@@ -264,17 +216,10 @@ fn second_sigint_kills_at_once() {
     std::thread::sleep(Duration::from_millis(300));
     kill(pid, Signal::SIGINT).unwrap();
     let out = wait_output(child, T);
-    assert_eq!(out.code(), Some(130), "{}", out.stderr);
-    assert!(out.elapsed < Duration::from_secs(10), "{:?}", out.elapsed);
-    assert!(
-        out.stderr.contains("killing every worker now"),
-        "{}",
-        out.stderr
-    );
-    assert_eq!(
-        wait_no_processes(&id, Duration::from_secs(3)),
-        Vec::<i32>::new()
-    );
+    out.assert_code(130);
+    out.assert_ended_within(10);
+    out.assert_stderr("killing every worker now");
+    assert_no_processes(&id, Duration::from_secs(3));
 }
 
 #[test]
@@ -286,12 +231,9 @@ fn sigint_during_teardown_keeps_the_root_cause_and_ends_it_now() {
         dir.path().display()
     ));
     let live = Live::new(
-        launch_cmd(&args(
+        launch_cmd(&flags(
+            "2",
             &[
-                "--num-processes",
-                "2",
-                "--master-port",
-                "0",
                 "--grace-period",
                 "30",
                 "--max-restarts",
@@ -307,20 +249,17 @@ fn sigint_during_teardown_keeps_the_root_cause_and_ends_it_now() {
     live.wait_stderr("rank 0 (pid", T);
     kill(live.pid(), Signal::SIGINT).unwrap();
     let out = live.finish(T);
-    assert_eq!(out.code(), Some(7), "{}", out.stderr);
-    assert!(out.elapsed < Duration::from_secs(20), "{:?}", out.elapsed);
-    assert!(out.stderr.contains("root cause: rank 0"), "{}", out.stderr);
-    assert!(out.stderr.contains("| the real error"), "{}", out.stderr);
-    assert!(out.stderr.contains("not restarting"), "{}", out.stderr);
+    out.assert_code(7);
+    out.assert_ended_within(20);
+    out.assert_stderr("root cause: rank 0");
+    out.assert_stderr("| the real error");
+    out.assert_stderr("not restarting");
     assert!(
         !out.stderr.contains("restarting the worker group"),
         "{}",
         out.stderr
     );
-    assert_eq!(
-        wait_no_processes(&id, Duration::from_secs(3)),
-        Vec::<i32>::new()
-    );
+    assert_no_processes(&id, Duration::from_secs(3));
 }
 
 #[test]
@@ -336,13 +275,9 @@ fn last_stderr_line_without_newline_is_kept() {
         ],
         T,
     );
-    assert_eq!(out.code(), Some(1), "{}", out.stderr);
-    assert!(
-        out.stderr.contains("[rank 0] final words\n"),
-        "{}",
-        out.stderr
-    );
-    assert!(out.stderr.contains("    | final words"), "{}", out.stderr);
+    out.assert_code(1);
+    out.assert_stderr("[rank 0] final words\n");
+    out.assert_stderr("    | final words");
 }
 
 /// Starts `launch` with `flags` on `script` (run id `id`), waits for `expected` processes of the
@@ -393,33 +328,12 @@ fn max_restarts_restarts_the_group_until_it_succeeds() {
         "echo \"round $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then exit 4; fi; sleep 0.2",
     );
     let out = launch(
-        &args(
-            &[
-                "--num-processes",
-                "2",
-                "--master-port",
-                "0",
-                "--max-restarts",
-                "2",
-                "--run-id",
-                &id,
-            ],
-            &script,
-        ),
+        &flags("2", &["--max-restarts", "2", "--run-id", &id], &script),
         T,
     );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
-    assert!(
-        out.stderr.contains("rank 1 failed (exit code 4)"),
-        "{}",
-        out.stderr
-    );
-    assert!(
-        out.stderr
-            .contains("restarting the worker group (restart 1 of 2, TORCHELASTIC_RESTART_COUNT=1)"),
-        "{}",
-        out.stderr
-    );
+    out.assert_code(0);
+    out.assert_stderr("rank 1 failed (exit code 4)");
+    out.assert_stderr("restarting the worker group (restart 1 of 2, TORCHELASTIC_RESTART_COUNT=1)");
     let lines = rank_lines(&out.stdout);
     for rank in 0..2 {
         assert!(
@@ -437,23 +351,10 @@ fn max_restarts_restarts_the_group_until_it_succeeds() {
 #[test]
 fn max_restarts_exhausted_reports_the_last_failure() {
     let script = sh("exit 6");
-    let out = launch(
-        &args(
-            &[
-                "--num-processes",
-                "1",
-                "--master-port",
-                "0",
-                "--max-restarts",
-                "2",
-            ],
-            &script,
-        ),
-        T,
-    );
-    assert_eq!(out.code(), Some(6), "{}", out.stderr);
+    let out = launch(&flags("1", &["--max-restarts", "2"], &script), T);
+    out.assert_code(6);
     assert_eq!(out.stderr.matches("restarting the worker group").count(), 2);
-    assert!(out.stderr.contains("started 3 times"), "{}", out.stderr);
+    out.assert_stderr("started 3 times");
 }
 
 #[test]
@@ -465,14 +366,10 @@ fn taken_port_is_replaced_with_a_notice() {
         &args(&["--num-processes", "2", "--master-port", &taken], &script),
         T,
     );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
-    assert!(
-        out.stderr.contains(&format!(
-            "port {taken} on 127.0.0.1 is in use; using free port"
-        )),
-        "{}",
-        out.stderr
-    );
+    out.assert_code(0);
+    out.assert_stderr(format!(
+        "port {taken} on 127.0.0.1 is in use; using free port"
+    ));
     let ports: Vec<String> = rank_lines(&out.stdout)
         .into_iter()
         .map(|(_, t)| t)
@@ -501,12 +398,8 @@ fn taken_port_on_a_multi_node_master_is_an_error() {
         ],
         T,
     );
-    assert_eq!(out.code(), Some(2), "{}", out.stderr);
-    assert!(
-        out.stderr.contains("is in use; the other nodes expect it"),
-        "{}",
-        out.stderr
-    );
+    out.assert_code(2);
+    out.assert_stderr("is in use; the other nodes expect it");
 }
 
 #[test]
@@ -515,11 +408,8 @@ fn lines_are_never_interleaved_and_streams_stay_apart() {
     let script = sh(
         "pad=$(printf '%0300d' 0); i=0; while [ $i -lt 400 ]; do echo \"r$RANK l$i $pad\"; echo \"e$RANK l$i\" >&2; i=$((i+1)); done",
     );
-    let out = launch(
-        &args(&["--num-processes", "3", "--master-port", "0"], &script),
-        T,
-    );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    let out = launch(&flags("3", &[], &script), T);
+    out.assert_code(0);
     let pad = "0".repeat(300);
     let mut counts = [0usize; 3];
     for line in out.stdout.lines() {
@@ -550,20 +440,10 @@ fn log_dir_gets_one_file_per_rank() {
     let logs = dir.path().join("logs");
     let script = sh("echo out-$RANK; echo err-$RANK >&2");
     let out = launch(
-        &args(
-            &[
-                "--num-processes",
-                "2",
-                "--master-port",
-                "0",
-                "--log-dir",
-                logs.to_str().unwrap(),
-            ],
-            &script,
-        ),
+        &flags("2", &["--log-dir", logs.to_str().unwrap()], &script),
         T,
     );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     for rank in 0..2 {
         let text = std::fs::read_to_string(logs.join(format!("rank-{rank}.log"))).unwrap();
         assert!(text.contains(&format!("out-{rank}\n")), "{text}");
@@ -578,13 +458,8 @@ fn log_dir_gets_one_file_per_rank() {
 #[test]
 fn program_that_cannot_start_is_reported() {
     let out = launch(&["--master-port", "0", "--", "/nonexistent/program"], T);
-    assert_eq!(out.code(), Some(127), "{}", out.stderr);
-    assert!(
-        out.stderr
-            .contains("cannot start rank 0 (/nonexistent/program)"),
-        "{}",
-        out.stderr
-    );
+    out.assert_code(127);
+    out.assert_stderr("cannot start rank 0 (/nonexistent/program)");
 }
 
 #[test]
@@ -602,7 +477,7 @@ fn dry_run_prints_the_plan_and_starts_nothing() {
         ],
         T,
     );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     assert!(
         out.stdout
             .contains("world size:   2 = 1 node(s) x 2 process(es)"),
@@ -640,7 +515,7 @@ fn dry_run_shows_the_batch_derivation_of_the_config() {
         ],
         T,
     );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     assert!(
         out.stdout
             .contains("batch:        micro 8 x grad_accum 6 x world 4 = global 192"),
@@ -661,7 +536,7 @@ fn dry_run_rejects_a_batch_that_does_not_divide() {
         &["--dry-run", "--num-processes", "5", "configs/default.toml"],
         T,
     );
-    assert_eq!(out.code(), Some(2), "{}", out.stderr);
+    out.assert_code(2);
     let first = out.stderr.lines().next().unwrap_or_default();
     assert!(
         first.starts_with("launch: error: configs/default.toml: batch:"),
@@ -819,13 +694,9 @@ fn escaped_children_are_stopped_and_orphans_reaped_as_they_go() {
     std::thread::sleep(Duration::from_millis(2000));
     let piled = zombies_of(live.pid().as_raw());
     let out = live.finish(T);
-    assert_eq!(out.code(), Some(4), "{}", out.stderr);
+    out.assert_code(4);
     assert!(piled < 20, "{piled} zombies of launch while it ran");
-    assert!(
-        out.stderr.contains("left their worker's process group"),
-        "{}",
-        out.stderr
-    );
+    out.assert_stderr("left their worker's process group");
     assert_eq!(
         wait_no_processes(&id, Duration::from_secs(5)),
         Vec::<i32>::new(),
@@ -838,10 +709,7 @@ fn escaped_children_are_stopped_and_orphans_reaped_as_they_go() {
 #[test]
 fn a_huge_stderr_line_does_not_flood_the_summary() {
     let script = sh("head -c 50000000 /dev/zero | tr '\\0' x >&2; echo >&2; exit 5");
-    let out = launch(
-        &args(&["--num-processes", "1", "--master-port", "0"], &script),
-        T,
-    );
+    let out = launch(&flags("1", &[], &script), T);
     assert_eq!(out.code(), Some(5));
     let summary = out
         .stderr

@@ -39,7 +39,7 @@ fn run(out_dir: &Path, name: &str, run_id: &str, env: &[(&str, &str)], extra: &[
 #[test]
 fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch() {
     let out = dry_run(&[], &[]);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     for needle in [
         "memory:",
         "estimate per worker (",
@@ -64,7 +64,7 @@ fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch
         &[("GPTREC_MEMORY_LIMIT_MB", "690")],
         &["--set", "model.text_mode=\"dynamic\""],
     );
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     assert!(out.stdout.contains("activations (GPT-2)"), "{}", out.stdout);
     let warning = out
         .stdout
@@ -208,13 +208,8 @@ fn micro_auto_picks_the_largest_micro_that_fits_every_rank_and_keeps_the_global_
         &[("GPTREC_MEMORY_LIMIT_MB", "100")],
         &["batch.micro=\"auto\"", "train.epochs=1"],
     );
-    assert_eq!(out.code(), Some(3), "{}", out.stderr);
-    assert!(
-        out.stderr
-            .contains("no micro batch that keeps global 256 fits on rank(s) 0, 1"),
-        "{}",
-        out.stderr
-    );
+    out.assert_code(3);
+    out.assert_stderr("no micro batch that keeps global 256 fits on rank(s) 0, 1");
     assert!(wait_no_processes(&run_id, Duration::from_secs(10)).is_empty());
 }
 

@@ -117,11 +117,7 @@ fn patience_stops_a_run_that_does_not_improve() {
     let dir = tempfile::tempdir().unwrap();
     let out = run(dir.path(), "stuck", STUCK);
     assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
-    assert!(
-        out.stderr.contains("early stopping after epoch 3"),
-        "{}",
-        out.stderr
-    );
+    out.assert_stderr("early stopping after epoch 3");
     let recs = records(&dir.path().join("stuck"));
     let valid: Vec<_> = of_kind(&recs, "eval")
         .into_iter()
@@ -135,7 +131,7 @@ fn patience_stops_a_run_that_does_not_improve() {
     // Resuming a run that stopped early trains no further: it only evaluates the test split.
     let again = run(dir.path(), "stuck", STUCK);
     assert_eq!(again.code(), Some(0), "{}\n{}", again.stdout, again.stderr);
-    assert!(again.stderr.contains("resuming from"), "{}", again.stderr);
+    again.assert_stderr("resuming from");
     assert!(!again.stderr.contains("epoch 4/6"), "{}", again.stderr);
 }
 
@@ -146,6 +142,6 @@ fn a_bad_data_dir_is_named() {
     let set = format!("data.dir={:?}", missing.display().to_string());
     let out = run(dir.path(), "bad", &[&set]);
     assert_ne!(out.code(), Some(0));
-    assert!(out.stderr.contains("nowhere"), "{}", out.stderr);
+    out.assert_stderr("nowhere");
     assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
 }

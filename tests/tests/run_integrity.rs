@@ -96,7 +96,7 @@ fn a_fresh_run_in_an_old_run_dir_reports_only_its_own_results() {
     let out = dir.path();
     let keep = ["checkpoint.every_n_steps=20", "checkpoint.keep=3"];
     let a = run(2, out, "r", &[&["train.epochs=3"][..], &keep].concat(), &[]);
-    assert_eq!(a.code(), Some(0), "{}", a.stderr);
+    a.assert_code(0);
     let run_dir = out.join("r");
     let a_steps = steps_in(&run_dir.join("checkpoints"));
     let a_last = a_steps.last().cloned().unwrap();
@@ -107,8 +107,8 @@ fn a_fresh_run_in_an_old_run_dir_reports_only_its_own_results() {
     ]
     .concat();
     let b = run(2, out, "r", &fresh, &[]);
-    assert_eq!(b.code(), Some(0), "{}", b.stderr);
-    assert!(b.stderr.contains("left by an earlier run"), "{}", b.stderr);
+    b.assert_code(0);
+    b.assert_stderr("left by an earlier run");
     let b_steps = steps_in(&run_dir.join("checkpoints"));
     assert!(!b_steps.contains(&a_last), "{b_steps:?}");
     assert!(!b_steps.is_empty(), "the new run's checkpoints were pruned");
@@ -127,20 +127,16 @@ fn a_fresh_run_in_an_old_run_dir_reports_only_its_own_results() {
 
     // The same run in an empty directory gives the same test line.
     let c = run(2, out, "clean", &fresh, &[]);
-    assert_eq!(c.code(), Some(0), "{}", c.stderr);
+    c.assert_code(0);
     assert_eq!(test_metrics(&run_dir), test_metrics(&out.join("clean")));
 
     // Resuming picks up this run's end, not the earlier run's.
     let d = run(2, out, "r", &[&["train.epochs=1"][..], &keep].concat(), &[]);
-    assert_eq!(d.code(), Some(0), "{}", d.stderr);
-    assert!(
-        d.stderr.contains(&format!(
-            "resuming from {}",
-            run_dir.join("checkpoints").join(latest.trim()).display()
-        )),
-        "{}",
-        d.stderr
-    );
+    d.assert_code(0);
+    d.assert_stderr(format!(
+        "resuming from {}",
+        run_dir.join("checkpoints").join(latest.trim()).display()
+    ));
     // A finished run resumed writes no second test or summary record.
     let recs = records(&run_dir);
     assert_eq!(tests_of(&recs).len(), 1);
@@ -160,7 +156,7 @@ fn a_second_run_in_a_busy_run_dir_refuses_and_names_the_holder() {
     let before = std::fs::read_to_string(out.join("busy/metrics.jsonl")).unwrap();
 
     let second = run(1, out, "busy", &["train.epochs=1"], &[]);
-    assert_eq!(second.code(), Some(2), "{}", second.stderr);
+    second.assert_code(2);
     let line = second
         .stderr
         .lines()
@@ -204,13 +200,13 @@ fn a_half_written_record_is_dropped_on_resume() {
         &["train.epochs=2"],
         &[("GPTREC_STOP_AFTER_EPOCH", "1")],
     );
-    assert_eq!(a.code(), Some(0), "{}", a.stderr);
+    a.assert_code(0);
     let path = out.join("half/metrics.jsonl");
     let mut text = std::fs::read_to_string(&path).unwrap();
     text.push_str("{\"epoch\":1,\"hit@10\":");
     std::fs::write(&path, text).unwrap();
     let b = run(2, out, "half", &["train.epochs=2"], &[]);
-    assert_eq!(b.code(), Some(0), "{}", b.stderr);
+    b.assert_code(0);
     let recs = records(&out.join("half"));
     assert_eq!(tests_of(&recs).len(), 1);
     assert_eq!(recs.iter().filter(|r| r["kind"] == "summary").count(), 1);
@@ -249,11 +245,7 @@ fn a_full_disk_names_rank_0s_real_error_and_leaves_no_temporaries() {
         .find(|l| l.contains("root cause:"))
         .unwrap_or_else(|| panic!("{}", out.stderr));
     assert!(root.contains("rank 0"), "{root}\n{}", out.stderr);
-    assert!(
-        out.stderr.contains("No space left on device"),
-        "{}",
-        out.stderr
-    );
+    out.assert_stderr("No space left on device");
     for sub in ["full/checkpoints", "full/best"] {
         let left: Vec<String> = std::fs::read_dir(mnt.join(sub))
             .map(|rd| {
@@ -280,7 +272,7 @@ fn all_checkpoints_unusable_is_said_in_one_line() {
         &["train.epochs=3"],
         &[("GPTREC_STOP_AFTER_EPOCH", "2")],
     );
-    assert_eq!(a.code(), Some(0), "{}", a.stderr);
+    a.assert_code(0);
     let checkpoints = out.join("bad/checkpoints");
     let damaged = steps_in(&checkpoints);
     assert!(!damaged.is_empty());
@@ -295,7 +287,7 @@ fn all_checkpoints_unusable_is_said_in_one_line() {
             .unwrap();
     }
     let b = run(2, out, "bad", &["train.epochs=1"], &[]);
-    assert_eq!(b.code(), Some(0), "{}", b.stderr);
+    b.assert_code(0);
     let line = format!(
         "no usable checkpoint in {} ({} unusable, listed above): starting from step 0",
         checkpoints.display(),
@@ -313,7 +305,7 @@ fn a_resume_with_another_world_size_says_so_and_keeps_the_schedule() {
     let out = dir.path();
     let epochs = ["train.epochs=3"];
     let a = run(2, out, "w", &epochs, &[("GPTREC_STOP_AFTER_EPOCH", "1")]);
-    assert_eq!(a.code(), Some(0), "{}", a.stderr);
+    a.assert_code(0);
     let total = |text: &str| -> Vec<String> {
         text.lines()
             .filter_map(|l| l.split(" step ").nth(1))
@@ -324,14 +316,11 @@ fn a_resume_with_another_world_size_says_so_and_keeps_the_schedule() {
     let first = total(&a.stderr);
     assert!(!first.is_empty(), "{}", a.stderr);
     let b = run(3, out, "w", &epochs, &[]);
-    assert_eq!(b.code(), Some(0), "{}", b.stderr);
-    assert!(
-        b.stderr
-            .contains("resuming with world 3 from a checkpoint of world 2")
-            && b.stderr.contains("not bit-exactly"),
-        "{}",
-        b.stderr
-    );
+    b.assert_code(0);
+    b.assert_stderr_all(&[
+        "resuming with world 3 from a checkpoint of world 2",
+        "not bit-exactly",
+    ]);
     let second = total(&b.stderr);
     assert!(!second.is_empty(), "{}", b.stderr);
     assert!(

@@ -68,14 +68,11 @@ fn several_nodes_share_a_secret_through_a_run_id_file() {
 
     let bare: Vec<&str> = vec!["--nnodes", "2", "--master-addr", "127.0.0.1", "--", "true"];
     let out = launch(&bare, Duration::from_secs(30));
-    assert_eq!(out.code(), Some(2), "{}", out.stderr);
-    assert!(
-        out.stderr
-            .contains("needs a secret run id shared by every node")
-            && out.stderr.contains("--run-id-file"),
-        "{}",
-        out.stderr
-    );
+    out.assert_code(2);
+    out.assert_stderr_all(&[
+        "needs a secret run id shared by every node",
+        "--run-id-file",
+    ]);
 }
 
 /// A running job's store under a flood — 300 silent sockets and 8 that announce 63 MiB frames —
@@ -128,7 +125,7 @@ fn a_flood_of_strangers_does_not_starve_the_job() {
     }
     let out = job.finish(Duration::from_secs(300));
     drop(flood);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     assert!(
         !out.stderr.contains("Too many open files"),
         "{}",
@@ -196,6 +193,6 @@ fn a_worker_with_the_wrong_run_id_is_refused_without_learning_the_id() {
         "the stranger learned the run id:\n{text}"
     );
     let out = job.finish(Duration::from_secs(300));
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_code(0);
     assert!(!out.stdout.contains(&secret) && !out.stderr.contains(&secret));
 }

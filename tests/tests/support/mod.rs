@@ -67,6 +67,43 @@ impl Output {
     pub fn code(&self) -> Option<i32> {
         self.status.code()
     }
+
+    /// Panics, showing stderr, unless the process exited with `code`.
+    #[track_caller]
+    pub fn assert_code(&self, code: i32) {
+        assert_eq!(self.code(), Some(code), "{}", self.stderr);
+    }
+
+    /// Panics, showing stderr, unless stderr contains `needle`.
+    #[track_caller]
+    pub fn assert_stderr(&self, needle: impl AsRef<str>) {
+        let needle = needle.as_ref();
+        assert!(
+            self.stderr.contains(needle),
+            "no {needle:?} in:\n{}",
+            self.stderr
+        );
+    }
+
+    /// Panics, showing stderr, unless stderr contains every one of `needles`.
+    #[track_caller]
+    pub fn assert_stderr_all(&self, needles: &[&str]) {
+        for needle in needles {
+            self.assert_stderr(needle);
+        }
+    }
+
+    /// Panics unless the process ended within `secs` seconds (a bound on hanging, far above
+    /// the usual time, not a benchmark).
+    #[track_caller]
+    pub fn assert_ended_within(&self, secs: u64) {
+        let limit = Duration::from_secs(secs);
+        assert!(
+            self.elapsed < limit,
+            "took {:?}, limit {limit:?}",
+            self.elapsed
+        );
+    }
 }
 
 /// The `--set`s of a tiny, fast training run (BPR on the tiny synthetic data, one epoch) whose
@@ -308,6 +345,16 @@ pub fn wait_no_processes(run_id: &str, timeout: Duration) -> Vec<i32> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Panics unless every process of the run is gone within `timeout`.
+#[track_caller]
+pub fn assert_no_processes(run_id: &str, timeout: Duration) {
+    let left = wait_no_processes(run_id, timeout);
+    assert!(
+        left.is_empty(),
+        "processes of {run_id} left behind: {left:?}"
+    );
 }
 
 /// Waits until `count` processes of the run exist.

@@ -186,9 +186,8 @@ impl<'t> Trainer<'t> {
             },
         )?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
-        let sampler =
-            DistributedSampler::new(task.train_len(), world, rank, config.run.seed, true, false)
-                .map_err(|e| TrainError::Plan(e.to_string()))?;
+        let sampler = DistributedSampler::new(task.train_len(), world, rank, config.run.seed)
+            .map_err(|e| TrainError::Plan(e.to_string()))?;
         let per_rank_step = (batch.micro * batch.grad_accum) as usize;
         let steps_per_epoch = (sampler.num_samples() / per_rank_step) as u64;
         if steps_per_epoch == 0 {

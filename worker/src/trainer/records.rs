@@ -20,13 +20,7 @@ pub fn eval_record(
     map.insert("step".into(), step.into());
     map.insert("users".into(), metrics.users.into());
     for (i, k) in metrics.ks.iter().enumerate() {
-        for (name, series) in [
-            ("recall", &metrics.recall),
-            ("ndcg", &metrics.ndcg),
-            ("mrr", &metrics.mrr),
-            ("hit", &metrics.hit),
-            ("precision", &metrics.precision),
-        ] {
+        for (name, series) in Metrics::NAMES.iter().zip(metrics.columns()) {
             map.insert(format!("{name}@{k}"), series[i].into());
         }
     }
