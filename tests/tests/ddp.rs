@@ -50,6 +50,14 @@ fn fixture(nproc: u32, config: &Path, sets: &[&str], env: &[(&str, &str)]) -> Ou
     wait_output(cmd.spawn().unwrap(), T)
 }
 
+/// [`fixture`], asserting that it exits 0.
+#[track_caller]
+fn fixture_ok(nproc: u32, config: &Path, sets: &[&str], env: &[(&str, &str)]) -> Output {
+    let out = fixture(nproc, config, sets, env);
+    out.assert_code(0);
+    out
+}
+
 fn params(dir: &Path, name: &str, rank: u32) -> std::collections::BTreeMap<String, Vec<f32>> {
     read_f32_tensors(
         &dir.join("runs")
@@ -67,6 +75,16 @@ fn losses(dir: &Path, name: &str) -> Vec<(u64, f64)> {
             (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
         })
         .collect()
+}
+
+/// Panics unless runs `a` and `b` logged the same losses and their 2 ranks ended with the same
+/// parameters.
+#[track_caller]
+fn assert_same_run(dir: &Path, a: &str, b: &str) {
+    assert_eq!(losses(dir, a), losses(dir, b));
+    for rank in 0..2 {
+        assert_eq!(params(dir, a, rank), params(dir, b, rank));
+    }
 }
 
 /// Same model, data and global batch (8) as (world 2, micro 4, accum 1), (world 1, micro 4,
@@ -108,8 +126,7 @@ fn world_sizes_and_accumulation_give_the_same_model() {
 fn every_rank_ends_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "w3", 1, "check_params_every = 1\n");
-    let out = fixture(3, &config, &["batch.global=12"], &[]);
-    out.assert_code(0);
+    fixture_ok(3, &config, &["batch.global=12"], &[]);
     let p0 = params(dir.path(), "w3", 0);
     for rank in 1..3 {
         assert_eq!(
@@ -126,28 +143,19 @@ fn every_rank_ends_bit_identical() {
 fn resume_continues_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let whole = write_config(dir.path(), "whole", 4, "");
-    let out = fixture(2, &whole, &[], &[]);
-    out.assert_code(0);
+    fixture_ok(2, &whole, &[], &[]);
 
     let split = write_config(dir.path(), "split", 4, "");
-    let out = fixture(2, &split, &[], &[("GPTREC_STOP_AFTER_EPOCH", "2")]);
-    out.assert_code(0);
+    fixture_ok(2, &split, &[], &[("GPTREC_STOP_AFTER_EPOCH", "2")]);
     assert_eq!(
         losses(dir.path(), "split").len(),
         120,
         "stopped after 2 epochs"
     );
-    let out = fixture(2, &split, &[], &[]);
-    out.assert_code(0);
+    let out = fixture_ok(2, &split, &[], &[]);
     out.assert_stderr("resuming from");
 
-    assert_eq!(losses(dir.path(), "split"), losses(dir.path(), "whole"));
-    for rank in 0..2 {
-        assert_eq!(
-            params(dir.path(), "split", rank),
-            params(dir.path(), "whole", rank)
-        );
-    }
+    assert_same_run(dir.path(), "split", "whole");
 }
 
 /// A crash in the middle of an epoch, between checkpoints: the resumed run (from the newest
@@ -158,8 +166,7 @@ fn crash_mid_epoch_then_resume_is_exact() {
     let dir = tempfile::tempdir().unwrap();
     let dropout = [("GPTREC_FIXTURE_DROPOUT", "0.2")];
     let whole = write_config(dir.path(), "whole", 2, "[checkpoint]\nevery_n_steps = 45\n");
-    let out = fixture(2, &whole, &[], &dropout);
-    out.assert_code(0);
+    fixture_ok(2, &whole, &[], &dropout);
 
     let crash = write_config(dir.path(), "crash", 2, "[checkpoint]\nevery_n_steps = 45\n");
     let out = fixture(
@@ -169,17 +176,10 @@ fn crash_mid_epoch_then_resume_is_exact() {
         &[dropout[0], ("GPTREC_FIXTURE_EXIT_AT_CALL", "100")],
     );
     out.assert_code(3);
-    let out = fixture(2, &crash, &[], &dropout);
-    out.assert_code(0);
+    let out = fixture_ok(2, &crash, &[], &dropout);
     out.assert_stderr("step-000090 (epoch 2, step 90");
 
-    assert_eq!(losses(dir.path(), "crash"), losses(dir.path(), "whole"));
-    for rank in 0..2 {
-        assert_eq!(
-            params(dir.path(), "crash", rank),
-            params(dir.path(), "whole", rank)
-        );
-    }
+    assert_same_run(dir.path(), "crash", "whole");
 }
 
 /// Resuming with another world size is allowed when the global batch is unchanged; another
@@ -188,21 +188,18 @@ fn crash_mid_epoch_then_resume_is_exact() {
 fn resume_across_world_sizes_and_refusals() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "elastic", 2, "");
-    let out = fixture(2, &config, &[], &[("GPTREC_STOP_AFTER_EPOCH", "1")]);
-    out.assert_code(0);
+    fixture_ok(2, &config, &[], &[("GPTREC_STOP_AFTER_EPOCH", "1")]);
 
     let out = fixture(1, &config, &["batch.global=16"], &[]);
     assert_ne!(out.code(), Some(0));
-    out.assert_stderr("global batch 8, this run has 16");
-    out.assert_stderr("set batch.global = 8");
+    out.assert_stderr_all(&["global batch 8, this run has 16", "set batch.global = 8"]);
 
     let out = fixture(1, &config, &["model.embedding_dim=32"], &[]);
     assert_ne!(out.code(), Some(0));
     out.assert_stderr("different model config");
 
     // World 1 (micro 4 x grad_accum 2) continues what world 2 started.
-    let out = fixture(1, &config, &[], &[]);
-    out.assert_code(0);
+    let out = fixture_ok(1, &config, &[], &[]);
     out.assert_stderr("written by 2 rank(s); now 1");
     assert_eq!(losses(dir.path(), "elastic").len(), 120);
 }
@@ -212,22 +209,13 @@ fn resume_across_world_sizes_and_refusals() {
 fn truncated_checkpoint_is_skipped_on_resume() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), "trunc", 3, "");
-    let out = fixture(2, &config, &[], &[("GPTREC_STOP_AFTER_EPOCH", "2")]);
-    out.assert_code(0);
+    fixture_ok(2, &config, &[], &[("GPTREC_STOP_AFTER_EPOCH", "2")]);
     let newest = dir
         .path()
         .join("runs/trunc/checkpoints/step-000120/model.safetensors");
-    let len = std::fs::metadata(&newest).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&newest)
-        .unwrap()
-        .set_len(len / 3)
-        .unwrap();
-    let out = fixture(2, &config, &[], &[]);
-    out.assert_code(0);
-    out.assert_stderr("skipping checkpoint");
-    out.assert_stderr("step-000060 (epoch 2, step 60");
+    truncate_to_fraction(&newest, 3);
+    let out = fixture_ok(2, &config, &[], &[]);
+    out.assert_stderr_all(&["skipping checkpoint", "step-000060 (epoch 2, step 60"]);
 }
 
 /// One worker stops answering (SIGSTOP): the others fail within the timeout plus a few seconds,
@@ -260,8 +248,10 @@ fn a_stopped_worker_makes_the_others_fail_in_time() {
     .unwrap();
     let out = wait_output(child, Duration::from_secs(60));
     out.assert_code(1);
-    out.assert_stderr("all_reduce at step 3 timed out after 3.0 s");
-    out.assert_stderr("no answer from rank(s) [1]");
+    out.assert_stderr_all(&[
+        "all_reduce at step 3 timed out after 3.0 s",
+        "no answer from rank(s) [1]",
+    ]);
     out.assert_ended_within(25);
     assert_no_processes(&id, Duration::from_secs(5));
 }

@@ -72,6 +72,13 @@ impl GpuBox {
         GpuBox { tmp, smi }
     }
 
+    /// A fresh box and a fake launch in its tempdir (see [`fake_launch`]).
+    fn with_fake_launch() -> (GpuBox, PathBuf) {
+        let gb = GpuBox::new();
+        let launch = fake_launch(gb.tmp.path());
+        (gb, launch)
+    }
+
     fn path(&self, name: &str) -> PathBuf {
         self.tmp.path().join(name)
     }
@@ -153,6 +160,26 @@ fn line_with<'a>(out: &'a Output, prefix: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no line starting {prefix:?}\n{}", both(out)))
 }
 
+/// Panics unless the output has a `gpu-box:` line starting `prefix` that contains `needle`.
+#[track_caller]
+fn assert_line_has(out: &Output, prefix: &str, needle: &str) {
+    let line = line_with(out, prefix);
+    assert!(line.contains(needle), "{line}");
+}
+
+/// Panics unless gpu-box exited 2 with one line on stderr, `gpu-box: error: ...`; `what` names
+/// the case.
+#[track_caller]
+fn assert_one_line_error(out: &Output, what: &str) {
+    assert_eq!(out.code(), Some(2), "{what}: {}", both(out));
+    assert_eq!(out.stderr.lines().count(), 1, "{what}: {}", out.stderr);
+    assert!(
+        out.stderr.starts_with("gpu-box: error: "),
+        "{what}: {}",
+        out.stderr
+    );
+}
+
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -196,8 +223,7 @@ fn trains_on_the_idle_gpus_then_resumes() {
             && !picked.contains("GPU 3 ("),
         "{picked}"
     );
-    let exec = line_with(&first, "gpu-box: exec ");
-    assert!(exec.contains(" --gpu-ids 0,2 "), "{exec}");
+    assert_line_has(&first, "gpu-box: exec ", " --gpu-ids 0,2 ");
     let dirs = gb.log_dirs("default");
     assert_eq!(dirs.len(), 1, "{dirs:?}");
     let logs = &dirs[0];
@@ -208,8 +234,7 @@ fn trains_on_the_idle_gpus_then_resumes() {
             && name.bytes().filter(u8::is_ascii_digit).count() == 14,
         "log dir {name} is not YYYYmmdd-HHMMSS"
     );
-    let where_line = line_with(&first, "gpu-box: logs go to ");
-    assert!(where_line.contains(logs.to_str().unwrap()), "{where_line}");
+    assert_line_has(&first, "gpu-box: logs go to ", logs.to_str().unwrap());
     assert!(
         rank_lines(&first.stdout)
             .into_iter()
@@ -265,8 +290,7 @@ fn trains_on_the_idle_gpus_then_resumes() {
 /// usage, the busy ones with why.
 #[test]
 fn too_few_idle_gpus_is_exit_2_naming_the_busy_ones() {
-    let gb = GpuBox::new();
-    let launch = fake_launch(gb.tmp.path());
+    let (gb, launch) = GpuBox::with_fake_launch();
     let out = gb.run(&["-n", "3", "configs/default.toml"], &launch);
     assert_eq!(out.code(), Some(2), "{}", both(&out));
     let err = &out.stderr;
@@ -304,15 +328,12 @@ fn too_few_idle_gpus_is_exit_2_naming_the_busy_ones() {
 /// (d) no nvidia-smi: exit 2 with a one-line message, nothing started.
 #[test]
 fn no_nvidia_smi_is_a_one_line_error() {
-    let gb = GpuBox::new();
-    let launch = fake_launch(gb.tmp.path());
+    let (gb, launch) = GpuBox::with_fake_launch();
     let missing = gb.path("no-such-nvidia-smi");
     let mut cmd = gb.command(&["configs/default.toml"], &launch);
     cmd.env("GPUBOX_NVIDIA_SMI", &missing);
     let out = gb.run_cmd(cmd);
-    assert_eq!(out.code(), Some(2), "{}", both(&out));
-    assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
-    assert!(out.stderr.starts_with("gpu-box: error: "), "{}", out.stderr);
+    assert_one_line_error(&out, "no nvidia-smi");
     out.assert_stderr(missing.to_str().unwrap());
     assert!(gb.launch_args().is_empty() && gb.log_dirs("default").is_empty());
 
@@ -325,8 +346,7 @@ fn no_nvidia_smi_is_a_one_line_error() {
     let mut cmd = gb.command(&["configs/default.toml"], &launch);
     cmd.env("GPUBOX_NVIDIA_SMI", &broken);
     let out = gb.run_cmd(cmd);
-    assert_eq!(out.code(), Some(2), "{}", both(&out));
-    assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+    assert_one_line_error(&out, "failing nvidia-smi");
     out.assert_stderr("couldn't communicate with the NVIDIA driver");
     assert!(gb.launch_args().is_empty());
 }
@@ -335,8 +355,7 @@ fn no_nvidia_smi_is_a_one_line_error() {
 /// through unchanged, and the script exits with launch's exit code.
 #[test]
 fn least_used_first_options_pass_through_and_launch_exit_code_is_kept() {
-    let gb = GpuBox::new();
-    let launch = fake_launch(gb.tmp.path());
+    let (gb, launch) = GpuBox::with_fake_launch();
     let out = gb.run(
         &[
             "-n",
@@ -371,10 +390,10 @@ fn least_used_first_options_pass_through_and_launch_exit_code_is_kept() {
         picked.contains("GPU 0 (3/81559 MiB, 0% util)") && picked.contains("-n 1"),
         "{picked}"
     );
-    let not_picked = line_with(&out, "gpu-box: not picked: ");
-    assert!(
-        not_picked.contains("GPU 2 (1/81559 MiB, 2% util): idle"),
-        "{not_picked}"
+    assert_line_has(
+        &out,
+        "gpu-box: not picked: ",
+        "GPU 2 (1/81559 MiB, 2% util): idle",
     );
 }
 
@@ -382,25 +401,23 @@ fn least_used_first_options_pass_through_and_launch_exit_code_is_kept() {
 /// and launch gets their positions in that list.
 #[test]
 fn cuda_visible_devices_limits_the_candidates_and_launch_gets_positions() {
-    let gb = GpuBox::new();
-    let launch = fake_launch(gb.tmp.path());
+    let (gb, launch) = GpuBox::with_fake_launch();
     let mut cmd = gb.command(&["configs/default.toml"], &launch);
     // visible 0 = GPU 3 (busy), 1 = GPU 1 (busy), 2 = GPU 2 (idle); GPU 0 is not visible
     cmd.env("CUDA_VISIBLE_DEVICES", "3,GPU-bbbb,2");
     let out = gb.run_cmd(cmd);
     assert_eq!(out.code(), Some(7), "{}", both(&out));
     assert_eq!(&gb.launch_args()[..2], ["--gpu-ids", "2"]);
-    let not_picked = line_with(&out, "gpu-box: not picked: ");
-    assert!(
-        not_picked.contains("GPU 0 (3/81559 MiB, 0% util): not in CUDA_VISIBLE_DEVICES"),
-        "{not_picked}"
+    assert_line_has(
+        &out,
+        "gpu-box: not picked: ",
+        "GPU 0 (3/81559 MiB, 0% util): not in CUDA_VISIBLE_DEVICES",
     );
 }
 
 #[test]
 fn help_and_command_line_errors() {
-    let gb = GpuBox::new();
-    let launch = fake_launch(gb.tmp.path());
+    let (gb, launch) = GpuBox::with_fake_launch();
     let out = gb.run(&["-h"], &launch);
     assert_eq!(out.code(), Some(0));
     assert!(
@@ -417,9 +434,7 @@ fn help_and_command_line_errors() {
         &["configs/default.toml", "--gpu-ids", "1"],
     ] {
         let out = gb.run(args, &launch);
-        assert_eq!(out.code(), Some(2), "{args:?}: {}", both(&out));
-        assert_eq!(out.stderr.lines().count(), 1, "{args:?}: {}", out.stderr);
-        assert!(out.stderr.starts_with("gpu-box: error: "), "{}", out.stderr);
+        assert_one_line_error(&out, &format!("{args:?}"));
     }
     assert!(gb.launch_args().is_empty());
 }

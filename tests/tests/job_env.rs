@@ -13,13 +13,22 @@ use support::{
 
 const T: Duration = Duration::from_secs(60);
 
-fn run_with_env(args: &[&str], env: &[(&str, &str)], timeout: Duration) -> Output {
+/// `launch ARGS...` without the CUDA_VISIBLE_DEVICES the tests run under, `env` added.
+fn run_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = launch_cmd(args);
     cmd.env_remove("CUDA_VISIBLE_DEVICES");
     for (k, v) in env {
         cmd.env(k, v);
     }
-    wait_output(cmd.spawn().expect("start launch"), timeout)
+    wait_output(cmd.spawn().expect("start launch"), T)
+}
+
+/// `launch --dry-run -- true` with `env`; asserts it exits 0 and prints every one of `needles`.
+#[track_caller]
+fn assert_dry_run_prints(env: &[(&str, &str)], needles: &[&str]) {
+    let out = run_with_env(&["--dry-run", "--", "true"], env);
+    out.assert_code(0);
+    out.assert_stdout_all(needles);
 }
 
 #[test]
@@ -85,21 +94,20 @@ fn dry_run_names_where_each_value_came_from() {
         ("PET_MASTER_PORT", "23456"),
         ("PET_NPROC_PER_NODE", "2"),
     ];
-    let out = run_with_env(&["--dry-run", "--", "true"], &pet, T);
-    out.assert_code(0);
-    for needle in [
-        "world size:   6 = 3 node(s) x 2 process(es); this node: rank 2 of 3",
-        "nodes:        3  [Kubernetes/TorchX PET_NNODES=3]",
-        "node rank:    2  [Kubernetes/TorchX PET_NODE_RANK=2]",
-        "master addr:  trainer-master-0  [Kubernetes/TorchX PET_MASTER_ADDR=trainer-master-0]",
-        "master port:  23456  [Kubernetes/TorchX PET_MASTER_PORT=23456]",
-        "processes:    2 on this node  [Kubernetes/TorchX PET_NPROC_PER_NODE=2]",
-        "RANK=4 LOCAL_RANK=0 WORLD_SIZE=6",
-    ] {
-        assert!(out.stdout.contains(needle), "{needle:?}:\n{}", out.stdout);
-    }
+    assert_dry_run_prints(
+        &pet,
+        &[
+            "world size:   6 = 3 node(s) x 2 process(es); this node: rank 2 of 3",
+            "nodes:        3  [Kubernetes/TorchX PET_NNODES=3]",
+            "node rank:    2  [Kubernetes/TorchX PET_NODE_RANK=2]",
+            "master addr:  trainer-master-0  [Kubernetes/TorchX PET_MASTER_ADDR=trainer-master-0]",
+            "master port:  23456  [Kubernetes/TorchX PET_MASTER_PORT=23456]",
+            "processes:    2 on this node  [Kubernetes/TorchX PET_NPROC_PER_NODE=2]",
+            "RANK=4 LOCAL_RANK=0 WORLD_SIZE=6",
+        ],
+    );
     // A flag wins over the environment.
-    let out = run_with_env(&["--dry-run", "--node-rank", "1", "--", "true"], &pet, T);
+    let out = run_with_env(&["--dry-run", "--node-rank", "1", "--", "true"], &pet);
     assert!(
         out.stdout.contains("node rank:    1  [flag --node-rank]"),
         "{}",
@@ -121,23 +129,22 @@ fn dry_run_names_where_each_value_came_from() {
         ("SLURM_STEP_GPUS", "4,6"),
     ];
     slurm.extend(pet);
-    let out = run_with_env(&["--dry-run", "--", "true"], &slurm, T);
-    out.assert_code(0);
-    for needle in [
-        "nodes:        2  [Slurm SLURM_STEP_NUM_NODES=2]",
-        "node rank:    1  [Slurm SLURM_NODEID=1]",
-        "master addr:  gpu-a07  [Slurm first host of SLURM_STEP_NODELIST=gpu-a[07-08]]",
-        "[Slurm derived from SLURM_JOB_ID=4242, SLURM_STEP_ID=0]",
-        "run id:       slurm-4242.0  [Slurm SLURM_JOB_ID=4242, SLURM_STEP_ID=0]",
-        "processes:    2 on this node  [Slurm SLURM_STEP_GPUS=4,6 (GPUs of this step)]",
-        "Slurm's GPU 6 on this node",
-        "LAUNCH_RUN_ID",
-    ] {
-        assert!(out.stdout.contains(needle), "{needle:?}:\n{}", out.stdout);
-    }
+    assert_dry_run_prints(
+        &slurm,
+        &[
+            "nodes:        2  [Slurm SLURM_STEP_NUM_NODES=2]",
+            "node rank:    1  [Slurm SLURM_NODEID=1]",
+            "master addr:  gpu-a07  [Slurm first host of SLURM_STEP_NODELIST=gpu-a[07-08]]",
+            "[Slurm derived from SLURM_JOB_ID=4242, SLURM_STEP_ID=0]",
+            "run id:       slurm-4242.0  [Slurm SLURM_JOB_ID=4242, SLURM_STEP_ID=0]",
+            "processes:    2 on this node  [Slurm SLURM_STEP_GPUS=4,6 (GPUs of this step)]",
+            "Slurm's GPU 6 on this node",
+            "LAUNCH_RUN_ID",
+        ],
+    );
     // The secret run id never appears in a dry run.
     slurm.push(("LAUNCH_RUN_ID", "slurm-4242-0123456789abcdef"));
-    let out = run_with_env(&["--dry-run", "--", "true"], &slurm, T);
+    let out = run_with_env(&["--dry-run", "--", "true"], &slurm);
     assert!(!out.stdout.contains("0123456789abcdef"), "{}", out.stdout);
     assert!(
         out.stdout
@@ -159,7 +166,7 @@ fn several_tasks_per_node_in_a_slurm_step_is_a_one_line_error() {
         ("SLURM_NTASKS", "8"),
         ("SLURM_STEP_NODELIST", "n0"),
     ];
-    let out = run_with_env(&["--", "true"], &env, T);
+    let out = run_with_env(&["--", "true"], &env);
     out.assert_code(2);
     assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
     out.assert_stderr_all(&["runs 8 tasks on 1 node(s)", "--ntasks-per-node=1"]);
@@ -169,7 +176,7 @@ fn several_tasks_per_node_in_a_slurm_step_is_a_one_line_error() {
 fn gpu_ids_run_one_worker_per_listed_gpu() {
     let show = "echo \"gpu $LOCAL_RANK $CUDA_VISIBLE_DEVICES $CUDA_DEVICE_ORDER\"";
     let sim = [("GPTREC_SIMULATE_GPUS", "4")];
-    let out = run_with_env(&["--gpu-ids", "2,0", "--", "sh", "-c", show], &sim, T);
+    let out = run_with_env(&["--gpu-ids", "2,0", "--", "sh", "-c", show], &sim);
     out.assert_code(0);
     let mut lines: Vec<_> = rank_lines(&out.stdout)
         .into_iter()
@@ -198,7 +205,6 @@ fn gpu_ids_run_one_worker_per_listed_gpu() {
             ("GPTREC_SIMULATE_GPUS", "8"),
             ("CUDA_VISIBLE_DEVICES", "5,6,7"),
         ],
-        T,
     );
     out.assert_code(0);
     assert!(
@@ -207,15 +213,13 @@ fn gpu_ids_run_one_worker_per_listed_gpu() {
         out.stdout
     );
     // The dry run shows each local rank's GPU.
-    let out = run_with_env(&["--dry-run", "--gpu-ids", "3,1", "--", "true"], &sim, T);
+    let out = run_with_env(&["--dry-run", "--gpu-ids", "3,1", "--", "true"], &sim);
     out.assert_code(0);
-    for needle in [
+    out.assert_stdout_all(&[
         "local rank 0: device cuda:0 = GPU 3",
         "local rank 1: device cuda:1 = GPU 1",
         "processes:    2 on this node  [flag --gpu-ids]",
-    ] {
-        assert!(out.stdout.contains(needle), "{needle:?}:\n{}", out.stdout);
-    }
+    ]);
 }
 
 /// MIG instances named in `CUDA_VISIBLE_DEVICES` (both id forms) are devices CUDA will number:
@@ -242,7 +246,6 @@ fn mig_instances_in_cuda_visible_devices_are_gpus() {
             show,
         ],
         &env,
-        T,
     );
     out.assert_code(0);
     assert!(
@@ -253,16 +256,13 @@ fn mig_instances_in_cuda_visible_devices_are_gpus() {
     let out = run_with_env(
         &["--dry-run", "--num-processes", "auto", "--", "true"],
         &env,
-        T,
     );
     out.assert_code(0);
-    for needle in [
+    out.assert_stdout_all(&[
         "2 visible GPU(s), starting 2 process(es)".to_string(),
         format!("local rank 0: device cuda:0 = {modern} (MIG instance"),
         format!("local rank 1: device cuda:1 = {legacy} (MIG instance"),
-    ] {
-        assert!(out.stdout.contains(&needle), "{needle:?}:\n{}", out.stdout);
-    }
+    ]);
 }
 
 #[test]

@@ -6,6 +6,7 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
+use std::process::Command;
 use std::time::Duration;
 
 use nix::sys::signal::{kill, Signal};
@@ -34,6 +35,25 @@ fn flags<'a>(n: &'a str, extra: &[&'a str], script: &'a [String]) -> Vec<&'a str
 /// `--num-processes N --master-port 0 --run-id ID -- sh -c SCRIPT`.
 fn run_args<'a>(n: &'a str, id: &'a str, script: &'a [String]) -> Vec<&'a str> {
     flags(n, &["--run-id", id], script)
+}
+
+/// `launch --num-processes N --master-port 0 EXTRA... --run-id ID -- sh -c SCRIPT`, not started.
+fn run_cmd(n: &str, extra: &[&str], id: &str, script: &[String]) -> Command {
+    launch_cmd(&flags(n, &[extra, &["--run-id", id]].concat(), script))
+}
+
+/// [`run_cmd`] run to its end (killed after [`T`]).
+fn launch_run(n: &str, extra: &[&str], id: &str, script: &[String]) -> Output {
+    wait_output(
+        run_cmd(n, extra, id, script).spawn().expect("start launch"),
+        T,
+    )
+}
+
+/// Panics unless no process of the run is left right now.
+#[track_caller]
+fn assert_none_left(id: &str, what: &str) {
+    assert_eq!(processes_of_run(id), Vec::<i32>::new(), "{what}");
 }
 
 /// `launch --num-processes 3 --master-port 0 --run-id ID -- sh -c SCRIPT`.
@@ -105,22 +125,17 @@ fn failing_worker_gives_its_exit_code_a_summary_and_no_leftovers() {
     let script = sh(
         "if [ \"$RANK\" = 1 ]; then sleep 0.3; echo 'about to fail' >&2; echo 'ValueError: boom' >&2; exit 3; fi; sleep 60 & wait",
     );
-    let out = launch(
-        &flags("3", &["--grace-period", "5", "--run-id", &id], &script),
-        T,
-    );
+    let out = launch_run("3", &["--grace-period", "5"], &id, &script);
     out.assert_code(3);
-    out.assert_stderr("root cause: rank 1 (local_rank 1, pid ");
-    out.assert_stderr("exit code 3 after");
-    out.assert_stderr("    | ValueError: boom");
-    out.assert_stderr("launch exits with 3");
+    out.assert_stderr_all(&[
+        "root cause: rank 1 (local_rank 1, pid ",
+        "exit code 3 after",
+        "    | ValueError: boom",
+        "launch exits with 3",
+    ]);
     // Well-behaved workers end on SIGTERM: teardown must not wait for the grace period.
     out.assert_ended_within(4);
-    assert_eq!(
-        processes_of_run(&id),
-        Vec::<i32>::new(),
-        "processes left behind"
-    );
+    assert_none_left(&id, "processes left behind");
 }
 
 #[test]
@@ -129,9 +144,8 @@ fn worker_killed_by_sigkill_is_reported_with_the_signal() {
     let script = sh("if [ \"$RANK\" = 2 ]; then sleep 0.2; kill -9 $$; fi; sleep 60 & wait");
     let out = launch_three(&id, &script);
     assert_eq!(out.code(), Some(128 + 9), "{}", out.stderr);
-    out.assert_stderr("root cause: rank 2");
-    out.assert_stderr("killed by SIGKILL");
-    assert_eq!(processes_of_run(&id), Vec::<i32>::new());
+    out.assert_stderr_all(&["root cause: rank 2", "killed by SIGKILL"]);
+    assert_none_left(&id, "processes left behind");
 }
 
 #[test]
@@ -143,15 +157,12 @@ fn worker_ignoring_sigterm_is_killed_after_the_grace_period() {
         "if [ \"$RANK\" = 0 ]; then while [ ! -e {0}/deaf ]; do sleep 0.02; done; exit 5; fi; trap '' TERM; touch {0}/deaf; while true; do sleep 0.05; done",
         dir.path().display()
     ));
-    let out = launch(
-        &flags("2", &["--grace-period", "1", "--run-id", &id], &script),
-        T,
-    );
+    let out = launch_run("2", &["--grace-period", "1"], &id, &script);
     out.assert_code(5);
     out.assert_stderr("sending SIGKILL");
     assert!(out.elapsed >= Duration::from_secs(1), "{:?}", out.elapsed);
     out.assert_ended_within(8);
-    assert_eq!(processes_of_run(&id), Vec::<i32>::new());
+    assert_none_left(&id, "processes left behind");
 }
 
 fn signal_test(signal: Signal) {
@@ -201,13 +212,9 @@ fn sighup_to_launch_is_forwarded() {
 fn second_sigint_kills_at_once() {
     let id = unique_run_id("int2");
     let script = sh("trap '' INT TERM; echo ready; while true; do sleep 0.05; done");
-    let child = launch_cmd(&flags(
-        "2",
-        &["--grace-period", "30", "--run-id", &id],
-        &script,
-    ))
-    .spawn()
-    .unwrap();
+    let child = run_cmd("2", &["--grace-period", "30"], &id, &script)
+        .spawn()
+        .unwrap();
     let pid = Pid::from_raw(child.id() as i32);
     // 2 workers (and, now and then, their `sleep`s).
     assert!(wait_processes(&id, 2, T).len() >= 2);
@@ -230,30 +237,14 @@ fn sigint_during_teardown_keeps_the_root_cause_and_ends_it_now() {
         "if [ \"$RANK\" = 0 ]; then while [ ! -e {0}/deaf ]; do sleep 0.02; done; echo 'the real error' >&2; exit 7; fi; trap '' TERM INT; touch {0}/deaf; while true; do sleep 0.05; done",
         dir.path().display()
     ));
-    let live = Live::new(
-        launch_cmd(&flags(
-            "2",
-            &[
-                "--grace-period",
-                "30",
-                "--max-restarts",
-                "3",
-                "--run-id",
-                &id,
-            ],
-            &script,
-        ))
-        .spawn()
-        .unwrap(),
-    );
+    let extra = ["--grace-period", "30", "--max-restarts", "3"];
+    let live = Live::new(run_cmd("2", &extra, &id, &script).spawn().unwrap());
     live.wait_stderr("rank 0 (pid", T);
     kill(live.pid(), Signal::SIGINT).unwrap();
     let out = live.finish(T);
     out.assert_code(7);
     out.assert_ended_within(20);
-    out.assert_stderr("root cause: rank 0");
-    out.assert_stderr("| the real error");
-    out.assert_stderr("not restarting");
+    out.assert_stderr_all(&["root cause: rank 0", "| the real error", "not restarting"]);
     assert!(
         !out.stderr.contains("restarting the worker group"),
         "{}",
@@ -276,8 +267,7 @@ fn last_stderr_line_without_newline_is_kept() {
         T,
     );
     out.assert_code(1);
-    out.assert_stderr("[rank 0] final words\n");
-    out.assert_stderr("    | final words");
+    out.assert_stderr_all(&["[rank 0] final words\n", "    | final words"]);
 }
 
 /// Starts `launch` with `flags` on `script` (run id `id`), waits for `expected` processes of the
@@ -327,13 +317,12 @@ fn max_restarts_restarts_the_group_until_it_succeeds() {
     let script = sh(
         "echo \"round $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then exit 4; fi; sleep 0.2",
     );
-    let out = launch(
-        &flags("2", &["--max-restarts", "2", "--run-id", &id], &script),
-        T,
-    );
+    let out = launch_run("2", &["--max-restarts", "2"], &id, &script);
     out.assert_code(0);
-    out.assert_stderr("rank 1 failed (exit code 4)");
-    out.assert_stderr("restarting the worker group (restart 1 of 2, TORCHELASTIC_RESTART_COUNT=1)");
+    out.assert_stderr_all(&[
+        "rank 1 failed (exit code 4)",
+        "restarting the worker group (restart 1 of 2, TORCHELASTIC_RESTART_COUNT=1)",
+    ]);
     let lines = rank_lines(&out.stdout);
     for rank in 0..2 {
         assert!(

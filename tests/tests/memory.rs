@@ -28,19 +28,37 @@ fn dry_run(env: &[(&str, &str)], extra: &[&str]) -> Output {
     wait_output(cmd.spawn().expect("start launch"), Duration::from_secs(60))
 }
 
-/// `launch` on the default config with 2 workers and tiny data, `extra` as `--set`s.
-fn run(out_dir: &Path, name: &str, run_id: &str, env: &[(&str, &str)], extra: &[&str]) -> Output {
+/// `launch` on the default config with 2 workers and tiny data, `extra` as `--set`s, under a
+/// fresh run id tagged `tag`: its output and the run id.
+fn run(
+    out_dir: &Path,
+    name: &str,
+    tag: &str,
+    env: &[(&str, &str)],
+    extra: &[&str],
+) -> (Output, String) {
+    let run_id = unique_run_id(tag);
     let mut sets = vec!["data.synthetic=\"tiny\""];
     sets.extend(PINNED_SETS);
     sets.extend(extra);
-    launch_default_config(out_dir, name, Some(run_id), env, &sets)
+    let out = launch_default_config(out_dir, name, Some(&run_id), env, &sets);
+    (out, run_id)
+}
+
+/// Panics, naming `what`, unless every process of the run is gone within 10 s.
+#[track_caller]
+fn assert_run_gone(run_id: &str, what: &str) {
+    assert!(
+        wait_no_processes(run_id, Duration::from_secs(10)).is_empty(),
+        "{what}: processes left"
+    );
 }
 
 #[test]
 fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch() {
     let out = dry_run(&[], &[]);
     out.assert_code(0);
-    for needle in [
+    out.assert_stdout_all(&[
         "memory:",
         "estimate per worker (",
         "parameters",
@@ -49,13 +67,7 @@ fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch
         "activations (IDs)",
         "estimated peak",
         "local rank 1:",
-    ] {
-        assert!(
-            out.stdout.contains(needle),
-            "{needle:?} missing:\n{}",
-            out.stdout
-        );
-    }
+    ]);
     assert!(!out.stdout.contains("warning:"), "{}", out.stdout);
 
     // Dynamic GPT-2 with 690 MiB per worker: micro 64 does not fit; a smaller micro with the
@@ -65,7 +77,7 @@ fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch
         &["--set", "model.text_mode=\"dynamic\""],
     );
     out.assert_code(0);
-    assert!(out.stdout.contains("activations (GPT-2)"), "{}", out.stdout);
+    out.assert_stdout_all(&["activations (GPT-2)"]);
     let warning = out
         .stdout
         .lines()
@@ -91,46 +103,28 @@ fn an_out_of_memory_error_in_any_phase_is_explained_and_stops_the_group() {
         ("optimizer", "optimizer@1:20", "during the optimizer step"),
         ("eval", "eval@1", "during evaluation"),
     ] {
-        let run_id = unique_run_id(&format!("oom-{phase}"));
-        let out = run(
+        let (out, run_id) = run(
             dir.path(),
             phase,
-            &run_id,
+            &format!("oom-{phase}"),
             &[("GPTREC_FAULT_OOM", fault)],
             &["train.epochs=2"],
         );
-        let all = format!("{}\n{}", out.stdout, out.stderr);
+        let all = out.all();
         assert_eq!(out.code(), Some(3), "{phase}: {all}");
-        assert!(
-            out.stderr
-                .contains(&format!("out of memory on rank 1 (cpu) {description}")),
-            "{phase}: {all}"
-        );
-        assert!(
-            out.stderr.contains("libtorch said: CUDA out of memory"),
-            "{phase}: {all}"
-        );
-        assert!(
-            out.stderr
-                .contains("batch plan: micro 64 x grad_accum 2 x world 2 = global 256"),
-            "{phase}: {all}"
-        );
-        assert!(
-            out.stderr.contains(
-                "nearest plans keeping global 256: micro 64 -> 32, grad_accum 2 -> 4 keeps global 256"
-            ),
-            "{phase}: {all}"
-        );
-        // The launcher names the rank that ran out as the root cause.
-        assert!(
-            out.stderr.contains("root cause: rank 1 (local_rank 1"),
-            "{phase}: {all}"
-        );
-        assert!(out.stderr.contains("exit code 3"), "{phase}: {all}");
-        assert!(
-            wait_no_processes(&run_id, Duration::from_secs(10)).is_empty(),
-            "{phase}: processes left"
-        );
+        let oom = format!("out of memory on rank 1 (cpu) {description}");
+        for needle in [
+            oom.as_str(),
+            "libtorch said: CUDA out of memory",
+            "batch plan: micro 64 x grad_accum 2 x world 2 = global 256",
+            "nearest plans keeping global 256: micro 64 -> 32, grad_accum 2 -> 4 keeps global 256",
+            // The launcher names the rank that ran out as the root cause.
+            "root cause: rank 1 (local_rank 1",
+            "exit code 3",
+        ] {
+            assert!(out.stderr.contains(needle), "{phase}: {needle:?}: {all}");
+        }
+        assert_run_gone(&run_id, phase);
         // In a training step of epoch 2, the epoch-1 checkpoint is named, intact and resumable.
         if fault.ends_with(":20") {
             let ckpt = dir
@@ -147,9 +141,14 @@ fn an_out_of_memory_error_in_any_phase_is_explained_and_stops_the_group() {
         }
     }
     // The run that failed in its forward pass resumes from that checkpoint and finishes.
-    let run_id = unique_run_id("oom-resume");
-    let out = run(dir.path(), "forward", &run_id, &[], &["train.epochs=2"]);
-    assert_eq!(out.code(), Some(0), "{}\n{}", out.stdout, out.stderr);
+    let (out, _) = run(
+        dir.path(),
+        "forward",
+        "oom-resume",
+        &[],
+        &["train.epochs=2"],
+    );
+    assert_eq!(out.code(), Some(0), "{}", out.all());
     assert!(out.stdout.contains("resuming from") || out.stderr.contains("resuming from"));
     assert!(out.stderr.contains("step-000017") || out.stdout.contains("step-000017"));
 }
@@ -159,11 +158,10 @@ fn micro_auto_picks_the_largest_micro_that_fits_every_rank_and_keeps_the_global_
     let dir = tempfile::tempdir().unwrap();
     // Rank 1 gets 700 MiB: dynamic GPT-2 at micro 128 does not fit by the estimate, smaller
     // micro batches do; rank 0 is unconstrained. Both must use rank 1's choice.
-    let run_id = unique_run_id("auto");
-    let out = run(
+    let (out, _) = run(
         dir.path(),
         "auto",
-        &run_id,
+        "auto",
         &[("GPTREC_MEMORY_LIMIT_MB", "700@1")],
         &[
             "model.text_mode=\"dynamic\"",
@@ -171,7 +169,7 @@ fn micro_auto_picks_the_largest_micro_that_fits_every_rank_and_keeps_the_global_
             "train.epochs=1",
         ],
     );
-    let all = format!("{}\n{}", out.stdout, out.stderr);
+    let all = out.all();
     assert_eq!(out.code(), Some(0), "{all}");
     let line = all
         .lines()
@@ -200,17 +198,16 @@ fn micro_auto_picks_the_largest_micro_that_fits_every_rank_and_keeps_the_global_
     );
 
     // A cap nothing fits in: a clear stop, exit code 3, no process left.
-    let run_id = unique_run_id("auto-none");
-    let out = run(
+    let (out, run_id) = run(
         dir.path(),
         "auto-none",
-        &run_id,
+        "auto-none",
         &[("GPTREC_MEMORY_LIMIT_MB", "100")],
         &["batch.micro=\"auto\"", "train.epochs=1"],
     );
     out.assert_code(3);
     out.assert_stderr("no micro batch that keeps global 256 fits on rank(s) 0, 1");
-    assert!(wait_no_processes(&run_id, Duration::from_secs(10)).is_empty());
+    assert_run_gone(&run_id, "auto-none");
 }
 
 /// (kind, step, loss, grad_norm, ndcg@10) of each record of a run's `metrics.jsonl`.
@@ -240,11 +237,10 @@ fn activation_checkpointing_trains_the_same_model() {
     let mut runs = Vec::new();
     for on in [false, true] {
         let name = format!("ckpt-{on}");
-        let run_id = unique_run_id(&name);
-        let out = run(
+        let (out, _) = run(
             dir.path(),
             &name,
-            &run_id,
+            &name,
             &[],
             &[
                 "model.text_mode=\"dynamic\"",
@@ -252,7 +248,7 @@ fn activation_checkpointing_trains_the_same_model() {
                 &format!("model.activation_checkpointing={on}"),
             ],
         );
-        let all = format!("{}\n{}", out.stdout, out.stderr);
+        let all = out.all();
         assert_eq!(out.code(), Some(0), "{all}");
         // Tiny GPT-2 has 2 blocks, both trained: both are recomputed.
         assert_eq!(

@@ -44,6 +44,29 @@ fn run(nproc: u32, out: &Path, name: &str, extra: &[&str], env: &[(&str, &str)])
     wait_output(cmd.spawn().expect("start launch"), T)
 }
 
+/// [`run`], asserting that it exits 0.
+#[track_caller]
+fn run_ok(nproc: u32, out: &Path, name: &str, extra: &[&str], env: &[(&str, &str)]) -> Output {
+    let output = run(nproc, out, name, extra, env);
+    output.assert_code(0);
+    output
+}
+
+/// [`run_ok`] with 2 processes, stopped after epoch `epoch` (GPTREC_STOP_AFTER_EPOCH).
+#[track_caller]
+fn run_stopped_after(epoch: &str, out: &Path, name: &str, extra: &[&str]) -> Output {
+    run_ok(2, out, name, extra, &[("GPTREC_STOP_AFTER_EPOCH", epoch)])
+}
+
+/// [`run_stopped_after`] in a fresh temporary directory: the directory and the run's directory.
+#[track_caller]
+fn fresh_stopped_run(epoch: &str, name: &str, extra: &[&str]) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    run_stopped_after(epoch, dir.path(), name, extra);
+    let run_dir = dir.path().join(name);
+    (dir, run_dir)
+}
+
 /// Every line of `metrics.jsonl`, each of which must be a JSON object.
 fn records(run_dir: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
@@ -63,15 +86,29 @@ fn tests_of(records: &[Value]) -> Vec<&Value> {
         .collect()
 }
 
-fn steps_in(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
+/// Panics unless the run's `metrics.jsonl` has exactly one test and one summary record.
+#[track_caller]
+fn assert_one_test_and_summary(run_dir: &Path) {
+    let recs = records(run_dir);
+    assert_eq!(tests_of(&recs).len(), 1);
+    assert_eq!(recs.iter().filter(|r| r["kind"] == "summary").count(), 1);
+}
+
+/// The names in `dir` that `keep` accepts, in directory order (none if `dir` cannot be read).
+fn names_in(dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<String> {
+    std::fs::read_dir(dir)
         .map(|rd| {
             rd.filter_map(Result::ok)
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("step-"))
+                .filter(|n| keep(n))
                 .collect()
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// The `step-*` checkpoints in `dir`, sorted.
+fn steps_in(dir: &Path) -> Vec<String> {
+    let mut names = names_in(dir, |n| n.starts_with("step-"));
     names.sort();
     names
 }
@@ -95,8 +132,7 @@ fn a_fresh_run_in_an_old_run_dir_reports_only_its_own_results() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path();
     let keep = ["checkpoint.every_n_steps=20", "checkpoint.keep=3"];
-    let a = run(2, out, "r", &[&["train.epochs=3"][..], &keep].concat(), &[]);
-    a.assert_code(0);
+    run_ok(2, out, "r", &[&["train.epochs=3"][..], &keep].concat(), &[]);
     let run_dir = out.join("r");
     let a_steps = steps_in(&run_dir.join("checkpoints"));
     let a_last = a_steps.last().cloned().unwrap();
@@ -106,8 +142,7 @@ fn a_fresh_run_in_an_old_run_dir_reports_only_its_own_results() {
         &keep,
     ]
     .concat();
-    let b = run(2, out, "r", &fresh, &[]);
-    b.assert_code(0);
+    let b = run_ok(2, out, "r", &fresh, &[]);
     b.assert_stderr("left by an earlier run");
     let b_steps = steps_in(&run_dir.join("checkpoints"));
     assert!(!b_steps.contains(&a_last), "{b_steps:?}");
@@ -126,21 +161,17 @@ fn a_fresh_run_in_an_old_run_dir_reports_only_its_own_results() {
     assert!(superseded[0].join("metrics.jsonl").is_file());
 
     // The same run in an empty directory gives the same test line.
-    let c = run(2, out, "clean", &fresh, &[]);
-    c.assert_code(0);
+    run_ok(2, out, "clean", &fresh, &[]);
     assert_eq!(test_metrics(&run_dir), test_metrics(&out.join("clean")));
 
     // Resuming picks up this run's end, not the earlier run's.
-    let d = run(2, out, "r", &[&["train.epochs=1"][..], &keep].concat(), &[]);
-    d.assert_code(0);
+    let d = run_ok(2, out, "r", &[&["train.epochs=1"][..], &keep].concat(), &[]);
     d.assert_stderr(format!(
         "resuming from {}",
         run_dir.join("checkpoints").join(latest.trim()).display()
     ));
     // A finished run resumed writes no second test or summary record.
-    let recs = records(&run_dir);
-    assert_eq!(tests_of(&recs).len(), 1);
-    assert_eq!(recs.iter().filter(|r| r["kind"] == "summary").count(), 1);
+    assert_one_test_and_summary(&run_dir);
 }
 
 /// A second run in a run directory that is in use refuses before writing anything, naming the
@@ -191,25 +222,13 @@ fn a_second_run_in_a_busy_run_dir_refuses_and_names_the_holder() {
 /// parses again, with one test and one summary record.
 #[test]
 fn a_half_written_record_is_dropped_on_resume() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path();
-    let a = run(
-        2,
-        out,
-        "half",
-        &["train.epochs=2"],
-        &[("GPTREC_STOP_AFTER_EPOCH", "1")],
-    );
-    a.assert_code(0);
-    let path = out.join("half/metrics.jsonl");
+    let (dir, run_dir) = fresh_stopped_run("1", "half", &["train.epochs=2"]);
+    let path = run_dir.join("metrics.jsonl");
     let mut text = std::fs::read_to_string(&path).unwrap();
     text.push_str("{\"epoch\":1,\"hit@10\":");
     std::fs::write(&path, text).unwrap();
-    let b = run(2, out, "half", &["train.epochs=2"], &[]);
-    b.assert_code(0);
-    let recs = records(&out.join("half"));
-    assert_eq!(tests_of(&recs).len(), 1);
-    assert_eq!(recs.iter().filter(|r| r["kind"] == "summary").count(), 1);
+    run_ok(2, dir.path(), "half", &["train.epochs=2"], &[]);
+    assert_one_test_and_summary(&run_dir);
 }
 
 /// Unmounts the test's tmpfs however the test ends.
@@ -247,14 +266,7 @@ fn a_full_disk_names_rank_0s_real_error_and_leaves_no_temporaries() {
     assert!(root.contains("rank 0"), "{root}\n{}", out.stderr);
     out.assert_stderr("No space left on device");
     for sub in ["full/checkpoints", "full/best"] {
-        let left: Vec<String> = std::fs::read_dir(mnt.join(sub))
-            .map(|rd| {
-                rd.filter_map(Result::ok)
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .filter(|n| n.starts_with('.'))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let left = names_in(&mnt.join(sub), |n| n.starts_with('.'));
         assert!(left.is_empty(), "{sub}: {left:?}");
     }
 }
@@ -263,31 +275,14 @@ fn a_full_disk_names_rank_0s_real_error_and_leaves_no_temporaries() {
 /// step 0, and moves the damaged ones aside.
 #[test]
 fn all_checkpoints_unusable_is_said_in_one_line() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path();
-    let a = run(
-        2,
-        out,
-        "bad",
-        &["train.epochs=3"],
-        &[("GPTREC_STOP_AFTER_EPOCH", "2")],
-    );
-    a.assert_code(0);
-    let checkpoints = out.join("bad/checkpoints");
+    let (dir, run_dir) = fresh_stopped_run("2", "bad", &["train.epochs=3"]);
+    let checkpoints = run_dir.join("checkpoints");
     let damaged = steps_in(&checkpoints);
     assert!(!damaged.is_empty());
     for step in &damaged {
-        let file = checkpoints.join(step).join("model.safetensors");
-        let len = std::fs::metadata(&file).unwrap().len();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&file)
-            .unwrap()
-            .set_len(len / 2)
-            .unwrap();
+        truncate_to_fraction(&checkpoints.join(step).join("model.safetensors"), 2);
     }
-    let b = run(2, out, "bad", &["train.epochs=1"], &[]);
-    b.assert_code(0);
+    let b = run_ok(2, dir.path(), "bad", &["train.epochs=1"], &[]);
     let line = format!(
         "no usable checkpoint in {} ({} unusable, listed above): starting from step 0",
         checkpoints.display(),
@@ -304,8 +299,7 @@ fn a_resume_with_another_world_size_says_so_and_keeps_the_schedule() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path();
     let epochs = ["train.epochs=3"];
-    let a = run(2, out, "w", &epochs, &[("GPTREC_STOP_AFTER_EPOCH", "1")]);
-    a.assert_code(0);
+    let a = run_stopped_after("1", out, "w", &epochs);
     let total = |text: &str| -> Vec<String> {
         text.lines()
             .filter_map(|l| l.split(" step ").nth(1))
@@ -315,8 +309,7 @@ fn a_resume_with_another_world_size_says_so_and_keeps_the_schedule() {
     };
     let first = total(&a.stderr);
     assert!(!first.is_empty(), "{}", a.stderr);
-    let b = run(3, out, "w", &epochs, &[]);
-    b.assert_code(0);
+    let b = run_ok(3, out, "w", &epochs, &[]);
     b.assert_stderr_all(&[
         "resuming with world 3 from a checkpoint of world 2",
         "not bit-exactly",

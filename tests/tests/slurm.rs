@@ -10,7 +10,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use support::slurm::{wait_no_processes_with_env, Options, SlurmCluster, JOB_TIMEOUT};
+use support::slurm::{
+    wait_no_processes_with_env, Job, Options, SlurmCluster, Submitted, JOB_TIMEOUT,
+};
 use support::*;
 
 /// How long the processes of a finished (or failed) job may take to disappear.
@@ -142,6 +144,80 @@ fn assert_nothing_left(run_id: &str, timeout: Duration) {
     );
 }
 
+/// Panics unless the job output has train.sbatch's line for the job's first start.
+#[track_caller]
+fn assert_first_start(job: u64, output: &str) {
+    assert!(
+        output.contains(&format!("train.sbatch: job {job} first start")),
+        "{output}"
+    );
+}
+
+/// Panics, showing the job and its output, unless the job exited 0.
+#[track_caller]
+fn assert_job_succeeded(job: &Job, output: &str) {
+    assert_eq!(job.code(), Some(0), "{job}\n--- job output\n{output}");
+}
+
+/// One test's Slurm cluster, submit directory and run id (the job's LAUNCH_RUN_ID).
+struct JobSetup {
+    // Fields drop in this order: the submit directory before the cluster.
+    submit: SubmitDir,
+    run_id: String,
+    cluster: SlurmCluster,
+}
+
+impl JobSetup {
+    /// A submit directory and a fresh run id tagged `tag` next to `cluster`; `None` where the
+    /// cluster could not start (it printed why).
+    fn new(cluster: Option<SlurmCluster>, tag: &str) -> Option<JobSetup> {
+        let cluster = cluster?;
+        let submit = SubmitDir::new();
+        let run_id = unique_run_id(tag);
+        Some(JobSetup {
+            submit,
+            run_id,
+            cluster,
+        })
+    }
+
+    /// `sbatch` arguments of the tiny job on 2 nodes (see [`tiny_job_args`]) into `runs/`.
+    fn tiny_args(&self) -> Vec<String> {
+        tiny_job_args(&["-N2"], &self.submit.runs())
+    }
+
+    /// Starts `sbatch ARGS` from the submit directory with the run id as LAUNCH_RUN_ID.
+    fn sbatch(&self, args: &[String]) -> Submitted<'_> {
+        self.cluster.sbatch(
+            self.submit.path(),
+            &refs(args),
+            &[("LAUNCH_RUN_ID", &self.run_id)],
+        )
+    }
+
+    /// Runs `sbatch ARGS` from the submit directory with the run id as LAUNCH_RUN_ID and `env`
+    /// to its end; the job and its output file.
+    fn run(&self, args: &[&str], env: &[(&str, &str)]) -> (Job, String) {
+        let mut job_env = vec![("LAUNCH_RUN_ID", self.run_id.as_str())];
+        job_env.extend_from_slice(env);
+        let job = self
+            .cluster
+            .sbatch_wait_in(self.submit.path(), args, &job_env, JOB_TIMEOUT);
+        let output = self.submit.job_output(job.id);
+        (job, output)
+    }
+
+    /// [`JobSetup::run`] on the tiny job's arguments (see [`JobSetup::tiny_args`]).
+    fn run_tiny(&self, env: &[(&str, &str)]) -> (Job, String) {
+        self.run(&refs(&self.tiny_args()), env)
+    }
+
+    /// Asserts that nothing of the run is left within [`CLEANUP`].
+    fn assert_nothing_left(&self) {
+        assert_nothing_left(&self.run_id, CLEANUP);
+    }
+}
+
 /// The harness itself: a two-node job runs one task on each node, node names resolve inside
 /// jobs, and sbatch --wait returns the job's exit code.
 #[test]
@@ -266,24 +342,13 @@ fn harness_stop_leaves_nothing_running() {
 /// and nothing of it is left when the job has ended.
 #[test]
 fn train_sbatch_two_nodes_two_processes() {
-    let Some(cluster) = SlurmCluster::start(2, 2, 0) else {
+    let Some(setup) = JobSetup::new(SlurmCluster::start(2, 2, 0), "slurm-train") else {
         return;
     };
-    let submit = SubmitDir::new();
-    let run_id = unique_run_id("slurm-train");
-    let args = tiny_job_args(&["-N2"], &submit.runs());
-    let job = cluster.sbatch_wait_in(
-        submit.path(),
-        &refs(&args),
-        &[("LAUNCH_RUN_ID", &run_id)],
-        JOB_TIMEOUT,
-    );
-    let output = submit.job_output(job.id);
-    assert_eq!(job.code(), Some(0), "{job}\n--- job output\n{output}");
-    assert!(
-        output.contains(&format!("train.sbatch: job {} first start", job.id)),
-        "{output}"
-    );
+    let (submit, run_id) = (&setup.submit, &setup.run_id);
+    let (job, output) = setup.run_tiny(&[]);
+    assert_job_succeeded(&job, &output);
+    assert_first_start(job.id, &output);
 
     // World size 4: ranks 0, 1 on node 0 and 2, 3 on node 1, one rendezvous on the first node.
     let starts = worker_starts(&output);
@@ -315,7 +380,7 @@ fn train_sbatch_two_nodes_two_processes() {
     let mut writers = BTreeSet::new();
     // The run id is the secret that admits a connection to the store: never in a log.
     assert!(
-        !output.contains(&run_id),
+        !output.contains(run_id),
         "the job output shows the run id:\n{output}"
     );
     for rank in 0..4 {
@@ -323,7 +388,7 @@ fn train_sbatch_two_nodes_two_processes() {
         let text = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("{}: {e}\n{output}", path.display()));
         assert!(
-            !text.contains(&run_id),
+            !text.contains(run_id),
             "{} shows the run id",
             path.display()
         );
@@ -353,29 +418,17 @@ fn train_sbatch_two_nodes_two_processes() {
         "{checkpoint_lines:?}"
     );
 
-    assert_nothing_left(&run_id, CLEANUP);
+    setup.assert_nothing_left();
 }
 
 /// A rank on node 1 fails (simulated out of memory, exit code 3): the job fails, its output
 /// names rank 3 as the root cause, and within seconds nothing of the run is left on any node.
 #[test]
 fn failing_rank_on_node_1_ends_the_job() {
-    let Some(cluster) = SlurmCluster::start(2, 2, 0) else {
+    let Some(setup) = JobSetup::new(SlurmCluster::start(2, 2, 0), "slurm-fail") else {
         return;
     };
-    let submit = SubmitDir::new();
-    let run_id = unique_run_id("slurm-fail");
-    let args = tiny_job_args(&["-N2"], &submit.runs());
-    let job = cluster.sbatch_wait_in(
-        submit.path(),
-        &refs(&args),
-        &[
-            ("LAUNCH_RUN_ID", &run_id),
-            ("GPTREC_FAULT_OOM", "forward@3:2"),
-        ],
-        JOB_TIMEOUT,
-    );
-    let output = submit.job_output(job.id);
+    let (job, output) = setup.run_tiny(&[("GPTREC_FAULT_OOM", "forward@3:2")]);
     assert!(
         job.code().is_some_and(|c| c != 0),
         "the job should fail: {job}\n--- job output\n{output}"
@@ -394,7 +447,7 @@ fn failing_rank_on_node_1_ends_the_job() {
         "the failed job took {:?}:\n{output}",
         job.elapsed
     );
-    assert_nothing_left(&run_id, CLEANUP);
+    setup.assert_nothing_left();
 }
 
 /// Two 2-node jobs at the same time on the same nodes both train, each on its own rendezvous
@@ -456,7 +509,7 @@ fn two_jobs_at_once_get_distinct_ports() {
     let mut ports = Vec::new();
     for (job, run_id) in finished.iter().zip(&run_ids) {
         let output = submit.job_output(job.id);
-        assert_eq!(job.code(), Some(0), "{job}\n--- job output\n{output}");
+        assert_job_succeeded(job, &output);
         let starts = worker_starts(&output);
         assert_eq!(starts.len(), 4, "job {}:\n{output}", job.id);
         let job_ports: BTreeSet<u16> = starts.values().map(|s| s.port).collect();
@@ -483,17 +536,17 @@ fn two_jobs_at_once_get_distinct_ports() {
 #[test]
 fn requeued_job_resumes_from_its_checkpoint() {
     // A short credential lifetime: a requeued job may start again after it (Slurm: 120 s).
-    let Some(cluster) = SlurmCluster::start_with(Options {
+    let options = Options {
         nodes: 2,
         cpus_per_node: 2,
         gpus_per_node: 0,
         cred_expire_s: Some(5),
-    }) else {
+    };
+    let Some(setup) = JobSetup::new(SlurmCluster::start_with(options), "slurm-requeue") else {
         return;
     };
-    let submit = SubmitDir::new();
-    let run_id = unique_run_id("slurm-requeue");
-    let mut args = tiny_job_args(&["-N2"], &submit.runs());
+    let (cluster, submit) = (&setup.cluster, &setup.submit);
+    let mut args = setup.tiny_args();
     // Long enough to requeue it while it trains; a checkpoint every 10 steps (23 per epoch).
     args.extend(
         [
@@ -504,7 +557,7 @@ fn requeued_job_resumes_from_its_checkpoint() {
         ]
         .map(String::from),
     );
-    let mut submitted = cluster.sbatch(submit.path(), &refs(&args), &[("LAUNCH_RUN_ID", &run_id)]);
+    let mut submitted = setup.sbatch(&args);
     let id = submitted.id(Duration::from_secs(10));
     let rank0 = submit.log_dir(id).join("rank-0.log");
     let run_dir = submit.runs().join(format!("slurm-{id}"));
@@ -540,12 +593,9 @@ fn requeued_job_resumes_from_its_checkpoint() {
     );
     let job = submitted.wait(JOB_TIMEOUT);
     let output = submit.job_output(id);
-    assert_eq!(job.code(), Some(0), "{job}\n--- job output\n{output}");
+    assert_job_succeeded(&job, &output);
     assert_eq!(job.id, id);
-    assert!(
-        output.contains(&format!("train.sbatch: job {id} first start")),
-        "{output}"
-    );
+    assert_first_start(id, &output);
     assert!(
         output.contains(&format!("train.sbatch: job {id} restart 1 (requeued)")),
         "{output}"
@@ -580,7 +630,7 @@ fn requeued_job_resumes_from_its_checkpoint() {
         .collect();
     assert_eq!(runs, vec![format!("slurm-{id}")], "one run directory");
     assert!(run_dir.join("checkpoints/latest").is_file());
-    assert_nothing_left(&run_id, CLEANUP);
+    setup.assert_nothing_left();
 }
 
 /// With GPUs (fake ones: Slurm's gres on dummy devices) and no --num-processes, launch starts
@@ -588,13 +638,10 @@ fn requeued_job_resumes_from_its_checkpoint() {
 /// torchrun environment (and gets no run.name).
 #[test]
 fn train_sbatch_takes_processes_from_slurm_gpus() {
-    let Some(cluster) = SlurmCluster::start(2, 2, 2) else {
+    let Some(setup) = JobSetup::new(SlurmCluster::start(2, 2, 2), "slurm-gpus") else {
         return;
     };
-    let submit = SubmitDir::new();
-    let run_id = unique_run_id("slurm-gpus");
-    let job = cluster.sbatch_wait_in(
-        submit.path(),
+    let (job, output) = setup.run(
         &[
             "-N2",
             "--gpus-per-node=2",
@@ -604,11 +651,9 @@ fn train_sbatch_takes_processes_from_slurm_gpus() {
             "-c",
             "echo \"env RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE GROUP_RANK=$GROUP_RANK CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES MASTER_ADDR=$MASTER_ADDR node=$SLURMD_NODENAME\"",
         ],
-        &[("LAUNCH_RUN_ID", &run_id)],
-        JOB_TIMEOUT,
+        &[],
     );
-    let output = submit.job_output(job.id);
-    assert_eq!(job.code(), Some(0), "{job}\n--- job output\n{output}");
+    assert_job_succeeded(&job, &output);
     let mut seen = BTreeMap::new();
     for (rank, text) in rank_lines(&output) {
         if let Some(env) = text.strip_prefix("env ") {
@@ -629,5 +674,5 @@ fn train_sbatch_takes_processes_from_slurm_gpus() {
         })
         .collect();
     assert_eq!(seen, expected, "{output}");
-    assert_nothing_left(&run_id, CLEANUP);
+    setup.assert_nothing_left();
 }

@@ -8,6 +8,7 @@ mod support;
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use support::*;
@@ -15,18 +16,27 @@ use support::*;
 /// The two tests run one at a time: under torchrun our store takes `MASTER_PORT + 1` (see
 /// `dist::store::store_port`), and the kernel hands out neighbouring ephemeral ports, so the
 /// other test's `launch` picking exactly that port while both run is a real, if rare, collision.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn torch_venv() -> Option<PathBuf> {
     let venv = PathBuf::from(std::env::var_os("GPTREC_TORCH_VENV")?);
     venv.join("bin/python").is_file().then_some(venv)
 }
 
-#[test]
-fn torch_distributed_script_runs_under_launch() {
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+/// Waits for the other test to finish (see [`ONE_AT_A_TIME`]) and finds the PyTorch venv: the
+/// lock, held until dropped, and the venv; `None`, after a `skipped:` line, without a venv.
+fn serial_torch_venv() -> Option<(MutexGuard<'static, ()>, PathBuf)> {
+    let serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let Some(venv) = torch_venv() else {
         eprintln!("skipped: no PyTorch venv (run scripts/setup.sh)");
+        return None;
+    };
+    Some((serial, venv))
+}
+
+#[test]
+fn torch_distributed_script_runs_under_launch() {
+    let Some((_serial, venv)) = serial_torch_venv() else {
         return;
     };
     let python = venv.join("bin/python");
@@ -61,9 +71,7 @@ dist.destroy_process_group()\n";
 
 #[test]
 fn worker_runs_under_torchrun() {
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(venv) = torch_venv() else {
-        eprintln!("skipped: no PyTorch venv (run scripts/setup.sh)");
+    let Some((_serial, venv)) = serial_torch_venv() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

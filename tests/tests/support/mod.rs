@@ -56,6 +56,15 @@ pub fn unique_run_id(tag: &str) -> String {
     format!("e2e-{tag}-{}-{nanos}", std::process::id())
 }
 
+/// Panics, showing `text`, unless it contains every one of `needles`.
+#[track_caller]
+fn assert_contains_all<S: AsRef<str>>(text: &str, needles: &[S]) {
+    for needle in needles {
+        let needle = needle.as_ref();
+        assert!(text.contains(needle), "no {needle:?} in:\n{text}");
+    }
+}
+
 pub struct Output {
     pub status: ExitStatus,
     pub stdout: String,
@@ -77,20 +86,24 @@ impl Output {
     /// Panics, showing stderr, unless stderr contains `needle`.
     #[track_caller]
     pub fn assert_stderr(&self, needle: impl AsRef<str>) {
-        let needle = needle.as_ref();
-        assert!(
-            self.stderr.contains(needle),
-            "no {needle:?} in:\n{}",
-            self.stderr
-        );
+        assert_contains_all(&self.stderr, &[needle]);
     }
 
     /// Panics, showing stderr, unless stderr contains every one of `needles`.
     #[track_caller]
-    pub fn assert_stderr_all(&self, needles: &[&str]) {
-        for needle in needles {
-            self.assert_stderr(needle);
-        }
+    pub fn assert_stderr_all<S: AsRef<str>>(&self, needles: &[S]) {
+        assert_contains_all(&self.stderr, needles);
+    }
+
+    /// Panics, showing stdout, unless stdout contains every one of `needles`.
+    #[track_caller]
+    pub fn assert_stdout_all<S: AsRef<str>>(&self, needles: &[S]) {
+        assert_contains_all(&self.stdout, needles);
+    }
+
+    /// Stdout, a newline, then stderr: everything it printed, for messages and searches.
+    pub fn all(&self) -> String {
+        format!("{}\n{}", self.stdout, self.stderr)
     }
 
     /// Panics unless the process ended within `secs` seconds (a bound on hanging, far above
@@ -292,6 +305,17 @@ impl Live {
             elapsed,
         }
     }
+}
+
+/// Cuts the file at `path` to 1/`divisor` of its length, as a crash while writing it would.
+pub fn truncate_to_fraction(path: &Path, divisor: u64) {
+    let len = std::fs::metadata(path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len / divisor)
+        .unwrap();
 }
 
 /// Pids of live processes whose environment contains `TORCHELASTIC_RUN_ID=<run_id>`
