@@ -10,10 +10,12 @@
 //!   from flags, Slurm ([`hostlist`]) or torchrun's `PET_*` variables, each with its source;
 //! - the memory estimate ([`memory`]): each term of a worker's memory from the config and the
 //!   batch plan, and the plans that keep the global batch with less memory;
-//! - the training plan ([`train_plan`]): a config and its batch plan, resolved once.
+//! - the training plan ([`train_plan`]): a config and its batch plan, resolved once;
+//! - the names of the shared-memory segments ([`shm_segments`]) that workers create and the
+//!   launcher sweeps (and, through `/proc`, whether their creator is gone).
 //!
 //! It must not depend on libtorch (`tch`) or anything heavy: the launcher links it and must build
-//! and start fast. It does no I/O beyond reading a config file, spawns nothing, touches no
+//! and start fast. It does no I/O beyond reading a config file (and `/proc`, above), spawns nothing, touches no
 //! devices, never prints, and never panics on user-influenced input (errors are returned).
 
 pub mod batch;
@@ -23,4 +25,5 @@ pub mod env_contract;
 pub mod hostlist;
 pub mod job_shape;
 pub mod memory;
+pub mod shm_segments;
 pub mod train_plan;

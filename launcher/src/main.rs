@@ -10,6 +10,7 @@ mod output;
 mod plan;
 mod report;
 mod secret;
+mod shm_sweep;
 mod supervisor;
 mod watchdog;
 

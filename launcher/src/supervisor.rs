@@ -71,7 +71,10 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
     let sinks = Sinks::new(plan.world_size);
     let mut restart = 0;
     let code = loop {
-        match run_group(plan, restart, &sinks, &mut watchdog, &events) {
+        crate::shm_sweep::sweep_and_log();
+        let end = run_group(plan, restart, &sinks, &mut watchdog, &events);
+        crate::shm_sweep::sweep_and_log(); // every worker of the group is reaped by now
+        match end {
             GroupEnd::Success => break 0,
             GroupEnd::Interrupted { signal } => {
                 warn!(

@@ -125,6 +125,11 @@ fn guard(pipe: OwnedFd) -> ! {
         for pgid in &groups {
             let _ = killpg(Pid::from_raw(*pgid), Signal::SIGKILL);
         }
+        // What the killed workers had not unlinked yet, once they are gone (reaped by init).
+        for wait_ms in [100, 400, 1500] {
+            std::thread::sleep(std::time::Duration::from_millis(wait_ms));
+            crate::shm_sweep::sweep_stale();
+        }
     }
     // SAFETY: leaving the forked child without running the parent's destructors or atexit hooks.
     unsafe { libc::_exit(0) }

@@ -317,9 +317,8 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
     let setup_timeout = timeout.max(dist::collective::SETUP_TIMEOUT_MIN);
     let (store_server, store) =
         dist::store::rendezvous(env, setup_timeout).context("rendezvous with the other ranks")?;
-    let mut comm =
-        dist::collective::connect(config.dist.backend, device, env, store, setup_timeout)
-            .context("connecting the collective")?;
+    let mut comm = dist::collective::connect(&config.dist, device, env, store, setup_timeout)
+        .context("connecting the collective")?;
     let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
     let ctx = OpContext {
         step: 0,

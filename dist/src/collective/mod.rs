@@ -1,9 +1,11 @@
 //! Collectives between the workers of one job: one [`Collective`] trait (all-reduce of many
 //! tensors at once, broadcast, all-gather, barrier; each with a timeout) and its backends —
-//! [`tcp`] (CPU tensors, a ring over persistent TCP connections) and [`nccl`] (CUDA tensors).
+//! [`tcp`] (CPU tensors, a ring over persistent TCP connections, all-reducing through
+//! [`shm`] shared memory when every rank is on one host) and [`nccl`] (CUDA tensors).
 //! This module moves and reduces numbers; it must not know what they mean (that is `ddp`'s).
 
 pub mod nccl;
+pub mod shm;
 pub mod tcp;
 
 use std::time::Duration;
@@ -210,17 +212,24 @@ fn choose(
     }
 }
 
-/// The communicator `[dist] backend` asks for on `device` (see [`choose`]).
+/// The communicator `[dist]` asks for on `device` (see [`choose`]).
 pub fn connect(
-    backend: common::config::Backend,
+    dist: &common::config::DistConfig,
     device: tch::Device,
     env: &common::env_contract::WorkerEnv,
     store: crate::store::StoreClient,
     timeout: Duration,
 ) -> Result<Box<dyn Collective>, CollectiveError> {
-    Ok(match choose(backend, device, nccl::probe)? {
+    Ok(match choose(dist.backend, device, nccl::probe)? {
         Chosen::Nccl(index) => Box::new(nccl::NcclCollective::connect(env, store, index, timeout)?),
-        Chosen::Tcp => Box::new(tcp::TcpCollective::connect(env, store, timeout)?),
+        Chosen::Tcp => {
+            let options = tcp::TcpOptions {
+                shared_memory: dist.shared_memory,
+            };
+            Box::new(tcp::TcpCollective::connect_with(
+                env, store, timeout, options,
+            )?)
+        }
     })
 }
 

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use common::env_contract::WorkerEnv;
 use tch::{Device, Kind, Tensor};
 
+use super::shm::{ShmFailure, ShmGroup};
 use super::{flatten_f32, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp};
 use crate::store::StoreClient;
 
@@ -102,12 +103,31 @@ fn ring_proof(secret: &[u8], nonce: &[u8], from: usize, to: usize) -> [u8; 32] {
 const PIECE_BYTES: usize = 1 << 20;
 const HEADER_MAGIC: u32 = 0x5249_4e47; // "RING"
 
+/// How the `tcp` backend may move data besides its socket ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpOptions {
+    /// All-reduce through shared memory when every rank runs on this host (`[dist]
+    /// shared_memory`). Default: true.
+    pub shared_memory: bool,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        TcpOptions {
+            shared_memory: true,
+        }
+    }
+}
+
 /// The ring communicator of one rank.
 pub struct TcpCollective {
     rank: usize,
     world: usize,
     /// Connection to `rank + 1` (we write), and from `rank - 1` (we read). None when world is 1.
     links: Option<(TcpStream, TcpStream)>,
+    /// Every rank's segment, when all ranks share this host and shared memory could be had:
+    /// all-reduces (and barriers) go through it instead of the ring.
+    shm: Option<ShmGroup>,
     store: StoreClient,
     /// Operations issued so far; identical on every rank when they call the same operations.
     seq: u64,
@@ -128,9 +148,43 @@ enum Sink<'a> {
 }
 
 impl TcpCollective {
-    /// Sets up the ring: listen, publish our address in the store, connect to the next rank,
-    /// accept the previous one. `store` becomes this communicator's own client.
+    /// [`TcpCollective::connect_with`] the default options (shared memory on one host).
     pub fn connect(
+        env: &WorkerEnv,
+        store: StoreClient,
+        timeout: Duration,
+    ) -> Result<TcpCollective, CollectiveError> {
+        Self::connect_with(env, store, timeout, TcpOptions::default())
+    }
+
+    /// Sets up the ring: listen, publish our address in the store, connect to the next rank,
+    /// accept the previous one; then, when every rank runs on this host and `options` allow,
+    /// the shared-memory group. `store` becomes this communicator's own client.
+    pub fn connect_with(
+        env: &WorkerEnv,
+        store: StoreClient,
+        timeout: Duration,
+        options: TcpOptions,
+    ) -> Result<TcpCollective, CollectiveError> {
+        let mut comm = Self::connect_ring(env, store, timeout)?;
+        if options.shared_memory && comm.world > 1 && env.group_world_size <= 1 {
+            let ranks: Vec<usize> = (0..comm.world).collect();
+            comm.shm = ShmGroup::connect(&mut comm.store, comm.rank, &ranks, timeout).map_err(
+                |detail| CollectiveError::Setup {
+                    backend: "tcp",
+                    detail: format!("setting up shared memory: {detail}"),
+                },
+            )?;
+        }
+        Ok(comm)
+    }
+
+    /// Whether all-reduces go through shared memory (rather than the socket ring).
+    pub fn uses_shared_memory(&self) -> bool {
+        self.shm.is_some()
+    }
+
+    fn connect_ring(
         env: &WorkerEnv,
         mut store: StoreClient,
         timeout: Duration,
@@ -146,6 +200,7 @@ impl TcpCollective {
                 rank,
                 world,
                 links: None,
+                shm: None,
                 store,
                 seq: 0,
                 scratch: Vec::new(),
@@ -215,6 +270,7 @@ impl TcpCollective {
             rank,
             world,
             links: Some((to_next, from_prev)),
+            shm: None,
             store,
             seq: 0,
             scratch: vec![0.0; PIECE_BYTES / 4],
@@ -338,6 +394,45 @@ impl TcpCollective {
         Ok(())
     }
 
+    /// All-reduce (sum) of `buf` in place through the shared-memory group.
+    fn shm_all_reduce(
+        &mut self,
+        buf: &mut [f32],
+        ctx: OpContext,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        self.seq += 1;
+        let Some(shm) = self.shm.as_mut() else {
+            return Ok(());
+        };
+        match shm.all_reduce(buf, self.seq, deadline) {
+            Ok(()) => Ok(()),
+            Err(ShmFailure::Timeout) => Err(self.timeout_error("all_reduce", ctx)),
+            Err(ShmFailure::Exited { rank, pid }) => Err(CollectiveError::Peer {
+                op: "all_reduce",
+                step: ctx.step,
+                peer: rank,
+                source: std::io::Error::other(format!(
+                    "its process {pid} exited (shared memory)"
+                )),
+            }),
+            Err(ShmFailure::Mismatch {
+                rank,
+                their_seq,
+                their_len,
+            }) => Err(CollectiveError::Mismatch {
+                op: "all_reduce",
+                step: ctx.step,
+                detail: format!(
+                    "rank {rank} is at operation #{their_seq} ({their_len} elements) while rank {} is at #{} (all_reduce, {} elements)",
+                    self.rank,
+                    self.seq,
+                    buf.len()
+                ),
+            }),
+        }
+    }
+
     /// Ring all-gather of equal-sized byte chunks: chunk `rank` is ours on entry, all are
     /// filled on return.
     fn ring_all_gather(
@@ -400,11 +495,15 @@ impl Collective for TcpCollective {
         if n == 0 {
             return Ok(()); // the same on every rank: nothing to exchange
         }
-        self.handshake("all_reduce", 1, n as u64, ctx, deadline)?;
         // SAFETY: `flat` is a contiguous f32 CPU tensor of `n` elements that nothing else
         // touches while we hold this slice.
         let buf = unsafe { std::slice::from_raw_parts_mut(flat.data_ptr() as *mut f32, n) };
-        self.ring_all_reduce(buf, ctx, deadline)?;
+        if self.shm.is_some() {
+            self.shm_all_reduce(buf, ctx, deadline)?;
+        } else {
+            self.handshake("all_reduce", 1, n as u64, ctx, deadline)?;
+            self.ring_all_reduce(buf, ctx, deadline)?;
+        }
         if op == ReduceOp::Avg {
             let w = self.world as f32;
             buf.iter_mut().for_each(|x| *x /= w);
@@ -729,17 +828,36 @@ pub mod test_ring {
         WorkerEnv::single_node(rank, world, "127.0.0.1", port, "ring-test")
     }
 
-    /// Runs `body(rank, communicator)` on `world` threads connected by a real ring.
+    /// Runs `body(rank, communicator)` on `world` threads connected by a real ring (and shared
+    /// memory, as between processes of one host).
     pub fn with_ring<T: Send + 'static>(
         world: u32,
         body: impl Fn(usize, &mut TcpCollective) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
-        with_ring_owned(world, move |rank, mut comm| body(rank, &mut comm))
+        with_ring_opts(world, TcpOptions::default(), body)
+    }
+
+    /// [`with_ring`] with `options` (e.g. sockets only).
+    pub fn with_ring_opts<T: Send + 'static>(
+        world: u32,
+        options: TcpOptions,
+        body: impl Fn(usize, &mut TcpCollective) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        with_ring_owned_opts(world, options, move |rank, mut comm| body(rank, &mut comm))
     }
 
     /// [`with_ring`], giving each thread its communicator to own (e.g. for a DDP engine).
     pub fn with_ring_owned<T: Send + 'static>(
         world: u32,
+        body: impl Fn(usize, TcpCollective) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        with_ring_owned_opts(world, TcpOptions::default(), body)
+    }
+
+    /// [`with_ring_owned`] with `options`.
+    pub fn with_ring_owned_opts<T: Send + 'static>(
+        world: u32,
+        options: TcpOptions,
         body: impl Fn(usize, TcpCollective) -> T + Send + Sync + 'static,
     ) -> Vec<T> {
         let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "ring-test").unwrap();
@@ -755,10 +873,11 @@ pub mod test_ring {
                         Duration::from_secs(10),
                     )
                     .unwrap();
-                    let comm = TcpCollective::connect(
+                    let comm = TcpCollective::connect_with(
                         &env(rank, world, addr.port()),
                         store,
                         Duration::from_secs(10),
+                        options,
                     )
                     .unwrap();
                     body(rank as usize, comm)
@@ -780,7 +899,11 @@ mod tests {
         timeout: Duration::from_secs(20),
     };
 
-    use super::test_ring::with_ring;
+    use super::test_ring::{with_ring, with_ring_opts};
+
+    const SOCKETS_ONLY: TcpOptions = TcpOptions {
+        shared_memory: false,
+    };
 
     /// Someone who found rank 0's ring port (here: from the store) and claims to be rank 1
     /// connects first and offers huge values; rank 0 drops it and the sum is the ranks' own.
@@ -837,9 +960,11 @@ mod tests {
 
     #[test]
     fn all_reduce_matches_a_direct_sum_for_every_world_and_length() {
-        for world in 1..=5u32 {
+        for (world, shared_memory) in (1..=5u32).flat_map(|w| [(w, true), (w, false)]) {
+            let options = TcpOptions { shared_memory };
             for len in [0usize, 1, 2, 3, 4, 5, 7, 1000, 10_007, 300_001] {
-                let results = with_ring(world, move |rank, comm| {
+                let results = with_ring_opts(world, options, move |rank, comm| {
+                    assert_eq!(comm.uses_shared_memory(), shared_memory && world > 1);
                     let data: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
                     let mut t = [Tensor::from_slice(&data)];
                     comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
@@ -849,7 +974,10 @@ mod tests {
                     .map(|i| (0..world as usize).map(|r| value(r, i)).sum())
                     .collect();
                 for (rank, got) in results.iter().enumerate() {
-                    assert_eq!(got, &expected, "world {world}, length {len}, rank {rank}");
+                    assert_eq!(
+                        got, &expected,
+                        "world {world}, length {len}, rank {rank}, {options:?}"
+                    );
                 }
             }
         }
@@ -908,9 +1036,84 @@ mod tests {
         }
     }
 
+    /// Many operations in a row of several chunks each: buffers are reused only when every
+    /// rank is done with them, and a rank that lags (here: sleeps) gets the right sums.
+    #[test]
+    fn shared_memory_keeps_consecutive_operations_apart() {
+        let per_chunk = super::super::shm::CHUNK_BYTES / 4;
+        let results = with_ring(3, move |rank, comm| {
+            assert!(comm.uses_shared_memory());
+            let mut sums = Vec::new();
+            for op in 0..8usize {
+                if rank == op % 3 {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let len = per_chunk * (1 + op % 3) + op * 17;
+                let data: Vec<f32> = (0..len).map(|i| value(rank + op, i)).collect();
+                let mut t = [Tensor::from_slice(&data)];
+                comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
+                sums.push(Vec::<f32>::try_from(&t[0]).unwrap());
+            }
+            sums
+        });
+        for op in 0..8usize {
+            let len = per_chunk * (1 + op % 3) + op * 17;
+            let expected: Vec<f32> = (0..len)
+                .map(|i| (0..3).map(|r| value(r + op, i)).sum())
+                .collect();
+            for (rank, sums) in results.iter().enumerate() {
+                assert!(sums[op] == expected, "operation {op}, rank {rank}");
+            }
+        }
+    }
+
+    /// Once the group is set up, no segment of ours is left in /dev/shm (nothing to leak
+    /// however the process ends).
+    #[test]
+    fn shared_memory_segments_are_unlinked_once_mapped() {
+        let ours = format!("{}{}-", common::shm_segments::PREFIX, std::process::id());
+        let left = with_ring(2, move |_, comm| {
+            assert!(comm.uses_shared_memory());
+            let left: Vec<String> = std::fs::read_dir(common::shm_segments::DIR)
+                .unwrap()
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&ours))
+                .collect();
+            let mut t = [Tensor::from_slice(&[1.0f32; 4])];
+            comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
+            left
+        });
+        // Other tests of this process may be setting up groups at the same moment: a name seen
+        // here must be gone a moment later.
+        std::thread::sleep(Duration::from_millis(500));
+        for name in left.into_iter().flatten() {
+            let path = std::path::Path::new(common::shm_segments::DIR).join(&name);
+            assert!(!path.exists(), "{name} is still in /dev/shm");
+        }
+    }
+
+    #[test]
+    fn shared_memory_reports_a_length_mismatch() {
+        let results = with_ring(2, |rank, comm| {
+            let mut t = [Tensor::from_slice(&vec![1.0f32; 4 + rank])];
+            let ctx = OpContext {
+                step: 9,
+                timeout: Duration::from_secs(5),
+            };
+            comm.all_reduce(&mut t, ReduceOp::Sum, ctx)
+                .err()
+                .map(|e| e.to_string())
+        });
+        for message in results {
+            let message = message.expect("an error on every rank");
+            assert!(message.contains("at step 9: ranks disagree"), "{message}");
+        }
+    }
+
     #[test]
     fn mismatched_operations_are_reported() {
-        let results = with_ring(2, |rank, comm| {
+        let results = with_ring_opts(2, SOCKETS_ONLY, |rank, comm| {
             let mut t = [Tensor::from_slice(&[1.0f32; 4])];
             let ctx = OpContext {
                 step: 5,

@@ -101,9 +101,8 @@ fn run() -> Result<()> {
     let setup_timeout = timeout.max(dist::collective::SETUP_TIMEOUT_MIN);
     let (_server, store) =
         dist::store::rendezvous(&env, setup_timeout).context("rendezvous with the other ranks")?;
-    let comm =
-        dist::collective::connect(config.dist.backend, Device::Cpu, &env, store, setup_timeout)
-            .context("connecting the collective")?;
+    let comm = dist::collective::connect(&config.dist, Device::Cpu, &env, store, setup_timeout)
+        .context("connecting the collective")?;
 
     // The same seed everywhere: same data on every rank; a different init would be overwritten
     // by rank 0's anyway.
