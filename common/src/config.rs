@@ -331,6 +331,10 @@ pub struct DistConfig {
     /// runs on one host, instead of through sockets; falls back to sockets, with a warning, when
     /// shared memory cannot be had. Default: `true`.
     pub shared_memory: bool,
+    /// Exchange only the rows of embedding-table gradients that some rank touched in the step
+    /// (when at most half the table), instead of the whole table; the result is the same.
+    /// Default: `true`.
+    pub sparse_embeddings: bool,
 }
 
 impl Default for DistConfig {
@@ -341,6 +345,7 @@ impl Default for DistConfig {
             bucket_mb: 25.0,
             check_params_every: 0,
             shared_memory: true,
+            sparse_embeddings: true,
         }
     }
 }
@@ -688,7 +693,7 @@ timeout_s = 60
     fn unknown_key_variants() {
         assert_eq!(
             err("[batch]\nmicro = 4\n\n[dist]\n  backnd = \"tcp\"\n"),
-            "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, bucket_mb, check_params_every, shared_memory)"
+            "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings)"
         );
         assert_eq!(
             err("[batch]\nmicro = 4\n[optim]\nlr = 1\n"),
@@ -1147,7 +1152,7 @@ timeout_s = 60
             backend in prop_oneof![Just(Backend::Auto), Just(Backend::Tcp), Just(Backend::Nccl)],
             timeout_s in 1u64..=u64::MAX,
             (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
-            (bucket_mb, check_params_every, shared_memory) in (finite_positive(), any::<u64>(), any::<bool>()),
+            (bucket_mb, check_params_every, shared_memory, sparse_embeddings) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>()),
             (every_n_steps, keep, resume) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"]),
             (scorer, l2, max_text_tokens, trainable_layers) in (prop_oneof![Just(ScorerKind::Dot), Just(ScorerKind::Mlp)], prop_oneof![Just(0.0f64), 0.0f64..1.0], 1usize..=1024, prop::option::of(0u32..=48)),
             (topk, every_n_epochs, patience, batch_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096),
@@ -1161,7 +1166,7 @@ timeout_s = 60
                 model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
-                dist: DistConfig { backend, timeout_s, bucket_mb, check_params_every, shared_memory },
+                dist: DistConfig { backend, timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings },
                 checkpoint: CheckpointConfig { every_n_steps, keep, resume },
                 eval: EvalConfig { topk, every_n_epochs, metric, patience, batch_users },
             }

@@ -1,7 +1,8 @@
 //! The DDP engine: makes N processes train one model as if they were one. It owns the
 //! parameter broadcast at start, gradient accumulation over micro-batches, the bucketed
-//! gradient all-reduce (only after the last micro-batch of a window), global-norm clipping and
-//! the optimizer step, plus the optional cross-rank parameter check. It works on any `tch`
+//! gradient all-reduce (only after the last micro-batch of a window), the row-sparse exchange of
+//! embedding-table gradients, global-norm clipping and the optimizer step, plus the optional
+//! cross-rank parameter check. It works on any `tch`
 //! model and any loss: it must not know about the recommender, the data or files.
 
 use std::time::Duration;
@@ -24,6 +25,10 @@ pub struct DdpConfig {
     pub check_params_every: u64,
     /// Time limit of each collective.
     pub timeout: Duration,
+    /// Names of 2-D parameters (embedding tables) whose gradient touches few rows per step:
+    /// only the rows some rank touched are all-reduced, when they are at most half the table.
+    /// The result is the dense all-reduce's (zero rows sum to zero). Empty: all dense.
+    pub sparse: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,8 +89,10 @@ pub struct Ddp {
     /// Every variable of the model (trainable or not: frozen weights, buffers), sorted by name:
     /// what is broadcast at start and saved in checkpoints.
     variables: Vec<(String, Tensor)>,
-    /// Indices into `params`, one group per all-reduce call.
+    /// Indices into `params`, one group per all-reduce call (the sparse ones excepted).
     buckets: Vec<Vec<usize>>,
+    /// Indices into `params` of the row-sparse tables, with their row counts.
+    sparse: Vec<(usize, i64)>,
     config: DdpConfig,
 }
 
@@ -99,17 +106,29 @@ impl Ddp {
     ) -> Result<Ddp, DdpError> {
         let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         variables.sort_by(|a, b| a.0.cmp(&b.0));
-        let params: Vec<Tensor> = variables
+        let trainable: Vec<&(String, Tensor)> = variables
             .iter()
             .filter(|(_, t)| t.requires_grad())
-            .map(|(_, t)| t.shallow_clone())
             .collect();
-        let buckets = make_buckets(&params, config.bucket_bytes);
+        // Alone, there is nothing to exchange: no masks to compute either.
+        let alone = comm.world_size() == 1;
+        let sparse: Vec<(usize, i64)> = trainable
+            .iter()
+            .enumerate()
+            .filter(|(_, (name, t))| !alone && config.sparse.contains(name) && t.dim() == 2)
+            .map(|(i, (_, t))| (i, t.size()[0]))
+            .collect();
+        let params: Vec<Tensor> = trainable.iter().map(|(_, t)| t.shallow_clone()).collect();
+        let dense: Vec<usize> = (0..params.len())
+            .filter(|i| !sparse.iter().any(|(s, _)| s == i))
+            .collect();
+        let buckets = make_buckets(&params, &dense, config.bucket_bytes);
         let mut ddp = Ddp {
             comm,
             params,
             variables,
             buckets,
+            sparse,
             config,
         };
         ddp.broadcast_params(0)?;
@@ -205,13 +224,19 @@ impl Ddp {
             model.finish_backward()?;
         }
         model.phase(StepPhase::Optimizer);
-        // Loss and a "bad loss" flag travel together first, so that every rank stops together
-        // when any rank's loss is not finite (instead of the others waiting for its gradients).
         let ctx = self.ctx(step + 1);
-        let mut summary = [Tensor::from_slice(&[
-            local_loss as f32,
-            if bad_loss.is_some() { 1.0 } else { 0.0 },
-        ])];
+        // A parameter this rank's batches did not reach still takes part in the reduction (the
+        // others may have gradients for it): give it a zero gradient.
+        for p in &self.params {
+            if !p.grad().defined() {
+                (p.f_sum(tch::Kind::Float)? * 0.0).f_backward()?;
+            }
+        }
+        let _guard = tch::no_grad_guard();
+        // Loss, a "bad loss" flag and the rows each sparse table touched travel together first,
+        // so that every rank stops together when any rank's loss is not finite (instead of the
+        // others waiting for its gradients), and every rank knows the union of touched rows.
+        let mut summary = [self.summary(local_loss, bad_loss.is_some())?];
         self.comm.all_reduce(&mut summary, ReduceOp::Sum, ctx)?;
         let global_loss = summary[0].f_double_value(&[0])? / self.world_size() as f64;
         if summary[0].f_double_value(&[1])? > 0.0 {
@@ -226,20 +251,10 @@ impl Ddp {
                 },
             });
         }
-        // A parameter this rank's batches did not reach still takes part in the reduction (the
-        // others may have gradients for it): give it a zero gradient.
-        for p in &self.params {
-            if !p.grad().defined() {
-                (p.f_sum(tch::Kind::Float)? * 0.0).f_backward()?;
-            }
-        }
-        {
-            let _guard = tch::no_grad_guard();
-            for bucket in &self.buckets {
-                let mut grads: Vec<Tensor> =
-                    bucket.iter().map(|&i| self.params[i].grad()).collect();
-                self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
-            }
+        self.reduce_sparse(&summary[0], ctx)?;
+        for bucket in &self.buckets {
+            let mut grads: Vec<Tensor> = bucket.iter().map(|&i| self.params[i].grad()).collect();
+            self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
         }
         let grad_norm = clip_grad_norm(&self.params, self.config.max_grad_norm);
         if !grad_norm.is_finite() {
@@ -261,6 +276,44 @@ impl Ddp {
             self.check_params(step)?;
         }
         Ok(stats)
+    }
+
+    /// `[local loss, bad-loss flag, touched-row mask of each sparse table...]` (f32).
+    fn summary(&self, local_loss: f64, bad: bool) -> Result<Tensor, DdpError> {
+        let head = Tensor::from_slice(&[local_loss as f32, if bad { 1.0 } else { 0.0 }]);
+        let mut parts = vec![head];
+        for &(i, _) in &self.sparse {
+            let touched = self.params[i]
+                .grad()
+                .f_abs()?
+                .f_sum_dim_intlist(1, false, tch::Kind::Float)?
+                .f_gt(0.0)?
+                .f_to_kind(tch::Kind::Float)?;
+            parts.push(touched);
+        }
+        Ok(Tensor::f_cat(&parts, 0)?)
+    }
+
+    /// Averages each sparse table's gradient over the ranks: only the rows some rank touched
+    /// (from the reduced `summary`) when they are at most half the table, otherwise all of it.
+    fn reduce_sparse(&mut self, summary: &Tensor, ctx: OpContext) -> Result<(), DdpError> {
+        let mut offset = 2;
+        for &(i, rows) in &self.sparse {
+            let touched = summary.f_narrow(0, offset, rows)?;
+            offset += rows;
+            let mut grad = self.params[i].grad();
+            let union = touched.f_gt(0.0)?.f_nonzero()?.f_squeeze_dim(1)?;
+            if union.size()[0] * 2 > rows {
+                self.comm
+                    .all_reduce(std::slice::from_mut(&mut grad), ReduceOp::Avg, ctx)?;
+                continue;
+            }
+            let mut compact = [grad.f_index_select(0, &union)?];
+            self.comm.all_reduce(&mut compact, ReduceOp::Avg, ctx)?;
+            // Rows outside the union are zero on every rank already: their average is too.
+            let _ = grad.f_index_copy_(0, &union, &compact[0])?;
+        }
+        Ok(())
     }
 
     /// A checksum of this rank's variables (bit patterns, so any difference shows).
@@ -297,14 +350,14 @@ impl Ddp {
     }
 }
 
-/// Groups parameters into buckets of at most `bucket_bytes` of f32 gradient, in reverse order
-/// (the order backward produces gradients, as PyTorch's DDP does); a parameter larger than a
-/// bucket gets one of its own.
-fn make_buckets(params: &[Tensor], bucket_bytes: usize) -> Vec<Vec<usize>> {
+/// Groups the parameters `which` (indices into `params`) into buckets of at most
+/// `bucket_bytes` of f32 gradient, in reverse order (the order backward produces gradients, as
+/// PyTorch's DDP does); a parameter larger than a bucket gets one of its own.
+fn make_buckets(params: &[Tensor], which: &[usize], bucket_bytes: usize) -> Vec<Vec<usize>> {
     let mut buckets: Vec<Vec<usize>> = Vec::new();
     let mut current: Vec<usize> = Vec::new();
     let mut bytes = 0usize;
-    for i in (0..params.len()).rev() {
+    for &i in which.iter().rev() {
         let size = params[i].numel() * 4;
         if !current.is_empty() && bytes + size > bucket_bytes {
             buckets.push(std::mem::take(&mut current));
@@ -361,6 +414,7 @@ mod tests {
                 max_grad_norm: 1.0,
                 check_params_every: 10,
                 timeout: Duration::from_secs(20),
+                sparse: Vec::new(),
             };
             let world = ring.world_size();
             let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
@@ -387,13 +441,143 @@ mod tests {
         assert_eq!(params0, &results[1].2, "the ranks' parameters differ");
     }
 
+    /// A tiny matrix-factorisation model (two embedding tables and a bias) over fixed random
+    /// (user, item, rating) triples: trains `steps` steps data-parallel over `world` ranks and
+    /// returns rank 0's loss curve and final parameters.
+    fn train_embeddings(
+        world: u32,
+        options: crate::collective::tcp::TcpOptions,
+        sparse: bool,
+        steps: u64,
+    ) -> (Vec<f64>, Vec<Vec<f32>>) {
+        use crate::collective::tcp::test_ring::with_ring_owned_opts;
+        struct Mf {
+            users: nn::Embedding,
+            items: nn::Embedding,
+            bias: Tensor,
+            data: Tensor,
+        }
+        impl MicroBatchLoss<Vec<i64>> for Mf {
+            fn loss(&mut self, micro: &Vec<i64>) -> Result<Tensor, tch::TchError> {
+                use tch::nn::Module;
+                let rows = self.data.index_select(0, &Tensor::from_slice(micro));
+                let (u, i) = (rows.select(1, 0), rows.select(1, 1));
+                let y = rows.select(1, 2).to_kind(tch::Kind::Float);
+                let score = (self.users.forward(&u) * self.items.forward(&i)).sum_dim_intlist(
+                    1,
+                    false,
+                    tch::Kind::Float,
+                ) + &self.bias;
+                Ok((score - y).square().mean(tch::Kind::Float))
+            }
+        }
+        let results = with_ring_owned_opts(world, options, move |rank, ring| {
+            // Deterministic data and weights (the RNG is shared by the rank threads).
+            let k = Tensor::arange(400, (tch::Kind::Int64, tch::Device::Cpu));
+            let data = Tensor::stack(
+                &[
+                    (&k * 7).remainder(200),
+                    (&k * 13).remainder(300),
+                    (&k * 5 + 1).remainder(5),
+                ],
+                1,
+            );
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let emb = Default::default();
+            let mut model = Mf {
+                users: nn::embedding(vs.root() / "users", 200, 8, emb),
+                items: nn::embedding(vs.root() / "items", 300, 8, emb),
+                bias: vs.root().zeros("bias", &[1]),
+                data,
+            };
+            tch::no_grad(|| {
+                for (t, phase) in [(&mut model.users.ws, 0.3), (&mut model.items.ws, 1.7)] {
+                    let n = t.numel() as i64;
+                    let init = (Tensor::arange(n, (tch::Kind::Float, tch::Device::Cpu)) + phase)
+                        .sin()
+                        .view([-1, 8]);
+                    t.copy_(&init);
+                }
+            });
+            let config = DdpConfig {
+                grad_accum: 2,
+                bucket_bytes: 1 << 20,
+                max_grad_norm: 1.0,
+                check_params_every: 25,
+                timeout: Duration::from_secs(20),
+                sparse: if sparse {
+                    vec!["users.weight".into(), "items.weight".into()]
+                } else {
+                    Vec::new()
+                },
+            };
+            let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
+            assert_eq!(ddp.sparse.len(), if sparse { 2 } else { 0 });
+            let mut adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.01);
+            let sampler =
+                crate::sampler::DistributedSampler::new(400, world as usize, rank, 9).unwrap();
+            let mut losses = Vec::new();
+            'train: for epoch in 0.. {
+                for window in sampler.batches(epoch, 4, 0, true).chunks_exact(2) {
+                    let window: Vec<Vec<i64>> = window
+                        .iter()
+                        .map(|m| m.iter().map(|&i| i as i64).collect())
+                        .collect();
+                    let step = losses.len() as u64;
+                    let stats = ddp
+                        .step(&window, &mut model, &mut adam, 0.05, step)
+                        .unwrap();
+                    losses.push(stats.loss);
+                    if losses.len() as u64 == steps {
+                        break 'train;
+                    }
+                }
+            }
+            let params = ddp
+                .params()
+                .iter()
+                .map(|t| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap())
+                .collect();
+            (losses, params)
+        });
+        results.into_iter().next().unwrap()
+    }
+
+    /// Row-sparse exchange of the embedding gradients gives the dense all-reduce's numbers: bit
+    /// for bit through shared memory (each element is summed in rank order either way), and
+    /// within float tolerance through the socket ring of three ranks (whose summation order
+    /// depends on where an element lies in the buffer).
+    #[test]
+    fn sparse_embedding_gradients_train_exactly_as_dense_ones() {
+        use crate::collective::tcp::TcpOptions;
+        let shm = TcpOptions::default();
+        let (dense_loss, dense_params) = train_embeddings(2, shm, false, 50);
+        let (sparse_loss, sparse_params) = train_embeddings(2, shm, true, 50);
+        assert_eq!(dense_loss.len(), 50);
+        assert!(dense_loss[49] < dense_loss[0], "{dense_loss:?}");
+        assert_eq!(sparse_loss, dense_loss);
+        assert_eq!(sparse_params, dense_params);
+
+        let sockets = TcpOptions {
+            shared_memory: false,
+        };
+        let (dense_loss, _) = train_embeddings(3, sockets, false, 50);
+        let (sparse_loss, _) = train_embeddings(3, sockets, true, 50);
+        for (step, (d, s)) in dense_loss.iter().zip(&sparse_loss).enumerate() {
+            assert!(
+                (d - s).abs() <= 1e-5 * d.abs().max(1.0),
+                "step {step}: {d} vs {s}"
+            );
+        }
+    }
+
     #[test]
     fn buckets_respect_the_size_and_cover_every_parameter_once() {
         let params: Vec<Tensor> = [10, 300, 5, 5, 1000, 1]
             .iter()
             .map(|&n| Tensor::zeros([n], (tch::Kind::Float, tch::Device::Cpu)))
             .collect();
-        let buckets = make_buckets(&params, 1024);
+        let buckets = make_buckets(&params, &[0, 1, 2, 3, 4, 5], 1024);
         let mut seen: Vec<usize> = buckets.iter().flatten().copied().collect();
         seen.sort();
         assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);

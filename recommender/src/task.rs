@@ -178,6 +178,15 @@ fn model_hash(config: &Config, ds: &Dataset) -> String {
 }
 
 impl RecTask {
+    /// The variables that are embedding tables, whose gradient touches only the rows of the
+    /// users, items or tokens in a batch: the ID embeddings, and GPT-2's token embeddings (when
+    /// dynamic mode trains them). A variable that does not exist or is frozen is ignored.
+    pub fn embedding_tables(&self) -> Vec<String> {
+        ["user_id.weight", "item_id.weight", "gpt2.wte.weight"]
+            .map(String::from)
+            .to_vec()
+    }
+
     /// Number of training samples: (user, positive item) pairs; a sampler shards `0..len`.
     pub fn train_len(&self) -> usize {
         self.pairs.len()

@@ -21,6 +21,10 @@ impl Task for RecTask {
         RecTask::finish_backward(self)
     }
 
+    fn embedding_tables(&self) -> Vec<String> {
+        RecTask::embedding_tables(self)
+    }
+
     fn model_hash(&self) -> String {
         RecTask::model_hash(self)
     }

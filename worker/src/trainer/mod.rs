@@ -183,6 +183,11 @@ impl<'t> Trainer<'t> {
                 max_grad_norm: config.train.max_grad_norm,
                 check_params_every: config.dist.check_params_every,
                 timeout,
+                sparse: if config.dist.sparse_embeddings {
+                    task.embedding_tables()
+                } else {
+                    Vec::new()
+                },
             },
         )?;
         let (rank, world) = (ddp.rank(), ddp.world_size());

@@ -22,6 +22,11 @@ pub trait Task {
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         Ok(())
     }
+    /// Names of the variables that are embedding tables (few rows touched per step), whose
+    /// gradients the engine may exchange row-sparse. Default: none.
+    fn embedding_tables(&self) -> Vec<String> {
+        Vec::new()
+    }
     /// A fingerprint of the model's configuration; a checkpoint of another model is refused.
     fn model_hash(&self) -> String;
     /// Metrics of the current model on `split`. Every rank calls it together (the task may
