@@ -175,6 +175,7 @@ impl TcpCollective {
                     detail: format!("setting up shared memory: {detail}"),
                 },
             )?;
+
         }
         Ok(comm)
     }
@@ -467,7 +468,11 @@ impl Collective for TcpCollective {
     }
 
     fn name(&self) -> &'static str {
-        "tcp"
+        if self.shm.is_some() {
+            "tcp (shared memory)"
+        } else {
+            "tcp"
+        }
     }
 
     fn all_reduce(

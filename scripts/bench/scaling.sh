@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Data-parallel scaling on this machine: training samples/s of 1 and 2 processes for bpr and
+# gpt2rec (cached, and dynamic with BENCH_DYNAMIC=1) on the built-in default data ("small") and
+# on full-size generated data, with the ways two ranks of one host can exchange gradients:
+#   sockets  dense gradients through the tcp ring over loopback (the old path)
+#   shm      dense gradients through shared memory
+#   shm+sparse  shared memory, embedding gradients row-sparse (the default)
+# Same global batch (256, micro 64) everywhere, OMP_NUM_THREADS=1, `checkpoint.resume = never`.
+# samples/s is the trainer's own figure (training steps only, no evaluation).
+#
+# Usage: scripts/bench/scaling.sh [SIZES] [MODELS] [EPOCHS]
+#   SIZES  "small full" (default) or one of them; MODELS "bpr cached" (default; add "dynamic")
+set -eu
+cd "$(dirname "$0")/../.."
+sizes="${1:-small full}"
+models="${2:-bpr cached}"
+. scripts/bench/lib.sh
+export OMP_NUM_THREADS=1
+
+run() { # size model procs shm sparse -> samples/s
+  local size=$1 model=$2 procs=$3 shm=$4 sparse=$5 kind=gpt2rec mode=cached epochs=${EPOCHS:-2}
+  case $model in bpr) kind=bpr ;; dynamic) mode=dynamic; epochs=1 ;; esac
+  [ "$size" = full ] && epochs=1
+  local name="$size-$model-p$procs-shm$shm-sparse$sparse"
+  "$launch" --num-processes "$procs" --master-port 0 configs/default.toml \
+    --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
+    --set data.synthetic=\""$size"\" --set model.kind=\""$kind"\" \
+    --set model.text_mode=\""$mode"\" --set train.epochs="$epochs" \
+    --set model.trainable_layers=1 --set model.max_text_tokens=32 \
+    --set checkpoint.resume=\"never\" --set eval.patience=0 \
+    --set batch.global=256 --set batch.micro=64 \
+    --set dist.shared_memory="$shm" --set dist.sparse_embeddings="$sparse" \
+    >"$out/$name.log" 2>&1 || { echo "$name failed: see $out/$name.log" >&2; tail -3 "$out/$name.log" >&2; exit 1; }
+  python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(next(x for x in r if x.get("kind")=="summary")["samples_per_s"]))' "$out/$name/metrics.jsonl"
+}
+
+echo "| data | model | 1 process | 2, sockets | 2, shm | 2, shm+sparse (default) | 2 / 1 (default) |"
+echo "|---|---|---|---|---|---|---|"
+for size in $sizes; do
+  for model in $models; do
+    one=$(run "$size" "$model" 1 true true)
+    sock=$(run "$size" "$model" 2 false false)
+    shm=$(run "$size" "$model" 2 true false)
+    both=$(run "$size" "$model" 2 true true)
+    ratio=$(python3 -c "print(f'{$both / $one:.2f}x')")
+    echo "| $size | $model | $one | $sock | $shm | $both | $ratio |"
+  done
+done
