@@ -175,7 +175,6 @@ impl TcpCollective {
                     detail: format!("setting up shared memory: {detail}"),
                 },
             )?;
-
         }
         Ok(comm)
     }
