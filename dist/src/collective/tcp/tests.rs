@@ -1,0 +1,237 @@
+use super::*;
+
+const CTX: OpContext = OpContext {
+    step: 0,
+    timeout: Duration::from_secs(20),
+};
+
+use super::test_ring::{with_ring, with_ring_opts};
+
+const SOCKETS_ONLY: TcpOptions = TcpOptions {
+    shared_memory: false,
+};
+
+/// Someone who found rank 0's ring port (here: from the store) and claims to be rank 1
+/// connects first and offers huge values; rank 0 drops it and the sum is the ranks' own.
+#[test]
+fn a_stranger_claiming_a_rank_is_refused() {
+    use crate::store::StoreServer;
+    let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "ring-auth").unwrap();
+    let addr = server.local_addr();
+    let env = |rank| WorkerEnv::single_node(rank, 2, "127.0.0.1", addr.port(), "ring-auth");
+    let store =
+        || StoreClient::connect(&addr.to_string(), "ring-auth", Duration::from_secs(10)).unwrap();
+    let mut spy = store();
+    let stranger = std::thread::spawn(move || {
+        let target = spy.wait(&["tcp/addr/0"], Duration::from_secs(10)).unwrap();
+        let target: SocketAddr = String::from_utf8_lossy(&target[0]).parse().unwrap();
+        let mut sock = TcpStream::connect(target).unwrap();
+        let mut greeting = 1u64.to_le_bytes().to_vec();
+        greeting.extend_from_slice(&[0u8; 32]);
+        sock.write_all(&greeting).unwrap();
+        let _ = sock.write_all(&vec![0x7f; 4096]);
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        // Dropped by rank 0: EOF or a reset, never data.
+        let mut buf = [0u8; 64];
+        matches!(sock.read(&mut buf), Ok(0) | Err(_))
+    });
+    let ranks: Vec<_> = (0..2u32)
+        .map(|rank| {
+            let (env, store) = (env(rank), store());
+            std::thread::spawn(move || {
+                if rank == 1 {
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                let mut comm =
+                    TcpCollective::connect(&env, store, Duration::from_secs(10)).unwrap();
+                let mut t = [Tensor::from_slice(&[1.0f32; 4])];
+                comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
+                t[0].double_value(&[0])
+            })
+        })
+        .collect();
+    for r in ranks {
+        assert_eq!(r.join().unwrap(), 2.0);
+    }
+    assert!(stranger.join().unwrap(), "the stranger got an answer");
+    drop(server);
+}
+
+/// Small integers, so that every summation order gives the exact same float.
+fn value(rank: usize, i: usize) -> f32 {
+    ((rank * 7 + i * 3) % 23) as f32 - 11.0
+}
+
+#[test]
+fn all_reduce_matches_a_direct_sum_for_every_world_and_length() {
+    for (world, shared_memory) in (1..=5u32).flat_map(|w| [(w, true), (w, false)]) {
+        let options = TcpOptions { shared_memory };
+        for len in [0usize, 1, 2, 3, 4, 5, 7, 1000, 10_007, 300_001] {
+            let results = with_ring_opts(world, options, move |rank, comm| {
+                assert_eq!(comm.uses_shared_memory(), shared_memory && world > 1);
+                let data: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                let mut t = [Tensor::from_slice(&data)];
+                comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
+                Vec::<f32>::try_from(&t[0]).unwrap()
+            });
+            let expected: Vec<f32> = (0..len)
+                .map(|i| (0..world as usize).map(|r| value(r, i)).sum())
+                .collect();
+            for (rank, got) in results.iter().enumerate() {
+                assert_eq!(
+                    got, &expected,
+                    "world {world}, length {len}, rank {rank}, {options:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn average_of_many_tensors_of_mixed_kinds() {
+    let results = with_ring(3, |rank, comm| {
+        let mut tensors = [
+            Tensor::from_slice(&[rank as f32; 5]).view([5]),
+            Tensor::from_slice(&[2.0 * rank as f32; 6]).view([2, 3]),
+            Tensor::from_slice(&[rank as f32 * 3.0]).to_kind(Kind::BFloat16),
+        ];
+        comm.all_reduce(&mut tensors, ReduceOp::Avg, CTX).unwrap();
+        tensors
+            .iter()
+            .map(|t| Vec::<f32>::try_from(&t.to_kind(Kind::Float).reshape([-1])).unwrap())
+            .collect::<Vec<_>>()
+    });
+    for r in results {
+        assert_eq!(r[0], vec![1.0; 5]);
+        assert_eq!(r[1], vec![2.0; 6]);
+        assert_eq!(r[2], vec![3.0]);
+    }
+}
+
+#[test]
+fn broadcast_from_each_root_and_all_gather() {
+    for root in 0..4usize {
+        let results = with_ring(4, move |rank, comm| {
+            let mut t = [
+                Tensor::from_slice(&[rank as i64, 10 + rank as i64]),
+                Tensor::from_slice(&vec![rank as f32; 3 * PIECE_BYTES / 4 + 5]),
+            ];
+            comm.broadcast(&mut t, root, CTX).unwrap();
+            let gathered = comm
+                .all_gather(&Tensor::from_slice(&[rank as f32, -(rank as f32)]), CTX)
+                .unwrap();
+            comm.barrier(CTX).unwrap();
+            (
+                Vec::<i64>::try_from(&t[0]).unwrap(),
+                t[1].double_value(&[0]),
+                t[1].double_value(&[(3 * PIECE_BYTES / 4 + 4) as i64]),
+                gathered
+                    .iter()
+                    .map(|g| Vec::<f32>::try_from(g).unwrap())
+                    .collect::<Vec<_>>(),
+            )
+        });
+        for (ints, first, last, gathered) in results {
+            assert_eq!(ints, vec![root as i64, 10 + root as i64]);
+            assert_eq!((first, last), (root as f64, root as f64));
+            let expect: Vec<Vec<f32>> = (0..4).map(|r| vec![r as f32, -(r as f32)]).collect();
+            assert_eq!(gathered, expect);
+        }
+    }
+}
+
+/// Many operations in a row of several chunks each: buffers are reused only when every
+/// rank is done with them, and a rank that lags (here: sleeps) gets the right sums.
+#[test]
+fn shared_memory_keeps_consecutive_operations_apart() {
+    let per_chunk = super::super::shm::CHUNK_BYTES / 4;
+    let results = with_ring(3, move |rank, comm| {
+        assert!(comm.uses_shared_memory());
+        let mut sums = Vec::new();
+        for op in 0..8usize {
+            if rank == op % 3 {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let len = per_chunk * (1 + op % 3) + op * 17;
+            let data: Vec<f32> = (0..len).map(|i| value(rank + op, i)).collect();
+            let mut t = [Tensor::from_slice(&data)];
+            comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
+            sums.push(Vec::<f32>::try_from(&t[0]).unwrap());
+        }
+        sums
+    });
+    for op in 0..8usize {
+        let len = per_chunk * (1 + op % 3) + op * 17;
+        let expected: Vec<f32> = (0..len)
+            .map(|i| (0..3).map(|r| value(r + op, i)).sum())
+            .collect();
+        for (rank, sums) in results.iter().enumerate() {
+            assert!(sums[op] == expected, "operation {op}, rank {rank}");
+        }
+    }
+}
+
+/// Once the group is set up, no segment of ours is left in /dev/shm (nothing to leak
+/// however the process ends).
+#[test]
+fn shared_memory_segments_are_unlinked_once_mapped() {
+    let ours = format!("{}{}-", common::shm_segments::PREFIX, std::process::id());
+    let left = with_ring(2, move |_, comm| {
+        assert!(comm.uses_shared_memory());
+        let left: Vec<String> = std::fs::read_dir(common::shm_segments::DIR)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&ours))
+            .collect();
+        let mut t = [Tensor::from_slice(&[1.0f32; 4])];
+        comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
+        left
+    });
+    // Other tests of this process may be setting up groups at the same moment: a name seen
+    // here must be gone a moment later.
+    std::thread::sleep(Duration::from_millis(500));
+    for name in left.into_iter().flatten() {
+        let path = std::path::Path::new(common::shm_segments::DIR).join(&name);
+        assert!(!path.exists(), "{name} is still in /dev/shm");
+    }
+}
+
+#[test]
+fn shared_memory_reports_a_length_mismatch() {
+    let results = with_ring(2, |rank, comm| {
+        let mut t = [Tensor::from_slice(&vec![1.0f32; 4 + rank])];
+        let ctx = OpContext {
+            step: 9,
+            timeout: Duration::from_secs(5),
+        };
+        comm.all_reduce(&mut t, ReduceOp::Sum, ctx)
+            .err()
+            .map(|e| e.to_string())
+    });
+    for message in results {
+        let message = message.expect("an error on every rank");
+        assert!(message.contains("at step 9: ranks disagree"), "{message}");
+    }
+}
+
+#[test]
+fn mismatched_operations_are_reported() {
+    let results = with_ring_opts(2, SOCKETS_ONLY, |rank, comm| {
+        let mut t = [Tensor::from_slice(&[1.0f32; 4])];
+        let ctx = OpContext {
+            step: 5,
+            timeout: Duration::from_secs(5),
+        };
+        if rank == 0 {
+            comm.all_reduce(&mut t, ReduceOp::Sum, ctx)
+                .err()
+                .map(|e| e.to_string())
+        } else {
+            comm.broadcast(&mut t, 0, ctx).err().map(|e| e.to_string())
+        }
+    });
+    let message = results.into_iter().flatten().next().expect("an error");
+    assert!(message.contains("at step 5: ranks disagree"), "{message}");
+}
