@@ -869,100 +869,108 @@ mod tests {
     }
 
     #[test]
-    fn global_micro_not_divisible_world_does_not_divide_global() {
-        let e = spec(Some(100), Some(8), None).resolve(3).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "batch: global 100 is not divisible by micro 8 x world 3 = 24 (100 / 24 = 4.17); \
-             nearest valid: global 96 (grad_accum 4) or 120 (grad_accum 5), \
-             or keep global 100 with world 3: impossible (100 is not a multiple of 3)"
-        );
-        assert_eq!(e.suggestions(), &[plan(96, 8, 4, 3), plan(120, 8, 5, 3)]);
-        assert!(matches!(e, BatchError::NotDivisible { world_size: 3, .. }));
-    }
-
-    #[test]
-    fn global_micro_not_divisible_suggests_micro_keeping_global() {
-        let e = spec(Some(96), Some(10), None).resolve(4).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "batch: global 96 is not divisible by micro 10 x world 4 = 40 (96 / 40 = 2.40); \
-             nearest valid: global 80 (grad_accum 2) or 120 (grad_accum 3), \
-             or keep global 96 with micro 8 (grad_accum 3) or 12 (grad_accum 2)"
-        );
-        assert_eq!(
-            e.suggestions(),
-            &[
-                plan(80, 10, 2, 4),
-                plan(120, 10, 3, 4),
-                plan(96, 8, 3, 4),
-                plan(96, 12, 2, 4)
-            ]
-        );
-    }
-
-    #[test]
-    fn global_smaller_than_micro_times_world() {
-        let e = spec(Some(10), Some(8), None).resolve(2).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "batch: global 10 is not divisible by micro 8 x world 2 = 16 (10 / 16 = 0.62); \
-             nearest valid: global 16 (grad_accum 1), \
-             or keep global 10 with micro 5 (grad_accum 1)"
-        );
-    }
-
-    #[test]
-    fn global_grad_accum_not_divisible() {
-        let e = spec(Some(100), None, Some(4)).resolve(3).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "batch: global 100 is not divisible by grad_accum 4 x world 3 = 12 (100 / 12 = 8.33); \
-             nearest valid: global 96 (micro 8) or 108 (micro 9), \
-             or keep global 100 with world 3: impossible (100 is not a multiple of 3)"
-        );
-        let e = spec(Some(96), None, Some(5)).resolve(2).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "batch: global 96 is not divisible by grad_accum 5 x world 2 = 10 (96 / 10 = 9.60); \
-             nearest valid: global 90 (micro 9) or 100 (micro 10), \
-             or keep global 96 with grad_accum 4 (micro 12) or 6 (micro 8)"
-        );
-    }
-
-    #[test]
-    fn global_only_not_divisible() {
-        let e = spec(Some(100), None, None).resolve(3).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "batch: global 100 is not divisible by world 3 (100 / 3 = 33.33); \
-             nearest valid: global 99 (micro 33) or 102 (micro 34)"
-        );
-        assert_eq!(e.suggestions(), &[plan(99, 33, 1, 3), plan(102, 34, 1, 3)]);
-    }
-
-    #[test]
-    fn all_three_mismatch() {
-        let e = spec(Some(64), Some(8), Some(2)).resolve(3).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "batch: global 64 != micro 8 x grad_accum 2 x world 3 = 48; nearest valid: global 48, \
-             or keep global 64 with world 3: impossible (64 is not a multiple of 3)"
-        );
-        assert!(matches!(e, BatchError::Mismatch { .. }));
-        let e = spec(Some(64), Some(8), Some(2)).resolve(2).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "batch: global 64 != micro 8 x grad_accum 2 x world 2 = 32; nearest valid: global 32, \
-             or keep global 64 with micro 8 x grad_accum 4 or micro 16 x grad_accum 2"
-        );
-        // Neither micro nor grad_accum can be kept: nearest micro values instead.
-        let e = spec(Some(36), Some(5), Some(5)).resolve(1).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "batch: global 36 != micro 5 x grad_accum 5 x world 1 = 25; nearest valid: global 25, \
-             or keep global 36 with micro 4 x grad_accum 9 or micro 6 x grad_accum 6"
-        );
+    fn inconsistent_specs_name_the_nearest_valid_plans() {
+        // (case, spec, world, message, the suggestions where the case checks them)
+        let cases = [
+            (
+                "global and micro, world does not divide global",
+                spec(Some(100), Some(8), None),
+                3,
+                "batch: global 100 is not divisible by micro 8 x world 3 = 24 (100 / 24 = 4.17); \
+                 nearest valid: global 96 (grad_accum 4) or 120 (grad_accum 5), \
+                 or keep global 100 with world 3: impossible (100 is not a multiple of 3)",
+                Some(vec![plan(96, 8, 4, 3), plan(120, 8, 5, 3)]),
+            ),
+            (
+                "global and micro, suggests micro keeping global",
+                spec(Some(96), Some(10), None),
+                4,
+                "batch: global 96 is not divisible by micro 10 x world 4 = 40 (96 / 40 = 2.40); \
+                 nearest valid: global 80 (grad_accum 2) or 120 (grad_accum 3), \
+                 or keep global 96 with micro 8 (grad_accum 3) or 12 (grad_accum 2)",
+                Some(vec![
+                    plan(80, 10, 2, 4),
+                    plan(120, 10, 3, 4),
+                    plan(96, 8, 3, 4),
+                    plan(96, 12, 2, 4),
+                ]),
+            ),
+            (
+                "global smaller than micro x world",
+                spec(Some(10), Some(8), None),
+                2,
+                "batch: global 10 is not divisible by micro 8 x world 2 = 16 (10 / 16 = 0.62); \
+                 nearest valid: global 16 (grad_accum 1), \
+                 or keep global 10 with micro 5 (grad_accum 1)",
+                None,
+            ),
+            (
+                "global and grad_accum, world does not divide global",
+                spec(Some(100), None, Some(4)),
+                3,
+                "batch: global 100 is not divisible by grad_accum 4 x world 3 = 12 (100 / 12 = 8.33); \
+                 nearest valid: global 96 (micro 8) or 108 (micro 9), \
+                 or keep global 100 with world 3: impossible (100 is not a multiple of 3)",
+                None,
+            ),
+            (
+                "global and grad_accum, suggests grad_accum keeping global",
+                spec(Some(96), None, Some(5)),
+                2,
+                "batch: global 96 is not divisible by grad_accum 5 x world 2 = 10 (96 / 10 = 9.60); \
+                 nearest valid: global 90 (micro 9) or 100 (micro 10), \
+                 or keep global 96 with grad_accum 4 (micro 12) or 6 (micro 8)",
+                None,
+            ),
+            (
+                "global only",
+                spec(Some(100), None, None),
+                3,
+                "batch: global 100 is not divisible by world 3 (100 / 3 = 33.33); \
+                 nearest valid: global 99 (micro 33) or 102 (micro 34)",
+                Some(vec![plan(99, 33, 1, 3), plan(102, 34, 1, 3)]),
+            ),
+            (
+                "all three, world does not divide global",
+                spec(Some(64), Some(8), Some(2)),
+                3,
+                "batch: global 64 != micro 8 x grad_accum 2 x world 3 = 48; nearest valid: global 48, \
+                 or keep global 64 with world 3: impossible (64 is not a multiple of 3)",
+                None,
+            ),
+            (
+                "all three, suggests micro x grad_accum keeping global",
+                spec(Some(64), Some(8), Some(2)),
+                2,
+                "batch: global 64 != micro 8 x grad_accum 2 x world 2 = 32; nearest valid: global 32, \
+                 or keep global 64 with micro 8 x grad_accum 4 or micro 16 x grad_accum 2",
+                None,
+            ),
+            (
+                // Neither micro nor grad_accum can be kept: nearest micro values instead.
+                "all three, neither micro nor grad_accum can be kept",
+                spec(Some(36), Some(5), Some(5)),
+                1,
+                "batch: global 36 != micro 5 x grad_accum 5 x world 1 = 25; nearest valid: global 25, \
+                 or keep global 36 with micro 4 x grad_accum 9 or micro 6 x grad_accum 6",
+                None,
+            ),
+        ];
+        for (case, s, world, message, suggestions) in cases {
+            let e = s.resolve(world).unwrap_err();
+            assert_eq!(e.to_string(), message, "{case}");
+            if let Some(suggestions) = suggestions {
+                assert_eq!(e.suggestions(), suggestions.as_slice(), "{case}");
+            }
+        }
+        assert!(matches!(
+            spec(Some(100), Some(8), None).resolve(3),
+            Err(BatchError::NotDivisible { world_size: 3, .. })
+        ));
+        assert!(matches!(
+            spec(Some(64), Some(8), Some(2)).resolve(3),
+            Err(BatchError::Mismatch { .. })
+        ));
     }
 
     #[test]

@@ -509,6 +509,20 @@ mod tests {
 
     const MINIMAL: &str = "[batch]\nglobal = 64\nmicro = 16\n";
 
+    /// Each `(text, message)`: parsing the file `text` fails with `message`.
+    fn assert_errors(cases: &[(&str, &str)]) {
+        for &(text, message) in cases {
+            assert_eq!(err(text), message, "file {text:?}");
+        }
+    }
+
+    /// Each `(set, message)`: `--set set` on [`MINIMAL`] fails with `message`.
+    fn assert_override_errors(cases: &[(&str, &str)]) {
+        for &(set, message) in cases {
+            assert_eq!(err_with(MINIMAL, &[set]), message, "--set {set}");
+        }
+    }
+
     fn valid() -> Config {
         let mut c = Config::default();
         c.batch.global = Some(64);
@@ -544,14 +558,13 @@ mod tests {
 
     #[test]
     fn empty_batch_is_reported_against_the_file() {
-        assert_eq!(
-            err(""),
-            "configs/x.toml: [batch] needs two of global, micro, grad_accum (none given)"
-        );
-        assert_eq!(
-            err("[run]\nseed = 1\n\n[batch]\ngrad_accum = 2\n"),
-            "configs/x.toml:4: [batch] needs two of global, micro, grad_accum (only grad_accum 2 given)"
-        );
+        assert_errors(&[
+            ("", "configs/x.toml: [batch] needs two of global, micro, grad_accum (none given)"),
+            (
+                "[run]\nseed = 1\n\n[batch]\ngrad_accum = 2\n",
+                "configs/x.toml:4: [batch] needs two of global, micro, grad_accum (only grad_accum 2 given)",
+            ),
+        ]);
     }
 
     #[test]
@@ -691,123 +704,124 @@ timeout_s = 60
 
     #[test]
     fn unknown_key_variants() {
-        assert_eq!(
-            err("[batch]\nmicro = 4\n\n[dist]\n  backnd = \"tcp\"\n"),
-            "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings)"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[optim]\nlr = 1\n"),
-            "configs/x.toml:3:2: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint, eval)"
-        );
-        assert_eq!(
-            err("epochs = 3\n[batch]\nmicro = 4\n"),
-            "configs/x.toml:1:1: unknown key `epochs` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint, eval)"
-        );
-        // Dotted keys and inline tables.
-        assert_eq!(
-            err("batch.micr = 4\n"),
-            "configs/x.toml:1:7: unknown key `micr` in [batch] (expected one of: global, micro, grad_accum, max_micro)"
-        );
-        assert_eq!(
-            err("batch = { micro = 4 }\ntrain = { lrr = 1 }\n"),
-            "configs/x.toml:2:11: unknown key `lrr` in [train] (expected one of: epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr, scale_lr_with_world, bf16)"
-        );
+        assert_errors(&[
+            (
+                "[batch]\nmicro = 4\n\n[dist]\n  backnd = \"tcp\"\n",
+                "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[optim]\nlr = 1\n",
+                "configs/x.toml:3:2: unknown key `optim` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint, eval)",
+            ),
+            (
+                "epochs = 3\n[batch]\nmicro = 4\n",
+                "configs/x.toml:1:1: unknown key `epochs` at the top level (expected one of: run, data, model, train, batch, dist, checkpoint, eval)",
+            ),
+            // Dotted keys and inline tables.
+            (
+                "batch.micr = 4\n",
+                "configs/x.toml:1:7: unknown key `micr` in [batch] (expected one of: global, micro, grad_accum, max_micro)",
+            ),
+            (
+                "batch = { micro = 4 }\ntrain = { lrr = 1 }\n",
+                "configs/x.toml:2:11: unknown key `lrr` in [train] (expected one of: epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr, scale_lr_with_world, bf16)",
+            ),
+        ]);
     }
 
     #[test]
     fn wrong_type_and_bad_enum() {
         let text = "[batch]\nmicro = 4\n\n[model]\nkind = \"gpt3\"\n";
-        let e = parse(text).unwrap_err();
-        assert!(matches!(e, ConfigError::WrongValue { .. }));
-        assert_eq!(
-            e.to_string(),
-            "configs/x.toml:5:8: `model.kind`: unknown variant `gpt3`, expected one of `gpt2rec`, `bpr`, `pop`"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = \"8\"\n"),
-            "configs/x.toml:2:9: `batch.micro`: must be a number of samples or \"auto\" (got \"8\")"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[train]\nepochs = -2\n"),
-            "configs/x.toml:4:10: `train.epochs`: invalid value: integer `-2`, expected u32"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[data]\nmin_rating = 300\n"),
-            "configs/x.toml:4:14: `data.min_rating`: invalid value: integer `300`, expected u8"
-        );
-        assert_eq!(
-            err("batch = 5\n"),
-            "configs/x.toml:1:9: `batch`: invalid type: integer `5`, expected struct BatchSpec"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[model]\npreset = \"large\"\n"),
-            "configs/x.toml:4:10: `model.preset`: unknown variant `large`, expected `tiny` or `gpt2`"
-        );
+        assert!(matches!(parse(text), Err(ConfigError::WrongValue { .. })));
+        assert_errors(&[
+            (
+                text,
+                "configs/x.toml:5:8: `model.kind`: unknown variant `gpt3`, expected one of `gpt2rec`, `bpr`, `pop`",
+            ),
+            (
+                "[batch]\nmicro = \"8\"\n",
+                "configs/x.toml:2:9: `batch.micro`: must be a number of samples or \"auto\" (got \"8\")",
+            ),
+            (
+                "[batch]\nmicro = 4\n[train]\nepochs = -2\n",
+                "configs/x.toml:4:10: `train.epochs`: invalid value: integer `-2`, expected u32",
+            ),
+            (
+                "[batch]\nmicro = 4\n[data]\nmin_rating = 300\n",
+                "configs/x.toml:4:14: `data.min_rating`: invalid value: integer `300`, expected u8",
+            ),
+            (
+                "batch = 5\n",
+                "configs/x.toml:1:9: `batch`: invalid type: integer `5`, expected struct BatchSpec",
+            ),
+            (
+                "[batch]\nmicro = 4\n[model]\npreset = \"large\"\n",
+                "configs/x.toml:4:10: `model.preset`: unknown variant `large`, expected `tiny` or `gpt2`",
+            ),
+        ]);
     }
 
     #[test]
     fn semantic_errors_point_at_the_key_line() {
         let text = "[batch]\nmicro = 4\n\n[train]\nepochs = 2\nlr = -1\n";
-        let e = parse(text).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "configs/x.toml:6: `train.lr` must be > 0 (got -1)"
-        );
         assert!(matches!(
-            e,
-            ConfigError::Invalid {
+            parse(text),
+            Err(ConfigError::Invalid {
                 at: Location::File {
                     line: Some(6),
                     column: None,
                     ..
                 },
                 ..
-            }
+            })
         ));
-        assert_eq!(
-            err("[batch]\nglobal = 8\nmicro = 0\n"),
-            "configs/x.toml:3: `batch.micro` must be >= 1 (got 0)"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[data]\nmin_rating = 0\n"),
-            "configs/x.toml:4: `data.min_rating` must be between 1 and 5 (got 0)"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[train]\nlr = inf\n"),
-            "configs/x.toml:4: `train.lr` must be a finite number > 0 (got inf)"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[train]\nweight_decay = -0.1\n"),
-            "configs/x.toml:4: `train.weight_decay` must be >= 0 and finite (got -0.1)"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[train]\nmax_grad_norm = 0.0\n"),
-            "configs/x.toml:4: `train.max_grad_norm` must be > 0 (got 0)"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[train]\nepochs = 0\n"),
-            "configs/x.toml:4: `train.epochs` must be >= 1 (got 0)"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[model]\nembedding_dim = 0\n"),
-            "configs/x.toml:4: `model.embedding_dim` must be >= 1 (got 0)"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[dist]\ntimeout_s = 0\n"),
-            "configs/x.toml:4: `dist.timeout_s` must be >= 1 (got 0)"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[run]\nname = \"a/b\"\n"),
-            "configs/x.toml:4: `run.name` must be a plain directory name (no `/`, `\\`, surrounding spaces, not `.` or `..`) (got \"a/b\")"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[run]\nname = \"\"\n"),
-            "configs/x.toml:4: `run.name` must not be empty"
-        );
-        assert_eq!(
-            err("[batch]\nmicro = 4\n[data]\ndir = \"\"\n"),
-            "configs/x.toml:4: `data.dir` must not be empty (leave it out to generate synthetic data)"
-        );
+        assert_errors(&[
+            (text, "configs/x.toml:6: `train.lr` must be > 0 (got -1)"),
+            (
+                "[batch]\nglobal = 8\nmicro = 0\n",
+                "configs/x.toml:3: `batch.micro` must be >= 1 (got 0)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[data]\nmin_rating = 0\n",
+                "configs/x.toml:4: `data.min_rating` must be between 1 and 5 (got 0)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[train]\nlr = inf\n",
+                "configs/x.toml:4: `train.lr` must be a finite number > 0 (got inf)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[train]\nweight_decay = -0.1\n",
+                "configs/x.toml:4: `train.weight_decay` must be >= 0 and finite (got -0.1)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[train]\nmax_grad_norm = 0.0\n",
+                "configs/x.toml:4: `train.max_grad_norm` must be > 0 (got 0)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[train]\nepochs = 0\n",
+                "configs/x.toml:4: `train.epochs` must be >= 1 (got 0)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[model]\nembedding_dim = 0\n",
+                "configs/x.toml:4: `model.embedding_dim` must be >= 1 (got 0)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[dist]\ntimeout_s = 0\n",
+                "configs/x.toml:4: `dist.timeout_s` must be >= 1 (got 0)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[run]\nname = \"a/b\"\n",
+                "configs/x.toml:4: `run.name` must be a plain directory name (no `/`, `\\`, surrounding spaces, not `.` or `..`) (got \"a/b\")",
+            ),
+            (
+                "[batch]\nmicro = 4\n[run]\nname = \"\"\n",
+                "configs/x.toml:4: `run.name` must not be empty",
+            ),
+            (
+                "[batch]\nmicro = 4\n[data]\ndir = \"\"\n",
+                "configs/x.toml:4: `data.dir` must not be empty (leave it out to generate synthetic data)",
+            ),
+        ]);
     }
 
     #[test]
@@ -937,22 +951,18 @@ timeout_s = 60
 
     #[test]
     fn override_syntax_errors() {
-        assert_eq!(
-            err_with(MINIMAL, &["batchmicro"]),
-            "--set batchmicro: expected key.path=value"
-        );
-        assert_eq!(
-            err_with(MINIMAL, &["batch..micro=4"]),
-            "--set batch..micro=4: expected key.path=value"
-        );
-        assert_eq!(
-            err_with(MINIMAL, &["=4"]),
-            "--set =4: expected key.path=value"
-        );
-        assert_eq!(
-            err_with(MINIMAL, &["batch.micro.x=4"]),
-            "--set batch.micro.x=4: `batch.micro` is an integer, not a table"
-        );
+        assert_override_errors(&[
+            ("batchmicro", "--set batchmicro: expected key.path=value"),
+            (
+                "batch..micro=4",
+                "--set batch..micro=4: expected key.path=value",
+            ),
+            ("=4", "--set =4: expected key.path=value"),
+            (
+                "batch.micro.x=4",
+                "--set batch.micro.x=4: `batch.micro` is an integer, not a table",
+            ),
+        ]);
     }
 
     #[test]
@@ -977,34 +987,38 @@ timeout_s = 60
 
     #[test]
     fn override_type_mismatch() {
-        assert_eq!(
-            err_with(MINIMAL, &["batch.micro=abc"]),
-            "--set batch.micro=abc: `batch.micro`: must be a number of samples or \"auto\" (got \"abc\")"
-        );
-        assert_eq!(
-            err_with(MINIMAL, &["batch.micro=1.5"]),
-            "--set batch.micro=1.5: `batch.micro`: invalid type: floating point `1.5`, expected a number of samples or \"auto\""
-        );
-        assert_eq!(
-            err_with(MINIMAL, &["model.kind=gpt3"]),
-            "--set model.kind=gpt3: `model.kind`: unknown variant `gpt3`, expected one of `gpt2rec`, `bpr`, `pop`"
-        );
-        assert_eq!(
-            err_with(MINIMAL, &["batch={ micro = \"x\" }"]),
-            "--set batch={ micro = \"x\" }: `batch.micro`: must be a number of samples or \"auto\" (got \"x\")"
-        );
+        assert_override_errors(&[
+            (
+                "batch.micro=abc",
+                "--set batch.micro=abc: `batch.micro`: must be a number of samples or \"auto\" (got \"abc\")",
+            ),
+            (
+                "batch.micro=1.5",
+                "--set batch.micro=1.5: `batch.micro`: invalid type: floating point `1.5`, expected a number of samples or \"auto\"",
+            ),
+            (
+                "model.kind=gpt3",
+                "--set model.kind=gpt3: `model.kind`: unknown variant `gpt3`, expected one of `gpt2rec`, `bpr`, `pop`",
+            ),
+            (
+                "batch={ micro = \"x\" }",
+                "--set batch={ micro = \"x\" }: `batch.micro`: must be a number of samples or \"auto\" (got \"x\")",
+            ),
+        ]);
     }
 
     #[test]
     fn override_semantic_errors_are_blamed_on_the_override() {
-        assert_eq!(
-            err_with(MINIMAL, &["train.lr=-1"]),
-            "--set train.lr=-1: `train.lr` must be > 0 (got -1)"
-        );
-        assert_eq!(
-            err_with(MINIMAL, &["batch.micro=0"]),
-            "--set batch.micro=0: `batch.micro` must be >= 1 (got 0)"
-        );
+        assert_override_errors(&[
+            (
+                "train.lr=-1",
+                "--set train.lr=-1: `train.lr` must be > 0 (got -1)",
+            ),
+            (
+                "batch.micro=0",
+                "--set batch.micro=0: `batch.micro` must be >= 1 (got 0)",
+            ),
+        ]);
         // A bad value in the file stays the file's fault when overrides touch other keys.
         let text = "[batch]\nmicro = 4\n[train]\nlr = -1\n";
         assert_eq!(

@@ -234,6 +234,13 @@ mod tests {
             .collect()
     }
 
+    /// Why [`WorkerEnv::from_map`] refuses the sample's variables with `name` set to `value`.
+    fn error_with(name: &str, value: &str) -> String {
+        let mut map = as_map(&sample());
+        map.insert(name.into(), value.into());
+        WorkerEnv::from_map(&map).unwrap_err().to_string()
+    }
+
     #[test]
     fn round_trips_through_variables() {
         let env = sample();
@@ -261,17 +268,13 @@ mod tests {
             WorkerEnv::from_map(&map),
             Err(EnvError::Missing { name: "RANK" })
         );
-        let mut map = as_map(&sample());
-        map.insert("MASTER_PORT".into(), "http".into());
-        let err = WorkerEnv::from_map(&map).unwrap_err().to_string();
+        let err = error_with("MASTER_PORT", "http");
         assert!(err.contains("MASTER_PORT=\"http\""), "{err}");
     }
 
     #[test]
     fn rank_outside_world_is_rejected() {
-        let mut map = as_map(&sample());
-        map.insert("RANK".into(), "4".into());
-        let err = WorkerEnv::from_map(&map).unwrap_err().to_string();
+        let err = error_with("RANK", "4");
         assert!(err.contains("RANK 4 is not below WORLD_SIZE 4"), "{err}");
     }
 

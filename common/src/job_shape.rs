@@ -556,16 +556,12 @@ impl SlurmStep {
             None => None,
         };
         let in_step = step_id.is_some();
-        let nodes_vars: &[&str] = if in_step {
-            &[
-                "SLURM_STEP_NUM_NODES",
-                "SLURM_NNODES",
-                "SLURM_JOB_NUM_NODES",
-            ]
-        } else {
-            &["SLURM_NNODES", "SLURM_JOB_NUM_NODES"]
-        };
-        let nnodes = match first_var(env, nodes_vars) {
+        let nnodes = match first_step_var(
+            env,
+            in_step,
+            "SLURM_STEP_NUM_NODES",
+            &["SLURM_NNODES", "SLURM_JOB_NUM_NODES"],
+        ) {
             Some((name, text)) => Sourced::new(
                 slurm_number::<u32>(text, name)?.max(1),
                 Source::Slurm(format!("{name}={text}")),
@@ -579,16 +575,12 @@ impl SlurmStep {
             ),
             None => Sourced::new(0, Source::Slurm("(no SLURM_NODEID: node 0)".into())),
         };
-        let list_vars: &[&str] = if in_step {
-            &[
-                "SLURM_STEP_NODELIST",
-                "SLURM_JOB_NODELIST",
-                "SLURM_NODELIST",
-            ]
-        } else {
-            &["SLURM_JOB_NODELIST", "SLURM_NODELIST"]
-        };
-        let master_addr = match first_var(env, list_vars) {
+        let master_addr = match first_step_var(
+            env,
+            in_step,
+            "SLURM_STEP_NODELIST",
+            &["SLURM_JOB_NODELIST", "SLURM_NODELIST"],
+        ) {
             Some((name, text)) => {
                 let host = hostlist::first_host(text)
                     .map_err(|e| ShapeError(format!("environment variable {name}: {e}")))?;
@@ -611,12 +603,12 @@ impl SlurmStep {
             }),
             Source::Slurm(format!("SLURM_JOB_ID={job_id}{step_text}")),
         );
-        let ntasks_vars: &[&str] = if in_step {
-            &["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"]
-        } else {
-            &["SLURM_NTASKS", "SLURM_NPROCS"]
-        };
-        let ntasks = match first_var(env, ntasks_vars) {
+        let ntasks = match first_step_var(
+            env,
+            in_step,
+            "SLURM_STEP_NUM_TASKS",
+            &["SLURM_NTASKS", "SLURM_NPROCS"],
+        ) {
             Some((name, text)) => Some((slurm_number(text, name)?, format!("{name}={text}"))),
             None => None,
         };
@@ -695,6 +687,21 @@ fn first_var<'e>(env: &'e Env, names: &[&'static str]) -> Option<(&'static str, 
             .filter(|v| !v.trim().is_empty())
             .map(|v| (*name, v.as_str()))
     })
+}
+
+/// Like [`first_var`] over `job_vars`, but in a step the step's own `step_var` comes first.
+fn first_step_var<'e>(
+    env: &'e Env,
+    in_step: bool,
+    step_var: &'static str,
+    job_vars: &[&'static str],
+) -> Option<(&'static str, &'e str)> {
+    let from_step = if in_step {
+        first_var(env, &[step_var])
+    } else {
+        None
+    };
+    from_step.or_else(|| first_var(env, job_vars))
 }
 
 fn slurm_number<T: std::str::FromStr>(text: &str, name: &str) -> Result<T, ShapeError> {

@@ -217,37 +217,28 @@ impl MemoryEstimate {
     /// allocator keeps it; measured with `scripts/bench/memory.sh`, where "the largest phase"
     /// underestimated peak RSS by up to 35%).
     pub fn peak_bytes(&self) -> u64 {
-        let sum = |held| -> u64 {
-            self.terms
-                .iter()
-                .filter(|t| t.held == held)
-                .map(|t| t.bytes)
-                .sum()
-        };
-        let phases = [Held::Training, Held::Build, Held::Checkpoint, Held::Eval].map(sum);
+        let phases = [Held::Training, Held::Build, Held::Checkpoint, Held::Eval]
+            .map(|held| self.held_bytes(held));
         let transient = match self.device {
             DeviceKind::Cuda => phases.into_iter().max().unwrap_or(0),
             DeviceKind::Cpu => phases.into_iter().sum(),
         };
-        sum(Held::Always) + transient
+        self.held_bytes(Held::Always) + transient
     }
 
     /// Bytes of all terms held while `held`.
     pub fn held_bytes(&self, held: Held) -> u64 {
-        self.terms
-            .iter()
-            .filter(|t| t.held == held)
-            .map(|t| t.bytes)
-            .sum()
+        self.bytes_of(|t| t.held == held)
     }
 
     /// Bytes of the term named `name` (0 when absent).
     pub fn term(&self, name: &str) -> u64 {
-        self.terms
-            .iter()
-            .filter(|t| t.name == name)
-            .map(|t| t.bytes)
-            .sum()
+        self.bytes_of(|t| t.name == name)
+    }
+
+    /// Bytes of the terms that `pick` picks.
+    fn bytes_of(&self, pick: impl Fn(&MemoryTerm) -> bool) -> u64 {
+        self.terms.iter().filter(|t| pick(t)).map(|t| t.bytes).sum()
     }
 
     /// The estimate as an aligned table, one term per line, then the peak.
@@ -688,24 +679,15 @@ mod tests {
     #[test]
     fn peak_is_persistent_plus_the_largest_phase() {
         let c = Config::default();
-        let e = estimate(
-            &c,
-            &plan(256, 64, 2, 2),
-            &DataShape::assumed(&c),
-            DeviceKind::Cpu,
-        );
+        let on = |device| estimate(&c, &plan(256, 64, 2, 2), &DataShape::assumed(&c), device);
+        let e = on(DeviceKind::Cpu);
         let sum = |p| e.held_bytes(p);
         let phases = [Held::Training, Held::Build, Held::Checkpoint, Held::Eval];
         // CPU: every phase adds up.
         let expected = sum(Held::Always) + phases.into_iter().map(sum).sum::<u64>();
         assert_eq!(e.peak_bytes(), expected);
         // GPU: only the largest phase counts.
-        let g = estimate(
-            &c,
-            &plan(256, 64, 2, 2),
-            &DataShape::assumed(&c),
-            DeviceKind::Cuda,
-        );
+        let g = on(DeviceKind::Cuda);
         let gsum = |p| g.held_bytes(p);
         let largest = phases.into_iter().map(gsum).max().unwrap();
         assert_eq!(g.peak_bytes(), gsum(Held::Always) + largest);

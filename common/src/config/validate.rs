@@ -65,12 +65,7 @@ fn check_data(data: &DataConfig) -> Result<(), ConfigError> {
 
 /// `[model]`, including settings that contradict each other.
 fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
-    if model.embedding_dim < 1 {
-        return Err(ConfigError::invalid(
-            "model.embedding_dim",
-            format!("must be >= 1 (got {})", model.embedding_dim),
-        ));
-    }
+    check_at_least_one("model.embedding_dim", model.embedding_dim)?;
     if model
         .gpt2_weights
         .as_ref()
@@ -82,12 +77,7 @@ fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
         ));
     }
 
-    if !model.l2.is_finite() || model.l2 < 0.0 {
-        return Err(ConfigError::invalid(
-            "model.l2",
-            format!("must be >= 0 and finite (got {})", model.l2),
-        ));
-    }
+    check_non_negative("model.l2", model.l2)?;
     if model.max_text_tokens < 1 || model.max_text_tokens > 1024 {
         return Err(ConfigError::invalid(
             "model.max_text_tokens",
@@ -145,18 +135,8 @@ fn check_eval(eval: &EvalConfig) -> Result<(), ConfigError> {
             ));
         }
     }
-    if eval.every_n_epochs < 1 {
-        return Err(ConfigError::invalid(
-            "eval.every_n_epochs",
-            format!("must be >= 1 (got {})", eval.every_n_epochs),
-        ));
-    }
-    if eval.batch_users < 1 {
-        return Err(ConfigError::invalid(
-            "eval.batch_users",
-            format!("must be >= 1 (got {})", eval.batch_users),
-        ));
-    }
+    check_at_least_one("eval.every_n_epochs", eval.every_n_epochs)?;
+    check_at_least_one("eval.batch_users", eval.batch_users)?;
     parse_metric(&eval.metric, &eval.topk)
         .map_err(|why| ConfigError::invalid("eval.metric", why))?;
     Ok(())
@@ -164,19 +144,9 @@ fn check_eval(eval: &EvalConfig) -> Result<(), ConfigError> {
 
 /// `[train]`.
 fn check_train(train: &TrainConfig) -> Result<(), ConfigError> {
-    if train.epochs < 1 {
-        return Err(ConfigError::invalid(
-            "train.epochs",
-            format!("must be >= 1 (got {})", train.epochs),
-        ));
-    }
+    check_at_least_one("train.epochs", train.epochs)?;
     check_positive("train.lr", train.lr)?;
-    if !train.weight_decay.is_finite() || train.weight_decay < 0.0 {
-        return Err(ConfigError::invalid(
-            "train.weight_decay",
-            format!("must be >= 0 and finite (got {})", train.weight_decay),
-        ));
-    }
+    check_non_negative("train.weight_decay", train.weight_decay)?;
     check_positive("train.max_grad_norm", train.max_grad_norm)?;
     if !train.min_lr.is_finite() || train.min_lr < 0.0 || train.min_lr > train.lr {
         return Err(ConfigError::invalid(
@@ -192,24 +162,14 @@ fn check_train(train: &TrainConfig) -> Result<(), ConfigError> {
 
 /// `[dist]`.
 fn check_dist(dist: &DistConfig) -> Result<(), ConfigError> {
-    if dist.timeout_s < 1 {
-        return Err(ConfigError::invalid(
-            "dist.timeout_s",
-            format!("must be >= 1 (got {})", dist.timeout_s),
-        ));
-    }
+    check_at_least_one("dist.timeout_s", dist.timeout_s)?;
     check_positive("dist.bucket_mb", dist.bucket_mb)?;
     Ok(())
 }
 
 /// `[checkpoint]`.
 fn check_checkpoint(checkpoint: &CheckpointConfig) -> Result<(), ConfigError> {
-    if checkpoint.keep < 1 {
-        return Err(ConfigError::invalid(
-            "checkpoint.keep",
-            format!("must be >= 1 (got {})", checkpoint.keep),
-        ));
-    }
+    check_at_least_one("checkpoint.keep", checkpoint.keep)?;
     if checkpoint.resume.trim().is_empty() {
         return Err(ConfigError::invalid(
             "checkpoint.resume",
@@ -230,6 +190,31 @@ pub(super) fn check_positive(key: &str, value: f64) -> Result<(), ConfigError> {
         return Err(ConfigError::invalid(
             key,
             format!("must be > 0 (got {value})"),
+        ));
+    }
+    Ok(())
+}
+
+/// `value` must be a finite number >= 0.
+fn check_non_negative(key: &str, value: f64) -> Result<(), ConfigError> {
+    if !value.is_finite() || value < 0.0 {
+        return Err(ConfigError::invalid(
+            key,
+            format!("must be >= 0 and finite (got {value})"),
+        ));
+    }
+    Ok(())
+}
+
+/// A count or size that must be at least 1.
+fn check_at_least_one<T>(key: &str, value: T) -> Result<(), ConfigError>
+where
+    T: PartialOrd + From<u8> + std::fmt::Display,
+{
+    if value < T::from(1) {
+        return Err(ConfigError::invalid(
+            key,
+            format!("must be >= 1 (got {value})"),
         ));
     }
     Ok(())
