@@ -89,3 +89,47 @@ fn launch_removes_a_segment_that_a_dead_worker_left() {
     // Another test's `launch` may have swept it first; either way it must be gone.
     assert!(!path.exists(), "{name} is still in {SHM}: {}", out.stderr);
 }
+
+/// Two nodes of two ranks (two `launch` processes on loopback): all-reduce is hierarchical,
+/// through shared memory inside each node and the leaders' ring between them; both finish and
+/// leave nothing in `/dev/shm`.
+#[test]
+fn two_nodes_reduce_inside_each_through_shared_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let id = unique_run_id("shm-hosts");
+    let port = free_port().to_string();
+    let sets = tiny_bpr_sets(dir.path());
+    let nodes: Vec<_> = ["0", "1"]
+        .iter()
+        .map(|node| {
+            let mut args: Vec<&str> = vec![
+                "--nnodes",
+                "2",
+                "--node-rank",
+                node,
+                "--num-processes",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+                "--run-id",
+                &id,
+                "configs/default.toml",
+            ];
+            args.extend(sets.iter().map(String::as_str));
+            launch_cmd(&args).spawn().expect("start launch")
+        })
+        .collect();
+    let outs: Vec<Output> = nodes
+        .into_iter()
+        .map(|child| wait_output(child, Duration::from_secs(300)))
+        .collect();
+    for out in &outs {
+        out.assert_code(0);
+    }
+    outs[0].assert_stdout_all(&[
+        "[rank 0] collective tcp (shared memory in each host, ring between hosts) ready",
+    ]);
+    assert_eq!(leaked_segments(), Vec::<String>::new());
+}

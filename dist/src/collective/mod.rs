@@ -111,29 +111,36 @@ pub trait Collective: Send {
 const STALL_WINDOW: Duration = Duration::from_secs(3);
 
 /// After a timeout: finds out which ranks are silent. Every rank that times out reports in the
-/// store under the operation's sequence number, waits a moment for the others, and names those
-/// that did not report. `upstream` is the rank we were waiting for, named when all report.
+/// store under `scope` and the operation's sequence number, waits a moment for the others, and
+/// names those that did not report. Positions (`me`, `upstream`, the reports) index `ranks`,
+/// the global ranks taking part (all of them, or a sub-ring's); `upstream` is the position we
+/// were waiting for, named when all report.
 pub(crate) fn silent_ranks(
     store: &mut crate::store::StoreClient,
+    scope: &str,
     seq: u64,
-    rank: usize,
-    world: usize,
+    me: usize,
+    ranks: &[usize],
     upstream: usize,
 ) -> String {
-    if store.set(&format!("stall/{seq}/{rank}"), b"").is_err() {
+    if store.set(&format!("{scope}/{seq}/{me}"), b"").is_err() {
         return "no answer from rank 0, which hosts the rendezvous store".to_string();
     }
     let window = std::time::Instant::now() + STALL_WINDOW;
-    let mut silent: Vec<usize> = (0..world).filter(|r| *r != rank).collect();
+    let mut silent: Vec<usize> = (0..ranks.len()).filter(|p| *p != me).collect();
     while !silent.is_empty() && std::time::Instant::now() < window {
-        silent.retain(|r| !matches!(store.get(&format!("stall/{seq}/{r}")), Ok(Some(_))));
+        silent.retain(|p| !matches!(store.get(&format!("{scope}/{seq}/{p}")), Ok(Some(_))));
         if !silent.is_empty() {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
     if silent.is_empty() {
-        format!("every rank is waiting; no data arrived from rank {upstream} (network problem?)")
+        format!(
+            "every rank is waiting; no data arrived from rank {} (network problem?)",
+            ranks[upstream]
+        )
     } else {
+        let silent: Vec<usize> = silent.iter().map(|p| ranks[*p]).collect();
         format!("no answer from rank(s) {silent:?}")
     }
 }

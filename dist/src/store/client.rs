@@ -74,6 +74,11 @@ impl StoreClient {
         }
     }
 
+    /// The store's address, as given to [`StoreClient::connect`].
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
     fn attempt(addr: &str, run_id: &str, end: Option<Instant>) -> Result<StoreClient, Attempt> {
         let remaining = || {
             end.map_or(Duration::MAX, |e| {

@@ -322,7 +322,15 @@ impl NcclCollective {
             // store traffic) cannot race with anything.
             Err(CommFailure::Timeout) => {
                 let upstream = (self.rank + self.world - 1) % self.world;
-                let who = silent_ranks(&mut self.store, self.seq, self.rank, self.world, upstream);
+                let ranks: Vec<usize> = (0..self.world).collect();
+                let who = silent_ranks(
+                    &mut self.store,
+                    "stall",
+                    self.seq,
+                    self.rank,
+                    &ranks,
+                    upstream,
+                );
                 Err(CollectiveError::Timeout {
                     op,
                     step: ctx.step,

@@ -8,11 +8,9 @@
 //! address, and the greeting carries SHA-256(secret, nonce, ranks); anything else is dropped.
 //! It must not be used for CUDA tensors in production (they are copied through the host).
 
-use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::time::{Duration, Instant};
+use std::net::TcpStream;
+use std::time::Instant;
 
-use common::env_contract::WorkerEnv;
 use tch::{Device, Kind, Tensor};
 
 use link::{exchange, read_exact_until, write_all_until};
@@ -20,86 +18,6 @@ use link::{exchange, read_exact_until, write_all_until};
 use super::shm::{ShmFailure, ShmGroup};
 use super::{flatten_f32, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp};
 use crate::store::StoreClient;
-
-/// Accepts the previous rank's connection: the first that greets with its rank and `proof`
-/// (others are dropped), by `deadline`.
-fn accept_prev(
-    listener: &TcpListener,
-    prev: usize,
-    proof: &[u8; 32],
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<TcpStream, String> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| format!("listener: {e}"))?;
-    loop {
-        match listener.accept() {
-            Ok((mut stream, peer)) => {
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_read_timeout(Some(GREETING_TIMEOUT));
-                let mut hello = [0u8; 40];
-                if stream.read_exact(&mut hello).is_ok()
-                    && u64::from_le_bytes(hello[..8].try_into().unwrap_or_default()) == prev as u64
-                    && hello[8..] == proof[..]
-                {
-                    let _ = stream.set_read_timeout(None);
-                    return Ok(stream);
-                }
-                // Not our neighbour (a stray or a stranger): drop it, keep waiting.
-                tracing::warn!(%peer, "tcp ring: refused a connection that did not prove it belongs to this run");
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(format!(
-                        "rank {prev} did not connect within {:.1} s",
-                        timeout.as_secs_f64()
-                    ));
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) => return Err(format!("accepting rank {prev}: {e}")),
-        }
-    }
-}
-
-/// How long an incoming ring connection has to send its greeting.
-const GREETING_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// 32 random bytes from the operating system.
-fn random_bytes() -> Result<[u8; 32], String> {
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes).map_err(|e| format!("no random numbers from the OS: {e}"))?;
-    Ok(bytes)
-}
-
-/// The run's ring secret: drawn by rank 0 and published in the store, read by the others.
-fn ring_secret(rank: usize, store: &mut StoreClient, timeout: Duration) -> Result<Vec<u8>, String> {
-    if rank == 0 {
-        let secret = random_bytes()?.to_vec();
-        store
-            .set("tcp/secret", &secret)
-            .map_err(|e| format!("publishing the ring secret: {e}"))?;
-        return Ok(secret);
-    }
-    let mut got = store
-        .wait(&["tcp/secret"], timeout)
-        .map_err(|e| format!("waiting for rank 0's ring secret: {e}"))?;
-    Ok(got.remove(0))
-}
-
-/// What `from` sends `to` to prove it belongs to the run: SHA-256 of the secret, `to`'s nonce
-/// and both ranks (a proof for one link is worthless on another).
-fn ring_proof(secret: &[u8], nonce: &[u8], from: usize, to: usize) -> [u8; 32] {
-    use sha2::Digest as _;
-    let mut hash = sha2::Sha256::new();
-    hash.update(b"gptrec ring v1");
-    hash.update(secret);
-    hash.update(nonce);
-    hash.update((from as u64).to_le_bytes());
-    hash.update((to as u64).to_le_bytes());
-    hash.finalize().into()
-}
 
 /// Bytes received and reduced at a time.
 const PIECE_BYTES: usize = 1 << 20;
@@ -123,17 +41,43 @@ impl Default for TcpOptions {
 
 /// The ring communicator of one rank.
 pub struct TcpCollective {
+    /// Our position in the ring (the global rank, except in a leader ring).
     rank: usize,
+    /// Ring length.
     world: usize,
+    /// The global rank at each ring position: `0..world` for the job's ring, the nodes'
+    /// leaders for a leader ring. Errors name these.
+    ring_ranks: Vec<usize>,
+    /// Store key prefix of the ring's set-up (`tcp`, `tcp/leaders`).
+    scope: &'static str,
     /// Connection to `rank + 1` (we write), and from `rank - 1` (we read). None when world is 1.
     links: Option<(TcpStream, TcpStream)>,
     /// Every rank's segment, when all ranks share this host and shared memory could be had:
-    /// all-reduces (and barriers) go through it instead of the ring.
+    /// all-reduces (and barriers) go through it instead of the ring. With several hosts, the
+    /// segments of this host's ranks (see `hosts`).
     shm: Option<ShmGroup>,
+    /// Several hosts, several ranks each, shared memory in every host: all-reduce is
+    /// hierarchical (sum inside the host through `shm`, ring between hosts, back through `shm`).
+    hosts: Option<Hosts>,
     store: StoreClient,
     /// Operations issued so far; identical on every rank when they call the same operations.
     seq: u64,
     scratch: Vec<f32>,
+}
+
+/// This rank's part in the ring between hosts.
+enum Hosts {
+    /// Local rank 0: a member of the ring of every host's leader.
+    Leader(Box<TcpCollective>),
+    /// Another local rank: the leader speaks for this host.
+    Member,
+}
+
+/// Which ring to set up: our position, the global rank at each position, the store scope.
+struct RingSpec {
+    pos: usize,
+    ranks: Vec<usize>,
+    scope: &'static str,
 }
 
 /// Why a transfer failed, before it is turned into a [`CollectiveError`].
@@ -150,133 +94,9 @@ enum Sink<'a> {
 }
 
 impl TcpCollective {
-    /// [`TcpCollective::connect_with`] the default options (shared memory on one host).
-    pub fn connect(
-        env: &WorkerEnv,
-        store: StoreClient,
-        timeout: Duration,
-    ) -> Result<TcpCollective, CollectiveError> {
-        Self::connect_with(env, store, timeout, TcpOptions::default())
-    }
-
-    /// Sets up the ring: listen, publish our address in the store, connect to the next rank,
-    /// accept the previous one; then, when every rank runs on this host and `options` allow,
-    /// the shared-memory group. `store` becomes this communicator's own client.
-    pub fn connect_with(
-        env: &WorkerEnv,
-        store: StoreClient,
-        timeout: Duration,
-        options: TcpOptions,
-    ) -> Result<TcpCollective, CollectiveError> {
-        let mut comm = Self::connect_ring(env, store, timeout)?;
-        if options.shared_memory && comm.world > 1 && env.group_world_size <= 1 {
-            let ranks: Vec<usize> = (0..comm.world).collect();
-            comm.shm = ShmGroup::connect(&mut comm.store, comm.rank, &ranks, timeout).map_err(
-                |detail| CollectiveError::Setup {
-                    backend: "tcp",
-                    detail: format!("setting up shared memory: {detail}"),
-                },
-            )?;
-        }
-        Ok(comm)
-    }
-
-    /// Whether all-reduces go through shared memory (rather than the socket ring).
+    /// Whether all-reduces go through shared memory (rather than the socket ring only).
     pub fn uses_shared_memory(&self) -> bool {
         self.shm.is_some()
-    }
-
-    fn connect_ring(
-        env: &WorkerEnv,
-        mut store: StoreClient,
-        timeout: Duration,
-    ) -> Result<TcpCollective, CollectiveError> {
-        let rank = env.rank as usize;
-        let world = env.world_size as usize;
-        let setup = |detail: String| CollectiveError::Setup {
-            backend: "tcp",
-            detail,
-        };
-        if world == 1 {
-            return Ok(TcpCollective {
-                rank,
-                world,
-                links: None,
-                shm: None,
-                store,
-                seq: 0,
-                scratch: Vec::new(),
-            });
-        }
-        let deadline = Instant::now() + timeout;
-        let ip = local_ip(env).map_err(|e| {
-            setup(format!(
-                "cannot find this node's address towards MASTER_ADDR {}: {e}",
-                env.master_addr
-            ))
-        })?;
-        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
-            .map_err(|e| setup(format!("cannot listen on {ip}: {e}")))?;
-        let addr = listener
-            .local_addr()
-            .map_err(|e| setup(format!("listener address: {e}")))?;
-        let secret = ring_secret(rank, &mut store, timeout).map_err(&setup)?;
-        let nonce = random_bytes().map_err(&setup)?;
-        store
-            .set(&format!("tcp/nonce/{rank}"), &nonce)
-            .map_err(|e| setup(format!("publishing our nonce: {e}")))?;
-        store
-            .set(&format!("tcp/addr/{rank}"), addr.to_string().as_bytes())
-            .map_err(|e| setup(format!("publishing our address: {e}")))?;
-        let next = (rank + 1) % world;
-        let prev = (rank + world - 1) % world;
-        let next_key = format!("tcp/addr/{next}");
-        let next_nonce = format!("tcp/nonce/{next}");
-        let published = store
-            .wait(&[next_key.as_str(), next_nonce.as_str()], timeout)
-            .map_err(|e| setup(format!("waiting for rank {next}'s address: {e}")))?;
-        let next_addr = String::from_utf8_lossy(&published[0]).into_owned();
-        let proof = ring_proof(&secret, &published[1], rank, next);
-
-        let next_sock: SocketAddr = next_addr.parse().map_err(|e| {
-            setup(format!(
-                "rank {next} published a bad address {next_addr:?}: {e}"
-            ))
-        })?;
-        let mut to_next = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(&next_sock, left.max(Duration::from_millis(10))) {
-                Ok(stream) => break stream,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(setup(format!(
-                        "cannot connect to rank {next} at {next_addr}: {e}"
-                    )))
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
-        let mut greeting = (rank as u64).to_le_bytes().to_vec();
-        greeting.extend_from_slice(&proof);
-        to_next
-            .write_all(&greeting)
-            .map_err(|e| setup(format!("greeting rank {next}: {e}")))?;
-
-        let proof = ring_proof(&secret, &nonce, prev, rank);
-        let from_prev = accept_prev(&listener, prev, &proof, deadline, timeout).map_err(setup)?;
-        for stream in [&to_next, &from_prev] {
-            stream
-                .set_nodelay(true)
-                .map_err(|e| setup(format!("socket option: {e}")))?;
-        }
-        Ok(TcpCollective {
-            rank,
-            world,
-            links: Some((to_next, from_prev)),
-            shm: None,
-            store,
-            seq: 0,
-            scratch: vec![0.0; PIECE_BYTES / 4],
-        })
     }
 
     fn next(&self) -> usize {
@@ -285,6 +105,11 @@ impl TcpCollective {
 
     fn prev(&self) -> usize {
         (self.rank + self.world - 1) % self.world
+    }
+
+    /// The global rank at ring position `pos`.
+    fn global(&self, pos: usize) -> usize {
+        self.ring_ranks[pos]
     }
 
     /// Checks that the previous rank is running the same operation on the same amount of data.
@@ -312,9 +137,9 @@ impl TcpCollective {
                 step: ctx.step,
                 detail: format!(
                     "rank {} is at operation #{their_seq} ({}, {their_len} elements) while rank {} is at #{} ({op}, {len} elements)",
-                    self.prev(),
+                    self.global(self.prev()),
                     op_name(theirs[4]),
-                    self.rank,
+                    self.global(self.rank),
                     self.seq
                 ),
             });
@@ -341,21 +166,28 @@ impl TcpCollective {
             Err(LinkFailure::Send(source)) => Err(CollectiveError::Peer {
                 op,
                 step: ctx.step,
-                peer: self.next(),
+                peer: self.global(self.next()),
                 source,
             }),
             Err(LinkFailure::Recv(source)) => Err(CollectiveError::Peer {
                 op,
                 step: ctx.step,
-                peer: self.prev(),
+                peer: self.global(self.prev()),
                 source,
             }),
         }
     }
 
     fn timeout_error(&mut self, op: &'static str, ctx: OpContext) -> CollectiveError {
-        let upstream = self.prev();
-        let who = super::silent_ranks(&mut self.store, self.seq, self.rank, self.world, upstream);
+        let (upstream, scope) = (self.prev(), format!("{}/stall", self.scope));
+        let who = super::silent_ranks(
+            &mut self.store,
+            &scope,
+            self.seq,
+            self.rank,
+            &self.ring_ranks,
+            upstream,
+        );
         CollectiveError::Timeout {
             op,
             step: ctx.step,
@@ -394,6 +226,26 @@ impl TcpCollective {
             )?;
         }
         Ok(())
+    }
+
+    /// The rest of a hierarchical all-reduce once `buf` holds this host's sum: the leaders
+    /// all-reduce it over their ring, then each leader's result reaches its host's ranks as a
+    /// shared-memory sum in which the others contribute zeros (exact: x + 0 = x).
+    fn between_hosts(
+        &mut self,
+        buf: &mut [f32],
+        ctx: OpContext,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        match self.hosts.as_mut() {
+            Some(Hosts::Leader(ring)) => {
+                ring.handshake("all_reduce", 1, buf.len() as u64, ctx, deadline)?;
+                ring.ring_all_reduce(buf, ctx, deadline)?;
+            }
+            Some(Hosts::Member) => buf.fill(0.0),
+            None => return Ok(()),
+        }
+        self.shm_all_reduce(buf, ctx, deadline)
     }
 
     /// All-reduce (sum) of `buf` in place through the shared-memory group.
@@ -469,7 +321,9 @@ impl Collective for TcpCollective {
     }
 
     fn name(&self) -> &'static str {
-        if self.shm.is_some() {
+        if self.hosts.is_some() {
+            "tcp (shared memory in each host, ring between hosts)"
+        } else if self.shm.is_some() {
             "tcp (shared memory)"
         } else {
             "tcp"
@@ -506,6 +360,9 @@ impl Collective for TcpCollective {
         let buf = unsafe { std::slice::from_raw_parts_mut(flat.data_ptr() as *mut f32, n) };
         if self.shm.is_some() {
             self.shm_all_reduce(buf, ctx, deadline)?;
+            if self.hosts.is_some() {
+                self.between_hosts(buf, ctx, deadline)?;
+            }
         } else {
             self.handshake("all_reduce", 1, n as u64, ctx, deadline)?;
             self.ring_all_reduce(buf, ctx, deadline)?;
@@ -573,7 +430,7 @@ impl Collective for TcpCollective {
                 return Err(CollectiveError::Peer {
                     op: "broadcast",
                     step: ctx.step,
-                    peer: self.next(),
+                    peer: self.global(self.next()),
                     source,
                 })
             }
@@ -581,7 +438,7 @@ impl Collective for TcpCollective {
                 return Err(CollectiveError::Peer {
                     op: "broadcast",
                     step: ctx.step,
-                    peer: self.prev(),
+                    peer: self.global(self.prev()),
                     source,
                 })
             }
@@ -642,21 +499,6 @@ impl LinkFailure {
     }
 }
 
-/// The address other ranks can reach us at: loopback on a single node, otherwise the local
-/// address of the route towards the master.
-fn local_ip(env: &WorkerEnv) -> std::io::Result<IpAddr> {
-    if env.group_world_size <= 1 {
-        return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
-    }
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
-    socket.connect((env.master_addr.as_str(), env.master_port))?;
-    let ip = socket.local_addr()?.ip();
-    if ip.is_unspecified() {
-        return Err(std::io::Error::other("no route"));
-    }
-    Ok(ip)
-}
-
 /// The bytes of a tensor's values (contiguous, on the CPU).
 fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
     let t = t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
@@ -714,6 +556,7 @@ fn split_pair<T>(buf: &mut [T], send: (usize, usize), recv: (usize, usize)) -> (
 }
 
 mod link;
+mod setup;
 
 #[cfg(any(test, feature = "test-support"))]
 pub mod test_ring;

@@ -1,3 +1,9 @@
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::env_contract::WorkerEnv;
+
 use super::*;
 
 const CTX: OpContext = OpContext {
@@ -5,7 +11,7 @@ const CTX: OpContext = OpContext {
     timeout: Duration::from_secs(20),
 };
 
-use super::test_ring::{with_ring, with_ring_opts};
+use super::test_ring::{with_hosts, with_ring, with_ring_opts};
 
 const SOCKETS_ONLY: TcpOptions = TcpOptions {
     shared_memory: false,
@@ -84,6 +90,63 @@ fn all_reduce_matches_a_direct_sum_for_every_world_and_length() {
                     "world {world}, length {len}, rank {rank}, {options:?}"
                 );
             }
+        }
+    }
+}
+
+/// Several hosts of several ranks: all-reduce sums inside each host through shared memory,
+/// between hosts over the leaders' ring; every rank gets the direct sum, and the other
+/// operations (on the job's ring) still line up with it.
+#[test]
+fn hierarchical_all_reduce_matches_a_direct_sum() {
+    for (hosts, per_host) in [(2u32, 2u32), (3, 2), (2, 3)] {
+        let world = (hosts * per_host) as usize;
+        for len in [0usize, 1, 5, 10_007, 300_001] {
+            let results = with_hosts(hosts, per_host, TcpOptions::default(), move |rank, comm| {
+                assert_eq!(
+                    comm.name(),
+                    "tcp (shared memory in each host, ring between hosts)"
+                );
+                let data: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                let mut t = [Tensor::from_slice(&data)];
+                comm.all_reduce(&mut t, ReduceOp::Sum, CTX).unwrap();
+                let gathered = comm
+                    .all_gather(&Tensor::from_slice(&[rank as f32]), CTX)
+                    .unwrap();
+                comm.barrier(CTX).unwrap();
+                let gathered: Vec<f64> = gathered.iter().map(|g| g.double_value(&[0])).collect();
+                (Vec::<f32>::try_from(&t[0]).unwrap(), gathered)
+            });
+            let expected: Vec<f32> = (0..len)
+                .map(|i| (0..world).map(|r| value(r, i)).sum())
+                .collect();
+            let ranks: Vec<f64> = (0..world).map(|r| r as f64).collect();
+            for (rank, (got, gathered)) in results.iter().enumerate() {
+                let case = format!("{hosts} hosts x {per_host}, length {len}, rank {rank}");
+                assert_eq!(got, &expected, "{case}");
+                assert_eq!(gathered, &ranks, "{case}");
+            }
+        }
+    }
+}
+
+/// Without shared memory, or with one rank per host, several hosts use the plain ring.
+#[test]
+fn several_hosts_without_shared_memory_use_the_ring() {
+    for (per_host, options) in [(2, SOCKETS_ONLY), (1, TcpOptions::default())] {
+        let results = with_hosts(2, per_host, options, |rank, comm| {
+            let mut t = [Tensor::from_slice(&[rank as f32 + 1.0])];
+            comm.all_reduce(&mut t, ReduceOp::Avg, CTX).unwrap();
+            (comm.name(), t[0].double_value(&[0]))
+        });
+        let world = 2 * per_host as usize;
+        let mean = (1..=world).sum::<usize>() as f64 / world as f64;
+        for (name, got) in results {
+            assert_eq!(
+                (name, got),
+                ("tcp", mean),
+                "{per_host} per host, {options:?}"
+            );
         }
     }
 }
