@@ -18,28 +18,28 @@ pub struct CudaRuntime {
     error_string: Symbol<unsafe extern "C" fn(i32) -> *const c_char>,
 }
 
+/// The function `name` of `lib`; the error says the CUDA runtime lacks it.
+///
+/// # Safety
+/// `T` must be the function's real signature.
+unsafe fn symbol<T>(lib: &Library, name: &str) -> Result<Symbol<T>, String> {
+    let mut c_name = name.as_bytes().to_vec();
+    c_name.push(0);
+    lib.get(c_name.as_slice())
+        .map_err(|e| format!("the CUDA runtime ({name}) is not available in this process: {e}"))
+}
+
 impl CudaRuntime {
     /// Resolves the functions; the error names the one missing (no CUDA runtime loaded).
     pub fn load() -> Result<CudaRuntime, String> {
         let this = Library::this();
-        let fail = |what: &str, e: libloading::Error| {
-            format!("the CUDA runtime ({what}) is not available in this process: {e}")
-        };
         // SAFETY: the signatures are those of the CUDA runtime API.
         unsafe {
             Ok(CudaRuntime {
-                set_device: this
-                    .get(b"cudaSetDevice\0")
-                    .map_err(|e| fail("cudaSetDevice", e))?,
-                stream_query: this
-                    .get(b"cudaStreamQuery\0")
-                    .map_err(|e| fail("cudaStreamQuery", e))?,
-                mem_get_info: this
-                    .get(b"cudaMemGetInfo\0")
-                    .map_err(|e| fail("cudaMemGetInfo", e))?,
-                error_string: this
-                    .get(b"cudaGetErrorString\0")
-                    .map_err(|e| fail("cudaGetErrorString", e))?,
+                set_device: symbol(&this, "cudaSetDevice")?,
+                stream_query: symbol(&this, "cudaStreamQuery")?,
+                mem_get_info: symbol(&this, "cudaMemGetInfo")?,
+                error_string: symbol(&this, "cudaGetErrorString")?,
             })
         }
     }

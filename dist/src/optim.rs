@@ -218,18 +218,11 @@ impl AdamW {
 
         let mut sources: Vec<(&Tensor, &Tensor)> = Vec::with_capacity(num_params);
         for i in 0..num_params {
-            let m = Self::checked(
-                &by_name,
-                &format!("exp_avg.{i}"),
-                &self.exp_avg[i],
-                num_params,
-            )?;
-            let v = Self::checked(
-                &by_name,
-                &format!("exp_avg_sq.{i}"),
-                &self.exp_avg_sq[i],
-                num_params,
-            )?;
+            let moment = |name: &str, ours: &Tensor| {
+                Self::checked(&by_name, &format!("{name}.{i}"), ours, num_params)
+            };
+            let m = moment("exp_avg", &self.exp_avg[i])?;
+            let v = moment("exp_avg_sq", &self.exp_avg_sq[i])?;
             sources.push((m, v));
         }
         if by_name.len() != 2 * num_params + 1 {

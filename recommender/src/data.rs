@@ -417,72 +417,89 @@ mod tests {
         assert_eq!(raw.ratings.len(), 1);
     }
 
+    /// Every malformed line is named by file and line, with what is wrong in it.
     #[test]
-    fn bad_field_count_names_file_and_line() {
-        let e = err_of(b"1::F::1::10::48067\n2::M::56::16\n", MOVIES, RATINGS);
-        assert!(e.contains("users.dat:2:"), "{e}");
-        assert!(e.contains("fields"), "{e}");
-    }
-
-    #[test]
-    fn non_numeric_names_file_and_line() {
-        let e = err_of(USERS, MOVIES, b"1::1::5::978300760\n1::x2::3::978302109\n");
-        assert!(e.contains("ratings.dat:2:"), "{e}");
-        assert!(e.contains("movie id is not a number"), "{e}");
-    }
-
-    #[test]
-    fn bad_gender_names_file_and_line() {
-        let e = err_of(
-            b"1::F::1::10::48067\n2::X::56::16::98107\n",
-            MOVIES,
-            RATINGS,
-        );
-        assert!(e.contains("users.dat:2:") && e.contains("gender"), "{e}");
-    }
-
-    #[test]
-    fn bad_age_and_occupation_are_rejected() {
-        let e = err_of(b"1::F::2::10::48067\n", MOVIES, b"");
-        assert!(e.contains("users.dat:1:") && e.contains("age code"), "{e}");
-        let e = err_of(b"1::F::1::21::48067\n", MOVIES, b"");
-        assert!(
-            e.contains("users.dat:1:") && e.contains("occupation"),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn unknown_genre_names_file_and_line() {
-        let e = err_of(
-            USERS,
-            b"1::Toy Story (1995)::Animation\n2::X (1990)::Drama|Cartoon\n",
-            b"",
-        );
-        assert!(e.contains("movies.dat:2:") && e.contains("Cartoon"), "{e}");
-    }
-
-    #[test]
-    fn rating_six_names_file_and_line() {
-        let e = err_of(USERS, MOVIES, b"1::1::5::1\n1::2::3::2\n2::3::6::3\n");
-        assert!(
-            e.contains("ratings.dat:3:") && e.contains("rating 6"),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn unknown_movie_and_user_name_file_and_line() {
-        let e = err_of(USERS, MOVIES, b"1::1::5::1\n1::99::3::2\n");
-        assert!(
-            e.contains("ratings.dat:2:") && e.contains("unknown movie 99"),
-            "{e}"
-        );
-        let e = err_of(USERS, MOVIES, b"1::1::5::1\n7::1::3::2\n");
-        assert!(
-            e.contains("ratings.dat:2:") && e.contains("unknown user 7"),
-            "{e}"
-        );
+    fn malformed_lines_name_file_line_and_cause() {
+        // (case, users.dat, movies.dat, ratings.dat, the place named, the cause named)
+        type Case<'a> = (&'a str, &'a [u8], &'a [u8], &'a [u8], &'a str, &'a str);
+        let cases: [Case; 9] = [
+            (
+                "field count",
+                b"1::F::1::10::48067\n2::M::56::16\n",
+                MOVIES,
+                RATINGS,
+                "users.dat:2:",
+                "fields",
+            ),
+            (
+                "non-numeric id",
+                USERS,
+                MOVIES,
+                b"1::1::5::978300760\n1::x2::3::978302109\n",
+                "ratings.dat:2:",
+                "movie id is not a number",
+            ),
+            (
+                "gender",
+                b"1::F::1::10::48067\n2::X::56::16::98107\n",
+                MOVIES,
+                RATINGS,
+                "users.dat:2:",
+                "gender",
+            ),
+            (
+                "age",
+                b"1::F::2::10::48067\n",
+                MOVIES,
+                b"",
+                "users.dat:1:",
+                "age code",
+            ),
+            (
+                "occupation",
+                b"1::F::1::21::48067\n",
+                MOVIES,
+                b"",
+                "users.dat:1:",
+                "occupation",
+            ),
+            (
+                "genre",
+                USERS,
+                b"1::Toy Story (1995)::Animation\n2::X (1990)::Drama|Cartoon\n",
+                b"",
+                "movies.dat:2:",
+                "Cartoon",
+            ),
+            (
+                "rating 6",
+                USERS,
+                MOVIES,
+                b"1::1::5::1\n1::2::3::2\n2::3::6::3\n",
+                "ratings.dat:3:",
+                "rating 6",
+            ),
+            (
+                "unknown movie",
+                USERS,
+                MOVIES,
+                b"1::1::5::1\n1::99::3::2\n",
+                "ratings.dat:2:",
+                "unknown movie 99",
+            ),
+            (
+                "unknown user",
+                USERS,
+                MOVIES,
+                b"1::1::5::1\n7::1::3::2\n",
+                "ratings.dat:2:",
+                "unknown user 7",
+            ),
+        ];
+        for (case, users, movies, ratings, place, cause) in cases {
+            let e = err_of(users, movies, ratings);
+            assert!(e.contains(place) && e.contains(cause), "{case}: {e}");
+        }
     }
 
     #[test]

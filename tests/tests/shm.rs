@@ -35,6 +35,10 @@ fn leaked_segments() -> Vec<String> {
         .collect()
 }
 
+fn as_strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
 /// `launch --num-processes 2 --master-port 0 --run-id ID configs/default.toml` on tiny data,
 /// `epochs` epochs, files under `dir`.
 fn training_args(dir: &Path, id: &str, epochs: u32) -> Vec<String> {
@@ -51,9 +55,10 @@ fn training_args(dir: &Path, id: &str, epochs: u32) -> Vec<String> {
 fn training_all_reduces_through_shared_memory_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let id = unique_run_id("shm-ok");
-    let args = training_args(dir.path(), &id, 1);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = launch(&args, Duration::from_secs(120));
+    let out = launch(
+        &as_strs(&training_args(dir.path(), &id, 1)),
+        Duration::from_secs(120),
+    );
     out.assert_code(0);
     out.assert_stdout_all(&["[rank 0] collective tcp (shared memory) ready"]);
     assert_eq!(leaked_segments(), Vec::<String>::new());
@@ -64,8 +69,7 @@ fn sigkill_of_launch_mid_training_leaves_nothing_in_dev_shm() {
     let dir = tempfile::tempdir().unwrap();
     let id = unique_run_id("shm-kill");
     let args = training_args(dir.path(), &id, 200);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let live = Live::new(launch_cmd(&args).spawn().expect("start launch"));
+    let live = Live::new(launch_cmd(&as_strs(&args)).spawn().expect("start launch"));
     live.wait_stderr("INFO epoch 1/200 step", Duration::from_secs(120));
     kill(live.pid(), Signal::SIGKILL).unwrap();
     let _ = live.finish(Duration::from_secs(30));

@@ -17,6 +17,18 @@ use crate::run_dir::{MetricsLog, RunDirError};
 use crate::trainer::{eval_record, TrainReport};
 use recommender::eval::Metrics;
 
+/// The exit code of a helper binary (`program`) whose `run` gave `result`: 0, or 1 after one
+/// `program: error: ...` line with the whole chain of causes.
+pub fn exit_code(program: &str, result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{program}: error: {e:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
 /// Log lines of the worker's binaries: on stderr, without timestamps or targets (the launcher
 /// prefixes each line with its rank), in colour only on a terminal.
 pub fn init_logging() {

@@ -81,13 +81,7 @@ fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
 
 fn main() -> ExitCode {
     worker::run_report::init_logging();
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("ddp-fixture: error: {e:#}");
-            ExitCode::from(1)
-        }
-    }
+    worker::run_report::exit_code("ddp-fixture", run())
 }
 
 fn run() -> Result<()> {

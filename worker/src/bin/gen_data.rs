@@ -37,13 +37,7 @@ enum Size {
 }
 
 fn main() -> ExitCode {
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("gen-data: error: {e:#}");
-            ExitCode::from(1)
-        }
-    }
+    worker::run_report::exit_code("gen-data", run())
 }
 
 fn run() -> Result<()> {

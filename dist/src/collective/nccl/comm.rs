@@ -407,37 +407,39 @@ mod tests {
         assert!(text.contains("Duplicate GPU detected"), "{text}");
         assert_eq!(log.lock().unwrap().aborts, 1);
 
-        let log = Arc::new(Mutex::new(Log::default()));
-        let mut fake = Fake::new(&log);
-        fake.launch = Status::ncclSystemError;
-        let mut comm = Communicator::init(fake, soon()).unwrap();
-        let failure = comm.run(&CALL, soon()).unwrap_err();
-        assert!(matches!(
-            failure,
-            CommFailure::Nccl {
-                code: Status::ncclSystemError,
-                ..
-            }
-        ));
-        drop(comm);
-        assert_eq!(log.lock().unwrap().aborts, 1);
+        assert_call_fails_with(
+            Status::ncclSystemError,
+            |fake| fake.launch = Status::ncclSystemError,
+            |_| {},
+        );
     }
 
     #[test]
     fn an_error_raised_as_the_kernels_finish_still_fails_the_operation() {
+        assert_call_fails_with(
+            Status::ncclRemoteError,
+            |fake| fake.pending = 0,
+            |api| api.settled = Status::ncclRemoteError,
+        );
+    }
+
+    /// One call on a communicator whose fake `before` prepared (before init) and `after`
+    /// changed (after init) fails with NCCL's `code`, and the communicator is aborted once.
+    fn assert_call_fails_with(
+        code: Status,
+        before: impl FnOnce(&mut Fake),
+        after: impl FnOnce(&mut Fake),
+    ) {
         let log = Arc::new(Mutex::new(Log::default()));
         let mut fake = Fake::new(&log);
-        fake.pending = 0;
+        before(&mut fake);
         let mut comm = Communicator::init(fake, soon()).unwrap();
-        comm.api.settled = Status::ncclRemoteError;
+        after(&mut comm.api);
         let failure = comm.run(&CALL, soon()).unwrap_err();
-        assert!(matches!(
-            failure,
-            CommFailure::Nccl {
-                code: Status::ncclRemoteError,
-                ..
-            }
-        ));
+        assert!(
+            matches!(failure, CommFailure::Nccl { code: got, .. } if got == code),
+            "{failure}"
+        );
         drop(comm);
         assert_eq!(log.lock().unwrap().aborts, 1);
     }
