@@ -65,14 +65,16 @@ class Recommender(nn.Module):
             self.user_proj = nn.Linear(TEXT_WIDTH, DIM)
             self.item_proj = nn.Linear(TEXT_WIDTH, DIM)
 
-    def repr(self, ids, emb, text, proj):
-        x = emb(ids)
-        return x + proj(text.index_select(0, ids)) if self.cached else x
+    def repr(self, side, ids):
+        x = getattr(self, f"{side}_id")(ids)
+        if not self.cached:
+            return x
+        text = getattr(self, f"{side}_text").index_select(0, ids)
+        return x + getattr(self, f"{side}_proj")(text)
 
     def forward(self, users, pos, neg):
-        u = self.repr(users, self.user_id, getattr(self, "user_text", None), getattr(self, "user_proj", None))
-        items = torch.cat([pos, neg])
-        i = self.repr(items, self.item_id, getattr(self, "item_text", None), getattr(self, "item_proj", None))
+        u = self.repr("user", users)
+        i = self.repr("item", torch.cat([pos, neg]))
         p, n = i.split(len(pos))
         diff = (u * p).sum(-1) - (u * n).sum(-1)
         bpr = -torch.log(1e-10 + torch.sigmoid(diff)).mean()

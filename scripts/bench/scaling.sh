@@ -31,7 +31,7 @@ run() { # size model procs shm sparse -> samples/s
     --set batch.global=256 --set batch.micro=64 \
     --set dist.shared_memory="$shm" --set dist.sparse_embeddings="$sparse" \
     >"$out/$name.log" 2>&1 || { echo "$name failed: see $out/$name.log" >&2; tail -3 "$out/$name.log" >&2; exit 1; }
-  python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(next(x for x in r if x.get("kind")=="summary")["samples_per_s"]))' "$out/$name/metrics.jsonl"
+  summary_samples_per_s "$out/$name"
 }
 
 echo "| data | model | 1 process | 2, sockets | 2, shm | 2, shm+sparse (default) | 2 / 1 (default) |"

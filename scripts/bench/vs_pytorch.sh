@@ -27,7 +27,7 @@ ours() { # data model procs epochs -> samples/s
     --set train.epochs="$epochs" --set checkpoint.resume=\"never\" --set eval.patience=0 \
     --set batch.global=256 --set batch.micro=64 \
     >"$out/$name.log" 2>&1 || { echo "$name failed: see $out/$name.log" >&2; tail -3 "$out/$name.log" >&2; exit 1; }
-  python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(next(x for x in r if x.get("kind")=="summary")["samples_per_s"]))' "$out/$name/metrics.jsonl"
+  summary_samples_per_s "$out/$name"
 }
 
 peer() { # data model procs epochs -> samples/s

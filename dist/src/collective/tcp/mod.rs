@@ -228,7 +228,8 @@ impl TcpCollective {
         Ok(())
     }
 
-    /// The rest of a hierarchical all-reduce once `buf` holds this host's sum: the leaders
+    /// The rest of a hierarchical all-reduce (nothing on one host) once `buf` holds this host's
+    /// sum: the leaders
     /// all-reduce it over their ring, then each leader's result reaches its host's ranks as a
     /// shared-memory sum in which the others contribute zeros (exact: x + 0 = x).
     fn between_hosts(
@@ -360,9 +361,7 @@ impl Collective for TcpCollective {
         let buf = unsafe { std::slice::from_raw_parts_mut(flat.data_ptr() as *mut f32, n) };
         if self.shm.is_some() {
             self.shm_all_reduce(buf, ctx, deadline)?;
-            if self.hosts.is_some() {
-                self.between_hosts(buf, ctx, deadline)?;
-            }
+            self.between_hosts(buf, ctx, deadline)?;
         } else {
             self.handshake("all_reduce", 1, n as u64, ctx, deadline)?;
             self.ring_all_reduce(buf, ctx, deadline)?;
