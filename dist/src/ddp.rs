@@ -5,7 +5,7 @@
 //! cross-rank parameter check. It works on any `tch`
 //! model and any loss: it must not know about the recommender, the data or files.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tch::{nn, Tensor};
 
@@ -79,6 +79,28 @@ pub struct StepStats {
     pub loss: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// Where this rank's time went.
+    pub time: StepTime,
+}
+
+/// One rank's wall time in the parts of a step: what tells a slow rank (long compute, the
+/// others' collective wait long) from a slow link (everyone's collective time long).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTime {
+    /// Forward and backward passes of the micro-batches (with the batches' assembly).
+    pub compute: Duration,
+    /// Inside collectives: moving data and waiting for the other ranks.
+    pub collective: Duration,
+    /// Touched-row masks, clipping and the optimizer update.
+    pub update: Duration,
+}
+
+impl std::ops::AddAssign for StepTime {
+    fn add_assign(&mut self, other: StepTime) {
+        self.compute += other.compute;
+        self.collective += other.collective;
+        self.update += other.update;
+    }
 }
 
 /// One rank's side of data-parallel training.
@@ -123,6 +145,7 @@ impl Ddp {
             .filter(|i| !sparse.iter().any(|(s, _)| s == i))
             .collect();
         let buckets = make_buckets(&params, &dense, config.bucket_bytes);
+        give_dense_grads(&params)?;
         let mut ddp = Ddp {
             comm,
             params,
@@ -204,6 +227,10 @@ impl Ddp {
                 got: window.len(),
             });
         }
+        let started = Instant::now();
+        // Every parameter takes part in the reduction (the others may have gradients for one
+        // this rank's batches did not reach), and a sparse backward adds into a dense gradient.
+        give_dense_grads(&self.params)?;
         for p in &mut self.params {
             p.zero_grad();
         }
@@ -224,19 +251,18 @@ impl Ddp {
             model.finish_backward()?;
         }
         model.phase(StepPhase::Optimizer);
+        let mut time = StepTime {
+            compute: started.elapsed(),
+            ..StepTime::default()
+        };
         let ctx = self.ctx(step + 1);
-        // A parameter this rank's batches did not reach still takes part in the reduction (the
-        // others may have gradients for it): give it a zero gradient.
-        for p in &self.params {
-            if !p.grad().defined() {
-                (p.f_sum(tch::Kind::Float)? * 0.0).f_backward()?;
-            }
-        }
         let _guard = tch::no_grad_guard();
         // Loss, a "bad loss" flag and the rows each sparse table touched travel together first,
         // so that every rank stops together when any rank's loss is not finite (instead of the
         // others waiting for its gradients), and every rank knows the union of touched rows.
         let mut summary = [self.summary(local_loss, bad_loss.is_some())?];
+        let reducing = Instant::now();
+        time.update = reducing - started - time.compute;
         self.comm.all_reduce(&mut summary, ReduceOp::Sum, ctx)?;
         let global_loss = summary[0].f_double_value(&[0])? / self.world_size() as f64;
         if summary[0].f_double_value(&[1])? > 0.0 {
@@ -256,6 +282,8 @@ impl Ddp {
             let mut grads: Vec<Tensor> = bucket.iter().map(|&i| self.params[i].grad()).collect();
             self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
         }
+        let updating = Instant::now();
+        time.collective = updating - reducing;
         let grad_norm = clip_grad_norm(&self.params, self.config.max_grad_norm);
         if !grad_norm.is_finite() {
             // The same on every rank (the gradients were averaged): all stop together.
@@ -267,9 +295,11 @@ impl Ddp {
             });
         }
         optimizer.step(&self.params, lr);
+        time.update += updating.elapsed();
         let stats = StepStats {
             loss: global_loss,
             grad_norm,
+            time,
         };
         let every = self.config.check_params_every;
         if every > 0 && (step + 1) % every == 0 {
@@ -283,13 +313,7 @@ impl Ddp {
         let head = Tensor::from_slice(&[local_loss as f32, if bad { 1.0 } else { 0.0 }]);
         let mut parts = vec![head];
         for &(i, _) in &self.sparse {
-            let touched = self.params[i]
-                .grad()
-                .f_abs()?
-                .f_sum_dim_intlist(1, false, tch::Kind::Float)?
-                .f_gt(0.0)?
-                .f_to_kind(tch::Kind::Float)?;
-            parts.push(touched);
+            parts.push(touched_rows(&self.params[i].grad())?);
         }
         Ok(Tensor::f_cat(&parts, 0)?)
     }
@@ -348,6 +372,56 @@ impl Ddp {
         }
         Ok(())
     }
+}
+
+/// Gives each of `params` that has no gradient yet a dense zero one. An embedding whose
+/// backward is sparse (`sparse = true`: a few rows instead of a dense table per micro-batch)
+/// then adds into it in place and the gradient stays dense, as the reduction and the optimizer
+/// need; left undefined, the first backward would store a sparse gradient instead. Refuses a
+/// gradient that is already sparse (it cannot be replaced).
+pub fn give_dense_grads(params: &[Tensor]) -> Result<(), tch::TchError> {
+    for p in params {
+        let grad = p.grad();
+        if grad.defined() && grad.is_sparse() {
+            return Err(tch::TchError::Torch(format!(
+                "a parameter of shape {:?} has a sparse gradient: give it a dense one (dist::ddp::give_dense_grads) before its first backward",
+                p.size()
+            )));
+        }
+        if !grad.defined() && p.requires_grad() {
+            tch::with_grad(|| (p.f_sum(tch::Kind::Float)? * 0.0).f_backward())?;
+        }
+    }
+    Ok(())
+}
+
+/// 1.0 for each row of the 2-D `grad` that holds a non-zero (or NaN) element, 0.0 for the
+/// others (f32). On a contiguous f32 CPU gradient one read pass with no temporaries (tensor
+/// ops took five times as long, the largest part of the sparse exchange's cost); tensor ops
+/// otherwise.
+fn touched_rows(grad: &Tensor) -> Result<Tensor, tch::TchError> {
+    let (rows, n) = (grad.size()[0], grad.numel());
+    let cpu_f32 = grad.device() == tch::Device::Cpu && grad.kind() == tch::Kind::Float;
+    if !cpu_f32 || !grad.is_contiguous() || n == 0 {
+        return grad
+            .f_ne(0.0)?
+            .f_any_dim(1, false)?
+            .f_to_kind(tch::Kind::Float);
+    }
+    // SAFETY: a contiguous f32 CPU buffer of n elements, alive and unchanged for this call
+    // (the step runs on the training thread, under no_grad).
+    let values = unsafe { std::slice::from_raw_parts(grad.data_ptr() as *const f32, n) };
+    let width = n / rows as usize;
+    let mask: Vec<f32> = values
+        .chunks_exact(width)
+        // The bits but the sign's: zero only for ±0.0. A fold without early exit vectorises.
+        .map(|row| {
+            f32::from(u8::from(
+                row.iter().fold(0, |acc, x| acc | x.to_bits() << 1) != 0,
+            ))
+        })
+        .collect();
+    Ok(Tensor::from_slice(&mask))
 }
 
 /// Groups the parameters `which` (indices into `params`) into buckets of at most
@@ -483,7 +557,12 @@ mod tests {
                 1,
             );
             let vs = nn::VarStore::new(tch::Device::Cpu);
-            let emb = Default::default();
+            // `sparse`: the tables' backward is sparse too, added into the dense gradients
+            // the engine gives them.
+            let emb = nn::EmbeddingConfig {
+                sparse,
+                ..Default::default()
+            };
             let mut model = Mf {
                 users: nn::embedding(vs.root() / "users", 200, 8, emb),
                 items: nn::embedding(vs.root() / "items", 300, 8, emb),
@@ -512,7 +591,8 @@ mod tests {
                 },
             };
             let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
-            assert_eq!(ddp.sparse.len(), if sparse { 2 } else { 0 });
+            let exchanged = if sparse && world > 1 { 2 } else { 0 };
+            assert_eq!(ddp.sparse.len(), exchanged);
             let mut adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.01);
             let sampler =
                 crate::sampler::DistributedSampler::new(400, world as usize, rank, 9).unwrap();
@@ -543,8 +623,8 @@ mod tests {
         results.into_iter().next().unwrap()
     }
 
-    /// Row-sparse exchange of the embedding gradients gives the dense all-reduce's numbers: bit
-    /// for bit through shared memory (each element is summed in rank order either way), and
+    /// Row-sparse exchange of the embedding gradients (and their sparse backward) gives the
+    /// dense all-reduce's numbers: bit for bit through shared memory (each element is summed in rank order either way), and
     /// within float tolerance through the socket ring of three ranks (whose summation order
     /// depends on where an element lies in the buffer).
     #[test]
@@ -557,6 +637,11 @@ mod tests {
         assert!(dense_loss[49] < dense_loss[0], "{dense_loss:?}");
         assert_eq!(sparse_loss, dense_loss);
         assert_eq!(sparse_params, dense_params);
+        // Alone: only the backward is sparse.
+        assert_eq!(
+            train_embeddings(1, shm, true, 50),
+            train_embeddings(1, shm, false, 50)
+        );
 
         let sockets = TcpOptions {
             shared_memory: false,
@@ -569,6 +654,23 @@ mod tests {
                 "step {step}: {d} vs {s}"
             );
         }
+    }
+
+    /// The one-pass mask and the tensor-op one (for a transposed, non-contiguous view) agree:
+    /// a row counts when any element is non-zero, NaN included (so a NaN is exchanged and seen
+    /// by clipping), and -0.0 does not.
+    #[test]
+    fn touched_rows_marks_rows_with_any_non_zero() {
+        let grad = Tensor::zeros([5, 3], (tch::Kind::Float, tch::Device::Cpu));
+        let _ = grad.get(1).get(2).fill_(-2.5);
+        let _ = grad.get(3).get(0).fill_(f64::NAN);
+        let _ = grad.get(4).get(1).fill_(-0.0);
+        let want = vec![0.0, 1.0, 0.0, 1.0, 0.0];
+        let got = |t: &Tensor| Vec::<f32>::try_from(touched_rows(t).unwrap()).unwrap();
+        assert_eq!(got(&grad), want);
+        let transposed = grad.tr().contiguous().tr();
+        assert!(!transposed.is_contiguous());
+        assert_eq!(got(&transposed), want);
     }
 
     #[test]

@@ -129,19 +129,30 @@ impl StepScalars {
             )
         };
         let f = |x: f64| x as f32;
-        let (decay, w1, beta2, c2) = (f(self.decay), f(self.w1), f(self.beta2), f(self.c2));
-        let (bc2_sqrt, eps, neg_step) = (f(self.bc2_sqrt), f(self.eps), f(self.neg_step));
-        let small_weight = w1 < 0.5;
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            // lerp(m, g, w1) as PyTorch computes it, by the size of the weight.
-            *m = if small_weight {
-                *m + w1 * (g - *m)
-            } else {
-                g - (g - *m) * (1.0 - w1)
-            };
-            *v = *v * beta2 + (c2 * g) * g;
-            let denom = v.sqrt() / bc2_sqrt + eps;
-            *p = *p * decay + (neg_step * *m) / denom;
+        let scalars = [
+            self.decay,
+            self.w1,
+            self.beta2,
+            self.c2,
+            self.bc2_sqrt,
+            self.eps,
+        ];
+        let [decay, w1, beta2, c2, bc2_sqrt, eps] = scalars.map(f);
+        let k = FusedScalars {
+            decay,
+            w1,
+            beta2,
+            c2,
+            bc2_sqrt,
+            eps,
+            neg_step: f(self.neg_step),
+        };
+        // lerp(m, g, w1) as PyTorch computes it, by the size of the weight (the branch outside
+        // the loop, so that the loop vectorises).
+        if w1 < 0.5 {
+            adamw_elements(p, g, m, v, &k, |m, g| m + k.w1 * (g - m));
+        } else {
+            adamw_elements(p, g, m, v, &k, |m, g| g - (g - m) * (1.0 - k.w1));
         }
         true
     }
@@ -162,6 +173,37 @@ impl StepScalars {
         let _ = denom.g_add_scalar_(self.eps);
         // Likewise `addcdiv_(m, denom, value=-s)` is `self + (-s * m) / denom`.
         let _ = param.addcdiv_(&m.g_mul_scalar(self.neg_step), &denom);
+    }
+}
+
+/// [`StepScalars`] in f32, as the fused update uses them.
+struct FusedScalars {
+    decay: f32,
+    w1: f32,
+    beta2: f32,
+    c2: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+    neg_step: f32,
+}
+
+/// The AdamW update element by element, compiled for AVX-512 and AVX2 too and run with the
+/// widest the CPU has (as PyTorch's kernels are): the square root and the division bound
+/// it, and each is exactly rounded at any width, so every width gives the same bits.
+#[multiversion::multiversion(targets = "simd")]
+fn adamw_elements(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &FusedScalars,
+    lerp: impl Fn(f32, f32) -> f32,
+) {
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        *m = lerp(*m, g);
+        *v = *v * k.beta2 + (k.c2 * g) * g;
+        let denom = v.sqrt() / k.bc2_sqrt + k.eps;
+        *p = *p * k.decay + (k.neg_step * *m) / denom;
     }
 }
 

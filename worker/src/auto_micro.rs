@@ -158,6 +158,8 @@ fn probe_step(
     let params = vs.trainable_variables();
     let outcome = tracker.probing(|| {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // As in training: dense gradients that the embeddings' sparse backward adds into.
+            dist::ddp::give_dense_grads(&params)?;
             let loss = task.loss(&indices)?;
             loss.f_backward()?;
             task.finish_backward()?;

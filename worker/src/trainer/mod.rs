@@ -134,6 +134,8 @@ struct Progress {
     full_epochs: u64,
     full_epoch_secs: f64,
     started: Instant,
+    /// This rank's time in the parts of its steps, summed.
+    time: dist::ddp::StepTime,
 }
 
 /// One run of training: the engine, the optimizer and schedule, the sampler, what the run
@@ -243,6 +245,7 @@ impl<'t> Trainer<'t> {
                 full_epochs: 0,
                 full_epoch_secs: 0.0,
                 started: Instant::now(),
+                time: Default::default(),
             },
             metrics: None,
             bar: None,
@@ -403,6 +406,7 @@ impl<'t> Trainer<'t> {
         self.setup.memory.set_step(step);
         self.progress.steps_run += 1;
         self.progress.last_loss = Some(stats.loss);
+        self.progress.time += stats.time;
         self.log_step(epoch, lr, &stats, t0.elapsed().as_secs_f64())
     }
 
