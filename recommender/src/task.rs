@@ -38,6 +38,8 @@ pub struct RecTask {
     hash: String,
     /// Forward passes under bf16 autocast (`train.bf16` on CUDA).
     bf16: bool,
+    /// Time spent assembling micro-batches since [`RecTask::take_data_time`] last asked.
+    data_time: std::time::Duration,
 }
 
 impl RecTask {
@@ -121,6 +123,7 @@ impl RecTask {
             batch_users: config.eval.batch_users,
             hash: model_hash(config, ds),
             bf16: config.train.bf16 && device.is_cuda(),
+            data_time: std::time::Duration::ZERO,
         })
     }
 }
@@ -196,6 +199,7 @@ impl RecTask {
     pub fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
         // A previous micro-batch abandoned before its backward leaves nothing behind.
         self.model.discard_pending();
+        let started = std::time::Instant::now();
         // Negatives come from torch's generator, which the trainer reseeds every step: the
         // same numbers after a resume, different ones every batch.
         let mut state = Tensor::f_randint(i64::MAX, [1], (Kind::Int64, Device::Cpu))?
@@ -218,9 +222,15 @@ impl RecTask {
         }
         let t = |v: &[i64]| Tensor::from_slice(v).to_device(self.device);
         let (users, pos, neg) = (t(&users), t(&pos), t(&neg));
+        self.data_time += started.elapsed();
         Ok(crate::model::autocast::autocast(self.bf16, || {
             self.model.bpr_loss(&users, &pos, &neg, self.l2, true)
         }))
+    }
+
+    /// Time spent assembling micro-batches (negatives, index tensors) since the last call.
+    pub fn take_data_time(&mut self) -> std::time::Duration {
+        std::mem::take(&mut self.data_time)
     }
 
     /// Completes the backward pass (activation checkpointing recomputes its blocks here).

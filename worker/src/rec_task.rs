@@ -21,6 +21,10 @@ impl Task for RecTask {
         RecTask::finish_backward(self)
     }
 
+    fn take_data_time(&mut self) -> std::time::Duration {
+        RecTask::take_data_time(self)
+    }
+
     fn embedding_tables(&self) -> Vec<String> {
         RecTask::embedding_tables(self)
     }

@@ -130,6 +130,11 @@ impl RunSummary<'_> {
             "peak_device_mib": peak_device,
             "estimated_peak_mib": mib(self.estimate.peak_bytes()),
             "world_size": self.world_size,
+            "time_per_step_ms": r.rank_times.iter().map(|t| json!({
+                "compute": t.compute_ms, "data": t.data_ms,
+                "collective": t.collective_ms, "update": t.update_ms,
+            })).collect::<Vec<_>>(),
+            "straggler_rank": crate::trainer::straggler(&r.rank_times).map(|s| s.0),
         })
     }
 
@@ -150,6 +155,9 @@ impl RunSummary<'_> {
             r.seconds_per_epoch.map_or("-".into(), |s| format!("{s:.1}")),
             peak.join(", ")
         );
+        for line in crate::trainer::rank_time_lines(&r.rank_times) {
+            println!("{line}");
+        }
         let measured_peak = match &r.peak_device {
             Some(dev) => dev.iter().copied().max().unwrap_or(0),
             None => r.peak_rss.iter().copied().max().unwrap_or(0),

@@ -7,6 +7,7 @@
 
 mod evaluation;
 mod logging;
+mod rank_time;
 mod records;
 mod resume;
 mod sync;
@@ -35,6 +36,7 @@ pub use sync::gather_u64;
 pub use task::Task;
 
 use logging::{new_bar, progress_bar_wanted};
+pub use rank_time::{lines as rank_time_lines, straggler, RankTime};
 pub use resume::BestRecord;
 use resume::EvalProgress;
 use sync::{broadcast_json, save_checkpoint};
@@ -84,6 +86,8 @@ pub struct TrainReport {
     pub samples_per_s: f64,
     /// Mean seconds per epoch over the epochs this run trained in full.
     pub seconds_per_epoch: Option<f64>,
+    /// Each rank's time per step, in rank order (empty when this run took no step).
+    pub rank_times: Vec<RankTime>,
 }
 
 /// Everything the loop needs besides the task.
@@ -134,8 +138,9 @@ struct Progress {
     full_epochs: u64,
     full_epoch_secs: f64,
     started: Instant,
-    /// This rank's time in the parts of its steps, summed.
+    /// This rank's time in the parts of its steps, summed, and the data part of it.
     time: dist::ddp::StepTime,
+    data: Duration,
 }
 
 /// One run of training: the engine, the optimizer and schedule, the sampler, what the run
@@ -163,6 +168,8 @@ struct Trainer<'t> {
     /// Rank 0: `metrics.jsonl` and, in a terminal, a progress bar.
     metrics: Option<MetricsLog>,
     bar: Option<indicatif::ProgressBar>,
+    /// `GPTREC_FAULT_SLOW` on this rank.
+    slow: Option<Duration>,
 }
 
 impl<'t> Trainer<'t> {
@@ -193,6 +200,11 @@ impl<'t> Trainer<'t> {
             },
         )?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
+        let slow = task::slow_fault(
+            &std::env::var("GPTREC_FAULT_SLOW").unwrap_or_default(),
+            rank,
+        )
+        .map_err(TrainError::Plan)?;
         let sampler = DistributedSampler::new(task.train_len(), world, rank, config.run.seed)
             .map_err(|e| TrainError::Plan(e.to_string()))?;
         let per_rank_step = (batch.micro * batch.grad_accum) as usize;
@@ -246,9 +258,11 @@ impl<'t> Trainer<'t> {
                 full_epoch_secs: 0.0,
                 started: Instant::now(),
                 time: Default::default(),
+                data: Duration::ZERO,
             },
             metrics: None,
             bar: None,
+            slow,
         })
     }
 
@@ -396,6 +410,7 @@ impl<'t> Trainer<'t> {
             &mut task::TaskMicroBatches {
                 task: &mut *self.task,
                 phases: &self.setup.memory,
+                slow: self.slow,
             },
             &mut self.optimizer,
             lr,
@@ -407,6 +422,7 @@ impl<'t> Trainer<'t> {
         self.progress.steps_run += 1;
         self.progress.last_loss = Some(stats.loss);
         self.progress.time += stats.time;
+        self.progress.data += self.task.take_data_time();
         self.log_step(epoch, lr, &stats, t0.elapsed().as_secs_f64())
     }
 
@@ -453,6 +469,13 @@ impl<'t> Trainer<'t> {
             None
         };
         let p = &self.progress;
+        let rank_times = if p.steps_run > 0 {
+            let mine = RankTime::per_step(p.time, p.data, p.steps_run);
+            rank_time::gather(self.ddp.comm(), mine, ctx)?
+        } else {
+            Vec::new()
+        };
+        let p = &self.progress;
         let secs = p.started.elapsed().as_secs_f64();
         Ok(TrainReport {
             steps: p.step,
@@ -471,6 +494,7 @@ impl<'t> Trainer<'t> {
             },
             seconds_per_epoch: (p.full_epochs > 0)
                 .then(|| p.full_epoch_secs / p.full_epochs as f64),
+            rank_times,
         })
     }
 }

@@ -22,6 +22,11 @@ pub trait Task {
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         Ok(())
     }
+    /// Time spent assembling micro-batches since the last call (part of what the engine
+    /// counts as compute; the per-rank timing shows it apart). Default: not measured (zero).
+    fn take_data_time(&mut self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
     /// Names of the variables that are embedding tables (few rows touched per step), whose
     /// gradients the engine may exchange row-sparse. Default: none.
     fn embedding_tables(&self) -> Vec<String> {
@@ -45,10 +50,15 @@ pub trait Task {
 pub(super) struct TaskMicroBatches<'a> {
     pub(super) task: &'a mut dyn Task,
     pub(super) phases: &'a dyn PhaseSink,
+    /// `GPTREC_FAULT_SLOW`: extra time this rank spends on each micro-batch.
+    pub(super) slow: Option<std::time::Duration>,
 }
 
 impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
     fn loss(&mut self, indices: &Vec<usize>) -> Result<Tensor, tch::TchError> {
+        if let Some(delay) = self.slow {
+            std::thread::sleep(delay);
+        }
         self.task.loss(indices)
     }
 
@@ -63,5 +73,39 @@ impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
 
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         self.task.finish_backward()
+    }
+}
+
+/// `GPTREC_FAULT_SLOW=MS[@RANK]`: makes `rank` (every rank when absent) spend `MS` more
+/// milliseconds on each micro-batch, a straggler for tests. `None` when unset or for another
+/// rank.
+pub(super) fn slow_fault(text: &str, rank: usize) -> Result<Option<std::time::Duration>, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(None);
+    }
+    let bad = || format!("GPTREC_FAULT_SLOW={text}: expected MS or MS@RANK (whole numbers)");
+    let (ms, only) = match text.split_once('@') {
+        Some((ms, r)) => (ms, Some(r.parse::<usize>().map_err(|_| bad())?)),
+        None => (text, None),
+    };
+    let ms: u64 = ms.parse().map_err(|_| bad())?;
+    Ok((only.is_none_or(|r| r == rank)).then(|| std::time::Duration::from_millis(ms)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slow_fault;
+    use std::time::Duration;
+
+    #[test]
+    fn slow_fault_parses_ms_and_rank() {
+        assert_eq!(slow_fault("", 0), Ok(None));
+        assert_eq!(slow_fault("30", 2), Ok(Some(Duration::from_millis(30))));
+        assert_eq!(slow_fault("30@1", 1), Ok(Some(Duration::from_millis(30))));
+        assert_eq!(slow_fault("30@1", 0), Ok(None));
+        for bad in ["x", "30@", "@1", "-5", "3.5"] {
+            assert!(slow_fault(bad, 0).unwrap_err().contains("MS@RANK"), "{bad}");
+        }
     }
 }
