@@ -145,7 +145,6 @@ impl Ddp {
             .filter(|i| !sparse.iter().any(|(s, _)| s == i))
             .collect();
         let buckets = make_buckets(&params, &dense, config.bucket_bytes);
-        give_dense_grads(&params)?;
         let mut ddp = Ddp {
             comm,
             params,

@@ -129,27 +129,18 @@ impl StepScalars {
             )
         };
         let f = |x: f64| x as f32;
-        let scalars = [
-            self.decay,
-            self.w1,
-            self.beta2,
-            self.c2,
-            self.bc2_sqrt,
-            self.eps,
-        ];
-        let [decay, w1, beta2, c2, bc2_sqrt, eps] = scalars.map(f);
         let k = FusedScalars {
-            decay,
-            w1,
-            beta2,
-            c2,
-            bc2_sqrt,
-            eps,
+            decay: f(self.decay),
+            w1: f(self.w1),
+            beta2: f(self.beta2),
+            c2: f(self.c2),
+            bc2_sqrt: f(self.bc2_sqrt),
+            eps: f(self.eps),
             neg_step: f(self.neg_step),
         };
         // lerp(m, g, w1) as PyTorch computes it, by the size of the weight (the branch outside
         // the loop, so that the loop vectorises).
-        if w1 < 0.5 {
+        if k.w1 < 0.5 {
             adamw_elements(p, g, m, v, &k, |m, g| m + k.w1 * (g - m));
         } else {
             adamw_elements(p, g, m, v, &k, |m, g| g - (g - m) * (1.0 - k.w1));

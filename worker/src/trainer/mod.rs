@@ -468,9 +468,13 @@ impl<'t> Trainer<'t> {
         } else {
             None
         };
-        let p = &self.progress;
-        let rank_times = if p.steps_run > 0 {
-            let mine = RankTime::per_step(p.time, p.data, p.steps_run);
+        let (time, data, steps_run) = (
+            self.progress.time,
+            self.progress.data,
+            self.progress.steps_run,
+        );
+        let rank_times = if steps_run > 0 {
+            let mine = RankTime::per_step(time, data, steps_run);
             rank_time::gather(self.ddp.comm(), mine, ctx)?
         } else {
             Vec::new()

@@ -48,7 +48,7 @@ impl RankTime {
         self.compute_ms + self.data_ms + self.update_ms
     }
 
-    fn to_vec(self) -> [f64; 4] {
+    fn to_array(self) -> [f64; 4] {
         [
             self.compute_ms,
             self.data_ms,
@@ -64,7 +64,7 @@ pub fn gather(
     mine: RankTime,
     ctx: OpContext,
 ) -> Result<Vec<RankTime>, TrainError> {
-    let all = comm.all_gather(&Tensor::from_slice(&mine.to_vec()), ctx)?;
+    let all = comm.all_gather(&Tensor::from_slice(&mine.to_array()), ctx)?;
     all.iter()
         .map(|t| {
             let v = Vec::<f64>::try_from(t)?;
