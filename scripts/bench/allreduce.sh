@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # All-reduce latency and bandwidth, 2 ranks on this machine, f32, 64 KiB and 1 / 16 / 64 /
-# 256 MiB: our `tcp` backend through shared memory (its default on one host) and through its
-# socket ring (`--sockets`), against PyTorch's gloo backend, all started by `launch` in the same
+# 256 MiB: our `tcp` backend through shared memory (its default on one host) from a private
+# tensor, from data already in its shared arena (`--shared-buffer`: where DDP flattens gradient
+# buckets), and through its socket ring (`--sockets`), against PyTorch's gloo backend, all started by `launch` in the same
 # script run (the launcher is not in the timed region). Prints median time and algorithm
 # bandwidth (bytes / time; for 2 ranks the bus bandwidth is the same), and the single-thread
 # memcpy bandwidth of the machine.
@@ -14,9 +15,11 @@ cargo build --release -p gptrec-launcher -p gptrec-worker >/dev/null 2>&1 || car
 sizes="${*:-64K 1 16 64 256}"
 launch=target/release/launch
 
-filter() { sed -n -E 's/^\[rank 0\] ((shm|tcp|gloo|memcpy) .*)/\1/p'; }
+filter() { sed -n -E 's/^\[rank 0\] ((shm|shm-arena|tcp|gloo|memcpy) .*)/\1/p'; }
 echo "== ours: shared memory (2 ranks)"
 "$launch" --num-processes 2 --master-port 0 -- target/release/collective-bench $sizes 2>&1 | filter
+echo "== ours: shared memory, data in the shared arena (2 ranks)"
+"$launch" --num-processes 2 --master-port 0 -- target/release/collective-bench --shared-buffer $sizes 2>&1 | filter
 echo "== ours: tcp ring over loopback sockets (2 ranks)"
 "$launch" --num-processes 2 --master-port 0 -- target/release/collective-bench --sockets $sizes 2>&1 | filter
 

@@ -161,6 +161,18 @@ pub(crate) fn flatten_f32(
     Tensor::f_cat(&flat, 0)?.f_contiguous()
 }
 
+/// Copies `tensors` into `flat` (f32, as many elements as they hold together), in order.
+pub(crate) fn flatten_into(tensors: &[Tensor], flat: &Tensor) -> Result<(), tch::TchError> {
+    let mut offset = 0i64;
+    for t in tensors {
+        let n = t.numel() as i64;
+        let mut part = flat.f_narrow(0, offset, n)?;
+        part.f_copy_(&t.f_reshape([-1])?)?;
+        offset += n;
+    }
+    Ok(())
+}
+
 /// Copies the bucket back into `tensors` (converting kind and device as needed).
 pub(crate) fn unflatten_into(flat: &Tensor, tensors: &mut [Tensor]) -> Result<(), tch::TchError> {
     let mut offset = 0i64;

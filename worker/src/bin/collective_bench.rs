@@ -4,8 +4,11 @@
 //! `shm <size>: median <ms> ms (<us> us), <GiB/s> GiB/s (algorithm bandwidth)` (or `tcp ...`),
 //! and the single-thread memcpy bandwidth of this machine (the ceiling for any intra-host scheme).
 //!
-//! Usage: collective-bench [--sockets] [SIZE ...]   (SIZE: MiB, or KiB with a K suffix;
-//! default: 64K 1 16 64 256)
+//! With `--shared-buffer` the data lies in the shared-memory arena (`shm-arena` lines): it is
+//! reduced where it lies, as DDP's gradient buckets are once flattened into it.
+//!
+//! Usage: collective-bench [--sockets | --shared-buffer] [SIZE ...]   (SIZE: MiB, or KiB with a
+//! K suffix; default: 64K 1 16 64 256)
 
 use std::time::{Duration, Instant};
 
@@ -38,7 +41,8 @@ fn label(bytes: usize) -> String {
 fn main() -> Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let sockets = args.iter().any(|a| a == "--sockets");
-    args.retain(|a| a != "--sockets");
+    let shared = args.iter().any(|a| a == "--shared-buffer");
+    args.retain(|a| a != "--sockets" && a != "--shared-buffer");
     let sizes: Vec<usize> = args.iter().map(|a| parse_size(a)).collect::<Result<_>>()?;
     let sizes = if sizes.is_empty() {
         vec![64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -52,10 +56,10 @@ fn main() -> Result<()> {
         shared_memory: !sockets,
     };
     let mut comm = TcpCollective::connect_with(&env, store, timeout, options)?;
-    let name = if comm.uses_shared_memory() {
-        "shm"
-    } else {
-        "tcp"
+    let name = match (comm.uses_shared_memory(), shared) {
+        (true, true) => "shm-arena",
+        (true, false) => "shm",
+        (false, _) => "tcp",
     };
     let ctx = OpContext { step: 0, timeout };
     let leader = env.rank == 0;
@@ -77,33 +81,17 @@ fn main() -> Result<()> {
         );
     }
     for bytes in sizes {
-        let n = bytes / 4;
-        let mut t = [Tensor::ones([n as i64], (Kind::Float, tch::Device::Cpu))];
         let iters = match bytes >> 20 {
             256.. => 5,
             64.. => 10,
             1.. => 20,
             _ => 200,
         };
-        let mut times = Vec::with_capacity(iters);
-        for i in 0..iters + 2 {
-            let _ = t[0].fill_(1.0);
-            comm.barrier(ctx)?;
-            let start = Instant::now();
-            comm.all_reduce(&mut t, ReduceOp::Sum, ctx)?;
-            if i >= 2 {
-                times.push(start.elapsed().as_secs_f64());
-            }
-        }
-        // Every run sums ones: each element must hold the world size.
-        let expect = env.world_size as f64;
-        let got = t[0]
-            .double_value(&[0])
-            .min(t[0].double_value(&[n as i64 - 1]));
-        anyhow::ensure!(
-            got == expect,
-            "wrong all-reduce result {got}, expected {expect}"
-        );
+        let mut times = if shared && comm.uses_shared_memory() {
+            time_shared(&mut comm, bytes / 4, iters, ctx)?
+        } else {
+            time_private(&mut comm, bytes / 4, iters, ctx)?
+        };
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         if leader {
@@ -117,5 +105,65 @@ fn main() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// Times `iters` all-reduces of `n` ones in a private tensor (after two warm-up runs) and checks
+/// the result.
+fn time_private(
+    comm: &mut TcpCollective,
+    n: usize,
+    iters: usize,
+    ctx: OpContext,
+) -> Result<Vec<f64>> {
+    let mut t = [Tensor::ones([n as i64], (Kind::Float, tch::Device::Cpu))];
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..iters + 2 {
+        let _ = t[0].fill_(1.0);
+        comm.barrier(ctx)?;
+        let start = Instant::now();
+        comm.all_reduce(&mut t, ReduceOp::Sum, ctx)?;
+        if i >= 2 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let ends = [t[0].double_value(&[0]), t[0].double_value(&[n as i64 - 1])];
+    check_sum(comm, ends)?;
+    Ok(times)
+}
+
+/// As [`time_private`], with the data in the shared-memory arena.
+fn time_shared(
+    comm: &mut TcpCollective,
+    n: usize,
+    iters: usize,
+    ctx: OpContext,
+) -> Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..iters + 2 {
+        comm.shared_buffer(n, ctx)?
+            .context("no shared-memory arena could be had")?
+            .fill(1.0);
+        comm.barrier(ctx)?;
+        let start = Instant::now();
+        comm.all_reduce_shared(n, ReduceOp::Sum, ctx)?;
+        if i >= 2 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let buf = comm.shared_buffer(n, ctx)?.context("the arena went away")?;
+    let ends = [buf[0] as f64, buf[n - 1] as f64];
+    check_sum(comm, ends)?;
+    Ok(times)
+}
+
+/// Every run sums ones: each element must hold the world size.
+fn check_sum(comm: &TcpCollective, ends: [f64; 2]) -> Result<()> {
+    let expect = comm.world_size() as f64;
+    let got = ends[0].min(ends[1]);
+    anyhow::ensure!(
+        got == expect,
+        "wrong all-reduce result {got}, expected {expect}"
+    );
     Ok(())
 }

@@ -16,7 +16,9 @@ use tch::{Device, Kind, Tensor};
 use link::{exchange, read_exact_until, write_all_until};
 
 use super::shm::{ShmFailure, ShmGroup};
-use super::{flatten_f32, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp};
+use super::{
+    flatten_f32, flatten_into, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp,
+};
 use crate::store::StoreClient;
 
 /// Bytes received and reduced at a time.
@@ -260,32 +262,128 @@ impl TcpCollective {
         let Some(shm) = self.shm.as_mut() else {
             return Ok(());
         };
-        match shm.all_reduce(buf, self.seq, deadline) {
-            Ok(()) => Ok(()),
-            Err(ShmFailure::Timeout) => Err(self.timeout_error("all_reduce", ctx)),
-            Err(ShmFailure::Exited { rank, pid }) => Err(CollectiveError::Peer {
-                op: "all_reduce",
+        shm.all_reduce(buf, self.seq, deadline)
+            .map_err(|failure| self.shm_error(failure, ctx, buf.len()))
+    }
+
+    /// The error a failed shared-memory all-reduce of `len` elements reports.
+    fn shm_error(&mut self, failure: ShmFailure, ctx: OpContext, len: usize) -> CollectiveError {
+        let op = "all_reduce";
+        match failure {
+            ShmFailure::Timeout => self.timeout_error(op, ctx),
+            ShmFailure::Exited { rank, pid } => CollectiveError::Peer {
+                op,
                 step: ctx.step,
                 peer: rank,
                 source: std::io::Error::other(format!(
                     "its process {pid} exited (shared memory)"
                 )),
-            }),
-            Err(ShmFailure::Mismatch {
+            },
+            ShmFailure::NoArena { floats } => CollectiveError::Failed {
+                op,
+                step: ctx.step,
+                detail: format!("no shared buffer of {floats} floats was set up"),
+            },
+            ShmFailure::Mismatch {
                 rank,
                 their_seq,
                 their_len,
-            }) => Err(CollectiveError::Mismatch {
-                op: "all_reduce",
+            } => CollectiveError::Mismatch {
+                op,
                 step: ctx.step,
                 detail: format!(
-                    "rank {rank} is at operation #{their_seq} ({their_len} elements) while rank {} is at #{} (all_reduce, {} elements)",
-                    self.rank,
-                    self.seq,
-                    buf.len()
+                    "rank {rank} is at operation #{their_seq} ({their_len} elements) while rank {} is at #{} (all_reduce, {len} elements)",
+                    self.rank, self.seq
                 ),
-            }),
+            },
         }
+    }
+
+    /// A buffer of `n` floats in this rank's shared-memory arena: data put there is all-reduced
+    /// by [`TcpCollective::all_reduce_shared`] where it lies, with no copy in or out (as NCCL
+    /// does with registered buffers). `None` without shared memory, or when `/dev/shm` cannot
+    /// hold it. Every rank must call this at the same point with the same `n` (it may set up a
+    /// bigger arena, together); the slice is valid until the next call.
+    pub fn shared_buffer(
+        &mut self,
+        n: usize,
+        ctx: OpContext,
+    ) -> Result<Option<&mut [f32]>, CollectiveError> {
+        let Some(shm) = self.shm.as_mut() else {
+            return Ok(None);
+        };
+        let made = shm
+            .ensure_arena(&mut self.store, n, ctx.timeout)
+            .map_err(|detail| CollectiveError::Setup {
+                backend: "tcp",
+                detail,
+            })?;
+        Ok(if made { shm.arena(n) } else { None })
+    }
+
+    /// All-reduces the first `n` floats of the shared buffer ([`TcpCollective::shared_buffer`])
+    /// in place, on every rank.
+    pub fn all_reduce_shared(
+        &mut self,
+        n: usize,
+        op: ReduceOp,
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        let deadline = Instant::now() + ctx.timeout;
+        self.seq += 1;
+        let seq = self.seq;
+        let reduced = match self.shm.as_mut() {
+            Some(shm) => shm
+                .all_reduce_arena(n, seq, deadline)
+                .map(|()| shm.arena(n).map(|buf| buf.as_mut_ptr())),
+            None => Err(ShmFailure::NoArena { floats: n }),
+        };
+        let ptr = match reduced {
+            Ok(Some(ptr)) => ptr,
+            Ok(None) => return Err(self.shm_error(ShmFailure::NoArena { floats: n }, ctx, n)),
+            Err(failure) => return Err(self.shm_error(failure, ctx, n)),
+        };
+        // SAFETY: `n` floats of our arena, which `self.shm` keeps mapped; the peers touch it
+        // only in arena operations, and the hosts' exchange below is not one.
+        let buf = unsafe { std::slice::from_raw_parts_mut(ptr, n) };
+        self.between_hosts(buf, ctx, deadline)?;
+        if op == ReduceOp::Avg {
+            let w = self.world as f32;
+            buf.iter_mut().for_each(|x| *x /= w);
+        }
+        Ok(())
+    }
+
+    /// All-reduces several tensors (or one that is not a contiguous f32 CPU tensor) by copying
+    /// them straight into the shared buffer; false, doing nothing, when there is none.
+    fn all_reduce_through_arena(
+        &mut self,
+        tensors: &mut [Tensor],
+        op: ReduceOp,
+        ctx: OpContext,
+    ) -> Result<bool, CollectiveError> {
+        let n = tensors.iter().map(Tensor::numel).sum::<usize>();
+        if n == 0 {
+            return Ok(true); // the same on every rank: nothing to exchange
+        }
+        let Some(ptr) = self.shared_buffer(n, ctx)?.map(|buf| buf.as_mut_ptr()) else {
+            return Ok(false);
+        };
+        // SAFETY: `n` floats of our arena, valid until the next `shared_buffer` call; `flat` is
+        // dropped before this function returns.
+        let flat = unsafe {
+            Tensor::f_from_blob(
+                ptr as *const u8,
+                &[n as i64],
+                &[1],
+                Kind::Float,
+                Device::Cpu,
+            )?
+        };
+        flatten_into(tensors, &flat)?;
+        self.all_reduce_shared(n, op, ctx)?;
+        unflatten_into(&flat, tensors)?;
+        Ok(true)
     }
 
     /// Ring all-gather of equal-sized byte chunks: chunk `rank` is ours on entry, all are
@@ -347,6 +445,9 @@ impl Collective for TcpCollective {
             && tensors[0].device() == Device::Cpu
             && tensors[0].kind() == Kind::Float
             && tensors[0].is_contiguous();
+        if !direct && self.shm.is_some() && self.all_reduce_through_arena(tensors, op, ctx)? {
+            return Ok(());
+        }
         let flat = if direct {
             tensors[0].shallow_clone()
         } else {

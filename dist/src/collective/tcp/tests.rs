@@ -235,13 +235,108 @@ fn shared_memory_keeps_consecutive_operations_apart() {
     }
 }
 
-/// Once the group is set up, no segment of ours is left in /dev/shm (nothing to leak
+/// Buckets of several tensors go through the shared arena: every world and length, arenas
+/// replaced by bigger ones, a lagging rank, mixed with single tensors (the chunked path) and
+/// mixed kinds; every rank gets the direct sum, exactly as the socket ring gives it.
+#[test]
+fn buckets_reduced_in_the_shared_arena_match_the_direct_sum_and_the_ring() {
+    let per_chunk = super::super::shm::CHUNK_BYTES / 4;
+    let lens = [1usize, 3, 1000, per_chunk + 5, 17, 4 * per_chunk + 3, 2];
+    for world in [2u32, 3, 4] {
+        for options in [TcpOptions::default(), SOCKETS_ONLY] {
+            let results = with_ring_opts(world, options, move |rank, comm| {
+                let mut sums = Vec::new();
+                for (op, len) in lens.into_iter().enumerate() {
+                    if rank == op % world as usize {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    let data: Vec<f32> = (0..len).map(|i| value(rank + op, i)).collect();
+                    let head = Tensor::from_slice(&data[..len / 2]);
+                    let tail = Tensor::from_slice(&data[len / 2..]).to_kind(Kind::Double);
+                    let mut bucket = [head, tail];
+                    comm.all_reduce(&mut bucket, ReduceOp::Sum, CTX).unwrap();
+                    let mut single = [Tensor::from_slice(&data)];
+                    comm.all_reduce(&mut single, ReduceOp::Sum, CTX).unwrap();
+                    let tail = bucket[1].to_kind(Kind::Float);
+                    let joined = Tensor::cat(&[&bucket[0], &tail], 0);
+                    sums.push(Vec::<f32>::try_from(&joined).unwrap());
+                    sums.push(Vec::<f32>::try_from(&single[0]).unwrap());
+                }
+                sums
+            });
+            for (op, len) in lens.into_iter().enumerate() {
+                let expected: Vec<f32> = (0..len)
+                    .map(|i| (0..world as usize).map(|r| value(r + op, i)).sum())
+                    .collect();
+                for (rank, sums) in results.iter().enumerate() {
+                    let case = format!("world {world}, length {len}, rank {rank}, {options:?}");
+                    assert!(sums[2 * op] == expected, "bucket: {case}");
+                    assert!(sums[2 * op + 1] == expected, "single tensor: {case}");
+                }
+            }
+        }
+    }
+}
+
+/// Several hosts: a bucket is summed in each host's arena, then between the hosts.
+#[test]
+fn hierarchical_buckets_match_the_direct_sum() {
+    let results = with_hosts(2, 2, TcpOptions::default(), |rank, comm| {
+        let data: Vec<f32> = (0..10_007).map(|i| value(rank, i)).collect();
+        let mut bucket = [
+            Tensor::from_slice(&data[..5]),
+            Tensor::from_slice(&data[5..]),
+        ];
+        comm.all_reduce(&mut bucket, ReduceOp::Avg, CTX).unwrap();
+        Vec::<f32>::try_from(&Tensor::cat(&bucket, 0)).unwrap()
+    });
+    let expected: Vec<f32> = (0..10_007)
+        .map(|i| (0..4).map(|r| value(r, i)).sum::<f32>() / 4.0)
+        .collect();
+    for (rank, got) in results.iter().enumerate() {
+        assert!(got == &expected, "rank {rank}");
+    }
+}
+
+/// A rank reducing in its arena while another reduces through the chunked path is told so,
+/// not given a wrong sum.
+#[test]
+fn an_arena_operation_against_a_chunked_one_is_reported() {
+    let results = with_ring(2, |rank, comm| {
+        let ctx = OpContext {
+            step: 4,
+            timeout: Duration::from_secs(5),
+        };
+        let mut pair = [
+            Tensor::from_slice(&[1.0f32; 2]),
+            Tensor::from_slice(&[1.0f32; 2]),
+        ];
+        comm.all_reduce(&mut pair, ReduceOp::Sum, ctx).unwrap();
+        let outcome = if rank == 0 {
+            comm.all_reduce(&mut pair, ReduceOp::Sum, ctx)
+        } else {
+            comm.all_reduce(&mut [Tensor::from_slice(&[1.0f32; 4])], ReduceOp::Sum, ctx)
+        };
+        outcome.err().map(|e| e.to_string())
+    });
+    for message in results {
+        let message = message.expect("an error on every rank");
+        assert!(message.contains("at step 4: ranks disagree"), "{message}");
+    }
+}
+
+/// Once the group and its arenas are set up, no segment of ours is left in /dev/shm (nothing to leak
 /// however the process ends).
 #[test]
 fn shared_memory_segments_are_unlinked_once_mapped() {
     let ours = format!("{}{}-", common::shm_segments::PREFIX, std::process::id());
     let left = with_ring(2, move |_, comm| {
         assert!(comm.uses_shared_memory());
+        let mut bucket = [
+            Tensor::from_slice(&[1.0f32; 4]),
+            Tensor::from_slice(&[2.0f32]),
+        ];
+        comm.all_reduce(&mut bucket, ReduceOp::Sum, CTX).unwrap(); // sets up the arenas
         let left: Vec<String> = std::fs::read_dir(common::shm_segments::DIR)
             .unwrap()
             .filter_map(|e| e.ok())

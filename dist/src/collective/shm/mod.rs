@@ -1,7 +1,8 @@
 //! Shared-memory all-reduce for the ranks of one host: what the `tcp` backend uses instead of
 //! its socket ring when every rank runs on the same machine (the common case: one box, several
-//! CPU ranks or GPUs). Each rank maps one segment of every other rank, so a byte crosses memory
-//! at most three times (copy in, reduce, copy out) and never the kernel.
+//! CPU ranks or GPUs). Each rank maps one control segment of every other rank, so a byte
+//! crosses memory at most three times (copy in, reduce, copy out) and never the kernel; data
+//! that already lies in the shared arena ([`arena`]) is reduced where it lies.
 //!
 //! Protocol, per chunk `g` of [`CHUNK_BYTES`] (double-buffered: chunk `g` uses buffer `g % 2`):
 //! copy the chunk into our buffer and publish progress `2g+1`; when every member has, sum our
@@ -9,27 +10,22 @@
 //! bits) into our buffer and publish `2g+2`; when every member has, copy every member's slice
 //! out. A member only overwrites a buffer once every other has published `2g-1`, i.e. finished
 //! reading chunk `g-2`. Progress counters grow across operations; an operation's descriptor
-//! (sequence number, length) is checked against every member's before any data is used.
+//! (sequence number, length, kind) is checked against every member's before any data is used.
 //!
-//! Segments live in `/dev/shm` under names of [`common::shm_segments`] (creator's pid and a
-//! random part, mode 0600) only while the group is set up: once every member has mapped every
-//! segment, each is unlinked, so nothing is left behind however the processes end later. The
-//! launcher sweeps what dies inside that window. This module must not know about tensors or
+//! Segments ([`segment`]) are unlinked as soon as every member has mapped them, so nothing is
+//! left behind however the processes end later. This module must not know about tensors or
 //! training; it moves `f32`s.
 
-use std::num::NonZeroUsize;
-use std::os::fd::OwnedFd;
-use std::ptr::NonNull;
+mod arena;
+mod segment;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use nix::fcntl::OFlag;
-use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
-use nix::sys::stat::Mode;
-
 use crate::store::StoreClient;
+use segment::Segment;
 
-/// Bytes of one buffer; a segment holds two (double-buffering) after its header.
+/// Bytes of one buffer; a control segment holds two (double-buffering) after its header.
 pub const CHUNK_BYTES: usize = 1 << 20;
 const HEADER_BYTES: usize = 4096;
 const SEGMENT_BYTES: usize = HEADER_BYTES + 2 * CHUNK_BYTES;
@@ -37,74 +33,22 @@ const SEGMENT_BYTES: usize = HEADER_BYTES + 2 * CHUNK_BYTES;
 const PROGRESS_AT: usize = 0;
 const OP_SEQ_AT: usize = 64;
 const OP_LEN_AT: usize = 72;
+/// How the operation moves its data: [`CHUNKED`] or [`IN_ARENA`].
+const OP_KIND_AT: usize = 80;
 const PID_AT: usize = 128;
+const CHUNKED: u64 = 1;
+const IN_ARENA: u64 = 2;
 /// Floats per slice boundary: slices start on a cache line (64 bytes).
 const ALIGN_FLOATS: usize = 16;
 
-/// One mapped segment: ours (created, then unlinked) or a peer's.
-struct Segment {
-    base: NonNull<u8>,
-}
-
-// SAFETY: the mapping is plain shared memory; which bytes each thread or process touches, and
-// when, is governed by the progress protocol above, not by ownership of this handle.
-unsafe impl Send for Segment {}
-
+/// The header and chunk buffers of a member's control segment.
 impl Segment {
-    /// Creates and maps a new segment `name` of [`SEGMENT_BYTES`], reserving its pages now (so a
-    /// full `/dev/shm` is an error here, not a SIGBUS later).
-    fn create(name: &str) -> Result<Segment, String> {
-        let flags = OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR;
-        let fd = shm_open(name, flags, Mode::S_IRUSR | Mode::S_IWUSR)
-            .map_err(|e| format!("creating {name}: {e}"))?;
-        let mapped = nix::fcntl::posix_fallocate(&fd, 0, SEGMENT_BYTES as libc::off_t)
-            .map_err(|e| {
-                format!(
-                    "reserving {SEGMENT_BYTES} bytes for {name} (is /dev/shm full or small?): {e}"
-                )
-            })
-            .and_then(|()| Segment::map(&fd, name));
-        if mapped.is_err() {
-            let _ = shm_unlink(name);
-        }
-        let segment = mapped?;
-        segment
-            .word(PID_AT)
-            .store(std::process::id() as u64, Ordering::Release);
-        Ok(segment)
-    }
-
-    /// Maps a peer's segment `name`.
-    fn open(name: &str) -> Result<Segment, String> {
-        let fd = shm_open(name, OFlag::O_RDWR, Mode::empty())
-            .map_err(|e| format!("opening {name}: {e}"))?;
-        let size = nix::sys::stat::fstat(&fd)
-            .map_err(|e| format!("reading the size of {name}: {e}"))?
-            .st_size;
-        if size < SEGMENT_BYTES as i64 {
-            return Err(format!(
-                "{name} holds {size} bytes, expected {SEGMENT_BYTES}"
-            ));
-        }
-        Segment::map(&fd, name)
-    }
-
-    fn map(fd: &OwnedFd, name: &str) -> Result<Segment, String> {
-        let len = NonZeroUsize::new(SEGMENT_BYTES).expect("segment size is not zero");
-        let prot = ProtFlags::PROT_READ | ProtFlags::PROT_WRITE;
-        // SAFETY: a fresh shared mapping of a file we hold open; nothing else in this process
-        // refers to the address range.
-        let base = unsafe { mmap(None, len, prot, MapFlags::MAP_SHARED, fd, 0) }
-            .map_err(|e| format!("mapping {name}: {e}"))?;
-        Ok(Segment { base: base.cast() })
-    }
-
     /// The 8-byte header word at byte `at` (8-aligned, inside the header).
     fn word(&self, at: usize) -> &AtomicU64 {
-        debug_assert!(at % 8 == 0 && at + 8 <= HEADER_BYTES);
+        debug_assert!(at % 8 == 0 && at + 8 <= HEADER_BYTES && self.len() >= HEADER_BYTES);
         // SAFETY: in bounds and aligned (the mapping is page-aligned); AtomicU64 has the
         // layout of u64 and is meant for exactly this kind of sharing.
-        unsafe { &*(self.base.as_ptr().add(at) as *const AtomicU64) }
+        unsafe { &*(self.base().add(at) as *const AtomicU64) }
     }
 
     fn progress(&self) -> &AtomicU64 {
@@ -113,16 +57,9 @@ impl Segment {
 
     /// Start of buffer `which` (0 or 1), `CHUNK_BYTES / 4` floats.
     fn buffer(&self, which: usize) -> *mut f32 {
-        debug_assert!(which < 2);
+        debug_assert!(which < 2 && self.len() >= SEGMENT_BYTES);
         // SAFETY: in bounds of the mapping; HEADER_BYTES keeps it 64-byte aligned.
-        unsafe { self.base.as_ptr().add(HEADER_BYTES + which * CHUNK_BYTES) as *mut f32 }
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, of that length, unmapped once.
-        let _ = unsafe { munmap(self.base.cast(), SEGMENT_BYTES) };
+        unsafe { self.base().add(HEADER_BYTES + which * CHUNK_BYTES) as *mut f32 }
     }
 }
 
@@ -133,6 +70,8 @@ pub enum ShmFailure {
     Timeout,
     /// The process of member `rank` is gone.
     Exited { rank: usize, pid: u64 },
+    /// No arena of that many floats was set up ([`ShmGroup::ensure_arena`]).
+    NoArena { floats: usize },
     /// Member `rank` is at another operation.
     Mismatch {
         rank: usize,
@@ -150,6 +89,8 @@ pub struct ShmGroup {
     segments: Vec<Segment>,
     /// Chunks every member has completed so far (the `g` of the next chunk).
     chunks: u64,
+    /// The members' arenas, once an operation asked for one.
+    arena: arena::ArenaState,
 }
 
 impl ShmGroup {
@@ -167,38 +108,23 @@ impl ShmGroup {
             .iter()
             .position(|r| *r == rank)
             .ok_or_else(|| format!("rank {rank} is not in the shared-memory group {ranks:?}"))?;
-        let name = common::shm_segments::segment_name(std::process::id(), &random_hex()?);
-        let own = Segment::create(&name);
-        let published = match &own {
-            Ok(_) => name.clone(),
-            Err(why) => format!("!{why}"),
+        // Our pid is in place before anyone maps the segment: peers check it while they wait.
+        let stamp = |own: &Segment| {
+            own.word(PID_AT)
+                .store(std::process::id() as u64, Ordering::Release)
         };
-        let names = exchange(store, "shm/name", rank, ranks, &published, timeout)?;
-        let mapped: Result<Vec<Segment>, String> = match names.iter().find(|n| n.starts_with('!')) {
-            Some(failed) => Err(failed[1..].to_string()),
-            None => names.iter().map(|n| Segment::open(n)).collect(),
-        };
-        let verdict = if mapped.is_ok() { "ok" } else { "!" };
-        let verdicts = exchange(store, "shm/mapped", rank, ranks, verdict, timeout);
-        if own.is_ok() {
-            let _ = shm_unlink(name.as_str()); // mapped everywhere (or given up): not needed by name
-        }
-        let verdicts = verdicts?;
-        match (own, mapped) {
-            (Ok(_own), Ok(segments)) if verdicts.iter().all(|v| v == "ok") => Ok(Some(ShmGroup {
+        match segment::share(store, "shm", ranks, me, SEGMENT_BYTES, timeout, stamp)? {
+            Ok(segments) => Ok(Some(ShmGroup {
                 me,
                 ranks: ranks.to_vec(),
                 segments,
                 chunks: 0,
+                arena: arena::ArenaState::default(),
             })),
-            (_, Err(why)) | (Err(why), _) => {
+            Err(why) => {
                 tracing::warn!(
                     "shared memory between ranks {ranks:?} unavailable, using sockets: {why}"
                 );
-                Ok(None)
-            }
-            _ => {
-                tracing::warn!("shared memory between ranks {ranks:?} unavailable (another rank could not map the segments), using sockets");
                 Ok(None)
             }
         }
@@ -212,10 +138,7 @@ impl ShmGroup {
         seq: u64,
         deadline: Instant,
     ) -> Result<(), ShmFailure> {
-        let mine = &self.segments[self.me];
-        mine.word(OP_SEQ_AT).store(seq, Ordering::Relaxed);
-        mine.word(OP_LEN_AT)
-            .store(data.len() as u64, Ordering::Relaxed);
+        self.describe(seq, data.len(), CHUNKED);
         let per_chunk = CHUNK_BYTES / 4;
         for (c, part) in data.chunks_mut(per_chunk).enumerate() {
             let g = self.chunks + c as u64;
@@ -306,14 +229,24 @@ impl ShmGroup {
         }
     }
 
+    /// Publishes the descriptor of the operation we start (read by the others once we publish
+    /// its first progress).
+    fn describe(&self, seq: u64, len: usize, kind: u64) {
+        let mine = &self.segments[self.me];
+        mine.word(OP_SEQ_AT).store(seq, Ordering::Relaxed);
+        mine.word(OP_LEN_AT).store(len as u64, Ordering::Relaxed);
+        mine.word(OP_KIND_AT).store(kind, Ordering::Relaxed);
+    }
+
     fn check_descriptors(&self, seq: u64) -> Result<(), ShmFailure> {
-        let len = self.segments[self.me]
-            .word(OP_LEN_AT)
-            .load(Ordering::Relaxed);
+        let mine = &self.segments[self.me];
+        let len = mine.word(OP_LEN_AT).load(Ordering::Relaxed);
+        let kind = mine.word(OP_KIND_AT).load(Ordering::Relaxed);
         for (j, seg) in self.segments.iter().enumerate() {
             let their_seq = seg.word(OP_SEQ_AT).load(Ordering::Relaxed);
             let their_len = seg.word(OP_LEN_AT).load(Ordering::Relaxed);
-            if their_seq != seq || their_len != len {
+            let their_kind = seg.word(OP_KIND_AT).load(Ordering::Relaxed);
+            if their_seq != seq || their_len != len || their_kind != kind {
                 return Err(ShmFailure::Mismatch {
                     rank: self.ranks[j],
                     their_seq,
@@ -373,29 +306,6 @@ fn slice_bounds(n: usize, members: usize, i: usize) -> (usize, usize) {
     (edge(i), edge(i + 1))
 }
 
-/// Publishes `value` under `{prefix}/{rank}` and returns every member's, in member order.
-fn exchange(
-    store: &mut StoreClient,
-    prefix: &str,
-    rank: usize,
-    ranks: &[usize],
-    value: &str,
-    timeout: Duration,
-) -> Result<Vec<String>, String> {
-    store
-        .set(&format!("{prefix}/{rank}"), value.as_bytes())
-        .map_err(|e| format!("publishing {prefix}/{rank}: {e}"))?;
-    let keys: Vec<String> = ranks.iter().map(|r| format!("{prefix}/{r}")).collect();
-    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let values = store
-        .wait(&keys, timeout)
-        .map_err(|e| format!("waiting for {prefix} of ranks {ranks:?}: {e}"))?;
-    Ok(values
-        .into_iter()
-        .map(|v| String::from_utf8_lossy(&v).into_owned())
-        .collect())
-}
-
 /// `count` floats from `src` to `dst` (which do not overlap).
 ///
 /// # Safety
@@ -403,12 +313,6 @@ fn exchange(
 unsafe fn copy(src: *const f32, dst: *mut f32, count: usize) {
     // SAFETY: passed on to the caller.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, count) }
-}
-
-fn random_hex() -> Result<String, String> {
-    let mut bytes = [0u8; 16];
-    getrandom::fill(&mut bytes).map_err(|e| format!("no random numbers from the OS: {e}"))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 #[cfg(test)]
