@@ -837,11 +837,24 @@ timeout_s = 60
         assert!(err(&["eval.topk=[0]"]).contains("cut-offs must be >= 1"));
         assert!(err(&["eval.every_n_epochs=0"]).contains("`eval.every_n_epochs` must be >= 1"));
         assert!(err(&["model.l2=-1"]).contains("`model.l2` must be >= 0"));
-        assert!(err(&["model.max_text_tokens=2000"]).contains("between 1 and 1024"));
+        assert!(err(&["model.max_text_tokens=200"])
+            .contains("`model.max_text_tokens` must be between 1 and 128 (the tiny preset's positions) (got 200)"));
+        assert!(parse_with(MINIMAL, &["model.max_text_tokens=200", "model.preset=\"gpt2\""]).is_ok());
+        assert!(err(&["model.kind=\"bpr\"", "model.max_text_tokens=2000"])
+            .contains("between 1 and 1024 (GPT-2's positions)"));
+        let dynamic = "model.text_mode=\"dynamic\"";
+        assert!(err(&[dynamic, "model.trainable_layers=3"])
+            .contains("`model.trainable_layers` is 3, but the tiny preset has 2 blocks"));
+        assert!(err(&["model.trainable_layers=1"]).contains(
+            "`model.trainable_layers` does nothing: model.text_mode is \"cached\""
+        ));
+        assert!(err(&["model.kind=\"bpr\"", "model.freeze_gpt2=true"])
+            .contains("`model.freeze_gpt2` does nothing: model.kind is not \"gpt2rec\""));
+        assert!(parse_with(MINIMAL, &[dynamic, "model.freeze_gpt2=true"]).is_ok());
         assert!(err(&["model.freeze_gpt2=true", "model.trainable_layers=2"])
             .contains("contradicts model.freeze_gpt2"));
         assert!(err(&["model.activation_checkpointing=true"]).contains(
-            "`model.activation_checkpointing` has nothing to checkpoint: model.text_mode is not \"dynamic\""
+            "`model.activation_checkpointing` has nothing to checkpoint: model.text_mode is \"cached\""
         ));
         assert!(err(&[
             "model.text_mode=\"dynamic\"",
@@ -1174,6 +1187,14 @@ timeout_s = 60
             let topk: Vec<usize> = topk.into_iter().collect();
             let metric = format!("recall@{}", topk[0]);
             let micro = if global.is_none() && micro.is_none() { Some(1) } else { micro };
+            // Within what validation accepts: the preset's positions and blocks, and block
+            // settings only where GPT-2 trains.
+            let dims = crate::memory::Gpt2Dims::of(preset);
+            let gpt2rec = kind == ModelKind::Gpt2rec;
+            let max_text_tokens = if gpt2rec { max_text_tokens.min(dims.n_positions as usize) } else { max_text_tokens };
+            let trainable_layers = trainable_layers
+                .filter(|_| gpt2rec && text_mode == TextMode::Dynamic)
+                .map(|n| n.min(dims.n_layer as u32));
             Config {
                 run: RunConfig { name, output_dir, seed },
                 data: DataConfig { dir, synthetic, min_rating },

@@ -48,6 +48,9 @@ pub fn alloc_conf_default(is_set: impl Fn(&str) -> bool) -> Option<(&'static str
 /// `ROLE_NAME` value; we have one role, as torchrun does by default.
 pub const ROLE_NAME: &str = "default";
 
+/// The variables a worker cannot do without (the others have defaults).
+const REQUIRED: [&str; 5] = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"];
+
 /// Every variable of the contract, in the order they are documented and printed.
 pub const VARIABLES: [&str; 14] = [
     "RANK",
@@ -70,7 +73,7 @@ pub const VARIABLES: [&str; 14] = [
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum EnvError {
     #[error(
-        "environment variable {name} is not set (run the worker through `launch` or torchrun)"
+        "environment variable {name} is not set (a worker needs all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, as `launch` and torchrun set them, or none of them to run as one process)"
     )]
     Missing { name: &'static str },
     #[error("environment variable {name}={value:?} is not {expected}")]
@@ -133,6 +136,27 @@ impl WorkerEnv {
     pub fn from_env() -> Result<Self, EnvError> {
         let vars: BTreeMap<String, String> = std::env::vars().collect();
         Self::from_map(&vars)
+    }
+
+    /// The contract from the process environment, or — when none of the variables a worker
+    /// needs is set (started by hand, not by `launch` or torchrun) — a single process, rank 0 of
+    /// 1, as accelerate and Lightning scripts run alone. The flag says which.
+    pub fn from_env_or_single() -> Result<(Self, bool), EnvError> {
+        let vars: BTreeMap<String, String> = std::env::vars().collect();
+        Self::from_map_or_single(&vars, std::process::id())
+    }
+
+    /// [`WorkerEnv::from_env_or_single`] from a map; `pid` names the single process's run.
+    pub fn from_map_or_single(
+        vars: &BTreeMap<String, String>,
+        pid: u32,
+    ) -> Result<(Self, bool), EnvError> {
+        if REQUIRED.iter().any(|name| vars.contains_key(*name)) {
+            return Self::from_map(vars).map(|env| (env, false));
+        }
+        // Port 0: the store of a world of one listens wherever the OS says.
+        let env = WorkerEnv::single_node(0, 1, "127.0.0.1", 0, &format!("single-{pid}"));
+        Ok((env, true))
     }
 
     /// Reads the contract from a map of variables (testable without touching the process env).
@@ -270,6 +294,28 @@ mod tests {
         );
         let err = error_with("MASTER_PORT", "http");
         assert!(err.contains("MASTER_PORT=\"http\""), "{err}");
+    }
+
+    #[test]
+    fn no_launch_variables_at_all_is_a_single_process() {
+        let mut map = BTreeMap::new();
+        map.insert("PATH".to_string(), "/bin".to_string());
+        map.insert("OMP_NUM_THREADS".to_string(), "2".to_string());
+        let (env, single) = WorkerEnv::from_map_or_single(&map, 77).unwrap();
+        assert!(single);
+        assert_eq!((env.rank, env.world_size, env.local_world_size), (0, 1, 1));
+        assert_eq!((env.master_port, env.run_id.as_str()), (0, "single-77"));
+        // One variable of the contract makes it a launched worker: the rest must be there.
+        map.insert("WORLD_SIZE".to_string(), "2".to_string());
+        assert_eq!(
+            WorkerEnv::from_map_or_single(&map, 77),
+            Err(EnvError::Missing { name: "RANK" })
+        );
+        let full = as_map(&sample());
+        assert_eq!(
+            WorkerEnv::from_map_or_single(&full, 77),
+            Ok((sample(), false))
+        );
     }
 
     #[test]

@@ -458,7 +458,20 @@ pub fn other_levers(
         }
     };
     if m.kind == ModelKind::Gpt2rec && m.text_mode == TextMode::Dynamic {
-        try_lever("model.text_mode = \"cached\"", &|c| {
+        // Block settings mean nothing in cached mode (validation refuses them): say to drop them.
+        let dropped: Vec<&str> = [
+            ("model.trainable_layers", m.trainable_layers.is_some()),
+            ("model.freeze_gpt2", m.freeze_gpt2),
+            ("model.activation_checkpointing", m.activation_checkpointing),
+        ]
+        .into_iter()
+        .filter_map(|(key, set)| set.then_some(key))
+        .collect();
+        let cached = match dropped.as_slice() {
+            [] => "model.text_mode = \"cached\"".to_string(),
+            keys => format!("model.text_mode = \"cached\" without {}", keys.join(", ")),
+        };
+        try_lever(&cached, &|c| {
             c.model.text_mode = TextMode::Cached;
             c.model.trainable_layers = None;
             c.model.freeze_gpt2 = false;

@@ -15,6 +15,8 @@ use clap::Parser;
     version,
     about,
     args_override_self = true,
+    // `--num-processes -1` is a bad value of that flag, not an unknown flag `-1`.
+    allow_negative_numbers = true,
     after_help = "Examples:\n  launch --num-processes 2 configs/default.toml\n  launch --num-processes auto configs/train.toml\n  launch --dry-run --num-processes 8 configs/train.toml\n  launch --num-processes 2 -- python my_script.py"
 )]
 pub struct Cli {
@@ -160,6 +162,20 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         Cli::try_parse_from(std::iter::once("launch").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn negative_numbers_are_named_as_bad_values_of_their_flag() {
+        for (flag, why) in [
+            ("--num-processes", "expected a positive number"),
+            ("--grace-period", "must be between 0 and 86400 seconds"),
+            ("--max-restarts", "-1 is not in 0..="),
+            ("--master-port", "-1 is not in 0..="),
+        ] {
+            let text = parse(&[flag, "-1", "c.toml"]).unwrap_err().to_string();
+            assert!(text.contains(&format!("invalid value '-1' for '{flag}")), "{text}");
+            assert!(text.contains(why), "{text}");
+        }
     }
 
     #[test]

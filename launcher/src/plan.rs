@@ -709,7 +709,8 @@ fn command_and_config(
             Ok((cli.program.clone(), None))
         }
         (Some(path), true) => {
-            let train = TrainPlan::load(path, &cli.overrides, u64::from(world_size))?;
+            let train = TrainPlan::load(path, &cli.overrides, u64::from(world_size))
+                .map_err(|e| not_a_config(path, e))?;
             let worker = match &cli.worker {
                 Some(worker) => worker.clone(),
                 None => default_worker()?,
@@ -723,6 +724,32 @@ fn command_and_config(
             Ok((command, Some(train)))
         }
     }
+}
+
+/// A CONFIG that does not load: when it is not a `.toml` file, it is most likely a program given
+/// the torchrun way (`launch --nproc-per-node 2 train.py`), so say where programs go.
+fn not_a_config(path: &Path, error: common::train_plan::TrainPlanError) -> PlanError {
+    use common::config::ConfigError;
+    use common::train_plan::TrainPlanError;
+    let toml = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("toml"));
+    let unreadable = match &error {
+        TrainPlanError::Config(ConfigError::Syntax { .. }) => true,
+        TrainPlanError::Config(ConfigError::Read { source, .. }) => {
+            source.kind() == std::io::ErrorKind::InvalidData // not text: a binary
+        }
+        _ => false,
+    };
+    if toml || !unreadable {
+        return PlanError::Config(error);
+    }
+    let shown = path.display();
+    let run = match path.extension().and_then(|e| e.to_str()) {
+        Some("py") => format!("python {shown}"),
+        _ => shown.to_string(),
+    };
+    PlanError::Usage(format!(
+        "{shown} is not a TOML config ({error}); to run a program on every worker, put it after `--`: launch [OPTIONS] -- {run}"
+    ))
 }
 
 /// `worker` next to the `launch` binary.

@@ -19,14 +19,15 @@ export OMP_NUM_THREADS=1
 
 run() { # size model procs shm sparse -> samples/s
   local size=$1 model=$2 procs=$3 shm=$4 sparse=$5 kind=gpt2rec mode=cached epochs=${EPOCHS:-2}
-  case $model in bpr) kind=bpr ;; dynamic) mode=dynamic; epochs=1 ;; esac
+  local blocks=() # only dynamic text trains GPT-2 blocks: its top one here
+  case $model in bpr) kind=bpr ;; dynamic) mode=dynamic; epochs=1; blocks=(--set model.trainable_layers=1) ;; esac
   [ "$size" = full ] && epochs=1
   local name="$size-$model-p$procs-shm$shm-sparse$sparse"
   "$launch" --num-processes "$procs" --master-port 0 configs/default.toml \
     --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
     --set data.synthetic=\""$size"\" --set model.kind=\""$kind"\" \
     --set model.text_mode=\""$mode"\" --set train.epochs="$epochs" \
-    --set model.trainable_layers=1 --set model.max_text_tokens=32 \
+    "${blocks[@]}" --set model.max_text_tokens=32 \
     --set checkpoint.resume=\"never\" --set eval.patience=0 \
     --set batch.global=256 --set batch.micro=64 \
     --set dist.shared_memory="$shm" --set dist.sparse_embeddings="$sparse" \

@@ -607,12 +607,33 @@ fn bad_cli_input_is_rejected_without_panic() {
             &["--grace-period", "soon", "--", "true"],
             "expected seconds",
         ),
+        (
+            &["--num-processes", "-1", "--", "true"],
+            "invalid value '-1' for '--num-processes",
+        ),
+        (
+            &["--grace-period", "-1", "--", "true"],
+            "invalid value '-1' for '--grace-period",
+        ),
     ] {
         let out = launch(a, T);
         assert_eq!(out.code(), Some(2), "{a:?}: {}", out.stderr);
         assert!(out.stderr.contains(needle), "{a:?}: {}", out.stderr);
         assert!(!out.stderr.contains("panicked"), "{a:?}: {}", out.stderr);
     }
+}
+
+/// A program given where the config goes (torchrun's habit) is told to go after `--`.
+#[test]
+fn a_program_in_place_of_the_config_is_sent_after_the_double_dash() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("dist.py");
+    std::fs::write(&script, "import torch.distributed as dist\nprint(1)\n").unwrap();
+    let script = script.display().to_string();
+    let out = launch(&["--nproc-per-node", "2", &script], T);
+    assert_eq!(out.code(), Some(2), "{}", out.stderr);
+    out.assert_stderr(format!("put it after `--`: launch [OPTIONS] -- python {script}"));
+    assert_eq!(out.stderr.trim_end().lines().count(), 1, "{}", out.stderr);
 }
 
 #[test]
@@ -641,16 +662,41 @@ fn worker_under_launch_reads_its_environment_and_config() {
 }
 
 #[test]
-fn worker_outside_launch_names_the_missing_variable() {
+fn worker_with_part_of_the_launch_environment_names_the_missing_variable() {
     let out = std::process::Command::new(bin("worker"))
         .arg("configs/default.toml")
         .current_dir(repo_root())
         .env_remove("RANK")
+        .env("WORLD_SIZE", "2")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("RANK is not set"), "{stderr}");
+}
+
+/// Without any of torchrun's variables the worker trains alone (world 1), as accelerate and
+/// Lightning scripts do.
+#[test]
+fn worker_without_a_launch_environment_trains_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(bin("worker"));
+    cmd.arg("configs/default.toml").current_dir(repo_root());
+    for set in tiny_bpr_sets(dir.path()) {
+        cmd.arg(set);
+    }
+    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+        cmd.env_remove(name);
+    }
+    let out = cmd.output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stderr.contains("one process, world 1"), "{stderr}");
+    assert!(stdout.contains("x world 1 = global"), "{stdout}");
+    assert!(dir.path().join("default/best").exists(), "{stdout}");
 }
 
 /// Zombies of the launcher (exited processes whose parent is `pid`).

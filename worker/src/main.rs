@@ -226,9 +226,12 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
 /// Contract, config, batch plan and device, checked; rank 0 takes the run directory before
 /// anything is written or anyone connects.
 fn start(cli: &Cli, tracker: &PhaseTracker) -> Result<Start, Failure> {
-    let env = WorkerEnv::from_env()
+    let (env, single) = WorkerEnv::from_env_or_single()
         .context("reading the launch environment")
         .map_err(usage)?;
+    if single {
+        tracing::info!("no launch environment (RANK, WORLD_SIZE, ... unset): one process, world 1");
+    }
     let plan = TrainPlan::load(&cli.config, &cli.overrides, u64::from(env.world_size))
         .context("loading the config")
         .map_err(usage)?;

@@ -78,26 +78,71 @@ fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
     }
 
     check_non_negative("model.l2", model.l2)?;
-    if model.max_text_tokens < 1 || model.max_text_tokens > 1024 {
-        return Err(ConfigError::invalid(
-            "model.max_text_tokens",
-            format!(
-                "must be between 1 and 1024 (GPT-2's positions) (got {})",
-                model.max_text_tokens
-            ),
-        ));
-    }
+    check_text_tokens(model)?;
     if model.trainable_layers.is_some() && model.freeze_gpt2 {
         return Err(ConfigError::invalid(
             "model.trainable_layers",
             "contradicts model.freeze_gpt2 = true; set one of them",
         ));
     }
+    check_dynamic_only(model)
+}
+
+/// `model.max_text_tokens` and `model.trainable_layers` within what the GPT-2 preset has (its
+/// positions and blocks); GPT-2's 1024 positions bound the tokens whatever the model.
+fn check_text_tokens(model: &ModelConfig) -> Result<(), ConfigError> {
+    let dims = crate::memory::Gpt2Dims::of(model.preset);
+    let (positions, whose) = if model.kind == ModelKind::Gpt2rec {
+        let preset = format!("the {:?} preset's", model.preset).to_lowercase();
+        (dims.n_positions as usize, preset)
+    } else {
+        (1024, "GPT-2's".to_string())
+    };
+    if model.max_text_tokens < 1 || model.max_text_tokens > positions {
+        return Err(ConfigError::invalid(
+            "model.max_text_tokens",
+            format!(
+                "must be between 1 and {positions} ({whose} positions) (got {})",
+                model.max_text_tokens
+            ),
+        ));
+    }
+    match model.trainable_layers {
+        Some(n) if u64::from(n) > dims.n_layer => Err(ConfigError::invalid(
+            "model.trainable_layers",
+            format!(
+                "is {n}, but the {} preset has {} blocks",
+                format!("{:?}", model.preset).to_lowercase(),
+                dims.n_layer
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Settings that act only while GPT-2 trains (`gpt2rec` with dynamic text) are refused where
+/// they would do nothing, rather than accepted silently.
+fn check_dynamic_only(model: &ModelConfig) -> Result<(), ConfigError> {
+    let idle = if model.kind != ModelKind::Gpt2rec {
+        Some("model.kind is not \"gpt2rec\"")
+    } else if model.text_mode != TextMode::Dynamic {
+        Some("model.text_mode is \"cached\" (GPT-2 stays frozen, its features computed once; \"dynamic\" trains it)")
+    } else {
+        None
+    };
+    let set = [
+        ("model.trainable_layers", model.trainable_layers.is_some()),
+        ("model.freeze_gpt2", model.freeze_gpt2),
+    ];
+    if let (Some(why), Some((key, _))) = (idle, set.iter().find(|(_, set)| *set)) {
+        return Err(ConfigError::invalid(
+            key,
+            format!("does nothing: {why}; remove it"),
+        ));
+    }
     if model.activation_checkpointing {
-        let nothing = if model.kind != ModelKind::Gpt2rec {
-            Some("model.kind is not \"gpt2rec\"")
-        } else if model.text_mode != TextMode::Dynamic {
-            Some("model.text_mode is not \"dynamic\" (cached mode keeps no GPT-2 activations)")
+        let nothing = if idle.is_some() {
+            idle
         } else if model.freeze_gpt2 || model.trainable_layers == Some(0) {
             Some("no GPT-2 block trains (a frozen block keeps no activations)")
         } else {
