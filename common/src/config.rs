@@ -90,7 +90,8 @@ pub enum SyntheticSize {
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
     /// Directory with the MovieLens-1M files (`ratings.dat`, `users.dat`, `movies.dat`).
-    /// Default: unset, meaning synthetic data is generated into the run's directory.
+    /// Default: unset, meaning synthetic data is generated once into
+    /// `<run.output_dir>/data/synthetic-<size>-seed<seed>-v<N>/` and shared by runs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dir: Option<PathBuf>,
     /// Size of the synthetic data set when `dir` is unset. Default: `"tiny"`.
@@ -839,15 +840,18 @@ timeout_s = 60
         assert!(err(&["model.l2=-1"]).contains("`model.l2` must be >= 0"));
         assert!(err(&["model.max_text_tokens=200"])
             .contains("`model.max_text_tokens` must be between 1 and 128 (the tiny preset's positions) (got 200)"));
-        assert!(parse_with(MINIMAL, &["model.max_text_tokens=200", "model.preset=\"gpt2\""]).is_ok());
+        assert!(parse_with(
+            MINIMAL,
+            &["model.max_text_tokens=200", "model.preset=\"gpt2\""]
+        )
+        .is_ok());
         assert!(err(&["model.kind=\"bpr\"", "model.max_text_tokens=2000"])
             .contains("between 1 and 1024 (GPT-2's positions)"));
         let dynamic = "model.text_mode=\"dynamic\"";
         assert!(err(&[dynamic, "model.trainable_layers=3"])
             .contains("`model.trainable_layers` is 3, but the tiny preset has 2 blocks"));
-        assert!(err(&["model.trainable_layers=1"]).contains(
-            "`model.trainable_layers` does nothing: model.text_mode is \"cached\""
-        ));
+        assert!(err(&["model.trainable_layers=1"])
+            .contains("`model.trainable_layers` does nothing: model.text_mode is \"cached\""));
         assert!(err(&["model.kind=\"bpr\"", "model.freeze_gpt2=true"])
             .contains("`model.freeze_gpt2` does nothing: model.kind is not \"gpt2rec\""));
         assert!(parse_with(MINIMAL, &[dynamic, "model.freeze_gpt2=true"]).is_ok());

@@ -49,7 +49,13 @@ pub fn alloc_conf_default(is_set: impl Fn(&str) -> bool) -> Option<(&'static str
 pub const ROLE_NAME: &str = "default";
 
 /// The variables a worker cannot do without (the others have defaults).
-const REQUIRED: [&str; 5] = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"];
+const REQUIRED: [&str; 5] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+];
 
 /// Every variable of the contract, in the order they are documented and printed.
 pub const VARIABLES: [&str; 14] = [

@@ -173,7 +173,10 @@ mod tests {
             ("--master-port", "-1 is not in 0..="),
         ] {
             let text = parse(&[flag, "-1", "c.toml"]).unwrap_err().to_string();
-            assert!(text.contains(&format!("invalid value '-1' for '{flag}")), "{text}");
+            assert!(
+                text.contains(&format!("invalid value '-1' for '{flag}")),
+                "{text}"
+            );
             assert!(text.contains(why), "{text}");
         }
     }

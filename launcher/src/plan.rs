@@ -731,7 +731,9 @@ fn command_and_config(
 fn not_a_config(path: &Path, error: common::train_plan::TrainPlanError) -> PlanError {
     use common::config::ConfigError;
     use common::train_plan::TrainPlanError;
-    let toml = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("toml"));
+    let toml = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("toml"));
     let unreadable = match &error {
         TrainPlanError::Config(ConfigError::Syntax { .. }) => true,
         TrainPlanError::Config(ConfigError::Read { source, .. }) => {

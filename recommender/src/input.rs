@@ -92,12 +92,34 @@ pub fn load_data(
         }
     };
     let raw = data::read_ml1m(&dir)?;
+    check_positives(&raw, config.data.min_rating, &dir)?;
     Ok(RecData::from_raw(
         &raw,
         config.data.min_rating,
         config.run.seed,
         dir,
     ))
+}
+
+/// A data set with nothing to learn from is refused naming the file and the cause (rather than
+/// as "0 training samples" later).
+fn check_positives(raw: &RawData, min_rating: u8, dir: &Path) -> Result<(), RecError> {
+    let ratings = dir.join("ratings.dat");
+    if raw.ratings.is_empty() {
+        return Err(RecError::Invalid(format!(
+            "{}: holds no ratings",
+            ratings.display()
+        )));
+    }
+    if !raw.ratings.iter().any(|r| r.rating >= min_rating) {
+        let best = raw.ratings.iter().map(|r| r.rating).max().unwrap_or(0);
+        return Err(RecError::Invalid(format!(
+            "{}: none of its {} ratings is at or above data.min_rating = {min_rating} (the highest is {best}); lower data.min_rating",
+            ratings.display(),
+            raw.ratings.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Generates the synthetic files into `dir` unless it exists: into a temporary sibling, then
@@ -160,6 +182,36 @@ pub fn data_shape(config: &Config, data: &RecData) -> Result<DataShape, RecError
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn data_with_nothing_to_learn_is_refused_naming_the_file_and_cause() {
+        let dir = Path::new("/data/ml-1m");
+        let rating = |rating| data::Rating {
+            user: 1,
+            movie: 1,
+            rating,
+            timestamp: 0,
+        };
+        let mut raw = RawData {
+            users: Vec::new(),
+            movies: Vec::new(),
+            ratings: Vec::new(),
+        };
+        let text = check_positives(&raw, 3, dir).unwrap_err().to_string();
+        assert!(
+            text.contains("/data/ml-1m/ratings.dat: holds no ratings"),
+            "{text}"
+        );
+        raw.ratings = vec![rating(1), rating(2)];
+        let text = check_positives(&raw, 3, dir).unwrap_err().to_string();
+        assert!(
+            text.contains(
+                "none of its 2 ratings is at or above data.min_rating = 3 (the highest is 2)"
+            ),
+            "{text}"
+        );
+        assert!(check_positives(&raw, 2, dir).is_ok());
+    }
 
     pub(crate) fn tiny_data(dir: &Path) -> RecData {
         data::generate_ml1m(dir, common::config::SyntheticSize::Tiny, 3).unwrap();

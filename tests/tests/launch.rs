@@ -632,7 +632,9 @@ fn a_program_in_place_of_the_config_is_sent_after_the_double_dash() {
     let script = script.display().to_string();
     let out = launch(&["--nproc-per-node", "2", &script], T);
     assert_eq!(out.code(), Some(2), "{}", out.stderr);
-    out.assert_stderr(format!("put it after `--`: launch [OPTIONS] -- python {script}"));
+    out.assert_stderr(format!(
+        "put it after `--`: launch [OPTIONS] -- python {script}"
+    ));
     assert_eq!(out.stderr.trim_end().lines().count(), 1, "{}", out.stderr);
 }
 
@@ -685,7 +687,13 @@ fn worker_without_a_launch_environment_trains_alone() {
     for set in tiny_bpr_sets(dir.path()) {
         cmd.arg(set);
     }
-    for name in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] {
+    for name in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
         cmd.env_remove(name);
     }
     let out = cmd.output().unwrap();

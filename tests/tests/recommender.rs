@@ -145,3 +145,62 @@ fn a_bad_data_dir_is_named() {
     out.assert_stderr("nowhere");
     assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
 }
+
+/// A finished run started again only evaluates, says so, and keeps the training's own summary
+/// (one record, its samples/s); more epochs then train on under a schedule that spans them.
+#[test]
+fn a_finished_run_keeps_its_summary_and_more_epochs_train_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = [
+        "data.synthetic=\"tiny\"",
+        "model.kind=\"bpr\"",
+        "train.epochs=1",
+    ];
+    let first = run(dir.path(), "done", &tiny);
+    assert_eq!(first.code(), Some(0), "{}\n{}", first.stdout, first.stderr);
+    let run_dir = dir.path().join("done");
+    let trained = of_kind(&records(&run_dir), "summary")[0].clone();
+    assert!(
+        trained["samples_per_s"].as_f64().unwrap() > 0.0,
+        "{trained}"
+    );
+
+    let again = run(dir.path(), "done", &tiny);
+    assert_eq!(again.code(), Some(0), "{}\n{}", again.stdout, again.stderr);
+    again.assert_stderr("the run is complete (1 of 1 epoch(s)), nothing left to train");
+    assert!(
+        again
+            .stdout
+            .contains("(trained by an earlier run; this one only evaluated)"),
+        "{}",
+        again.stdout
+    );
+    let summaries: Vec<Value> = of_kind(&records(&run_dir), "summary")
+        .into_iter()
+        .cloned()
+        .collect();
+    assert_eq!(summaries, vec![trained.clone()]);
+
+    let more = [
+        "data.synthetic=\"tiny\"",
+        "model.kind=\"bpr\"",
+        "train.epochs=2",
+    ];
+    let longer = run(dir.path(), "done", &more);
+    assert_eq!(
+        longer.code(),
+        Some(0),
+        "{}\n{}",
+        longer.stdout,
+        longer.stderr
+    );
+    longer.assert_stderr("the learning-rate schedule now spans");
+    let recs = records(&run_dir);
+    let epoch2: Vec<&Value> = of_kind(&recs, "step")
+        .into_iter()
+        .filter(|r| r["epoch"] == 2)
+        .collect();
+    assert!(!epoch2.is_empty(), "no step of epoch 2");
+    assert!(epoch2[0]["lr"].as_f64().unwrap() > 0.0, "{}", epoch2[0]);
+    assert_eq!(of_kind(&recs, "summary").len(), 1);
+}

@@ -419,12 +419,20 @@ fn log_plan(
             .map(|n| n as i64)
             .sum()
     };
+    let m = &config.model;
+    // Only what this kind of model uses: bpr has no text and no GPT-2.
+    let parts = match m.kind {
+        common::config::ModelKind::Gpt2rec => {
+            format!(
+                "{:?} text, {:?} GPT-2, {:?} scorer",
+                m.text_mode, m.preset, m.scorer
+            )
+        }
+        _ => format!("ID embeddings, {:?} scorer", m.scorer),
+    };
     info!(
-        "model {:?} ({:?} text, {:?} GPT-2, {:?} scorer): {} trainable parameters, {} frozen",
-        config.model.kind,
-        config.model.text_mode,
-        config.model.preset,
-        config.model.scorer,
+        "model {:?} ({parts}): {} trainable parameters, {} frozen",
+        m.kind,
         count(true),
         count(false)
     );

@@ -252,13 +252,18 @@ impl MetricsLog {
 /// Before a resume from `step`: keeps the whole, parseable records of `path` up to `step`, drops
 /// the rest (a half-written last line, steps that will run again) and every test and summary
 /// record (the run writes its own at the end), and rewrites the file atomically (temp +
-/// rename). Returns how many lines were dropped.
-pub fn repair_metrics(path: &Path, step: u64) -> Result<usize, RunDirError> {
+/// rename). Returns how many lines were dropped, and the dropped summary of a run that ended at
+/// exactly `step` (its training figures stay true if this run trains no further).
+pub fn repair_metrics(
+    path: &Path,
+    step: u64,
+) -> Result<(usize, Option<serde_json::Value>), RunDirError> {
     let Ok(text) = fs::read_to_string(path) else {
-        return Ok(0);
+        return Ok((0, None));
     };
     let mut lines: Vec<&str> = text.split_inclusive('\n').collect();
     let total = lines.len();
+    let mut summary = None;
     lines.retain(|line| {
         let Some(body) = line.strip_suffix('\n') else {
             return false; // unterminated: cut off by a kill
@@ -266,8 +271,12 @@ pub fn repair_metrics(path: &Path, step: u64) -> Result<usize, RunDirError> {
         let Ok(serde_json::Value::Object(record)) = serde_json::from_str(body) else {
             return false;
         };
-        let is_test = record.get("split").and_then(|s| s.as_str()) == Some("test")
-            || record.get("kind").and_then(|s| s.as_str()) == Some("summary");
+        let kind = record.get("kind").and_then(|s| s.as_str());
+        if kind == Some("summary") && record.get("steps").and_then(|s| s.as_u64()) == Some(step) {
+            summary = Some(serde_json::Value::Object(record.clone()));
+        }
+        let is_test =
+            record.get("split").and_then(|s| s.as_str()) == Some("test") || kind == Some("summary");
         let in_range = record
             .get("step")
             .and_then(|s| s.as_u64())
@@ -283,7 +292,7 @@ pub fn repair_metrics(path: &Path, step: u64) -> Result<usize, RunDirError> {
             .map_err(io_err(&tmp))?;
         fs::rename(&tmp, path).map_err(io_err(path))?;
     }
-    Ok(dropped)
+    Ok((dropped, summary))
 }
 
 #[cfg(test)]
@@ -325,7 +334,12 @@ mod tests {
             ),
         )
         .unwrap();
-        assert_eq!(repair_metrics(&path, 2).unwrap(), 5);
+        let (dropped, summary) = repair_metrics(&path, 2).unwrap();
+        assert_eq!(dropped, 5);
+        assert_eq!(
+            summary,
+            Some(serde_json::json!({"kind": "summary", "steps": 2}))
+        );
         assert_eq!(
             fs::read_to_string(&path).unwrap(),
             "{\"kind\":\"step\",\"step\":1}\n{\"kind\":\"eval\",\"split\":\"valid\",\"step\":2}\n"

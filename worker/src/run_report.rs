@@ -114,9 +114,13 @@ impl RunSummary<'_> {
         }
     }
 
-    /// The `summary` record of `metrics.jsonl`.
+    /// The `summary` record of `metrics.jsonl`: when this run took no step (a finished run
+    /// evaluated again), the training's own record, kept.
     fn record(&self) -> serde_json::Value {
         let r = self.report;
+        if let (0, Some(earlier)) = (r.steps_run, &r.earlier_summary) {
+            return earlier.clone();
+        }
         let (peak_rss, peak_device) = self.peaks();
         json!({
             "kind": "summary",
@@ -146,13 +150,15 @@ impl RunSummary<'_> {
             .map(|&b| format!("{:.0}", mib(b)))
             .collect();
         println!(
-            "summary: {} steps, {} epoch(s){}, last loss {}, {:.0} samples/s, {} s/epoch, peak RSS per rank [{}] MiB",
+            "summary: {} steps, {} epoch(s){}, {}, peak RSS per rank [{}] MiB",
             r.steps,
             r.epochs_done,
-            if r.stopped_early { " (stopped early)" } else { "" },
-            r.last_loss.map_or("-".into(), |l| format!("{l:.4}")),
-            r.samples_per_s,
-            r.seconds_per_epoch.map_or("-".into(), |s| format!("{s:.1}")),
+            if r.stopped_early {
+                " (stopped early)"
+            } else {
+                ""
+            },
+            self.training_figures(),
             peak.join(", ")
         );
         for line in crate::trainer::rank_time_lines(&r.rank_times) {
@@ -191,6 +197,27 @@ impl RunSummary<'_> {
         if let Some(test) = &r.test {
             self.print_comparison(test);
         }
+    }
+
+    /// `last loss 0.5682, 122768 samples/s, 5.9 s/epoch`: this run's, or the earlier run's
+    /// (from its summary record) when this one took no step.
+    fn training_figures(&self) -> String {
+        let r = self.report;
+        let (loss, rate, epoch_secs, when) = match (r.steps_run, &r.earlier_summary) {
+            (0, Some(earlier)) => (
+                earlier["last_loss"].as_f64(),
+                earlier["samples_per_s"].as_f64().unwrap_or(0.0),
+                earlier["seconds_per_epoch"].as_f64(),
+                " (trained by an earlier run; this one only evaluated)",
+            ),
+            (0, None) => return "trained by an earlier run (this one only evaluated)".into(),
+            _ => (r.last_loss, r.samples_per_s, r.seconds_per_epoch, ""),
+        };
+        format!(
+            "last loss {}, {rate:.0} samples/s, {} s/epoch{when}",
+            loss.map_or("-".into(), |l| format!("{l:.4}")),
+            epoch_secs.map_or("-".into(), |s| format!("{s:.1}")),
+        )
     }
 
     /// `test ndcg@10: 0.1054 vs popularity 0.0889 (+18.7%)`.

@@ -19,15 +19,17 @@ use dist::collective::{Collective, OpContext, ReduceOp};
 use tch::{Kind, Tensor};
 
 /// A size argument: `64K` (KiB) or `16` (MiB), in bytes.
-fn parse_size(arg: &str) -> Result<usize> {
+fn parse_size(arg: &str) -> Result<usize, String> {
     let (digits, unit) = match arg.strip_suffix(['K', 'k']) {
         Some(kib) => (kib, 1usize << 10),
         None => (arg, 1usize << 20),
     };
-    let n: usize = digits
-        .parse()
-        .with_context(|| format!("size {arg:?}: a whole number of MiB, or of KiB with K"))?;
-    Ok(n * unit)
+    match digits.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n * unit),
+        _ => Err(format!(
+            "expected a whole number of MiB, or of KiB with K (e.g. 64K), got {arg:?}"
+        )),
+    }
 }
 
 fn label(bytes: usize) -> String {
@@ -38,16 +40,28 @@ fn label(bytes: usize) -> String {
     }
 }
 
+/// All-reduce latency and bandwidth of the `tcp` backend; run under `launch --num-processes N`.
+#[derive(Debug, clap::Parser)]
+#[command(name = "collective-bench", version)]
+struct Cli {
+    /// Through the socket ring instead of shared memory.
+    #[arg(long, conflicts_with = "shared_buffer")]
+    sockets: bool,
+    /// With the data in the shared-memory arena (reduced where it lies).
+    #[arg(long = "shared-buffer")]
+    shared_buffer: bool,
+    /// Sizes: MiB, or KiB with a K suffix (default: 64K 1 16 64 256).
+    #[arg(value_name = "SIZE", value_parser = parse_size)]
+    sizes: Vec<usize>,
+}
+
 fn main() -> Result<()> {
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let sockets = args.iter().any(|a| a == "--sockets");
-    let shared = args.iter().any(|a| a == "--shared-buffer");
-    args.retain(|a| a != "--sockets" && a != "--shared-buffer");
-    let sizes: Vec<usize> = args.iter().map(|a| parse_size(a)).collect::<Result<_>>()?;
-    let sizes = if sizes.is_empty() {
+    let cli = <Cli as clap::Parser>::parse();
+    let (sockets, shared) = (cli.sockets, cli.shared_buffer);
+    let sizes = if cli.sizes.is_empty() {
         vec![64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
     } else {
-        sizes
+        cli.sizes
     };
     let env = WorkerEnv::from_env().context("reading the launch environment")?;
     let timeout = Duration::from_secs(120);

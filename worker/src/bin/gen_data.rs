@@ -12,9 +12,10 @@ use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
 use common::config::SyntheticSize;
 
-/// Write a synthetic ML-1M-format data set.
+/// Write a synthetic data set in MovieLens-1M's format (users.dat, movies.dat, ratings.dat) and
+/// print what it holds.
 #[derive(Debug, Parser)]
-#[command(name = "gen-data", version, about)]
+#[command(name = "gen-data", version)]
 struct Cli {
     /// Size: tiny (~200 users), small (~1000), full (6040 users, ~1M ratings).
     #[arg(long, value_enum, default_value = "tiny")]

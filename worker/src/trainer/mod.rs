@@ -88,6 +88,11 @@ pub struct TrainReport {
     pub seconds_per_epoch: Option<f64>,
     /// Each rank's time per step, in rank order (empty when this run took no step).
     pub rank_times: Vec<RankTime>,
+    /// Optimizer steps this run took (0 when it only evaluated a finished run).
+    pub steps_run: u64,
+    /// The summary record of the run that ended where this one started (rank 0), whose
+    /// training figures stand when this run took no step.
+    pub earlier_summary: Option<serde_json::Value>,
 }
 
 /// Everything the loop needs besides the task.
@@ -163,6 +168,8 @@ struct Trainer<'t> {
     /// Where this run starts: step 0, or the checkpoint it resumed from.
     start: TrainState,
     resumed_from: Option<PathBuf>,
+    /// See [`TrainReport::earlier_summary`].
+    earlier_summary: Option<serde_json::Value>,
     eval: EvalProgress,
     progress: Progress,
     /// Rank 0: `metrics.jsonl` and, in a terminal, a progress bar.
@@ -248,6 +255,7 @@ impl<'t> Trainer<'t> {
             metric: config.eval.metric.trim().to_ascii_lowercase(),
             start,
             resumed_from: None,
+            earlier_summary: None,
             eval: EvalProgress::default(),
             progress: Progress {
                 step: 0,
@@ -308,7 +316,8 @@ impl<'t> Trainer<'t> {
             .map_err(|e| TrainError::Plan(e.to_string()))?;
         let path = run_dir.join("config.resolved.toml");
         std::fs::write(&path, resolved).map_err(|e| io(&path, e))?;
-        resume::own_the_run_dir(run_dir, &self.start, self.resumed_from.is_some())?;
+        self.earlier_summary =
+            resume::own_the_run_dir(run_dir, &self.start, self.resumed_from.is_some())?;
         self.metrics = Some(MetricsLog::open(&run_dir.join("metrics.jsonl"))?);
         self.bar = progress_bar_wanted().then(|| new_bar(self.total_steps, self.start.step));
         Ok(())
@@ -499,6 +508,8 @@ impl<'t> Trainer<'t> {
             seconds_per_epoch: (p.full_epochs > 0)
                 .then(|| p.full_epoch_secs / p.full_epochs as f64),
             rank_times,
+            steps_run,
+            earlier_summary: self.earlier_summary,
         })
     }
 }

@@ -101,6 +101,9 @@ pub fn straggler(times: &[RankTime]) -> Option<(usize, f64, f64)> {
 
 /// The summary's lines: a row per rank, then the straggler, if any.
 pub fn lines(times: &[RankTime]) -> Vec<String> {
+    if times.is_empty() {
+        return Vec::new(); // no step taken: nothing to show
+    }
     let mut lines = vec!["  time per step by rank (ms): compute, data, collectives, update".into()];
     for (rank, t) in times.iter().enumerate() {
         lines.push(format!(

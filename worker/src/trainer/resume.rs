@@ -202,11 +202,12 @@ pub(super) const RNG_SCHEME: &str = "torch generator reseeded before every optim
 /// its start, a best model its state does not name, an earlier run's metrics on a fresh start),
 /// points `latest` at the checkpoint it resumed from, and cuts `metrics.jsonl` back to the
 /// records up to the start (whole lines only).
+/// Returns the summary of the run that ended where this one starts, if there was one.
 pub(super) fn own_the_run_dir(
     run_dir: &Path,
     start: &TrainState,
     resumed: bool,
-) -> Result<(), TrainError> {
+) -> Result<Option<serde_json::Value>, TrainError> {
     let best_step = EvalProgress::from_state(start)?.best.map(|b| b.step);
     if let Some((to, moved)) = crate::run_dir::set_aside(run_dir, start.step, best_step)? {
         warn!(
@@ -226,14 +227,15 @@ pub(super) fn own_the_run_dir(
     if resumed {
         crate::run_dir::point_latest(&run_dir.join("checkpoints"), start.step)?;
     }
-    let dropped = crate::run_dir::repair_metrics(&run_dir.join("metrics.jsonl"), start.step)?;
+    let metrics = run_dir.join("metrics.jsonl");
+    let (dropped, summary) = crate::run_dir::repair_metrics(&metrics, start.step)?;
     if dropped > 0 {
         info!(
-            "metrics.jsonl: dropped {dropped} record(s) after step {} or incomplete",
+            "metrics.jsonl: set aside {dropped} record(s) after step {}, of the test, the summary or incomplete (rewritten at the end)",
             start.step
         );
     }
-    Ok(())
+    Ok(summary)
 }
 
 impl Trainer<'_> {
@@ -293,7 +295,7 @@ impl Trainer<'_> {
     }
 
     /// Every rank takes rank 0's parameters and optimizer state and the checkpoint's position;
-    /// the schedule keeps the length the run started with.
+    /// the schedule spans the number of steps the config gives now.
     pub(super) fn continue_from(
         &mut self,
         path: PathBuf,
@@ -311,7 +313,9 @@ impl Trainer<'_> {
         self.optimizer
             .load_state_tensors(&shaped)
             .map_err(|e| TrainError::Resume(e.to_string()))?;
-        let total = state.schedule_steps.unwrap_or(self.total_steps);
+        // The schedule spans the run as configured now: more epochs lengthen it (a run
+        // extended under its old length would train on at its final, often zero, rate).
+        let total = self.total_steps;
         if self.leader() {
             self.announce_resume(&path, &state, total);
         }
@@ -331,6 +335,18 @@ impl Trainer<'_> {
 
     pub(super) fn announce_resume(&self, path: &Path, state: &TrainState, total: u64) {
         let world = self.ddp.world_size();
+        let stopped_early = EvalProgress::from_state(state).is_ok_and(|e| e.stopped_early);
+        if state.epoch >= self.epochs || stopped_early {
+            info!(
+                "resuming from {} (step {}): the run is complete ({} of {} epoch(s){}), nothing left to train; the best model is evaluated again (raise train.epochs to train on; a new run.name or checkpoint.resume = \"never\" starts over)",
+                path.display(),
+                state.step,
+                state.epoch,
+                self.epochs,
+                if stopped_early { ", stopped early" } else { "" },
+            );
+            return;
+        }
         info!(
             "resuming from {} (epoch {}, step {}, written by {} rank(s); now {world})",
             path.display(),
@@ -338,6 +354,18 @@ impl Trainer<'_> {
             state.step,
             state.world_size
         );
+        if let Some(old) = state.schedule_steps.filter(|old| *old != total) {
+            let mut before = self.schedule;
+            before.total_steps = old;
+            let mut after = self.schedule;
+            after.total_steps = total;
+            warn!(
+                "the learning-rate schedule now spans {total} steps instead of {old} (train.epochs or the data changed): at step {} the rate goes from {:.3e} to {:.3e}",
+                state.step,
+                before.lr_at(state.step),
+                after.lr_at(state.step)
+            );
+        }
         if state.world_size != world as u64 {
             warn!(
                 "resuming with world {world} from a checkpoint of world {}: the run continues with the same global batch and learning-rate schedule ({total} steps), but not bit-exactly (each rank's share of the data and the order of the sums change)",
