@@ -6,9 +6,12 @@
 use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
+mod command;
+
+use command::command_and_config;
 use common::batch::BatchPlan;
 use common::config::Config;
 use common::env_contract::WorkerEnv;
@@ -681,95 +684,6 @@ fn select_gpus(
             .collect::<Vec<_>>()
             .join(","),
     })
-}
-
-fn command_and_config(
-    cli: &Cli,
-    world_size: u32,
-) -> Result<(Vec<OsString>, Option<TrainPlan>), PlanError> {
-    match (&cli.config, cli.program.is_empty()) {
-        (Some(_), false) => Err(PlanError::Usage(
-            "give either CONFIG (runs the worker) or `-- PROGRAM ARGS...`, not both".into(),
-        )),
-        (None, true) => Err(PlanError::Usage(
-            "nothing to run: give a CONFIG (e.g. configs/default.toml) or `-- PROGRAM ARGS...`"
-                .into(),
-        )),
-        (None, false) => {
-            if !cli.overrides.is_empty() {
-                return Err(PlanError::Usage(
-                    "--set overrides a CONFIG value, but no CONFIG was given (the program after `--` gets no config)".into(),
-                ));
-            }
-            if cli.worker.is_some() {
-                return Err(PlanError::Usage(
-                    "--worker has no effect with `-- PROGRAM`; drop one of them".into(),
-                ));
-            }
-            Ok((cli.program.clone(), None))
-        }
-        (Some(path), true) => {
-            let train = TrainPlan::load(path, &cli.overrides, u64::from(world_size))
-                .map_err(|e| not_a_config(path, e))?;
-            let worker = match &cli.worker {
-                Some(worker) => worker.clone(),
-                None => default_worker()?,
-            };
-            let mut command = vec![worker.into_os_string()];
-            for set in &cli.overrides {
-                command.push("--set".into());
-                command.push(set.into());
-            }
-            command.push(path.clone().into_os_string());
-            Ok((command, Some(train)))
-        }
-    }
-}
-
-/// A CONFIG that does not load: when it is not a `.toml` file, it is most likely a program given
-/// the torchrun way (`launch --nproc-per-node 2 train.py`), so say where programs go.
-fn not_a_config(path: &Path, error: common::train_plan::TrainPlanError) -> PlanError {
-    use common::config::ConfigError;
-    use common::train_plan::TrainPlanError;
-    let toml = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("toml"));
-    let unreadable = match &error {
-        TrainPlanError::Config(ConfigError::Syntax { .. }) => true,
-        TrainPlanError::Config(ConfigError::Read { source, .. }) => {
-            source.kind() == std::io::ErrorKind::InvalidData // not text: a binary
-        }
-        _ => false,
-    };
-    if toml || !unreadable {
-        return PlanError::Config(error);
-    }
-    let shown = path.display();
-    let run = match path.extension().and_then(|e| e.to_str()) {
-        Some("py") => format!("python {shown}"),
-        _ => shown.to_string(),
-    };
-    PlanError::Usage(format!(
-        "{shown} is not a TOML config ({error}); to run a program on every worker, put it after `--`: launch [OPTIONS] -- {run}"
-    ))
-}
-
-/// `worker` next to the `launch` binary.
-fn default_worker() -> Result<PathBuf, PlanError> {
-    let exe = std::env::current_exe()
-        .map_err(|e| PlanError::Usage(format!("cannot locate the launch binary: {e}")))?;
-    let worker = exe
-        .parent()
-        .unwrap_or_else(|| Path::new("."))
-        .join("worker");
-    if worker.is_file() {
-        Ok(worker)
-    } else {
-        Err(PlanError::Usage(format!(
-            "worker binary not found at {} (build it with `cargo build --release`, or pass --worker PATH)",
-            worker.display()
-        )))
-    }
 }
 
 fn resolve_ip(addr: &str) -> Result<IpAddr, PlanError> {

@@ -78,7 +78,7 @@ fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
     }
 
     check_non_negative("model.l2", model.l2)?;
-    check_text_tokens(model)?;
+    check_preset_limits(model)?;
     if model.trainable_layers.is_some() && model.freeze_gpt2 {
         return Err(ConfigError::invalid(
             "model.trainable_layers",
@@ -90,11 +90,11 @@ fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
 
 /// `model.max_text_tokens` and `model.trainable_layers` within what the GPT-2 preset has (its
 /// positions and blocks); GPT-2's 1024 positions bound the tokens whatever the model.
-fn check_text_tokens(model: &ModelConfig) -> Result<(), ConfigError> {
+fn check_preset_limits(model: &ModelConfig) -> Result<(), ConfigError> {
     let dims = crate::memory::Gpt2Dims::of(model.preset);
+    let preset = format!("{:?}", model.preset).to_lowercase();
     let (positions, whose) = if model.kind == ModelKind::Gpt2rec {
-        let preset = format!("the {:?} preset's", model.preset).to_lowercase();
-        (dims.n_positions as usize, preset)
+        (dims.n_positions as usize, format!("the {preset} preset's"))
     } else {
         (1024, "GPT-2's".to_string())
     };
@@ -111,8 +111,7 @@ fn check_text_tokens(model: &ModelConfig) -> Result<(), ConfigError> {
         Some(n) if u64::from(n) > dims.n_layer => Err(ConfigError::invalid(
             "model.trainable_layers",
             format!(
-                "is {n}, but the {} preset has {} blocks",
-                format!("{:?}", model.preset).to_lowercase(),
+                "is {n}, but the {preset} preset has {} blocks",
                 dims.n_layer
             ),
         )),

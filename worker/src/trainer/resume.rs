@@ -322,9 +322,6 @@ impl Trainer<'_> {
         let tracker = &self.setup.memory;
         tracker.update(|f| f.last_checkpoint = Some(path.display().to_string()));
         tracker.set_step(state.step);
-        // Older checkpoints have no length: as computed now.
-        self.total_steps = total;
-        self.schedule.total_steps = total;
         self.start = TrainState {
             schedule_steps: Some(total),
             ..state

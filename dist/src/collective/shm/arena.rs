@@ -131,11 +131,7 @@ fn sum_into_all(arenas: &[Segment], lo: usize, hi: usize) {
             let src = unsafe {
                 std::slice::from_raw_parts((arena.base() as *const f32).add(start), acc.len())
             };
-            if j == 0 {
-                acc.copy_from_slice(src);
-            } else {
-                acc.iter_mut().zip(src).for_each(|(a, s)| *a += *s);
-            }
+            super::accumulate(acc, j, src);
         }
         for arena in arenas {
             // SAFETY: as above.

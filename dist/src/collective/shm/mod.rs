@@ -217,11 +217,7 @@ impl ShmGroup {
                     // data, and no one writes it until we publish 2g+2.
                     unsafe { std::slice::from_raw_parts(seg.buffer(which).add(start), acc.len()) }
                 };
-                if j == 0 {
-                    acc.copy_from_slice(src);
-                } else {
-                    acc.iter_mut().zip(src).for_each(|(a, s)| *a += *s);
-                }
+                accumulate(acc, j, src);
             }
             block.copy_from_slice(acc);
             // SAFETY: our own slice of our buffer; nobody reads it before we publish 2g+2.
@@ -304,6 +300,16 @@ fn slice_bounds(n: usize, members: usize, i: usize) -> (usize, usize) {
         }
     };
     (edge(i), edge(i + 1))
+}
+
+/// Member `j`'s part of a sum taken in member order: the first member's values start `acc`, the
+/// others' are added, so every rank gets the same bits.
+fn accumulate(acc: &mut [f32], j: usize, src: &[f32]) {
+    if j == 0 {
+        acc.copy_from_slice(src);
+    } else {
+        acc.iter_mut().zip(src).for_each(|(a, s)| *a += *s);
+    }
 }
 
 /// `count` floats from `src` to `dst` (which do not overlap).

@@ -335,11 +335,11 @@ impl TcpCollective {
         let reduced = match self.shm.as_mut() {
             Some(shm) => shm
                 .all_reduce_arena(n, seq, deadline)
-                .map(|()| shm.arena(n).map(|buf| buf.as_mut_ptr())),
+                .map(|()| shm.arena(n)),
             None => Err(ShmFailure::NoArena { floats: n }),
         };
         let ptr = match reduced {
-            Ok(Some(ptr)) => ptr,
+            Ok(Some(buf)) => buf.as_mut_ptr(),
             Ok(None) => return Err(self.shm_error(ShmFailure::NoArena { floats: n }, ctx, n)),
             Err(failure) => return Err(self.shm_error(failure, ctx, n)),
         };
@@ -347,11 +347,16 @@ impl TcpCollective {
         // only in arena operations, and the hosts' exchange below is not one.
         let buf = unsafe { std::slice::from_raw_parts_mut(ptr, n) };
         self.between_hosts(buf, ctx, deadline)?;
+        self.average_if(op, buf);
+        Ok(())
+    }
+
+    /// Turns a sum over the ranks into their mean when `op` asks for it.
+    fn average_if(&self, op: ReduceOp, buf: &mut [f32]) {
         if op == ReduceOp::Avg {
             let w = self.world as f32;
             buf.iter_mut().for_each(|x| *x /= w);
         }
-        Ok(())
     }
 
     /// All-reduces several tensors (or one that is not a contiguous f32 CPU tensor) by copying
@@ -467,10 +472,7 @@ impl Collective for TcpCollective {
             self.handshake("all_reduce", 1, n as u64, ctx, deadline)?;
             self.ring_all_reduce(buf, ctx, deadline)?;
         }
-        if op == ReduceOp::Avg {
-            let w = self.world as f32;
-            buf.iter_mut().for_each(|x| *x /= w);
-        }
+        self.average_if(op, buf);
         if !direct {
             unflatten_into(&flat, tensors)?;
         }
