@@ -321,8 +321,13 @@ pub enum Backend {
 pub struct DistConfig {
     /// `"auto"`, `"tcp"` or `"nccl"`. Default: `"auto"`.
     pub backend: Backend,
-    /// Time limit for rendezvous and for each collective (seconds, >= 1). Default: `300`.
+    /// Time limit for each collective, and for rendezvous unless `rendezvous_timeout_s` is given
+    /// (seconds, >= 1). Default: `300`.
     pub timeout_s: u64,
+    /// Time limit for rendezvous and the collective's set-up: every rank must have started and
+    /// joined within it (seconds, >= 1). Default: unset, `timeout_s`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rendezvous_timeout_s: Option<u64>,
     /// Gradient bucket size for the all-reduce (MiB of f32 gradients, > 0). Default: `25`.
     pub bucket_mb: f64,
     /// Compare a checksum of all parameters across ranks every N optimizer steps and stop if
@@ -338,11 +343,28 @@ pub struct DistConfig {
     pub sparse_embeddings: bool,
 }
 
+impl DistConfig {
+    /// The limit of rendezvous and set-up, with the key that sets it (for messages).
+    pub fn rendezvous_timeout(&self) -> (std::time::Duration, &'static str) {
+        match self.rendezvous_timeout_s {
+            Some(secs) => (
+                std::time::Duration::from_secs(secs),
+                "dist.rendezvous_timeout_s",
+            ),
+            None => (
+                std::time::Duration::from_secs(self.timeout_s),
+                "dist.timeout_s",
+            ),
+        }
+    }
+}
+
 impl Default for DistConfig {
     fn default() -> Self {
         DistConfig {
             backend: Backend::Auto,
             timeout_s: 300,
+            rendezvous_timeout_s: None,
             bucket_mb: 25.0,
             check_params_every: 0,
             shared_memory: true,
@@ -708,7 +730,7 @@ timeout_s = 60
         assert_errors(&[
             (
                 "[batch]\nmicro = 4\n\n[dist]\n  backnd = \"tcp\"\n",
-                "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings)",
+                "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings)",
             ),
             (
                 "[batch]\nmicro = 4\n[optim]\nlr = 1\n",
@@ -1182,6 +1204,7 @@ timeout_s = 60
             grad_accum in prop::option::of(1u64..=4096),
             backend in prop_oneof![Just(Backend::Auto), Just(Backend::Tcp), Just(Backend::Nccl)],
             timeout_s in 1u64..=u64::MAX,
+            rendezvous_timeout_s in prop::option::of(1u64..=u64::MAX),
             (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
             (bucket_mb, check_params_every, shared_memory, sparse_embeddings) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>()),
             (every_n_steps, keep, resume) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"]),
@@ -1205,7 +1228,7 @@ timeout_s = 60
                 model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
-                dist: DistConfig { backend, timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings },
+                dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings },
                 checkpoint: CheckpointConfig { every_n_steps, keep, resume },
                 eval: EvalConfig { topk, every_n_epochs, metric, patience, batch_users },
             }

@@ -376,6 +376,12 @@ pub fn estimate(
 
 /// Rows of text the worker encodes at once while caching features (worker `rec::CACHE_ROWS`).
 const CACHE_ROWS: u64 = 64;
+/// f32 copies per token and unit of width held while a frozen GPT-2 encodes without gradients:
+/// about 13 live at once (the residual stream, a layer norm, the attention's 3d projections,
+/// the MLP's 4d hidden state before and after GELU), plus what the allocator keeps of freed
+/// ones. Measured: preset `gpt2`, cached, 64 rows x 24 tokens: the RSS peak was 113 MiB above
+/// the start-up, data and weights (about 24 copies; `scripts/bench/memory.sh`).
+const ENCODE_COPIES: u64 = 26;
 /// Rows of text encoded at once while building evaluation tables (worker `ENCODE_ROWS`).
 const ENCODE_ROWS: u64 = 128;
 

@@ -81,7 +81,15 @@ pub struct StepStats {
     pub grad_norm: f64,
     /// Where this rank's time went.
     pub time: StepTime,
+    /// The largest number the ranks' [`StepProbe`]s gave this step, and the rank that gave it
+    /// (`None` without a probe).
+    pub probed_max: Option<(usize, f64)>,
 }
+
+/// Samples one number on each rank after the step's backward passes (its peak memory, say).
+/// The numbers travel in the step's summary all-reduce, one slot per rank, so every rank learns
+/// the largest without a collective of its own. Values are sent as f32.
+pub type StepProbe = Box<dyn FnMut() -> f64>;
 
 /// One rank's wall time in the parts of a step: what tells a slow rank (long compute, the
 /// others' collective wait long) from a slow link (everyone's collective time long).
@@ -116,6 +124,7 @@ pub struct Ddp {
     /// Indices into `params` of the row-sparse tables, with their row counts.
     sparse: Vec<(usize, i64)>,
     config: DdpConfig,
+    probe: Option<StepProbe>,
 }
 
 impl Ddp {
@@ -152,9 +161,16 @@ impl Ddp {
             buckets,
             sparse,
             config,
+            probe: None,
         };
         ddp.broadcast_params(0)?;
         Ok(ddp)
+    }
+
+    /// Every step from now on samples `probe` and reports the ranks' largest value in
+    /// [`StepStats::probed_max`]. Set it on every rank or on none (the summary's layout follows).
+    pub fn set_probe(&mut self, probe: StepProbe) {
+        self.probe = Some(probe);
     }
 
     pub fn rank(&self) -> usize {
@@ -264,6 +280,7 @@ impl Ddp {
         time.update = reducing - started - time.compute;
         self.comm.all_reduce(&mut summary, ReduceOp::Sum, ctx)?;
         let global_loss = summary[0].f_double_value(&[0])? / self.world_size() as f64;
+        let probed_max = self.probed_max(&summary[0])?;
         if summary[0].f_double_value(&[1])? > 0.0 {
             return Err(DdpError::Loss {
                 step: step + 1,
@@ -299,6 +316,7 @@ impl Ddp {
             loss: global_loss,
             grad_norm,
             time,
+            probed_max,
         };
         let every = self.config.check_params_every;
         if every > 0 && (step + 1) % every == 0 {
@@ -307,10 +325,16 @@ impl Ddp {
         Ok(stats)
     }
 
-    /// `[local loss, bad-loss flag, touched-row mask of each sparse table...]` (f32).
-    fn summary(&self, local_loss: f64, bad: bool) -> Result<Tensor, DdpError> {
+    /// `[local loss, bad-loss flag, probe slot of each rank (with a probe), touched-row mask of
+    /// each sparse table...]` (f32).
+    fn summary(&mut self, local_loss: f64, bad: bool) -> Result<Tensor, DdpError> {
         let head = Tensor::from_slice(&[local_loss as f32, if bad { 1.0 } else { 0.0 }]);
         let mut parts = vec![head];
+        if let Some(probe) = self.probe.as_mut() {
+            let mut slots = vec![0f32; self.comm.world_size()];
+            slots[self.comm.rank()] = probe() as f32;
+            parts.push(Tensor::from_slice(&slots));
+        }
         for &(i, _) in &self.sparse {
             parts.push(touched_rows(&self.params[i].grad())?);
         }
@@ -320,7 +344,7 @@ impl Ddp {
     /// Averages each sparse table's gradient over the ranks: only the rows some rank touched
     /// (from the reduced `summary`) when they are at most half the table, otherwise all of it.
     fn reduce_sparse(&mut self, summary: &Tensor, ctx: OpContext) -> Result<(), DdpError> {
-        let mut offset = 2;
+        let mut offset = self.summary_head_len();
         for &(i, rows) in &self.sparse {
             let touched = summary.f_narrow(0, offset, rows)?;
             offset += rows;
@@ -337,6 +361,31 @@ impl Ddp {
             let _ = grad.f_index_copy_(0, &union, &compact[0])?;
         }
         Ok(())
+    }
+
+    /// Where the sparse tables' masks start in the summary.
+    fn summary_head_len(&self) -> i64 {
+        2 + if self.probe.is_some() {
+            self.comm.world_size() as i64
+        } else {
+            0
+        }
+    }
+
+    /// The largest probe slot of the reduced `summary`, with its rank (the lowest on a tie).
+    fn probed_max(&self, summary: &Tensor) -> Result<Option<(usize, f64)>, DdpError> {
+        if self.probe.is_none() {
+            return Ok(None);
+        }
+        let world = self.comm.world_size();
+        let slots = Vec::<f32>::try_from(summary.f_narrow(0, 2, world as i64)?)?;
+        Ok(slots
+            .iter()
+            .enumerate()
+            .fold(None, |best: Option<(usize, f64)>, (r, &v)| match best {
+                Some((_, b)) if b >= f64::from(v) => best,
+                _ => Some((r, f64::from(v))),
+            }))
     }
 
     /// A checksum of this rank's variables (bit patterns, so any difference shows).
@@ -592,6 +641,13 @@ mod tests {
             let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
             let exchanged = if sparse && world > 1 { 2 } else { 0 };
             assert_eq!(ddp.sparse.len(), exchanged);
+            // The sparse runs also carry a probe (which moves the masks in the summary) and
+            // must still train as the dense ones do.
+            let top = world as usize - 1;
+            let probed = |r: usize| r as f64 * 1.5 + 1.0;
+            if sparse {
+                ddp.set_probe(Box::new(move || probed(rank)));
+            }
             let mut adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.01);
             let sampler =
                 crate::sampler::DistributedSampler::new(400, world as usize, rank, 9).unwrap();
@@ -607,6 +663,7 @@ mod tests {
                         .step(&window, &mut model, &mut adam, 0.05, step)
                         .unwrap();
                     losses.push(stats.loss);
+                    assert_eq!(stats.probed_max, sparse.then(|| (top, probed(top))));
                     if losses.len() as u64 == steps {
                         break 'train;
                     }
@@ -623,7 +680,8 @@ mod tests {
     }
 
     /// Row-sparse exchange of the embedding gradients (and their sparse backward) gives the
-    /// dense all-reduce's numbers: bit for bit through shared memory (each element is summed in rank order either way), and
+    /// dense all-reduce's numbers: bit for bit through shared memory (each element is summed in
+    /// rank order either way), and
     /// within float tolerance through the socket ring of three ranks (whose summation order
     /// depends on where an element lies in the buffer).
     #[test]

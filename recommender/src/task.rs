@@ -67,7 +67,7 @@ impl RecTask {
             )?),
             (ModelKind::Gpt2rec, TextMode::Dynamic) => {
                 tch::manual_seed(config.run.seed as i64);
-                let mut gpt2 = build_gpt2(vs, Some("gpt2"), config, device)?;
+                let mut gpt2 = build_gpt2(vs, Some("gpt2"), config)?;
                 freeze_gpt2_layers(vs, config, gpt2.config().n_layer);
                 gpt2.set_activation_checkpointing(config.model.activation_checkpointing);
                 let tok = Tokenizer::new()?;

@@ -2,8 +2,6 @@
 //! when `model.gpt2_weights` is set), texts tokenised into tables, and `cached` mode's features
 //! — every text encoded once by a frozen GPT-2, the work split across ranks.
 
-use std::collections::HashMap;
-
 use common::config::{Config, Gpt2Preset};
 use common::memory::{Phase, PhaseSink};
 use dist::collective::{Collective, OpContext};
@@ -23,14 +21,12 @@ pub fn gpt2_config(preset: Gpt2Preset) -> gpt2::Config {
     }
 }
 
-/// Builds GPT-2 under `path` and loads `model.gpt2_weights` into it when set. `vs` must be the
-/// store `path` belongs to (weights are loaded through a temporary store when `path` is not its
-/// root).
+/// Builds GPT-2 in `vs` under `prefix` (at its root when `None`) and loads
+/// `model.gpt2_weights` into it when set.
 pub(crate) fn build_gpt2(
     vs: &nn::VarStore,
     prefix: Option<&str>,
     config: &Config,
-    device: Device,
 ) -> Result<Gpt2, RecError> {
     let gcfg = gpt2_config(config.model.preset);
     if config.model.max_text_tokens as i64 > gcfg.n_positions {
@@ -46,26 +42,8 @@ pub(crate) fn build_gpt2(
     };
     let model = Gpt2::new(&path, &gcfg);
     if let Some(weights) = &config.model.gpt2_weights {
-        let mut tmp = nn::VarStore::new(device);
-        let _ = Gpt2::new(&tmp.root(), &gcfg);
-        let report = gpt2::load_hf_safetensors(&mut tmp, weights).map_err(|e| {
+        let report = gpt2::load_hf_safetensors(vs, prefix, weights).map_err(|e| {
             RecError::Invalid(format!("model.gpt2_weights = {}: {e}", weights.display()))
-        })?;
-        let ours: HashMap<String, Tensor> = vs.variables().into_iter().collect();
-        tch::no_grad(|| -> Result<(), RecError> {
-            for (name, value) in tmp.variables() {
-                let key = match prefix {
-                    Some(p) => format!("{p}.{name}"),
-                    None => name.clone(),
-                };
-                let Some(var) = ours.get(&key) else {
-                    return Err(RecError::Invalid(format!(
-                        "GPT-2 variable {key} is missing"
-                    )));
-                };
-                var.shallow_clone().f_copy_(&value)?;
-            }
-            Ok(())
         })?;
         info!(
             "loaded {} GPT-2 tensors from {}",
@@ -112,7 +90,7 @@ pub fn cached_text_features(
     // this encoder (it is not part of the trained model).
     tch::manual_seed(config.run.seed as i64);
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let gpt2 = build_gpt2(&vs, None, config, Device::Cpu)?;
+    let gpt2 = build_gpt2(&vs, None, config)?;
     vs.set_device(device);
     let tok = Tokenizer::new()?;
     let mut encode = |texts: &[String]| -> Result<Tensor, RecError> {

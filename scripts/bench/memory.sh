@@ -15,7 +15,7 @@
 # (model.activation_checkpointing), and what checkpointing saves and costs at each micro batch
 # (peak RSS, estimate, samples/s).
 #
-# Usage: scripts/bench/memory.sh            (about 4 minutes here)
+# Usage: scripts/bench/memory.sh            (about 5 minutes here)
 # On a GPU machine the same runs report device memory (NVML) in memory.json's
 # measured.peak_device_mib; the table below then compares that with the GPU estimate.
 set -eu
@@ -41,6 +41,7 @@ run_case default-p2 2
 run_case default-p1 1
 run_case bpr-full 1 model.kind=\"bpr\" data.synthetic=\"full\"
 run_case cached-full 1 data.synthetic=\"full\"
+run_case cached-gpt2 1 model.preset=\"gpt2\"
 for m in 32 64 128; do
   run_case dynamic-m$m 1 model.text_mode=\"dynamic\" data.synthetic=\"tiny\" batch.global=128 batch.micro=$m
   run_case dynamic-ckpt-m$m 1 model.text_mode=\"dynamic\" data.synthetic=\"tiny\" batch.global=128 batch.micro=$m \
@@ -50,7 +51,7 @@ done
 python3 - "$out" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-names = ["default-p2", "default-p1", "bpr-full", "cached-full", "dynamic-m32", "dynamic-m64",
+names = ["default-p2", "default-p1", "bpr-full", "cached-full", "cached-gpt2", "dynamic-m32", "dynamic-m64",
          "dynamic-m128", "dynamic-ckpt-m32", "dynamic-ckpt-m64", "dynamic-ckpt-m128"]
 def load(n):
     return json.load(open(os.path.join(out, n, "memory.json")))

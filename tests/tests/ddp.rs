@@ -240,6 +240,8 @@ fn a_stopped_worker_makes_the_others_fail_in_time() {
         "--set",
         "dist.timeout_s=3",
         "--set",
+        "dist.rendezvous_timeout_s=60",
+        "--set",
         "batch.global=12",
         config.to_str().unwrap(),
     ])

@@ -770,3 +770,45 @@ fn a_huge_stderr_line_does_not_flood_the_summary() {
         &summary[..summary.len().min(3000)]
     );
 }
+
+/// The rendezvous is bounded by `dist.timeout_s` (no hidden floor), or by
+/// `dist.rendezvous_timeout_s` when given, and the message names the key: rank 0 of a world of
+/// two whose rank 1 never comes.
+#[test]
+fn rendezvous_gives_up_after_the_configured_time_naming_its_key() {
+    for (set, key, secs) in [
+        ("dist.timeout_s=2", "dist.timeout_s", 2),
+        (
+            "dist.rendezvous_timeout_s=1",
+            "dist.rendezvous_timeout_s",
+            1,
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port().to_string();
+        let mut cmd = std::process::Command::new(bin("worker"));
+        cmd.arg("configs/default.toml").current_dir(repo_root());
+        for arg in tiny_bpr_sets(dir.path()) {
+            cmd.arg(arg);
+        }
+        cmd.args(["--set", set]);
+        for (name, value) in [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+        ] {
+            cmd.env(name, value);
+        }
+        let started = std::time::Instant::now();
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let within = format!("(within {key} = {secs} s)");
+        assert!(stderr.contains(&within), "{stderr}");
+        assert!(stderr.contains(&format!("after {secs}.0 s")), "{stderr}");
+        // Well below the 60 s the set-up used to take at least (start-up included).
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    }
+}

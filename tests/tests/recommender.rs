@@ -42,6 +42,16 @@ fn default_config_trains_and_beats_popularity() {
 
     // The loss falls: the mean of the last epoch's steps is well below the first epoch's.
     let steps = of_kind(&recs, "step");
+    // Every step record says the largest peak memory of the two ranks (at least libtorch's
+    // start-up footprint) and whose it is.
+    for r in &steps {
+        let mib = r["peak_mem_mib"].as_f64().unwrap_or(0.0);
+        assert!((100.0..100_000.0).contains(&mib), "{r}");
+        assert!(
+            r["peak_mem_rank"].as_u64().is_some_and(|rank| rank < 2),
+            "{r}"
+        );
+    }
     let mean_loss = |epoch: u64| {
         let l: Vec<f64> = steps
             .iter()

@@ -8,8 +8,6 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use std::time::Duration;
-
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use common::config::{Config, ModelKind};
@@ -316,12 +314,12 @@ type Runtime = (
 /// The distributed runtime: rendezvous, then the collective, checked with one all-reduce.
 fn connect(start: &Start) -> Result<Runtime, Failure> {
     let (env, config, device) = (&start.env, &start.plan.config, start.device);
-    let timeout = Duration::from_secs(config.dist.timeout_s);
-    let setup_timeout = timeout.max(dist::collective::SETUP_TIMEOUT_MIN);
-    let (store_server, store) =
-        dist::store::rendezvous(env, setup_timeout).context("rendezvous with the other ranks")?;
+    let (setup_timeout, limit_key) = config.dist.rendezvous_timeout();
+    let within = || format!("(within {limit_key} = {} s)", setup_timeout.as_secs());
+    let (store_server, store) = dist::store::rendezvous(env, setup_timeout)
+        .with_context(|| format!("rendezvous with the other ranks {}", within()))?;
     let mut comm = dist::collective::connect(&config.dist, device, env, store, setup_timeout)
-        .context("connecting the collective")?;
+        .with_context(|| format!("connecting the collective {}", within()))?;
     let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
     let ctx = OpContext {
         step: 0,

@@ -207,6 +207,9 @@ fn check_train(train: &TrainConfig) -> Result<(), ConfigError> {
 /// `[dist]`.
 fn check_dist(dist: &DistConfig) -> Result<(), ConfigError> {
     check_at_least_one("dist.timeout_s", dist.timeout_s)?;
+    if let Some(secs) = dist.rendezvous_timeout_s {
+        check_at_least_one("dist.rendezvous_timeout_s", secs)?;
+    }
     check_positive("dist.bucket_mb", dist.bucket_mb)?;
     Ok(())
 }

@@ -206,11 +206,8 @@ pub(super) fn text_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
         Some(TextMode::Cached) => {
             // Building them: a frozen GPT-2, the gathered and standardised copies of a table.
             let rows = users.max(items);
-            let encode = CACHE_ROWS
-                * data.item_tokens.max(data.user_tokens)
-                * d
-                * (EMBEDDING_COPIES + 8)
-                * F32;
+            let encode =
+                CACHE_ROWS * data.item_tokens.max(data.user_tokens) * d * ENCODE_COPIES * F32;
             vec![
                 MemoryTerm {
                     name: "cached text features",
@@ -223,9 +220,10 @@ pub(super) fn text_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
                     bytes: gpt2.params() * F32 + 4 * rows * d * F32 + encode,
                     held: Held::Build,
                     detail: format!(
-                        "frozen GPT-2 {:?} {} f32 + 4 copies of a {rows} x {d} table",
+                        "frozen GPT-2 {:?} {} f32 + 4 copies of a {rows} x {d} table + {CACHE_ROWS} rows x {} tokens x {ENCODE_COPIES} copies of {d} encoding",
                         m.preset,
-                        gpt2.params()
+                        gpt2.params(),
+                        data.item_tokens.max(data.user_tokens)
                     )
                     .to_lowercase(),
                 },

@@ -185,10 +185,6 @@ pub(crate) fn unflatten_into(flat: &Tensor, tensors: &mut [Tensor]) -> Result<()
     Ok(())
 }
 
-/// Rendezvous and connection set-up get at least this long: processes start libtorch at
-/// different speeds on a busy machine, which is not a peer failing.
-pub const SETUP_TIMEOUT_MIN: Duration = Duration::from_secs(60);
-
 /// The backend `[dist] backend` resolves to on a device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Chosen {

@@ -8,18 +8,19 @@
 //!
 //! Must not: know about training loops, DDP, optimizers or the recommender's head; download
 //! anything; transpose weights on load (Conv1D weights are *stored* [in, out] and computed as
-//! `x.matmul(w) + b`). The model must be built at the root of its `VarStore` (the names above,
-//! unprefixed) for `load_hf_safetensors` to find it; other variables in the store (e.g. a head
-//! under its own path) are left alone and listed in the report.
+//! `x.matmul(w) + b`). `load_hf_safetensors` finds the model at the root of its `VarStore` or under
+//! one prefix; other variables in the store (e.g. a head under its own path) are left alone and
+//! listed in the report.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 
 use common::config::Gpt2Preset;
 use common::memory::Gpt2Dims;
 use serde::Deserialize;
 use tch::{nn, Kind, Tensor};
+
+mod weights;
+pub use weights::{load_hf_safetensors, LoadReport};
 
 /// GPT-2 pad/end-of-text token id (`<|endoftext|>`), used to pad batches.
 pub const PAD_TOKEN_ID: i64 = 50256;
@@ -29,6 +30,10 @@ pub const PAD_TOKEN_ID: i64 = 50256;
 pub enum Gpt2Error {
     #[error("reading safetensors: {0}")]
     Read(#[from] tch::TchError),
+    #[error("reading safetensors: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("not a valid safetensors file: {0}")]
+    Format(String),
     #[error("{name}: shape {expected:?} expected, file has {found:?}")]
     Shape {
         name: String,
@@ -107,14 +112,16 @@ impl Config {
 const INIT_STD: f64 = 0.02;
 
 fn normal(vs: &nn::Path, name: &str, dims: &[i64]) -> Tensor {
-    vs.var(
-        name,
-        dims,
-        nn::Init::Randn {
-            mean: 0.0,
-            stdev: INIT_STD,
-        },
-    )
+    // Drawn in place, randn's draws then scaled: the numbers `nn::Init::Randn` gives, without
+    // its temporary second copy of the tensor (the token table is 147 MiB in `gpt2`).
+    let var = vs.var(name, dims, nn::Init::Const(0.0));
+    tch::no_grad(|| {
+        let _ = var
+            .shallow_clone()
+            .normal_(0.0, 1.0)
+            .g_mul_scalar_(INIT_STD);
+    });
+    var
 }
 
 /// HF `Conv1D`: weight stored [in, out], `y = x @ w + b`.
@@ -536,89 +543,6 @@ fn grad_enabled() -> bool {
     (probe * 1.0).requires_grad()
 }
 
-/// What `load_hf_safetensors` did.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LoadReport {
-    /// Variables copied from the file.
-    pub loaded: usize,
-    /// File tensors ignored on purpose (`lm_head.weight`, `attn.bias`/`attn.masked_bias`
-    /// buffers), file names as written.
-    pub ignored: Vec<String>,
-    /// File tensors matching no variable (file names as written).
-    pub unexpected: Vec<String>,
-    /// Store variables outside GPT-2's names (e.g. a head), left untouched.
-    pub skipped: Vec<String>,
-}
-
-fn is_gpt2_name(name: &str) -> bool {
-    ["wte.", "wpe.", "h.", "ln_f."]
-        .iter()
-        .any(|p| name.starts_with(p))
-}
-
-fn is_ignored(name: &str) -> bool {
-    name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
-}
-
-/// Loads a Hugging Face GPT-2 safetensors file (`model.safetensors` of `GPT2Model` or
-/// `GPT2LMHeadModel`: names with or without the `transformer.` prefix) into the GPT-2
-/// variables of `vs` (the model built at the store's root). Every GPT-2 variable must be in the
-/// file with its exact shape; nothing is copied unless all are. Values are converted to each
-/// variable's kind and device.
-pub fn load_hf_safetensors(vs: &mut nn::VarStore, path: &Path) -> Result<LoadReport, Gpt2Error> {
-    let file = Tensor::read_safetensors(path)?;
-    let mut report = LoadReport::default();
-    let mut by_name: BTreeMap<String, Tensor> = BTreeMap::new();
-    for (name, tensor) in file {
-        let stripped = name.strip_prefix("transformer.").unwrap_or(&name);
-        if is_ignored(stripped) {
-            report.ignored.push(name);
-        } else {
-            by_name.insert(stripped.to_string(), tensor);
-        }
-    }
-
-    let vars: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
-    let mut missing = Vec::new();
-    let mut used = BTreeSet::new();
-    for (name, var) in &vars {
-        if !is_gpt2_name(name) {
-            report.skipped.push(name.clone());
-            continue;
-        }
-        match by_name.get(name) {
-            None => missing.push(name.clone()),
-            Some(src) if src.size() != var.size() => {
-                return Err(Gpt2Error::Shape {
-                    name: name.clone(),
-                    expected: var.size(),
-                    found: src.size(),
-                })
-            }
-            Some(_) => {
-                used.insert(name.clone());
-            }
-        }
-    }
-    if !missing.is_empty() {
-        return Err(Gpt2Error::Missing(missing));
-    }
-
-    tch::no_grad(|| {
-        for name in &used {
-            let mut var = vars[name].shallow_clone();
-            var.copy_(&by_name[name]);
-        }
-    });
-    report.loaded = used.len();
-    report.unexpected = by_name
-        .keys()
-        .filter(|n| !used.contains(*n))
-        .cloned()
-        .collect();
-    Ok(report)
-}
-
 /// GPT-2's byte-level BPE (tiktoken `r50k_base`).
 pub struct Tokenizer {
     bpe: tiktoken_rs::CoreBPE,
@@ -687,6 +611,8 @@ impl Tokenizer {
 mod tests {
     use super::*;
     use rusty_fork::rusty_fork_test;
+    use std::collections::BTreeMap;
+    use std::path::Path;
     use tch::Device;
 
     fn tiny() -> (nn::VarStore, Gpt2) {
@@ -834,14 +760,14 @@ mod tests {
         let path = hf_file(&src_vs, dir.path(), |_| {});
 
         tch::manual_seed(1);
-        let mut vs = nn::VarStore::new(Device::Cpu);
+        let vs = nn::VarStore::new(Device::Cpu);
         let model = Gpt2::new(&vs.root(), &Config::tiny());
         let x = ids(&[5, 6, 7, 8]);
         let mask = Tensor::ones([1, 4], (Kind::Float, Device::Cpu));
         let want = src.forward(&x, &mask, false);
         assert!(!close(&model.forward(&x, &mask, false), &want));
 
-        let report = load_hf_safetensors(&mut vs, &path).unwrap();
+        let report = load_hf_safetensors(&vs, None, &path).unwrap();
         assert_eq!(report.loaded, 28);
         assert!(report.unexpected.is_empty());
         assert!(report.skipped.is_empty());
@@ -860,8 +786,10 @@ mod tests {
                 }
             }
         });
-        let (mut vs, _) = tiny();
-        let err = load_hf_safetensors(&mut vs, &path).unwrap_err().to_string();
+        let (vs, _) = tiny();
+        let err = load_hf_safetensors(&vs, None, &path)
+            .unwrap_err()
+            .to_string();
         assert_eq!(
             err,
             "h.1.attn.c_attn.weight: shape [64, 192] expected, file has [192, 64]"
@@ -879,8 +807,10 @@ mod tests {
                 Tensor::zeros([2], (Kind::Float, Device::Cpu)),
             ));
         });
-        let (mut vs, _) = tiny();
-        let err = load_hf_safetensors(&mut vs, &path).unwrap_err().to_string();
+        let (vs, _) = tiny();
+        let err = load_hf_safetensors(&vs, None, &path)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("h.0.mlp.c_fc.bias"), "{err}");
 
         let path = hf_file(&src_vs, dir.path(), |named| {
@@ -889,8 +819,73 @@ mod tests {
                 Tensor::zeros([2], (Kind::Float, Device::Cpu)),
             ));
         });
-        let report = load_hf_safetensors(&mut vs, &path).unwrap();
+        let report = load_hf_safetensors(&vs, None, &path).unwrap();
         assert_eq!(report.unexpected, vec!["extra".to_string()]);
+    }
+
+    /// A model under a prefix beside other variables (as the recommender builds it) loads
+    /// from a file in half precision (converted on the way in), the others left alone.
+    #[test]
+    fn loads_under_a_prefix_and_converts_half_precision() {
+        let dir = tempfile::tempdir().unwrap();
+        let (src_vs, _) = tiny();
+        let path = hf_file(&src_vs, dir.path(), |named| {
+            for (_, t) in named.iter_mut() {
+                *t = t.to_kind(Kind::Half);
+            }
+        });
+        tch::manual_seed(5);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = Gpt2::new(&(vs.root() / "gpt2"), &Config::tiny());
+        let head = vs.root().zeros("head", &[3]);
+        let report = load_hf_safetensors(&vs, Some("gpt2"), &path).unwrap();
+        assert_eq!(report.loaded, 28);
+        assert_eq!(report.skipped, vec!["head".to_string()]);
+        let want = src_vs.variables()["h.1.mlp.c_proj.weight"].to_kind(Kind::Half);
+        let got = &vs.variables()["gpt2.h.1.mlp.c_proj.weight"];
+        assert!(got.to_kind(Kind::Half).equal(&want));
+        assert_eq!(got.kind(), Kind::Float);
+        assert!(head.equal(&Tensor::zeros([3], (Kind::Float, Device::Cpu))));
+        let x = ids(&[1, 2]);
+        let mask = Tensor::ones([1, 2], (Kind::Float, Device::Cpu));
+        assert_eq!(model.forward(&x, &mask, false).size(), vec![1, 2, 64]);
+    }
+
+    /// A cut or corrupt file is refused with what is wrong, before any variable changes.
+    #[test]
+    fn a_damaged_file_is_refused_and_nothing_is_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let (src_vs, _) = tiny();
+        let path = hf_file(&src_vs, dir.path(), |_| {});
+        let bytes = std::fs::read(&path).unwrap();
+        let (vs, _) = {
+            tch::manual_seed(9);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let m = Gpt2::new(&vs.root(), &Config::tiny());
+            (vs, m)
+        };
+        let before = vs.variables()["wte.weight"].copy();
+        let cases: [(&str, Vec<u8>); 3] = [
+            ("too short for a header", bytes[..5].to_vec()),
+            ("header length", {
+                let mut b = bytes.clone();
+                b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+                b
+            }),
+            ("do not hold", bytes[..bytes.len() - 4].to_vec()),
+        ];
+        for (want, damaged) in cases {
+            let cut = dir.path().join("cut.safetensors");
+            std::fs::write(&cut, damaged).unwrap();
+            let err = load_hf_safetensors(&vs, None, &cut)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("not a valid safetensors file") && err.contains(want),
+                "{err}"
+            );
+            assert!(vs.variables()["wte.weight"].equal(&before));
+        }
     }
 
     /// Loss and every trainable variable's gradient after one training step of two forward

@@ -13,7 +13,6 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -91,12 +90,12 @@ fn run() -> Result<()> {
         .context("loading the config")?;
     let config = &plan.config;
     tch::set_num_threads(1);
-    let timeout = Duration::from_secs(config.dist.timeout_s);
-    let setup_timeout = timeout.max(dist::collective::SETUP_TIMEOUT_MIN);
-    let (_server, store) =
-        dist::store::rendezvous(&env, setup_timeout).context("rendezvous with the other ranks")?;
+    let (setup_timeout, limit_key) = config.dist.rendezvous_timeout();
+    let within = || format!("(within {limit_key} = {} s)", setup_timeout.as_secs());
+    let (_server, store) = dist::store::rendezvous(&env, setup_timeout)
+        .with_context(|| format!("rendezvous with the other ranks {}", within()))?;
     let comm = dist::collective::connect(&config.dist, Device::Cpu, &env, store, setup_timeout)
-        .context("connecting the collective")?;
+        .with_context(|| format!("connecting the collective {}", within()))?;
 
     // The same seed everywhere: same data on every rank; a different init would be overwritten
     // by rank 0's anyway.

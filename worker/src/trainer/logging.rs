@@ -1,5 +1,5 @@
 //! What a run tells its user as it goes (rank 0): a record per step in `metrics.jsonl`, a log
-//! line at every tenth of an epoch with every rank's peak memory (or a progress bar in a
+//! line at every tenth of an epoch with the ranks' largest peak memory (or a progress bar in a
 //! terminal), and log lines printed above that bar.
 
 use tracing::info;
@@ -7,11 +7,11 @@ use tracing::info;
 use crate::memory::mib;
 use dist::ddp::StepStats;
 
-use super::{gather_u64, StepRecord, TrainError, Trainer};
+use super::{StepRecord, TrainError, Trainer};
 
 impl Trainer<'_> {
-    /// The step's record in `metrics.jsonl` (rank 0), and at logged steps every rank's peak
-    /// memory and a log line (or the progress bar).
+    /// The step's record in `metrics.jsonl` (rank 0) with the largest peak memory of any rank,
+    /// and at logged steps a log line (or the progress bar).
     pub(super) fn log_step(
         &mut self,
         epoch: u64,
@@ -22,21 +22,10 @@ impl Trainer<'_> {
         let step = self.progress.step;
         let log_every = (self.steps_per_epoch / 10).max(1);
         let log_now = step % log_every == 0 || step == self.total_steps;
-        // At logged steps every rank reports its peak; rank 0 logs the largest.
-        let peak = if log_now {
-            let ctx = self.ctx(step);
-            let all = gather_u64(
-                self.ddp.comm(),
-                self.setup.memory.peak_bytes(self.device),
-                ctx,
-            )?;
-            all.iter()
-                .enumerate()
-                .max_by_key(|(_, &b)| b)
-                .map(|(r, &b)| (r as u64, b))
-        } else {
-            None
-        };
+        // Every rank's peak (sampled after the step's backward passes) came with the step.
+        let peak = stats
+            .probed_max
+            .map(|(r, mib)| (r as u64, (mib * 1024.0 * 1024.0) as u64));
         let global = self.setup.plan.batch.global;
         let Some(file) = self.metrics.as_mut() else {
             return Ok(());

@@ -190,7 +190,7 @@ impl<'t> Trainer<'t> {
     ) -> Result<Trainer<'t>, TrainError> {
         let (config, batch) = (&setup.plan.config, setup.plan.batch);
         let timeout = Duration::from_secs(config.dist.timeout_s);
-        let ddp = Ddp::new(
+        let mut ddp = Ddp::new(
             comm,
             vs,
             DdpConfig {
@@ -207,6 +207,8 @@ impl<'t> Trainer<'t> {
             },
         )?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
+        let (memory, device) = (setup.memory.clone(), vs.device());
+        ddp.set_probe(Box::new(move || memory::mib(memory.peak_bytes(device))));
         let slow = task::slow_fault(
             &std::env::var("GPTREC_FAULT_SLOW").unwrap_or_default(),
             rank,

@@ -38,8 +38,9 @@ pub struct StepRecord {
     pub lr: f64,
     pub grad_norm: f64,
     pub samples_per_s: f64,
-    /// At logged steps: the largest peak memory over the ranks so far (MiB; RSS on the CPU,
-    /// device memory on GPUs) and the rank that has it.
+    /// The largest peak memory over the ranks so far, sampled after the step's backward passes
+    /// (MiB; RSS on the CPU, device memory on GPUs), and the rank that has it. On every step
+    /// record; optional only to read files older runs wrote.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_mem_mib: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
