@@ -11,6 +11,7 @@
 //! - the memory estimate ([`memory`]): each term of a worker's memory from the config and the
 //!   batch plan, and the plans that keep the global batch with less memory;
 //! - the training plan ([`train_plan`]): a config and its batch plan, resolved once;
+//! - the progress reports workers send `launch` for its live display ([`progress`]);
 //! - the names of the shared-memory segments ([`shm_segments`]) that workers create and the
 //!   launcher sweeps (and, through `/proc`, whether their creator is gone).
 //!
@@ -25,5 +26,6 @@ pub mod env_contract;
 pub mod hostlist;
 pub mod job_shape;
 pub mod memory;
+pub mod progress;
 pub mod shm_segments;
 pub mod train_plan;

@@ -8,6 +8,7 @@ mod cli;
 mod gpu;
 mod output;
 mod plan;
+mod progress;
 mod report;
 mod secret;
 mod shm_sweep;
@@ -144,7 +145,7 @@ fn init_logging() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(progress::ConsoleWriter::default)
         .event_format(LaunchFormat)
         .init();
 }

@@ -49,12 +49,13 @@ impl Sinks {
         buf.extend_from_slice(line);
         buf.push(b'\n');
         // One write_all under the console lock: the whole line or nothing (a closed console
-        // must not kill the launcher, so errors are ignored).
+        // must not kill the launcher, so errors are ignored), above the progress display if
+        // one is up.
         let _guard = self
             .console
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        match stream {
+        crate::progress::on_console(|| match stream {
             Stream::Stdout => {
                 let mut out = std::io::stdout().lock();
                 let _ = out.write_all(&buf);
@@ -63,7 +64,7 @@ impl Sinks {
             Stream::Stderr => {
                 let _ = std::io::stderr().lock().write_all(&buf);
             }
-        }
+        });
     }
 }
 

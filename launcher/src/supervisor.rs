@@ -16,6 +16,7 @@ use tracing::{info, warn};
 
 use crate::output::{self, Sinks, Stream, Tail};
 use crate::plan::{shell_words, Plan};
+use crate::progress::Display;
 use crate::report::{self, Ending, WorkerRecord};
 use crate::watchdog::Watchdog;
 
@@ -72,7 +73,22 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
     let mut restart = 0;
     let code = loop {
         crate::shm_sweep::sweep_and_log();
-        let end = run_group(plan, restart, &sinks, &mut watchdog, &events);
+        let display = crate::progress::wanted().then(|| {
+            crate::progress::Display::start(
+                (0..plan.nproc).map(|l| plan.worker_env(l, restart).rank),
+            )
+        });
+        let end = run_group(
+            plan,
+            restart,
+            &sinks,
+            display.as_ref(),
+            &mut watchdog,
+            &events,
+        );
+        if let Some(display) = &display {
+            display.stop();
+        }
         crate::shm_sweep::sweep_and_log(); // every worker of the group is reaped by now
         match end {
             GroupEnd::Success => break 0,
@@ -175,6 +191,7 @@ fn run_group(
     plan: &Plan,
     round: u32,
     sinks: &Arc<Sinks>,
+    display: Option<&Arc<Display>>,
     watchdog: &mut Watchdog,
     (tx, rx): &(Sender<Event>, Receiver<Event>),
 ) -> GroupEnd {
@@ -196,7 +213,7 @@ fn run_group(
     };
     for local_rank in 0..plan.nproc {
         let env = plan.worker_env(local_rank, round);
-        match spawn_worker(plan, &env, sinks, tx, round, watchdog) {
+        match spawn_worker(plan, &env, sinks, display, tx, round, watchdog) {
             Ok((pid, tail)) => {
                 group.open_streams += 2;
                 group.workers.push(Worker {
@@ -510,11 +527,19 @@ fn spawn_worker(
     plan: &Plan,
     env: &common::env_contract::WorkerEnv,
     sinks: &Arc<Sinks>,
+    display: Option<&Arc<Display>>,
     tx: &Sender<Event>,
     round: u32,
     watchdog: &mut Watchdog,
 ) -> std::io::Result<(i32, Tail)> {
-    let mut child = worker_command(plan, env).spawn()?;
+    let mut command = worker_command(plan, env);
+    let follow = display
+        .map(|d| d.connect(&mut command, env.rank))
+        .transpose()?;
+    let mut child = command.spawn()?;
+    if let Some(follow) = follow {
+        follow.start()?;
+    }
     let pid = child.id() as i32;
     watchdog.watch(pid);
     let log = rank_log(plan, env.rank);

@@ -22,6 +22,7 @@ impl Trainer<'_> {
             return Ok(());
         }
         let t0 = Instant::now();
+        self.report_progress(common::progress::Phase::Evaluate, true);
         self.setup.memory.enter(Phase::Evaluation);
         let ctx = self.slow_ctx(self.progress.step);
         let valid = self.task.evaluate(Split::Valid, self.ddp.comm(), ctx);
@@ -109,6 +110,7 @@ impl Trainer<'_> {
             return Ok(None);
         }
         let step = self.progress.step;
+        self.report_progress(common::progress::Phase::Evaluate, true);
         if self.eval.best.is_some() {
             self.load_best(step)?;
         }

@@ -2,6 +2,7 @@
 //! line at every tenth of an epoch with the ranks' largest peak memory (or a progress bar in a
 //! terminal), and log lines printed above that bar.
 
+use common::progress::{Phase, ProgressRecord};
 use tracing::info;
 
 use crate::memory::mib;
@@ -26,6 +27,8 @@ impl Trainer<'_> {
         let peak = stats
             .probed_max
             .map(|(r, mib)| (r as u64, (mib * 1024.0 * 1024.0) as u64));
+        let epoch_end = step % self.steps_per_epoch.max(1) == 0 || step == self.total_steps;
+        self.report_progress_in(epoch + 1, Phase::Train, epoch_end);
         let global = self.setup.plan.batch.global;
         let Some(file) = self.metrics.as_mut() else {
             return Ok(());
@@ -78,6 +81,37 @@ impl Trainer<'_> {
         match &self.bar {
             Some(bar) => bar.suspend(|| info!("{line}")),
             None => info!("{line}"),
+        }
+    }
+}
+
+impl Trainer<'_> {
+    /// This rank's report for `launch`'s live display (when it asked for reports), in the
+    /// epoch under way or just done; `force` sends it even right after another.
+    pub(super) fn report_progress(&mut self, phase: Phase, force: bool) {
+        let epoch = self.progress.epochs_done.clamp(1, self.epochs.max(1));
+        self.report_progress_in(epoch, phase, force);
+    }
+
+    fn report_progress_in(&mut self, epoch: u64, phase: Phase, force: bool) {
+        let Some(sender) = self.reports.as_mut() else {
+            return;
+        };
+        let p = &self.progress;
+        let elapsed = p.started.elapsed().as_secs_f64();
+        let record = ProgressRecord {
+            rank: self.ddp.rank() as u32,
+            phase,
+            epoch,
+            epochs: self.epochs,
+            step: p.step,
+            total_steps: self.total_steps,
+            loss: p.last_loss,
+            samples_per_s: (p.steps_run > 0)
+                .then(|| (p.steps_run * self.setup.plan.batch.global) as f64 / elapsed.max(1e-9)),
+        };
+        if !sender.send(&record, force) {
+            self.reports = None;
         }
     }
 }

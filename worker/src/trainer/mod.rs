@@ -126,6 +126,7 @@ pub fn train(
     trainer.prepare_run_dir()?;
     trainer.fit()?;
     let test = trainer.test()?;
+    trainer.report_progress(common::progress::Phase::Done, true);
     trainer.report(test)
 }
 
@@ -175,6 +176,8 @@ struct Trainer<'t> {
     /// Rank 0: `metrics.jsonl` and, in a terminal, a progress bar.
     metrics: Option<MetricsLog>,
     bar: Option<indicatif::ProgressBar>,
+    /// Every rank: reports for `launch`'s live display, when it asked for them.
+    reports: Option<crate::progress_channel::ProgressSender>,
     /// `GPTREC_FAULT_SLOW` on this rank.
     slow: Option<Duration>,
 }
@@ -272,6 +275,7 @@ impl<'t> Trainer<'t> {
             },
             metrics: None,
             bar: None,
+            reports: crate::progress_channel::ProgressSender::from_env(),
             slow,
         })
     }

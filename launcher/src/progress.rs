@@ -1,0 +1,385 @@
+//! The live progress display of `launch` when its stderr is a terminal: one bar for the job
+//! (epoch, step of total, loss, samples/s, ETA), one line per rank while the ranks drift apart
+//! (one still starting, evaluating or stalled while the others go on), and every worker or
+//! launcher line printed above it.
+//!
+//! Owns: the reading ends of the workers' progress pipes (a thread per worker, fed by the
+//! records of `common::progress`, never by worker log text) and the drawing; the one place
+//! that writes to the console while a display is up ([`on_console`]). Must not: slow a worker
+//! (the workers' writes never block, see the worker's `progress_channel`), draw anywhere but a
+//! terminal, or decide anything about the run.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use common::progress::{Phase, ProgressRecord, PROGRESS_FD, PROGRESS_FD_VAR};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// How long ranks may disagree (one still starting, another phase, a stale step) before the
+/// per-rank lines appear: reports arrive up to 0.1 s apart even when the ranks are in step.
+const DRIFT_AFTER: Duration = Duration::from_secs(1);
+
+/// The display of one launcher, shared by the reader threads and the console writers.
+pub struct Display {
+    multi: MultiProgress,
+    state: Mutex<State>,
+}
+
+struct State {
+    bar: ProgressBar,
+    /// This node's ranks, each with its latest report and when it came.
+    ranks: BTreeMap<u32, Option<(ProgressRecord, Instant)>>,
+    /// Since when the ranks have disagreed, and the per-rank lines once shown.
+    drift_since: Option<Instant>,
+    rank_lines: Vec<ProgressBar>,
+}
+
+/// The display while one is up: [`on_console`] draws lines above it.
+static ACTIVE: Mutex<Option<Arc<Display>>> = Mutex::new(None);
+
+/// Whether a person watches: stderr is a terminal and `GPTREC_PROGRESS` is not `plain`.
+pub fn wanted() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var("GPTREC_PROGRESS").map_or(true, |v| v != "plain")
+}
+
+/// Runs `write` (one whole console write) with the display, if one is up, lifted off the screen,
+/// so the lines land above it and it is redrawn below them.
+pub fn on_console<R>(write: impl FnOnce() -> R) -> R {
+    let active = lock(&ACTIVE).clone();
+    match active {
+        Some(display) => display.multi.suspend(write),
+        None => write(),
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Display {
+    /// A display for the group of `ranks` (this node's global ranks), made the active one; it
+    /// shows itself at the first report.
+    pub fn start(ranks: impl IntoIterator<Item = u32>) -> Arc<Display> {
+        // Hidden until the first report: a program that sends none (`launch -- python x.py`)
+        // never gets a display.
+        let multi = MultiProgress::with_draw_target(ProgressDrawTarget::hidden());
+        let bar = multi.add(ProgressBar::new(0));
+        bar.set_style(
+            ProgressStyle::with_template("{msg} [{bar:30}] step {pos}/{len} ETA {eta}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        let display = Arc::new(Display {
+            multi,
+            state: Mutex::new(State {
+                bar,
+                ranks: ranks.into_iter().map(|r| (r, None)).collect(),
+                drift_since: None,
+                rank_lines: Vec::new(),
+            }),
+        });
+        *lock(&ACTIVE) = Some(display.clone());
+        display
+    }
+
+    /// Takes the display off the screen for good (the run's end, a teardown before a restart).
+    pub fn stop(&self) {
+        let state = lock(&self.state);
+        for line in &state.rank_lines {
+            line.finish_and_clear();
+        }
+        state.bar.finish_and_clear();
+        let mut active = lock(&ACTIVE);
+        if active.as_ref().is_some_and(|a| std::ptr::eq(&**a, self)) {
+            *active = None;
+        }
+    }
+
+    /// Passes a new pipe to the worker `command` will start as [`PROGRESS_FD`], and returns the
+    /// reading end's follower to call once the worker is spawned (it drops our copy of the
+    /// writing end, so the pipe ends when the worker does).
+    pub fn connect(self: &Arc<Self>, command: &mut Command, rank: u32) -> std::io::Result<Follow> {
+        let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        let fd: RawFd = writer.as_raw_fd();
+        command.env(PROGRESS_FD_VAR, PROGRESS_FD.to_string());
+        // SAFETY: only async-signal-safe calls (dup2, fcntl) between fork and exec.
+        unsafe {
+            command.pre_exec(move || {
+                if fd == PROGRESS_FD {
+                    // Already in place: only the close-on-exec flag must go.
+                    if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::dup2(fd, PROGRESS_FD) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        Ok(Follow {
+            display: self.clone(),
+            reader,
+            writer,
+            rank,
+        })
+    }
+
+    /// Takes in one report and redraws.
+    fn update(&self, record: ProgressRecord) {
+        let mut state = lock(&self.state);
+        if state.ranks.values().all(Option::is_none) {
+            self.multi
+                .set_draw_target(ProgressDrawTarget::stderr_with_hz(10));
+        }
+        state
+            .ranks
+            .insert(record.rank, Some((record, Instant::now())));
+        state.redraw(&self.multi);
+    }
+}
+
+/// The reading end of one worker's pipe, to follow once the worker runs.
+pub struct Follow {
+    display: Arc<Display>,
+    reader: OwnedFd,
+    writer: OwnedFd,
+    rank: u32,
+}
+
+impl Follow {
+    /// Reads the worker's reports on a thread of their own until it closes the pipe.
+    pub fn start(self) -> std::io::Result<()> {
+        drop(self.writer);
+        let (display, reader) = (self.display, self.reader);
+        std::thread::Builder::new()
+            .name(format!("rank{}-progress", self.rank))
+            .spawn(move || {
+                for line in BufReader::new(std::fs::File::from(reader)).lines() {
+                    let Ok(line) = line else { break };
+                    if let Some(record) = ProgressRecord::from_line(&line) {
+                        display.update(record);
+                    }
+                }
+            })?;
+        Ok(())
+    }
+}
+
+impl State {
+    /// The job's bar from the slowest rank's report, and the per-rank lines while the ranks
+    /// have disagreed for [`DRIFT_AFTER`].
+    fn redraw(&mut self, multi: &MultiProgress) {
+        let reports: Vec<&(ProgressRecord, Instant)> = self.ranks.values().flatten().collect();
+        let Some(slowest) = reports.iter().map(|(r, _)| r).min_by_key(|r| r.step) else {
+            return;
+        };
+        let bar = &self.bar;
+        if bar.length() != Some(slowest.total_steps) {
+            bar.set_length(slowest.total_steps);
+        }
+        if bar.position() != slowest.step {
+            bar.set_position(slowest.step);
+        }
+        bar.set_message(job_message(&reports));
+        let now = Instant::now();
+        if !self.disagree(now) {
+            self.drift_since = None;
+            for line in self.rank_lines.drain(..) {
+                line.finish_and_clear();
+                multi.remove(&line);
+            }
+            return;
+        }
+        let since = *self.drift_since.get_or_insert(now);
+        if now - since < DRIFT_AFTER {
+            return;
+        }
+        if self.rank_lines.is_empty() {
+            for _ in &self.ranks {
+                let line = multi.add(ProgressBar::new_spinner());
+                line.set_style(
+                    ProgressStyle::with_template("  {msg}")
+                        .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+                );
+                self.rank_lines.push(line);
+            }
+        }
+        for ((rank, report), line) in self.ranks.iter().zip(&self.rank_lines) {
+            line.set_message(rank_message(*rank, report.as_ref().map(|(r, _)| r)));
+        }
+    }
+
+    /// Whether a rank has not reported yet, the ranks are in different phases, or one's step
+    /// is behind another's with no report for [`DRIFT_AFTER`].
+    fn disagree(&self, now: Instant) -> bool {
+        let reports: Vec<&(ProgressRecord, Instant)> = self.ranks.values().flatten().collect();
+        if reports.len() < self.ranks.len() {
+            return true;
+        }
+        let top = reports.iter().map(|(r, _)| r.step).max().unwrap_or(0);
+        reports.iter().any(|(r, at)| {
+            r.phase != reports[0].0.phase || (r.step + 1 < top && now - *at >= DRIFT_AFTER)
+        })
+    }
+}
+
+/// `epoch 2/5 loss 0.5123 135,120 samples/s` (or `evaluating`, `done`), from the slowest rank.
+fn job_message(reports: &[&(ProgressRecord, Instant)]) -> String {
+    let Some((first, _)) = reports.iter().min_by_key(|(r, _)| (r.step, r.rank)) else {
+        return String::new();
+    };
+    let mut text = format!("epoch {}/{}", first.epoch, first.epochs);
+    match reports
+        .iter()
+        .map(|(r, _)| r.phase)
+        .min_by_key(|p| *p as u8)
+    {
+        Some(Phase::Evaluate) => text.push_str(" evaluating"),
+        Some(Phase::Done) => text.push_str(" done"),
+        _ => {}
+    }
+    if let Some(loss) = first.loss {
+        text.push_str(&format!(" loss {loss:.4}"));
+    }
+    if let Some(rate) = first.samples_per_s {
+        text.push_str(&format!(" {} samples/s", thousands(rate)));
+    }
+    text
+}
+
+/// `rank 1: step 118/400, training`.
+fn rank_message(rank: u32, report: Option<&ProgressRecord>) -> String {
+    match report {
+        None => format!("rank {rank}: starting"),
+        Some(r) => format!(
+            "rank {rank}: step {}/{}, {}",
+            r.step,
+            r.total_steps,
+            match r.phase {
+                Phase::Train => "training",
+                Phase::Evaluate => "evaluating",
+                Phase::Done => "done",
+            }
+        ),
+    }
+}
+
+/// `135120.4` -> `135,120`.
+fn thousands(value: f64) -> String {
+    let digits = format!("{:.0}", value.max(0.0));
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A `tracing` writer for the launcher's own messages: each event is collected whole and
+/// written through [`on_console`], so it lands above the display.
+#[derive(Default)]
+pub struct ConsoleWriter {
+    buffer: Vec<u8>,
+}
+
+impl Write for ConsoleWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.buffer.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for ConsoleWriter {
+    fn drop(&mut self) {
+        if !self.buffer.is_empty() {
+            on_console(|| {
+                let _ = std::io::stderr().lock().write_all(&self.buffer);
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(rank: u32, step: u64, phase: Phase) -> ProgressRecord {
+        ProgressRecord {
+            rank,
+            phase,
+            epoch: 2,
+            epochs: 3,
+            step,
+            total_steps: 30,
+            loss: Some(0.25),
+            samples_per_s: Some(1234567.8),
+        }
+    }
+
+    fn state(ranks: &[(u32, Option<(ProgressRecord, Instant)>)]) -> State {
+        State {
+            bar: ProgressBar::hidden(),
+            ranks: ranks.iter().cloned().collect(),
+            drift_since: None,
+            rank_lines: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_job_line_follows_the_slowest_rank() {
+        let now = Instant::now();
+        let (a, b) = (
+            (report(0, 12, Phase::Train), now),
+            (report(1, 11, Phase::Train), now),
+        );
+        assert_eq!(
+            job_message(&[&a, &b]),
+            "epoch 2/3 loss 0.2500 1,234,568 samples/s"
+        );
+        // The job is in the least advanced phase of its ranks.
+        let (c, d) = (
+            (report(0, 20, Phase::Evaluate), now),
+            (report(1, 20, Phase::Evaluate), now),
+        );
+        assert!(job_message(&[&c, &d]).starts_with("epoch 2/3 evaluating"));
+        assert!(!job_message(&[&a, &d]).contains("evaluating"));
+        assert_eq!(thousands(999.4), "999");
+        assert_eq!(thousands(1000.0), "1,000");
+    }
+
+    /// In step (reports a few steps apart but fresh) is not drift; a missing rank, another
+    /// phase, or a rank behind with a stale report is.
+    #[test]
+    fn drift_is_a_rank_missing_elsewhere_or_stale_behind() {
+        let now = Instant::now();
+        let old = now - Duration::from_secs(5);
+        let fresh = |r, s| Some((report(r, s, Phase::Train), now));
+        assert!(!state(&[(0, fresh(0, 40)), (1, fresh(1, 25))]).disagree(now));
+        assert!(state(&[(0, fresh(0, 40)), (1, None)]).disagree(now));
+        let evaluating = Some((report(1, 40, Phase::Evaluate), now));
+        assert!(state(&[(0, fresh(0, 40)), (1, evaluating)]).disagree(now));
+        let stale = Some((report(1, 25, Phase::Train), old));
+        assert!(state(&[(0, fresh(0, 40)), (1, stale)]).disagree(now));
+        let stale_in_step = Some((report(1, 39, Phase::Train), old));
+        assert!(!state(&[(0, fresh(0, 40)), (1, stale_in_step)]).disagree(now));
+        assert_eq!(rank_message(1, None), "rank 1: starting");
+        assert_eq!(
+            rank_message(0, Some(&report(0, 7, Phase::Evaluate))),
+            "rank 0: step 7/30, evaluating"
+        );
+    }
+}
