@@ -200,6 +200,7 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
         run_dir: start.run_dir.clone(),
         memory: tracker.clone(),
         stop_after_epoch: trainer::stop_after_epoch_from_env(),
+        baseline: Some(trainer::baseline_record("pop", "valid", &pop_valid)),
     };
     let report = trainer::train(&mut task, &vs, comm, &setup).context("training")?;
     if start.leader() {

@@ -69,7 +69,27 @@ impl RunSummary<'_> {
         self.write_memory_json();
         MetricsLog::open(&self.run_dir.join("metrics.jsonl"))?.append(&self.record())?;
         self.print();
+        self.draw_curves();
         Ok(())
+    }
+
+    /// The curves next to `metrics.jsonl`, and where they are (a failure to draw them is a
+    /// warning: `plot-curves` can redraw them).
+    fn draw_curves(&self) {
+        match crate::curves::draw(self.run_dir) {
+            Ok(files) => {
+                let names: Vec<String> = files
+                    .iter()
+                    .filter_map(|f| Some(f.file_name()?.to_string_lossy().into_owned()))
+                    .collect();
+                println!(
+                    "  curves: {}/curves/{{{}}}",
+                    self.run_dir.display(),
+                    names.join(",")
+                );
+            }
+            Err(e) => tracing::warn!("no curves: {e} (redraw with `plot-curves RUN_DIR`)"),
+        }
     }
 
     fn peaks(&self) -> (Vec<f64>, Option<Vec<f64>>) {

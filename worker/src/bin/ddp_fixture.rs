@@ -141,6 +141,7 @@ fn run() -> Result<()> {
         run_dir: run_dir.clone(),
         memory: Default::default(),
         stop_after_epoch: train::stop_after_epoch_from_env(),
+        baseline: None,
     };
     let report = train::train(&mut task, &vs, comm, &setup).context("training")?;
     let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();

@@ -31,7 +31,7 @@ use dist::sampler::DistributedSampler;
 use recommender::eval::Metrics;
 
 pub use recommender::Split;
-pub use records::{eval_record, StepRecord};
+pub use records::{baseline_record, eval_record, StepRecord};
 pub use sync::gather_u64;
 pub use task::Task;
 
@@ -105,6 +105,9 @@ pub struct TrainSetup<'a> {
     /// Stop cleanly after this many epochs (a test hook that simulates an interrupted run;
     /// `GPTREC_STOP_AFTER_EPOCH`).
     pub stop_after_epoch: Option<u64>,
+    /// A baseline's record ([`baseline_record`]) that rank 0 writes at the head of a
+    /// fresh run's `metrics.jsonl`.
+    pub baseline: Option<serde_json::Value>,
 }
 
 /// The `GPTREC_STOP_AFTER_EPOCH` test hook (see [`TrainSetup::stop_after_epoch`]).
@@ -324,7 +327,11 @@ impl<'t> Trainer<'t> {
         std::fs::write(&path, resolved).map_err(|e| io(&path, e))?;
         self.earlier_summary =
             resume::own_the_run_dir(run_dir, &self.start, self.resumed_from.is_some())?;
-        self.metrics = Some(MetricsLog::open(&run_dir.join("metrics.jsonl"))?);
+        let mut metrics = MetricsLog::open(&run_dir.join("metrics.jsonl"))?;
+        if let (None, Some(baseline)) = (&self.resumed_from, &self.setup.baseline) {
+            metrics.append(baseline)?;
+        }
+        self.metrics = Some(metrics);
         self.bar = progress_bar_wanted().then(|| new_bar(self.total_steps, self.start.step));
         Ok(())
     }

@@ -4,6 +4,21 @@ use serde::{Deserialize, Serialize};
 
 use recommender::eval::Metrics;
 
+/// A baseline's evaluation as a line of `metrics.jsonl`, written once at a fresh start (the
+/// curves draw it beside the model's): `{"kind":"baseline","model":"pop","split":"valid",
+/// "users":..,"recall@10":..,...}`.
+pub fn baseline_record(model: &str, split: &str, metrics: &Metrics) -> serde_json::Value {
+    let mut record = eval_record(split, 0, 0, metrics, 0.0);
+    if let serde_json::Value::Object(map) = &mut record {
+        for key in ["epoch", "step", "seconds"] {
+            map.remove(key);
+        }
+        map.insert("kind".into(), "baseline".into());
+        map.insert("model".into(), model.into());
+    }
+    record
+}
+
 /// One evaluation as a line of `metrics.jsonl`: `{"kind":"eval","split":"valid","epoch":..,
 /// "step":..,"users":..,"recall@10":..,...,"seconds":..}`.
 pub fn eval_record(
