@@ -14,6 +14,19 @@ pub const PROGRESS_FD_VAR: &str = "GPTREC_PROGRESS_FD";
 /// The descriptor number `launch` gives the pipe in every worker.
 pub const PROGRESS_FD: i32 = 3;
 
+/// The variable that turns live displays off (`plain`) for a person who wants lines only.
+pub const PLAIN_VAR: &str = "GPTREC_PROGRESS";
+
+/// The bar both displays draw (`launch`'s for the job, a lone worker's for itself): indicatif's
+/// template, the message carrying epoch, loss and samples/s.
+pub const BAR_TEMPLATE: &str = "{msg} [{bar:30}] step {pos}/{len} ETA {eta}";
+
+/// Whether to draw a live display: a person watches (`stderr_is_terminal`) and
+/// [`PLAIN_VAR`] is not `plain`.
+pub fn wanted(stderr_is_terminal: bool) -> bool {
+    stderr_is_terminal && std::env::var(PLAIN_VAR).map_or(true, |v| v != "plain")
+}
+
 /// Where a rank is in its run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

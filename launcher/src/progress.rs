@@ -42,10 +42,9 @@ struct State {
 /// The display while one is up: [`on_console`] draws lines above it.
 static ACTIVE: Mutex<Option<Arc<Display>>> = Mutex::new(None);
 
-/// Whether a person watches: stderr is a terminal and `GPTREC_PROGRESS` is not `plain`.
+/// Whether a person watches (see [`common::progress::wanted`]).
 pub fn wanted() -> bool {
-    std::io::IsTerminal::is_terminal(&std::io::stderr())
-        && std::env::var("GPTREC_PROGRESS").map_or(true, |v| v != "plain")
+    common::progress::wanted(std::io::IsTerminal::is_terminal(&std::io::stderr()))
 }
 
 /// Runs `write` (one whole console write) with the display, if one is up, lifted off the screen,
@@ -73,7 +72,7 @@ impl Display {
         let multi = MultiProgress::with_draw_target(ProgressDrawTarget::hidden());
         let bar = multi.add(ProgressBar::new(0));
         bar.set_style(
-            ProgressStyle::with_template("{msg} [{bar:30}] step {pos}/{len} ETA {eta}")
+            ProgressStyle::with_template(common::progress::BAR_TEMPLATE)
                 .unwrap_or_else(|_| ProgressStyle::default_bar())
                 .progress_chars("=> "),
         );

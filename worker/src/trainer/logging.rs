@@ -5,7 +5,6 @@
 use common::progress::{Phase, ProgressRecord};
 use tracing::info;
 
-use crate::memory::mib;
 use dist::ddp::StepStats;
 
 use super::{StepRecord, TrainError, Trainer};
@@ -23,10 +22,9 @@ impl Trainer<'_> {
         let step = self.progress.step;
         let log_every = (self.steps_per_epoch / 10).max(1);
         let log_now = step % log_every == 0 || step == self.total_steps;
-        // Every rank's peak (sampled after the step's backward passes) came with the step.
-        let peak = stats
-            .probed_max
-            .map(|(r, mib)| (r as u64, (mib * 1024.0 * 1024.0) as u64));
+        // Every rank's peak in MiB (sampled after the step's backward passes) came with the
+        // step.
+        let peak = stats.probed_max;
         let epoch_end = step % self.steps_per_epoch.max(1) == 0 || step == self.total_steps;
         self.report_progress_in(epoch + 1, Phase::Train, epoch_end);
         let global = self.setup.plan.batch.global;
@@ -41,12 +39,12 @@ impl Trainer<'_> {
             lr,
             grad_norm: stats.grad_norm,
             samples_per_s: global as f64 / secs.max(1e-9),
-            peak_mem_mib: peak.map(|(_, b)| mib(b)),
-            peak_mem_rank: peak.map(|(r, _)| r),
+            peak_mem_mib: peak.map(|(_, mib)| mib),
+            peak_mem_rank: peak.map(|(r, _)| r as u64),
         })?;
         let p = &self.progress;
         let elapsed = p.started.elapsed().as_secs_f64();
-        let rate = (p.steps_run * global) as f64 / elapsed.max(1e-9);
+        let rate = p.samples_per_s(global);
         if let Some(bar) = self.bar.as_mut() {
             bar.set_position(step);
             bar.set_message(format!(
@@ -57,7 +55,7 @@ impl Trainer<'_> {
             ));
         } else if log_now {
             let eta = elapsed / p.steps_run as f64 * self.total_steps.saturating_sub(step) as f64;
-            let (peak_rank, peak_bytes) = peak.unwrap_or_default();
+            let (peak_rank, peak_mib) = peak.unwrap_or_default();
             info!(
                 "epoch {}/{} step {step}/{} loss {:.6} lr {lr:.3e} grad_norm {:.4} {rate:.0} samples/s {:.1} ms/step, peak mem {:.0} MiB (rank {peak_rank}) ETA {}",
                 epoch + 1,
@@ -66,7 +64,7 @@ impl Trainer<'_> {
                 stats.loss,
                 stats.grad_norm,
                 elapsed * 1000.0 / p.steps_run as f64,
-                mib(peak_bytes),
+                peak_mib,
                 format_duration(eta)
             );
         }
@@ -83,9 +81,7 @@ impl Trainer<'_> {
             None => info!("{line}"),
         }
     }
-}
 
-impl Trainer<'_> {
     /// This rank's report for `launch`'s live display (when it asked for reports), in the
     /// epoch under way or just done; `force` sends it even right after another.
     pub(super) fn report_progress(&mut self, phase: Phase, force: bool) {
@@ -98,7 +94,6 @@ impl Trainer<'_> {
             return;
         };
         let p = &self.progress;
-        let elapsed = p.started.elapsed().as_secs_f64();
         let record = ProgressRecord {
             rank: self.ddp.rank() as u32,
             phase,
@@ -107,8 +102,7 @@ impl Trainer<'_> {
             step: p.step,
             total_steps: self.total_steps,
             loss: p.last_loss,
-            samples_per_s: (p.steps_run > 0)
-                .then(|| (p.steps_run * self.setup.plan.batch.global) as f64 / elapsed.max(1e-9)),
+            samples_per_s: (p.steps_run > 0).then(|| p.samples_per_s(self.setup.plan.batch.global)),
         };
         if !sender.send(&record, force) {
             self.reports = None;
@@ -116,17 +110,15 @@ impl Trainer<'_> {
     }
 }
 
-/// A progress bar on rank 0 only when a person watches: stderr is a terminal and
-/// `GPTREC_PROGRESS` is not `plain`.
+/// A progress bar on rank 0 only when a person watches (see [`common::progress::wanted`]).
 pub(super) fn progress_bar_wanted() -> bool {
-    std::io::IsTerminal::is_terminal(&std::io::stderr())
-        && std::env::var("GPTREC_PROGRESS").map_or(true, |v| v != "plain")
+    common::progress::wanted(std::io::IsTerminal::is_terminal(&std::io::stderr()))
 }
 
 pub(super) fn new_bar(total_steps: u64, position: u64) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(total_steps);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] step {pos}/{len} ETA {eta}")
+        indicatif::ProgressStyle::with_template(common::progress::BAR_TEMPLATE)
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
             .progress_chars("=> "),
     );

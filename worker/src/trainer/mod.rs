@@ -152,6 +152,31 @@ struct Progress {
     data: Duration,
 }
 
+/// How often the step probe measures the peak anew: on a GPU that is an NVML query, on the CPU
+/// a read of `/proc`, both too slow for every step of a fast model.
+const PEAK_SAMPLE_EVERY: Duration = Duration::from_millis(500);
+
+/// The step probe of this rank's peak memory (MiB), measured at most every
+/// [`PEAK_SAMPLE_EVERY`] and the last figure repeated in between.
+fn peak_memory_probe(memory: PhaseTracker, device: Device) -> dist::ddp::StepProbe {
+    let mut last: Option<(Instant, f64)> = None;
+    Box::new(move || match last {
+        Some((at, mib)) if at.elapsed() < PEAK_SAMPLE_EVERY => mib,
+        _ => {
+            let mib = memory::mib(memory.peak_bytes(device));
+            last = Some((Instant::now(), mib));
+            mib
+        }
+    })
+}
+
+impl Progress {
+    /// Samples per second of this process's steps so far (`global` samples each).
+    fn samples_per_s(&self, global: u64) -> f64 {
+        (self.steps_run * global) as f64 / self.started.elapsed().as_secs_f64().max(1e-9)
+    }
+}
+
 /// One run of training: the engine, the optimizer and schedule, the sampler, what the run
 /// started from, and its progress.
 struct Trainer<'t> {
@@ -213,8 +238,7 @@ impl<'t> Trainer<'t> {
             },
         )?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
-        let (memory, device) = (setup.memory.clone(), vs.device());
-        ddp.set_probe(Box::new(move || memory::mib(memory.peak_bytes(device))));
+        ddp.set_probe(peak_memory_probe(setup.memory.clone(), vs.device()));
         let slow = task::slow_fault(
             &std::env::var("GPTREC_FAULT_SLOW").unwrap_or_default(),
             rank,

@@ -53,8 +53,9 @@ pub struct StepRecord {
     pub lr: f64,
     pub grad_norm: f64,
     pub samples_per_s: f64,
-    /// The largest peak memory over the ranks so far, sampled after the step's backward passes
-    /// (MiB; RSS on the CPU, device memory on GPUs), and the rank that has it. On every step
+    /// The largest peak memory over the ranks so far, sampled after a step's backward passes at
+    /// most every half second (MiB; RSS on the CPU, device memory on GPUs), and the rank that
+    /// has it. On every step
     /// record; optional only to read files older runs wrote.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_mem_mib: Option<f64>,

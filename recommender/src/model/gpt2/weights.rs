@@ -53,10 +53,10 @@ pub fn load_hf_safetensors(
     path: &Path,
 ) -> Result<LoadReport, Gpt2Error> {
     let mut file = File::open(path)?;
-    let header = Header::read(&mut file)?;
+    let header = read_header(&mut file)?;
     let mut report = LoadReport::default();
-    let mut by_name: BTreeMap<String, (&String, &Entry)> = BTreeMap::new();
-    for (name, entry) in &header.entries {
+    let mut by_name: BTreeMap<String, (&String, &Stored)> = BTreeMap::new();
+    for (name, entry) in &header {
         let stripped = name.strip_prefix("transformer.").unwrap_or(name);
         if is_ignored(stripped) {
             report.ignored.push(name.clone());
@@ -106,7 +106,7 @@ pub fn load_hf_safetensors(
         .map(|(_, (file_name, _))| (*file_name).clone())
         .collect();
     for (name, var) in &targets {
-        header.read_into(&mut file, by_name[name].1, var)?;
+        by_name[name].1.read_into(&mut file, var)?;
     }
     report.loaded = targets.len();
     Ok(report)
@@ -121,72 +121,77 @@ struct Entry {
     data_offsets: (u64, u64),
 }
 
-/// The parsed header, with where the data starts and how long the file is.
-struct Header {
-    entries: BTreeMap<String, Entry>,
-    data_start: u64,
+/// An entry once checked: its kind, shape and bytes (absolute offsets in the file).
+struct Stored {
+    kind: Kind,
+    shape: Vec<i64>,
+    bytes: std::ops::Range<u64>,
 }
 
 /// Headers larger than this are refused (safetensors' own limit).
 const MAX_HEADER: u64 = 100_000_000;
 
-impl Header {
-    /// Reads and checks the header: every entry's dtype is known and its bytes lie in the file
-    /// and match its shape.
-    fn read(file: &mut File) -> Result<Header, Gpt2Error> {
-        let len = file.metadata()?.len();
-        let mut n = [0u8; 8];
-        file.read_exact(&mut n)
-            .map_err(|_| Gpt2Error::Format(format!("{len} bytes, too short for a header")))?;
-        let n = u64::from_le_bytes(n);
-        if n > MAX_HEADER || 8 + n > len {
+/// Reads and checks the header: every entry's dtype is known and its bytes lie in the file
+/// and match its shape.
+fn read_header(file: &mut File) -> Result<BTreeMap<String, Stored>, Gpt2Error> {
+    let len = file.metadata()?.len();
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n)
+        .map_err(|_| Gpt2Error::Format(format!("{len} bytes, too short for a header")))?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER || 8 + n > len {
+        return Err(Gpt2Error::Format(format!(
+            "header length {n} does not fit the file's {len} bytes"
+        )));
+    }
+    let mut text = vec![0u8; n as usize];
+    file.read_exact(&mut text)?;
+    let mut raw: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&text).map_err(|e| Gpt2Error::Format(format!("header: {e}")))?;
+    raw.remove("__metadata__");
+    let data_start = 8 + n;
+    let mut entries = BTreeMap::new();
+    for (name, value) in raw {
+        let entry: Entry = serde_json::from_value(value)
+            .map_err(|e| Gpt2Error::Format(format!("header entry {name}: {e}")))?;
+        let (begin, end) = entry.data_offsets;
+        let kind = kind_of(&entry.dtype)
+            .ok_or_else(|| Gpt2Error::Format(format!("{name}: dtype {}", entry.dtype)))?;
+        let numel = entry.shape.iter().try_fold(1u64, |acc, &d| {
+            u64::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+        });
+        let bytes = numel.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64));
+        if begin > end || data_start + end > len || bytes != Some(end - begin) {
             return Err(Gpt2Error::Format(format!(
-                "header length {n} does not fit the file's {len} bytes"
-            )));
-        }
-        let mut text = vec![0u8; n as usize];
-        file.read_exact(&mut text)?;
-        let mut raw: BTreeMap<String, serde_json::Value> =
-            serde_json::from_slice(&text).map_err(|e| Gpt2Error::Format(format!("header: {e}")))?;
-        raw.remove("__metadata__");
-        let data_start = 8 + n;
-        let mut entries = BTreeMap::new();
-        for (name, value) in raw {
-            let entry: Entry = serde_json::from_value(value)
-                .map_err(|e| Gpt2Error::Format(format!("header entry {name}: {e}")))?;
-            let (begin, end) = entry.data_offsets;
-            let kind = kind_of(&entry.dtype)
-                .ok_or_else(|| Gpt2Error::Format(format!("{name}: dtype {}", entry.dtype)))?;
-            let numel = entry.shape.iter().try_fold(1u64, |acc, &d| {
-                u64::try_from(d).ok().and_then(|d| acc.checked_mul(d))
-            });
-            let bytes = numel.and_then(|n| n.checked_mul(kind.elt_size_in_bytes() as u64));
-            if begin > end || data_start + end > len || bytes != Some(end - begin) {
-                return Err(Gpt2Error::Format(format!(
                     "{name}: bytes {begin}..{end} do not hold a {} tensor of shape {:?} in a file of {len} bytes",
                     entry.dtype, entry.shape
                 )));
-            }
-            entries.insert(name, entry);
         }
-        Ok(Header {
-            entries,
-            data_start,
-        })
+        entries.insert(
+            name,
+            Stored {
+                kind,
+                shape: entry.shape,
+                bytes: data_start + begin..data_start + end,
+            },
+        );
     }
+    Ok(entries)
+}
 
-    /// Reads `entry`'s bytes into `var`: straight into its memory when it is a contiguous CPU
+impl Stored {
+    /// Reads the entry's bytes into `var`: straight into its memory when it is a contiguous CPU
     /// tensor of the file's kind, otherwise through one tensor of the file's kind.
-    fn read_into(&self, file: &mut File, entry: &Entry, var: &Tensor) -> Result<(), Gpt2Error> {
-        let kind = kind_of(&entry.dtype).ok_or_else(|| Gpt2Error::Format(entry.dtype.clone()))?;
-        file.seek(SeekFrom::Start(self.data_start + entry.data_offsets.0))?;
+    fn read_into(&self, file: &mut File, var: &Tensor) -> Result<(), Gpt2Error> {
+        let kind = self.kind;
+        file.seek(SeekFrom::Start(self.bytes.start))?;
         let direct = var.device() == Device::Cpu && var.kind() == kind && var.is_contiguous();
         let target = if direct {
             var.shallow_clone()
         } else {
-            Tensor::f_empty(entry.shape.as_slice(), (kind, Device::Cpu))?
+            Tensor::f_empty(self.shape.as_slice(), (kind, Device::Cpu))?
         };
-        let len = (entry.data_offsets.1 - entry.data_offsets.0) as usize;
+        let len = (self.bytes.end - self.bytes.start) as usize;
         if len > 0 {
             // SAFETY: `target` is a contiguous CPU tensor of `len` bytes (the header check
             // matched shape and dtype to the byte range, and the shape to the variable's), and
