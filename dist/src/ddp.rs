@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use tch::{nn, Tensor};
 
+use crate::clip::{clip_grads, ClipGrad};
 use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
-use crate::optim::{clip_grad_norm, AdamW};
+use crate::optim::AdamW;
 
 /// Engine settings (from `[train]`, `[batch]` and `[dist]`).
 #[derive(Debug, Clone)]
@@ -58,6 +59,13 @@ pub trait MicroBatchLoss<B> {
     /// nothing left to do.
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         Ok(())
+    }
+    /// The rows of the 2-D parameter `table` (a name from [`DdpConfig::sparse`]) that the last
+    /// micro-batch's loss looked up: a superset of the rows its backward can have made non-zero
+    /// (a missing row's gradient would not be exchanged). Asked after each micro-batch's
+    /// backward. Default `None`: the engine finds them by reading the whole gradient.
+    fn rows_used(&mut self, _table: &str) -> Option<Vec<i64>> {
+        None
     }
 }
 
@@ -111,6 +119,19 @@ impl std::ops::AddAssign for StepTime {
     }
 }
 
+/// An embedding table whose gradient is exchanged row-sparse.
+struct SparseTable {
+    /// Index into the engine's `params`, and the variable's name.
+    index: usize,
+    name: String,
+    rows: i64,
+    /// This step's rows in use, as the model reported them (1.0 each), or `None` once it could
+    /// not tell for some micro-batch.
+    used: Option<Vec<f32>>,
+    /// After a row-sparse exchange: the rows exchanged (ascending), the only non-zero ones.
+    union: Option<Tensor>,
+}
+
 /// One rank's side of data-parallel training.
 pub struct Ddp {
     comm: Box<dyn Collective>,
@@ -121,8 +142,8 @@ pub struct Ddp {
     variables: Vec<(String, Tensor)>,
     /// Indices into `params`, one group per all-reduce call (the sparse ones excepted).
     buckets: Vec<Vec<usize>>,
-    /// Indices into `params` of the row-sparse tables, with their row counts.
-    sparse: Vec<(usize, i64)>,
+    /// The row-sparse tables.
+    sparse: Vec<SparseTable>,
     config: DdpConfig,
     probe: Option<StepProbe>,
 }
@@ -143,15 +164,21 @@ impl Ddp {
             .collect();
         // Alone, there is nothing to exchange: no masks to compute either.
         let alone = comm.world_size() == 1;
-        let sparse: Vec<(usize, i64)> = trainable
+        let sparse: Vec<SparseTable> = trainable
             .iter()
             .enumerate()
             .filter(|(_, (name, t))| !alone && config.sparse.contains(name) && t.dim() == 2)
-            .map(|(i, (_, t))| (i, t.size()[0]))
+            .map(|(index, (name, t))| SparseTable {
+                index,
+                name: name.clone(),
+                rows: t.size()[0],
+                used: None,
+                union: None,
+            })
             .collect();
         let params: Vec<Tensor> = trainable.iter().map(|(_, t)| t.shallow_clone()).collect();
         let dense: Vec<usize> = (0..params.len())
-            .filter(|i| !sparse.iter().any(|(s, _)| s == i))
+            .filter(|i| !sparse.iter().any(|s| s.index == *i))
             .collect();
         let buckets = make_buckets(&params, &dense, config.bucket_bytes);
         let mut ddp = Ddp {
@@ -245,10 +272,7 @@ impl Ddp {
         let started = Instant::now();
         // Every parameter takes part in the reduction (the others may have gradients for one
         // this rank's batches did not reach), and a sparse backward adds into a dense gradient.
-        give_dense_grads(&self.params)?;
-        for p in &mut self.params {
-            p.zero_grad();
-        }
+        self.zero_grads()?;
         let scale = 1.0 / window.len() as f64;
         let mut local_loss = 0.0;
         let mut bad_loss = None;
@@ -264,6 +288,7 @@ impl Ddp {
             model.phase(StepPhase::Backward);
             (loss * scale).f_backward()?;
             model.finish_backward()?;
+            self.mark_rows_used(model);
         }
         model.phase(StepPhase::Optimizer);
         let mut time = StepTime {
@@ -300,7 +325,7 @@ impl Ddp {
         }
         let updating = Instant::now();
         time.collective = updating - reducing;
-        let grad_norm = clip_grad_norm(&self.params, self.config.max_grad_norm);
+        let grad_norm = clip_grads(&self.clip_list(), self.config.max_grad_norm)?;
         if !grad_norm.is_finite() {
             // The same on every rank (the gradients were averaged): all stop together.
             return Err(DdpError::Loss {
@@ -335,32 +360,115 @@ impl Ddp {
             slots[self.comm.rank()] = probe() as f32;
             parts.push(Tensor::from_slice(&slots));
         }
-        for &(i, _) in &self.sparse {
-            parts.push(touched_rows(&self.params[i].grad())?);
+        for table in &mut self.sparse {
+            parts.push(match table.used.take() {
+                Some(used) => Tensor::from_slice(&used),
+                None => touched_rows(&self.params[table.index].grad())?,
+            });
         }
         Ok(Tensor::f_cat(&parts, 0)?)
     }
 
     /// Averages each sparse table's gradient over the ranks: only the rows some rank touched
     /// (from the reduced `summary`) when they are at most half the table, otherwise all of it.
+    /// Remembers the rows exchanged: the only ones not zero afterwards.
     fn reduce_sparse(&mut self, summary: &Tensor, ctx: OpContext) -> Result<(), DdpError> {
         let mut offset = self.summary_head_len();
-        for &(i, rows) in &self.sparse {
-            let touched = summary.f_narrow(0, offset, rows)?;
-            offset += rows;
-            let mut grad = self.params[i].grad();
+        // The touched rows of every row-sparse table travel in one all-reduce (one
+        // synchronisation of the ranks instead of one per table).
+        let mut compact = Vec::new();
+        for table in &mut self.sparse {
+            let touched = summary.f_narrow(0, offset, table.rows)?;
+            offset += table.rows;
+            let mut grad = self.params[table.index].grad();
             let union = touched.f_gt(0.0)?.f_nonzero()?.f_squeeze_dim(1)?;
-            if union.size()[0] * 2 > rows {
+            if union.size()[0] * 2 > table.rows {
                 self.comm
                     .all_reduce(std::slice::from_mut(&mut grad), ReduceOp::Avg, ctx)?;
                 continue;
             }
-            let mut compact = [grad.f_index_select(0, &union)?];
-            self.comm.all_reduce(&mut compact, ReduceOp::Avg, ctx)?;
+            compact.push(grad.f_index_select(0, &union)?.f_flatten(0, -1)?);
+            table.union = Some(union);
+        }
+        if compact.is_empty() {
+            return Ok(());
+        }
+        let mut all = [Tensor::f_cat(&compact, 0)?];
+        self.comm.all_reduce(&mut all, ReduceOp::Avg, ctx)?;
+        let mut at = 0;
+        for table in self.sparse.iter().filter(|t| t.union.is_some()) {
+            let (Some(union), mut grad) = (&table.union, self.params[table.index].grad()) else {
+                continue;
+            };
+            let width = grad.size()[1];
+            let n = union.size()[0] * width;
+            let rows = all[0].f_narrow(0, at, n)?.f_view([-1, width])?;
+            at += n;
             // Rows outside the union are zero on every rank already: their average is too.
-            let _ = grad.f_index_copy_(0, &union, &compact[0])?;
+            let _ = grad.f_index_copy_(0, union, &rows)?;
         }
         Ok(())
+    }
+
+    /// Zeroes every gradient before a step (giving dense ones first): a sparse table whose last
+    /// exchange was row-sparse only on the rows it exchanged, the only ones not zero (a whole
+    /// table is most of a step's memory traffic otherwise).
+    fn zero_grads(&mut self) -> Result<(), DdpError> {
+        give_dense_grads(&self.params)?;
+        let mut done = vec![false; self.params.len()];
+        for table in &mut self.sparse {
+            table.used = Some(vec![0.0; table.rows as usize]);
+            // Taken: until this step's exchange, nothing says which rows are non-zero.
+            if let Some(union) = table.union.take() {
+                let _ = self.params[table.index]
+                    .grad()
+                    .f_index_fill_(0, &union, 0.0)?;
+                done[table.index] = true;
+            }
+        }
+        for (p, done) in self.params.iter_mut().zip(done) {
+            if !done {
+                p.zero_grad();
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds the rows the last micro-batch used to each sparse table's mask (`used` is set to all
+    /// zeros when the step's zeroing starts, and dropped for good once the model cannot tell).
+    fn mark_rows_used<B>(&mut self, model: &mut impl MicroBatchLoss<B>) {
+        for table in &mut self.sparse {
+            let Some(used) = table.used.as_mut() else {
+                continue;
+            };
+            let rows = model.rows_used(&table.name);
+            let fits = |r: &i64| (0..table.rows).contains(r);
+            match rows {
+                Some(rows) if rows.iter().all(fits) => {
+                    for r in rows {
+                        used[r as usize] = 1.0;
+                    }
+                }
+                _ => table.used = None,
+            }
+        }
+    }
+
+    /// What clipping reads: each defined gradient, a sparse table's by its exchanged rows.
+    fn clip_list(&self) -> Vec<ClipGrad> {
+        let rows = |i: usize| {
+            self.sparse
+                .iter()
+                .find(|t| t.index == i)
+                .and_then(|t| t.union.as_ref().map(Tensor::shallow_clone))
+        };
+        self.params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.grad(), rows(i)))
+            .filter(|(grad, _)| grad.defined())
+            .map(|(grad, rows)| ClipGrad { grad, rows })
+            .collect()
     }
 
     /// Where the sparse tables' masks start in the summary.
@@ -572,18 +680,58 @@ mod tests {
         sparse: bool,
         steps: u64,
     ) -> (Vec<f64>, Vec<Vec<f32>>) {
+        train_embeddings_hinted(world, options, sparse, Hint::None, steps)
+    }
+
+    /// What the test model says of the rows its micro-batches used.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Hint {
+        /// Nothing: the engine scans the gradients.
+        None,
+        /// The users and items looked up.
+        Exact,
+        /// Only the first half of the items: a model that under-reports.
+        Short,
+    }
+
+    fn train_embeddings_hinted(
+        world: u32,
+        options: crate::collective::tcp::TcpOptions,
+        sparse: bool,
+        hint: Hint,
+        steps: u64,
+    ) -> (Vec<f64>, Vec<Vec<f32>>) {
         use crate::collective::tcp::test_ring::with_ring_owned_opts;
         struct Mf {
             users: nn::Embedding,
             items: nn::Embedding,
             bias: Tensor,
             data: Tensor,
+            hint: Hint,
+            used: Vec<(String, Vec<i64>)>,
         }
         impl MicroBatchLoss<Vec<i64>> for Mf {
+            fn rows_used(&mut self, table: &str) -> Option<Vec<i64>> {
+                let (_, rows) = self.used.iter().find(|(name, _)| name == table)?;
+                Some(rows.clone())
+            }
+
             fn loss(&mut self, micro: &Vec<i64>) -> Result<Tensor, tch::TchError> {
                 use tch::nn::Module;
                 let rows = self.data.index_select(0, &Tensor::from_slice(micro));
                 let (u, i) = (rows.select(1, 0), rows.select(1, 1));
+                let ids = |t: &Tensor| Vec::<i64>::try_from(t).unwrap();
+                let (mut users, mut items) = (ids(&u), ids(&i));
+                if self.hint == Hint::Short {
+                    items.truncate(items.len() / 2);
+                }
+                self.used = match self.hint {
+                    Hint::None => Vec::new(),
+                    _ => vec![
+                        ("users.weight".into(), std::mem::take(&mut users)),
+                        ("items.weight".into(), std::mem::take(&mut items)),
+                    ],
+                };
                 let y = rows.select(1, 2).to_kind(tch::Kind::Float);
                 let score = (self.users.forward(&u) * self.items.forward(&i)).sum_dim_intlist(
                     1,
@@ -616,6 +764,8 @@ mod tests {
                 items: nn::embedding(vs.root() / "items", 300, 8, emb),
                 bias: vs.root().zeros("bias", &[1]),
                 data,
+                hint,
+                used: Vec::new(),
             };
             tch::no_grad(|| {
                 for (t, phase) in [(&mut model.users.ws, 0.3), (&mut model.items.ws, 1.7)] {
@@ -659,9 +809,13 @@ mod tests {
                         .map(|m| m.iter().map(|&i| i as i64).collect())
                         .collect();
                     let step = losses.len() as u64;
-                    let stats = ddp
-                        .step(&window, &mut model, &mut adam, 0.05, step)
-                        .unwrap();
+                    let stats = match ddp.step(&window, &mut model, &mut adam, 0.05, step) {
+                        Ok(stats) => stats,
+                        // Rows left out are not exchanged: the ranks drift apart, and the
+                        // parameter check must say so.
+                        Err(DdpError::Diverged { .. }) if hint == Hint::Short => break 'train,
+                        Err(e) => panic!("step {step}: {e}"),
+                    };
                     losses.push(stats.loss);
                     assert_eq!(stats.probed_max, sparse.then(|| (top, probed(top))));
                     if losses.len() as u64 == steps {
@@ -694,6 +848,14 @@ mod tests {
         assert!(dense_loss[49] < dense_loss[0], "{dense_loss:?}");
         assert_eq!(sparse_loss, dense_loss);
         assert_eq!(sparse_params, dense_params);
+        // The rows the model says it used replace the scan of the gradients: the same bits
+        // when it says them all. A model that leaves rows out makes the ranks drift apart
+        // (so the hint is what is used), which the parameter check (every 25 steps) catches.
+        let (hinted_loss, hinted_params) = train_embeddings_hinted(2, shm, true, Hint::Exact, 50);
+        assert_eq!(hinted_loss, dense_loss);
+        assert_eq!(hinted_params, dense_params);
+        let (short_loss, _) = train_embeddings_hinted(2, shm, true, Hint::Short, 50);
+        assert_eq!(short_loss.len(), 24, "stopped at the first check");
         // Alone: only the backward is sparse.
         assert_eq!(
             train_embeddings(1, shm, true, 50),

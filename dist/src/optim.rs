@@ -1,9 +1,9 @@
-//! The optimizer: AdamW over `tch` tensors, the learning-rate schedule, global grad-norm
-//! clipping, and the optimizer state a checkpoint needs to continue exactly.
+//! The optimizer: AdamW over `tch` tensors, the learning-rate schedule, and the optimizer state
+//! a checkpoint needs to continue exactly.
 //!
 //! Owns: `torch.optim.AdamW`'s update math, warm-up + constant / linear / cosine LR schedules,
-//! `clip_grad_norm` (as `torch.nn.utils.clip_grad_norm_`), and turning the moments and step
-//! counter into named tensors (and back) for `optimizer.safetensors`.
+//! and turning the moments and step counter into named tensors (and back) for
+//! `optimizer.safetensors`. Clipping is `clip`'s.
 //!
 //! Must not: know the model or parameter names, talk to other ranks (gradients arrive already
 //! all-reduced, so every rank computes the same update), or touch files (the `checkpoint`
@@ -423,38 +423,6 @@ impl AdamW {
     }
 }
 
-/// Global L2 norm over all defined gradients of `params`; if `max_norm / (norm + 1e-6) < 1` the
-/// gradients are scaled in place by that factor (as `torch.nn.utils.clip_grad_norm_`). Returns
-/// the pre-clip norm (0 when no parameter has a gradient). A non-finite norm leaves the
-/// gradients untouched and is returned as is, so the caller can skip the step.
-pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
-    let _guard = tch::no_grad_guard();
-    let grads: Vec<Tensor> = params
-        .iter()
-        .map(Tensor::grad)
-        .filter(Tensor::defined)
-        .collect();
-    if grads.is_empty() {
-        return 0.0;
-    }
-    // Per-tensor norms in the gradient's dtype (as PyTorch), combined in f64; one host sync.
-    let norms: Vec<Tensor> = grads
-        .iter()
-        .map(|g| g.norm().to_kind(Kind::Double))
-        .collect();
-    let total = Tensor::stack(&norms, 0).norm().double_value(&[]);
-    if !total.is_finite() {
-        return total;
-    }
-    let coef = max_norm / (total + 1e-6);
-    if coef < 1.0 {
-        for mut g in grads {
-            let _ = g.g_mul_scalar_(coef);
-        }
-    }
-    total
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -797,39 +765,5 @@ mod tests {
         assert!(close(total_within_warmup.lr_at(9), 0.5));
         assert!(close(total_within_warmup.lr_at(10), 0.1));
         assert!(total_within_warmup.lr_at(10).is_finite());
-    }
-
-    #[test]
-    fn clip_grad_norm_scales_to_max_and_returns_pre_clip_norm() {
-        let a = param(&[0.0, 0.0]);
-        let b = param(&[0.0]);
-        let c = param(&[1.0]); // no grad: ignored
-        set_grad(&a, &[3.0, 4.0]);
-        set_grad(&b, &[12.0]);
-        let params = [a.shallow_clone(), b.shallow_clone(), c.shallow_clone()];
-
-        // Below the threshold: untouched.
-        let norm = clip_grad_norm(&params, 100.0);
-        assert!((norm - 13.0).abs() < 1e-5, "{norm}");
-        assert_eq!(values(&a.grad()), vec![3.0, 4.0]);
-
-        let norm = clip_grad_norm(&params, 6.5);
-        assert!((norm - 13.0).abs() < 1e-5, "{norm}");
-        let coef = 6.5 / (13.0 + 1e-6);
-        assert_close(&values(&a.grad()), &[3.0 * coef, 4.0 * coef], 1e-6);
-        assert_close(&values(&b.grad()), &[12.0 * coef], 1e-6);
-        let after = clip_grad_norm(&params, 1e9);
-        assert!((after - 6.5).abs() < 1e-5, "{after}");
-
-        assert_eq!(clip_grad_norm(&[c.shallow_clone()], 1.0), 0.0);
-    }
-
-    #[test]
-    fn clip_grad_norm_leaves_non_finite_alone() {
-        let a = param(&[0.0, 0.0]);
-        set_grad(&a, &[f32::INFINITY, 1.0]);
-        let norm = clip_grad_norm(&[a.shallow_clone()], 1.0);
-        assert!(norm.is_infinite());
-        assert_eq!(values(&a.grad())[1], 1.0);
     }
 }

@@ -40,6 +40,9 @@ pub struct RecTask {
     bf16: bool,
     /// Time spent assembling micro-batches since [`RecTask::take_data_time`] last asked.
     data_time: std::time::Duration,
+    /// The ID rows the last micro-batch looked up: its users, and its positive and negative
+    /// items ([`RecTask::rows_used`]).
+    last_rows: Option<(Vec<i64>, Vec<i64>)>,
 }
 
 impl RecTask {
@@ -124,6 +127,7 @@ impl RecTask {
             hash: model_hash(config, ds),
             bf16: config.train.bf16 && device.is_cuda(),
             data_time: std::time::Duration::ZERO,
+            last_rows: None,
         })
     }
 }
@@ -221,11 +225,27 @@ impl RecTask {
             neg.push(i64::from(negative));
         }
         let t = |v: &[i64]| Tensor::from_slice(v).to_device(self.device);
-        let (users, pos, neg) = (t(&users), t(&pos), t(&neg));
+        let (users_t, pos_t, neg_t) = (t(&users), t(&pos), t(&neg));
+        pos.extend_from_slice(&neg);
+        self.last_rows = Some((users, pos));
+        let (users, pos, neg) = (users_t, pos_t, neg_t);
         self.data_time += started.elapsed();
         Ok(crate::model::autocast::autocast(self.bf16, || {
             self.model.bpr_loss(&users, &pos, &neg, self.l2, true)
         }))
+    }
+
+    /// The rows of the ID table `table` (`user_id.weight` or `item_id.weight`) that the last
+    /// micro-batch's loss looked up — the only rows its gradient can touch (the score and the
+    /// L2 term both read just those) — so the DDP engine need not scan the table's gradient.
+    /// `None` for any other table (GPT-2's token table) or before the first micro-batch.
+    pub fn rows_used(&self, table: &str) -> Option<&[i64]> {
+        let (users, items) = self.last_rows.as_ref()?;
+        match table {
+            "user_id.weight" => Some(users),
+            "item_id.weight" => Some(items),
+            _ => None,
+        }
     }
 
     /// Time spent assembling micro-batches (negatives, index tensors) since the last call.

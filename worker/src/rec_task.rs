@@ -29,6 +29,10 @@ impl Task for RecTask {
         RecTask::embedding_tables(self)
     }
 
+    fn rows_used(&self, table: &str) -> Option<&[i64]> {
+        RecTask::rows_used(self, table)
+    }
+
     fn model_hash(&self) -> String {
         RecTask::model_hash(self)
     }

@@ -32,6 +32,11 @@ pub trait Task {
     fn embedding_tables(&self) -> Vec<String> {
         Vec::new()
     }
+    /// The rows of embedding table `table` the last micro-batch's loss looked up (a superset of
+    /// those its gradient touched), or `None` when the task cannot tell. Default: `None`.
+    fn rows_used(&self, _table: &str) -> Option<&[i64]> {
+        None
+    }
     /// A fingerprint of the model's configuration; a checkpoint of another model is refused.
     fn model_hash(&self) -> String;
     /// Metrics of the current model on `split`. Every rank calls it together (the task may
@@ -73,6 +78,10 @@ impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
 
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         self.task.finish_backward()
+    }
+
+    fn rows_used(&mut self, table: &str) -> Option<Vec<i64>> {
+        self.task.rows_used(table).map(<[i64]>::to_vec)
     }
 }
 

@@ -1,0 +1,233 @@
+//! Global-norm gradient clipping (as `torch.nn.utils.clip_grad_norm_`), over whole gradients or
+//! over only the rows of a table's gradient that can be non-zero.
+//!
+//! Owns: the norm's arithmetic and the in-place scaling. The sum of squares of a contiguous f32
+//! CPU gradient is taken row by row, each row in f64 with a fixed lane pattern and the rows
+//! added in row order, so that skipping rows known to be zero gives the same bits as reading the
+//! whole table (adding 0.0 is exact): the DDP engine's row-sparse path and its dense path clip
+//! alike, while the sparse one reads a few hundred rows instead of whole embedding tables.
+//!
+//! Must not: talk to other ranks (the gradients arrive reduced) or know what the rows mean.
+
+use tch::{Device, Kind, Tensor};
+
+/// One gradient to clip: the whole of it (`rows: None`), or only `rows` of a gradient whose
+/// other rows are zero (1-D i64, ascending, no duplicates, as `nonzero` gives them).
+pub struct ClipGrad {
+    pub grad: Tensor,
+    pub rows: Option<Tensor>,
+}
+
+/// Global L2 norm over all defined gradients of `params`; if `max_norm / (norm + 1e-6) < 1` the
+/// gradients are scaled in place by that factor. Returns the pre-clip norm (0 when no parameter
+/// has a gradient). A non-finite norm leaves the gradients untouched and is returned as is, so
+/// the caller can skip the step.
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64, tch::TchError> {
+    let grads: Vec<ClipGrad> = params
+        .iter()
+        .map(Tensor::grad)
+        .filter(Tensor::defined)
+        .map(|grad| ClipGrad { grad, rows: None })
+        .collect();
+    clip_grads(&grads, max_norm)
+}
+
+/// [`clip_grad_norm`] over `grads`, each whole or by its listed rows.
+pub fn clip_grads(grads: &[ClipGrad], max_norm: f64) -> Result<f64, tch::TchError> {
+    let _guard = tch::no_grad_guard();
+    let mut sum = 0.0;
+    for g in grads {
+        sum += sum_of_squares(g)?;
+    }
+    let total = sum.sqrt();
+    if !total.is_finite() {
+        return Ok(total);
+    }
+    let coef = max_norm / (total + 1e-6);
+    if coef < 1.0 {
+        for g in grads {
+            let mut grad = g.grad.shallow_clone();
+            match &g.rows {
+                None => {
+                    let _ = grad.f_mul_scalar_(coef)?;
+                }
+                Some(rows) => {
+                    // The same multiply as the whole tensor's, on the rows that are not zero.
+                    let scaled = grad.f_index_select(0, rows)?.f_mul_scalar(coef)?;
+                    let _ = grad.f_index_copy_(0, rows, &scaled)?;
+                }
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// The sum of squares of `g`'s gradient (of its listed rows), in f64.
+fn sum_of_squares(g: &ClipGrad) -> Result<f64, tch::TchError> {
+    let grad = &g.grad;
+    let n = grad.numel();
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let cpu_f32 = grad.device() == Device::Cpu && grad.kind() == Kind::Float;
+    if !cpu_f32 || !grad.is_contiguous() {
+        let picked = match &g.rows {
+            Some(rows) => grad.f_index_select(0, rows)?,
+            None => grad.shallow_clone(),
+        };
+        return picked
+            .f_to_kind(Kind::Double)?
+            .f_square()?
+            .f_sum(Kind::Double)?
+            .f_double_value(&[]);
+    }
+    let rows = if grad.dim() == 0 { 1 } else { grad.size()[0] };
+    let width = n / rows as usize;
+    // SAFETY: a contiguous f32 CPU buffer of n elements, alive and unchanged for this call
+    // (clipping runs on the training thread, under no_grad).
+    let values = unsafe { std::slice::from_raw_parts(grad.data_ptr() as *const f32, n) };
+    let row = |r: usize| row_sum_of_squares(&values[r * width..(r + 1) * width]);
+    Ok(match &g.rows {
+        None => (0..rows as usize).map(row).sum(),
+        Some(listed) => {
+            let listed = Vec::<i64>::try_from(listed)?;
+            let mut total = 0.0;
+            for r in listed {
+                if r < 0 || r >= rows {
+                    return Err(tch::TchError::Torch(format!(
+                        "clipping: row {r} is outside a gradient of {rows} rows"
+                    )));
+                }
+                total += row(r as usize);
+            }
+            total
+        }
+    })
+}
+
+/// Eight f64 lanes, element `i` into lane `i % 8`, the lanes added in order: the same bits for a
+/// row wherever it lies, and vectorised.
+#[multiversion::multiversion(targets = "simd")]
+fn row_sum_of_squares(row: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            let x = f64::from(x);
+            *lane += x * x;
+        }
+    }
+    for (lane, &x) in lanes.iter_mut().zip(tail) {
+        let x = f64::from(x);
+        *lane += x * x;
+    }
+    lanes.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param(values: &[f32]) -> Tensor {
+        Tensor::from_slice(values).set_requires_grad(true)
+    }
+
+    fn set_grad(p: &Tensor, g: &[f32]) {
+        let loss = (p * Tensor::from_slice(g)).sum(Kind::Float);
+        loss.backward();
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        Vec::<f32>::try_from(t.flatten(0, -1)).unwrap()
+    }
+
+    #[test]
+    fn scales_to_max_and_returns_pre_clip_norm() {
+        let a = param(&[0.0, 0.0]);
+        let b = param(&[0.0]);
+        let c = param(&[1.0]); // no grad: ignored
+        set_grad(&a, &[3.0, 4.0]);
+        set_grad(&b, &[12.0]);
+        let params = [a.shallow_clone(), b.shallow_clone(), c.shallow_clone()];
+
+        // Below the threshold: untouched.
+        let norm = clip_grad_norm(&params, 100.0).unwrap();
+        assert_eq!(norm, 13.0);
+        assert_eq!(values(&a.grad()), vec![3.0, 4.0]);
+
+        let norm = clip_grad_norm(&params, 6.5).unwrap();
+        assert_eq!(norm, 13.0);
+        let coef = (6.5 / (13.0 + 1e-6)) as f32;
+        assert_eq!(values(&a.grad()), vec![3.0 * coef, 4.0 * coef]);
+        assert_eq!(values(&b.grad()), vec![12.0 * coef]);
+        let after = clip_grad_norm(&params, 1e9).unwrap();
+        assert!((after - 6.5).abs() < 1e-5, "{after}");
+
+        assert_eq!(clip_grad_norm(&[c.shallow_clone()], 1.0).unwrap(), 0.0);
+    }
+
+    #[test]
+    fn leaves_non_finite_alone() {
+        let a = param(&[0.0, 0.0]);
+        set_grad(&a, &[f32::INFINITY, 1.0]);
+        let norm = clip_grad_norm(&[a.shallow_clone()], 1.0).unwrap();
+        assert!(norm.is_infinite());
+        assert_eq!(values(&a.grad())[1], 1.0);
+    }
+
+    /// A table whose gradient is zero but for a few rows clips to the same bits whether the
+    /// whole table or only those rows are read, and agrees with the f64 norm.
+    #[test]
+    fn listed_rows_clip_exactly_as_the_whole_table() {
+        let table = || {
+            let g = Tensor::zeros([50, 13], (Kind::Float, Device::Cpu));
+            let rows = Tensor::from_slice(&[2i64, 7, 31, 49]);
+            let vals = Tensor::randn([4, 13], (Kind::Float, Device::Cpu)) * 3.0;
+            (g.index_copy(0, &rows, &vals), rows)
+        };
+        tch::manual_seed(5);
+        let (g, rows) = table();
+        let bias = Tensor::from_slice(&[0.5f32, -2.0]);
+        let whole = [
+            ClipGrad {
+                grad: g.copy(),
+                rows: None,
+            },
+            ClipGrad {
+                grad: bias.copy(),
+                rows: None,
+            },
+        ];
+        let listed = [
+            ClipGrad {
+                grad: g.copy(),
+                rows: Some(rows),
+            },
+            ClipGrad {
+                grad: bias.copy(),
+                rows: None,
+            },
+        ];
+        let a = clip_grads(&whole, 1.0).unwrap();
+        let b = clip_grads(&listed, 1.0).unwrap();
+        assert_eq!(a.to_bits(), b.to_bits());
+        let exact = (g
+            .to_kind(Kind::Double)
+            .square()
+            .sum(Kind::Double)
+            .double_value(&[])
+            + 4.25)
+            .sqrt();
+        assert!((a - exact).abs() < 1e-9 * exact, "{a} vs {exact}");
+        assert!(a > 1.0, "the test must clip: {a}");
+        for (w, l) in whole.iter().zip(&listed) {
+            assert_eq!(values(&w.grad), values(&l.grad));
+        }
+        let bad = [ClipGrad {
+            grad: g.copy(),
+            rows: Some(Tensor::from_slice(&[50i64])),
+        }];
+        assert!(clip_grads(&bad, 1.0).is_err());
+    }
+}
