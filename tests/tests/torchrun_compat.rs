@@ -76,8 +76,19 @@ fn worker_runs_under_torchrun() {
     };
     let dir = tempfile::tempdir().unwrap();
     let output_dir = format!("run.output_dir={:?}", dir.path().display().to_string());
+    // torchrun's agent hosts its store on MASTER_PORT and ours takes the next port. With
+    // `--standalone` torchrun picks MASTER_PORT among the ephemeral ports, where the next one
+    // can be the local port of one of its own client connections (a flake seen in CI); a port
+    // pair below the ephemeral range cannot be taken that way.
+    let port = port_pair_below_ephemeral();
     let out = Command::new(venv.join("bin/torchrun"))
-        .args(["--standalone", "--no-python", "--nproc-per-node", "2"])
+        .args(["--nnodes", "1", "--nproc-per-node", "2", "--no-python"])
+        .args([
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+        ])
         .arg(bin("worker"))
         .arg("configs/default.toml")
         .args([
@@ -115,4 +126,18 @@ fn worker_runs_under_torchrun() {
         2,
         "{stdout}"
     );
+}
+
+/// A port P below Linux's ephemeral range (32768 and up) such that P and P + 1 are free now.
+fn port_pair_below_ephemeral() -> u16 {
+    let bindable = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos()
+        ^ std::process::id();
+    (0..2000u32)
+        .map(|i| 20000 + ((seed.wrapping_add(i.wrapping_mul(7919))) % 12000) as u16)
+        .find(|&p| bindable(p) && bindable(p + 1))
+        .expect("a free port pair in 20000..32001")
 }
