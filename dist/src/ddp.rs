@@ -64,7 +64,7 @@ pub trait MicroBatchLoss<B> {
     /// micro-batch's loss looked up: a superset of the rows its backward can have made non-zero
     /// (a missing row's gradient would not be exchanged). Asked after each micro-batch's
     /// backward. Default `None`: the engine finds them by reading the whole gradient.
-    fn rows_used(&mut self, _table: &str) -> Option<Vec<i64>> {
+    fn rows_used(&self, _table: &str) -> Option<&[i64]> {
         None
     }
 }
@@ -396,10 +396,11 @@ impl Ddp {
         let mut all = [Tensor::f_cat(&compact, 0)?];
         self.comm.all_reduce(&mut all, ReduceOp::Avg, ctx)?;
         let mut at = 0;
-        for table in self.sparse.iter().filter(|t| t.union.is_some()) {
-            let (Some(union), mut grad) = (&table.union, self.params[table.index].grad()) else {
-                continue;
+        for table in &self.sparse {
+            let Some(union) = &table.union else {
+                continue; // exchanged whole
             };
+            let mut grad = self.params[table.index].grad();
             let width = grad.size()[1];
             let n = union.size()[0] * width;
             let rows = all[0].f_narrow(0, at, n)?.f_view([-1, width])?;
@@ -436,7 +437,7 @@ impl Ddp {
 
     /// Adds the rows the last micro-batch used to each sparse table's mask (`used` is set to all
     /// zeros when the step's zeroing starts, and dropped for good once the model cannot tell).
-    fn mark_rows_used<B>(&mut self, model: &mut impl MicroBatchLoss<B>) {
+    fn mark_rows_used<B>(&mut self, model: &impl MicroBatchLoss<B>) {
         for table in &mut self.sparse {
             let Some(used) = table.used.as_mut() else {
                 continue;
@@ -445,7 +446,7 @@ impl Ddp {
             let fits = |r: &i64| (0..table.rows).contains(r);
             match rows {
                 Some(rows) if rows.iter().all(fits) => {
-                    for r in rows {
+                    for &r in rows {
                         used[r as usize] = 1.0;
                     }
                 }
@@ -711,9 +712,9 @@ mod tests {
             used: Vec<(String, Vec<i64>)>,
         }
         impl MicroBatchLoss<Vec<i64>> for Mf {
-            fn rows_used(&mut self, table: &str) -> Option<Vec<i64>> {
+            fn rows_used(&self, table: &str) -> Option<&[i64]> {
                 let (_, rows) = self.used.iter().find(|(name, _)| name == table)?;
-                Some(rows.clone())
+                Some(rows)
             }
 
             fn loss(&mut self, micro: &Vec<i64>) -> Result<Tensor, tch::TchError> {

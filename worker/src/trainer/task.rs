@@ -80,8 +80,8 @@ impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
         self.task.finish_backward()
     }
 
-    fn rows_used(&mut self, table: &str) -> Option<Vec<i64>> {
-        self.task.rows_used(table).map(<[i64]>::to_vec)
+    fn rows_used(&self, table: &str) -> Option<&[i64]> {
+        self.task.rows_used(table)
     }
 }
 
