@@ -12,10 +12,10 @@
 use tch::{Device, Kind, Tensor};
 
 /// One gradient to clip: the whole of it (`rows: None`), or only `rows` of a gradient whose
-/// other rows are zero (1-D i64, ascending, no duplicates, as `nonzero` gives them).
+/// other rows are zero (ascending, no duplicates).
 pub struct ClipGrad {
     pub grad: Tensor,
-    pub rows: Option<Tensor>,
+    pub rows: Option<Vec<i64>>,
 }
 
 /// Global L2 norm over all defined gradients of `params`; if `max_norm / (norm + 1e-6) < 1` the
@@ -46,16 +46,12 @@ pub fn clip_grads(grads: &[ClipGrad], max_norm: f64) -> Result<f64, tch::TchErro
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
         for g in grads {
-            let mut grad = g.grad.shallow_clone();
             match &g.rows {
                 None => {
-                    let _ = grad.f_mul_scalar_(coef)?;
+                    let _ = g.grad.shallow_clone().f_mul_scalar_(coef)?;
                 }
-                Some(rows) => {
-                    // The same multiply as the whole tensor's, on the rows that are not zero.
-                    let scaled = grad.f_index_select(0, rows)?.f_mul_scalar(coef)?;
-                    let _ = grad.f_index_copy_(0, rows, &scaled)?;
-                }
+                // The same multiply as the whole tensor's, on the rows that are not zero.
+                Some(rows) => crate::rows::scale(&g.grad, rows, coef)?,
             }
         }
     }
@@ -72,7 +68,7 @@ fn sum_of_squares(g: &ClipGrad) -> Result<f64, tch::TchError> {
     let cpu_f32 = grad.device() == Device::Cpu && grad.kind() == Kind::Float;
     if !cpu_f32 || !grad.is_contiguous() {
         let picked = match &g.rows {
-            Some(rows) => grad.f_index_select(0, rows)?,
+            Some(rows) => crate::rows::gather(grad, rows)?,
             None => grad.shallow_clone(),
         };
         return picked
@@ -90,9 +86,8 @@ fn sum_of_squares(g: &ClipGrad) -> Result<f64, tch::TchError> {
     Ok(match &g.rows {
         None => (0..rows as usize).map(row).sum(),
         Some(listed) => {
-            let listed = Vec::<i64>::try_from(listed)?;
             let mut total = 0.0;
-            for r in listed {
+            for &r in listed {
                 if r < 0 || r >= rows {
                     return Err(tch::TchError::Torch(format!(
                         "clipping: row {r} is outside a gradient of {rows} rows"
@@ -182,9 +177,12 @@ mod tests {
     fn listed_rows_clip_exactly_as_the_whole_table() {
         let table = || {
             let g = Tensor::zeros([50, 13], (Kind::Float, Device::Cpu));
-            let rows = Tensor::from_slice(&[2i64, 7, 31, 49]);
+            let rows = [2i64, 7, 31, 49];
             let vals = Tensor::randn([4, 13], (Kind::Float, Device::Cpu)) * 3.0;
-            (g.index_copy(0, &rows, &vals), rows)
+            (
+                g.index_copy(0, &Tensor::from_slice(&rows), &vals),
+                rows.to_vec(),
+            )
         };
         tch::manual_seed(5);
         let (g, rows) = table();
@@ -226,7 +224,7 @@ mod tests {
         }
         let bad = [ClipGrad {
             grad: g.copy(),
-            rows: Some(Tensor::from_slice(&[50i64])),
+            rows: Some(vec![50]),
         }];
         assert!(clip_grads(&bad, 1.0).is_err());
     }

@@ -11,7 +11,11 @@ use tch::{nn, Tensor};
 
 use crate::clip::{clip_grads, ClipGrad};
 use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
-use crate::optim::AdamW;
+use crate::optim::{AdamW, OptimError};
+use crate::rows;
+
+mod shared_tables;
+use shared_tables::SharedTables;
 
 /// Engine settings (from `[train]`, `[batch]` and `[dist]`).
 #[derive(Debug, Clone)]
@@ -30,6 +34,11 @@ pub struct DdpConfig {
     /// only the rows some rank touched are all-reduced, when they are at most half the table.
     /// The result is the dense all-reduce's (zero rows sum to zero). Empty: all dense.
     pub sparse: Vec<String>,
+    /// Keep those tables (CPU f32 ones), with their AdamW moments, once in memory shared by the
+    /// ranks when all run on one host, each rank updating its share of the rows: the same
+    /// numbers, a fraction of the update's time and memory. Ignored where memory cannot be
+    /// shared.
+    pub shared_tables: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +51,8 @@ pub enum DdpError {
     Diverged { step: u64, checksums: Vec<i64> },
     #[error(transparent)]
     Torch(#[from] tch::TchError),
+    #[error("the optimizer: {0}")]
+    Optim(#[from] OptimError),
     #[error("expected {expected} micro-batches per optimizer step, got {got}")]
     Window { expected: usize, got: usize },
 }
@@ -129,7 +140,7 @@ struct SparseTable {
     /// not tell for some micro-batch.
     used: Option<Vec<f32>>,
     /// After a row-sparse exchange: the rows exchanged (ascending), the only non-zero ones.
-    union: Option<Tensor>,
+    union: Option<Vec<i64>>,
 }
 
 /// One rank's side of data-parallel training.
@@ -146,6 +157,8 @@ pub struct Ddp {
     sparse: Vec<SparseTable>,
     config: DdpConfig,
     probe: Option<StepProbe>,
+    /// The sparse tables, when they live in shared memory.
+    shared: Option<SharedTables>,
 }
 
 impl Ddp {
@@ -189,8 +202,14 @@ impl Ddp {
             sparse,
             config,
             probe: None,
+            shared: None,
         };
         ddp.broadcast_params(0)?;
+        if ddp.config.shared_tables {
+            let tables: Vec<usize> = ddp.sparse.iter().map(|t| t.index).collect();
+            let ctx = ddp.ctx(0);
+            ddp.shared = SharedTables::new(ddp.comm.as_mut(), &ddp.params, &tables, ctx)?;
+        }
         Ok(ddp)
     }
 
@@ -226,6 +245,17 @@ impl Ddp {
             .collect()
     }
 
+    /// The names of the tables that live once in shared memory ([`DdpConfig::shared_tables`]).
+    pub fn shared_tables(&self) -> Vec<&str> {
+        let Some(shared) = &self.shared else {
+            return Vec::new();
+        };
+        (self.sparse.iter())
+            .filter(|t| shared.holds(t.index))
+            .map(|t| t.name.as_str())
+            .collect()
+    }
+
     /// Number of all-reduce calls per optimizer step.
     pub fn bucket_count(&self) -> usize {
         self.buckets.len()
@@ -239,16 +269,21 @@ impl Ddp {
         }
     }
 
-    /// Overwrites every rank's variables (trainable or not) with `root`'s.
+    /// Overwrites every rank's variables (trainable or not) with `root`'s. Tables in shared
+    /// memory are every rank's already: they are not sent, and the barrier that ends this call
+    /// keeps anyone from reading them before `root` is done with what it wrote.
     pub fn broadcast_params(&mut self, root: usize) -> Result<(), DdpError> {
         let ctx = self.ctx(0);
         let _guard = tch::no_grad_guard();
-        let mut views: Vec<Tensor> = self
-            .variables
-            .iter()
+        let shared = self.shared_tables();
+        let mut views: Vec<Tensor> = (self.variables.iter())
+            .filter(|(name, _)| !shared.contains(&name.as_str()))
             .map(|(_, t)| t.shallow_clone())
             .collect();
         self.comm.broadcast(&mut views, root, ctx)?;
+        if self.shared.is_some() {
+            self.comm.barrier(ctx)?;
+        }
         Ok(())
     }
 
@@ -335,8 +370,17 @@ impl Ddp {
                 ),
             });
         }
+        if let Some(shared) = &self.shared {
+            shared.attach(optimizer)?;
+        }
         optimizer.step(&self.params, lr);
         time.update += updating.elapsed();
+        if self.shared.is_some() {
+            // Every rank wrote its rows of the shared tables: nobody reads them before.
+            let waiting = Instant::now();
+            self.comm.barrier(ctx)?;
+            time.collective += waiting.elapsed();
+        }
         let stats = StepStats {
             loss: global_loss,
             grad_norm,
@@ -373,40 +417,37 @@ impl Ddp {
     /// (from the reduced `summary`) when they are at most half the table, otherwise all of it.
     /// Remembers the rows exchanged: the only ones not zero afterwards.
     fn reduce_sparse(&mut self, summary: &Tensor, ctx: OpContext) -> Result<(), DdpError> {
-        let mut offset = self.summary_head_len();
+        let summary = Vec::<f32>::try_from(summary)?;
+        let mut masks = &summary[self.summary_head_len() as usize..];
         // The touched rows of every row-sparse table travel in one all-reduce (one
         // synchronisation of the ranks instead of one per table).
         let mut compact = Vec::new();
         for table in &mut self.sparse {
-            let touched = summary.f_narrow(0, offset, table.rows)?;
-            offset += table.rows;
+            let (mask, rest) = masks.split_at(table.rows as usize);
+            masks = rest;
+            let union: Vec<i64> = (0..table.rows)
+                .filter(|&r| mask[r as usize] > 0.0)
+                .collect();
             let mut grad = self.params[table.index].grad();
-            let union = touched.f_gt(0.0)?.f_nonzero()?.f_squeeze_dim(1)?;
-            if union.size()[0] * 2 > table.rows {
+            if union.len() as i64 * 2 > table.rows {
                 self.comm
                     .all_reduce(std::slice::from_mut(&mut grad), ReduceOp::Avg, ctx)?;
                 continue;
             }
-            compact.push(grad.f_index_select(0, &union)?.f_flatten(0, -1)?);
+            compact.push(rows::gather(&grad, &union)?);
             table.union = Some(union);
         }
         if compact.is_empty() {
             return Ok(());
         }
-        let mut all = [Tensor::f_cat(&compact, 0)?];
-        self.comm.all_reduce(&mut all, ReduceOp::Avg, ctx)?;
-        let mut at = 0;
-        for table in &self.sparse {
-            let Some(union) = &table.union else {
-                continue; // exchanged whole
-            };
-            let mut grad = self.params[table.index].grad();
-            let width = grad.size()[1];
-            let n = union.size()[0] * width;
-            let rows = all[0].f_narrow(0, at, n)?.f_view([-1, width])?;
-            at += n;
+        self.comm.all_reduce(&mut compact, ReduceOp::Avg, ctx)?;
+        let exchanged = self
+            .sparse
+            .iter()
+            .filter_map(|t| Some((t, t.union.as_ref()?)));
+        for ((table, union), values) in exchanged.zip(&compact) {
             // Rows outside the union are zero on every rank already: their average is too.
-            let _ = grad.f_index_copy_(0, union, &rows)?;
+            rows::scatter(&self.params[table.index].grad(), union, values)?;
         }
         Ok(())
     }
@@ -421,9 +462,7 @@ impl Ddp {
             table.used = Some(vec![0.0; table.rows as usize]);
             // Taken: until this step's exchange, nothing says which rows are non-zero.
             if let Some(union) = table.union.take() {
-                let _ = self.params[table.index]
-                    .grad()
-                    .f_index_fill_(0, &union, 0.0)?;
+                rows::zero(&self.params[table.index].grad(), &union)?;
                 done[table.index] = true;
             }
         }
@@ -461,7 +500,7 @@ impl Ddp {
             self.sparse
                 .iter()
                 .find(|t| t.index == i)
-                .and_then(|t| t.union.as_ref().map(Tensor::shallow_clone))
+                .and_then(|t| t.union.clone())
         };
         self.params
             .iter()
@@ -646,6 +685,7 @@ mod tests {
                 check_params_every: 10,
                 timeout: Duration::from_secs(20),
                 sparse: Vec::new(),
+                shared_tables: true,
             };
             let world = ring.world_size();
             let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
@@ -675,13 +715,14 @@ mod tests {
     /// A tiny matrix-factorisation model (two embedding tables and a bias) over fixed random
     /// (user, item, rating) triples: trains `steps` steps data-parallel over `world` ranks and
     /// returns rank 0's loss curve and final parameters.
+    /// Sparse runs keep their tables in shared memory where they can (as by default).
     fn train_embeddings(
         world: u32,
         options: crate::collective::tcp::TcpOptions,
         sparse: bool,
         steps: u64,
     ) -> (Vec<f64>, Vec<Vec<f32>>) {
-        train_embeddings_hinted(world, options, sparse, Hint::None, steps)
+        train_embeddings_hinted(world, options, sparse, Hint::None, steps, true)
     }
 
     /// What the test model says of the rows its micro-batches used.
@@ -701,6 +742,7 @@ mod tests {
         sparse: bool,
         hint: Hint,
         steps: u64,
+        shared_tables: bool,
     ) -> (Vec<f64>, Vec<Vec<f32>>) {
         use crate::collective::tcp::test_ring::with_ring_owned_opts;
         struct Mf {
@@ -788,10 +830,13 @@ mod tests {
                 } else {
                     Vec::new()
                 },
+                shared_tables,
             };
             let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
             let exchanged = if sparse && world > 1 { 2 } else { 0 };
             assert_eq!(ddp.sparse.len(), exchanged);
+            let shared = exchanged > 0 && shared_tables && options.shared_memory;
+            assert_eq!(ddp.shared_tables().len(), if shared { 2 } else { 0 });
             // The sparse runs also carry a probe (which moves the masks in the summary) and
             // must still train as the dense ones do.
             let top = world as usize - 1;
@@ -849,14 +894,23 @@ mod tests {
         assert!(dense_loss[49] < dense_loss[0], "{dense_loss:?}");
         assert_eq!(sparse_loss, dense_loss);
         assert_eq!(sparse_params, dense_params);
+        // Tables kept by each rank (not shared) train alike too.
+        let private = train_embeddings_hinted(2, shm, true, Hint::None, 50, false);
+        assert_eq!(private, (dense_loss.clone(), dense_params.clone()));
         // The rows the model says it used replace the scan of the gradients: the same bits
-        // when it says them all. A model that leaves rows out makes the ranks drift apart
-        // (so the hint is what is used), which the parameter check (every 25 steps) catches.
-        let (hinted_loss, hinted_params) = train_embeddings_hinted(2, shm, true, Hint::Exact, 50);
-        assert_eq!(hinted_loss, dense_loss);
-        assert_eq!(hinted_params, dense_params);
-        let (short_loss, _) = train_embeddings_hinted(2, shm, true, Hint::Short, 50);
+        // when it says them all.
+        let hinted = |hint, shared| train_embeddings_hinted(2, shm, true, hint, 50, shared);
+        assert_eq!(
+            hinted(Hint::Exact, true),
+            (dense_loss.clone(), dense_params)
+        );
+        // A model that leaves rows out makes private tables drift apart (so the hint is what
+        // is used), which the parameter check (every 25 steps) catches.
+        let (short_loss, _) = hinted(Hint::Short, false);
         assert_eq!(short_loss.len(), 24, "stopped at the first check");
+        // Three ranks split the tables' rows unevenly (200 and 300 rows): still the same bits.
+        let (dense3, dense3_params) = train_embeddings(3, shm, false, 30);
+        assert_eq!(train_embeddings(3, shm, true, 30), (dense3, dense3_params));
         // Alone: only the backward is sparse.
         assert_eq!(
             train_embeddings(1, shm, true, 50),

@@ -1,7 +1,7 @@
 //! `dist`: the distributed runtime — what any data-parallel `tch` training needs, and nothing
 //! about what is trained. It owns the rendezvous store (`store`), the collectives
 //! (`collective`: a TCP ring on CPUs, NCCL on GPUs), the DDP engine (`ddp`: gradient
-//! accumulation, bucketed all-reduce), gradient clipping (`clip`), the sharded sampler (`sampler`), AdamW and the
+//! accumulation, bucketed all-reduce), gradient clipping (`clip`), listed rows of tables (`rows`), the sharded sampler (`sampler`), AdamW and the
 //! learning-rate schedule (`optim`), checkpoints (`checkpoint`), the shared generator (`rng`)
 //! and the few CUDA runtime calls it makes itself (`cuda_runtime`). It must not know about
 //! recommenders, data sets or metrics: the worker's trainer wires a model to it, and the
@@ -14,5 +14,6 @@ pub mod cuda_runtime;
 pub mod ddp;
 pub mod optim;
 pub mod rng;
+pub mod rows;
 pub mod sampler;
 pub mod store;

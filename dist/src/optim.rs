@@ -10,6 +10,7 @@
 //! module writes what `state_tensors` returns).
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 use thiserror::Error;
@@ -117,9 +118,10 @@ impl StepScalars {
             return false;
         }
         // SAFETY: four contiguous f32 CPU buffers of n elements, alive for this call; the
-        // parameter, its gradient and the two moments are separate allocations (the moments
-        // come from `zeros_like`, the gradient from autograd), and nothing else uses them
-        // meanwhile (the step runs on the training thread, under no_grad).
+        // parameter, its gradient and the two moments do not overlap (the moments come from
+        // `zeros_like` or are separate arrays of shared memory, the gradient from autograd), and
+        // nothing else uses them meanwhile (the step runs on the training thread, under no_grad;
+        // other ranks update other rows of a shared table).
         let (p, g, m, v) = unsafe {
             (
                 std::slice::from_raw_parts_mut(param.data_ptr() as *mut f32, n),
@@ -213,6 +215,9 @@ pub struct AdamW {
     step: u64,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
+    /// Per parameter: the only rows this optimizer updates (see [`AdamW::update_rows_only`]),
+    /// or `None` for all of it.
+    rows: Vec<Option<Range<i64>>>,
 }
 
 impl AdamW {
@@ -229,6 +234,7 @@ impl AdamW {
             step: 0,
             exp_avg: params.iter().map(Tensor::zeros_like).collect(),
             exp_avg_sq: params.iter().map(Tensor::zeros_like).collect(),
+            rows: vec![None; params.len()],
         }
     }
 
@@ -265,16 +271,70 @@ impl AdamW {
             eps: self.eps,
             neg_step: -(lr / bias_correction1),
         };
-        for ((param, exp_avg), exp_avg_sq) in params
+        for (((param, exp_avg), exp_avg_sq), rows) in params
             .iter()
-            .zip(self.exp_avg.iter_mut())
-            .zip(self.exp_avg_sq.iter_mut())
+            .zip(&self.exp_avg)
+            .zip(&self.exp_avg_sq)
+            .zip(&self.rows)
         {
             let grad = param.grad();
-            if grad.defined() && !scalars.fused(param, &grad, exp_avg, exp_avg_sq) {
-                scalars.with_tensor_ops(param, &grad, exp_avg, exp_avg_sq);
+            if !grad.defined() {
+                continue;
+            }
+            // The update is element-wise: a range of rows is updated as the whole would be.
+            let part = |t: &Tensor| match rows {
+                Some(r) => t.narrow(0, r.start, r.end - r.start),
+                None => t.shallow_clone(),
+            };
+            let (p, g, mut m, mut v) = (part(param), part(&grad), part(exp_avg), part(exp_avg_sq));
+            if !scalars.fused(&p, &g, &m, &v) {
+                scalars.with_tensor_ops(&p, &g, &mut m, &mut v);
             }
         }
+    }
+
+    /// From now on parameter `i` (index in `new`'s order) is updated only on `rows` (of its first
+    /// dimension), and its moments live in `exp_avg` and `exp_avg_sq` (shaped like the
+    /// parameter; e.g. in memory that other processes update for the other rows); the current
+    /// moments of those rows are copied there first. `load_state_tensors` then writes only those
+    /// rows, and `state_tensors` reads the whole of the given tensors.
+    pub fn update_rows_only(
+        &mut self,
+        i: usize,
+        rows: Range<i64>,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+    ) -> Result<(), OptimError> {
+        let ours = &self.exp_avg[i];
+        let fits = |t: &Tensor| {
+            t.size() == ours.size() && t.kind() == ours.kind() && t.device() == ours.device()
+        };
+        let height = ours.size().first().copied().unwrap_or(0);
+        if !fits(&exp_avg) || !fits(&exp_avg_sq) || rows.start > rows.end || rows.end > height {
+            return Err(OptimError::Shape {
+                name: format!("exp_avg.{i} (rows {rows:?})"),
+                expected: ours.size(),
+                found: exp_avg.size(),
+            });
+        }
+        let _guard = tch::no_grad_guard();
+        let len = rows.end - rows.start;
+        for (old, new) in [
+            (&self.exp_avg[i], &exp_avg),
+            (&self.exp_avg_sq[i], &exp_avg_sq),
+        ] {
+            new.narrow(0, rows.start, len)
+                .copy_(&old.narrow(0, rows.start, len));
+        }
+        self.exp_avg[i] = exp_avg;
+        self.exp_avg_sq[i] = exp_avg_sq;
+        self.rows[i] = Some(rows);
+        Ok(())
+    }
+
+    /// The rows parameter `i` is updated on, when only some ([`AdamW::update_rows_only`]).
+    pub fn rows_updated(&self, i: usize) -> Option<Range<i64>> {
+        self.rows.get(i).cloned().flatten()
     }
 
     /// Optimizer steps taken so far (restored by `load_state_tensors`).
@@ -350,14 +410,19 @@ impl AdamW {
         }
 
         let _guard = tch::no_grad_guard();
-        for ((dst_m, dst_v), (src_m, src_v)) in self
+        for (((dst_m, dst_v), (src_m, src_v)), rows) in self
             .exp_avg
-            .iter_mut()
-            .zip(self.exp_avg_sq.iter_mut())
+            .iter()
+            .zip(&self.exp_avg_sq)
             .zip(sources)
+            .zip(&self.rows)
         {
-            dst_m.copy_(src_m);
-            dst_v.copy_(src_v);
+            let part = |t: &Tensor| match rows {
+                Some(r) => t.narrow(0, r.start, r.end - r.start),
+                None => t.shallow_clone(),
+            };
+            part(dst_m).copy_(&part(src_m));
+            part(dst_v).copy_(&part(src_v));
         }
         self.step = step;
         Ok(())

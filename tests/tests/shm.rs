@@ -61,6 +61,8 @@ fn training_all_reduces_through_shared_memory_and_leaves_nothing() {
     );
     out.assert_code(0);
     out.assert_stdout_all(&["[rank 0] collective tcp (shared memory) ready"]);
+    // The tables in shared memory too: one more segment, gone as well.
+    out.assert_stderr("kept once in shared memory");
     assert_eq!(leaked_segments(), Vec::<String>::new());
 }
 

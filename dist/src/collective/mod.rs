@@ -105,6 +105,49 @@ pub trait Collective: Send {
 
     /// Returns once every rank has entered the barrier.
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError>;
+
+    /// Memory that every rank maps, when all of them run on one host and the backend can share
+    /// it there: `floats` f32s, zeroed. `None` otherwise (the default). Every rank must call it
+    /// at the same point with the same `floats`, and all get the same answer.
+    fn host_shared(
+        &mut self,
+        _floats: usize,
+        _ctx: OpContext,
+    ) -> Result<Option<HostShared>, CollectiveError> {
+        Ok(None)
+    }
+}
+
+/// Memory shared by every rank of a group ([`Collective::host_shared`]): mapped until the
+/// process exits, so tensors may point into it for the rest of the run. Which rank writes which
+/// part, and when the others may read it, is the user's protocol.
+pub struct HostShared {
+    base: std::ptr::NonNull<f32>,
+    floats: usize,
+}
+
+// SAFETY: plain shared memory that is never unmapped; the handle owns nothing.
+unsafe impl Send for HostShared {}
+
+impl HostShared {
+    /// `floats` f32s at `base`, which must stay mapped until the process exits.
+    pub(crate) fn new(base: std::ptr::NonNull<f32>, floats: usize) -> HostShared {
+        HostShared { base, floats }
+    }
+
+    /// The first float (64-byte aligned).
+    pub fn as_ptr(&self) -> *mut f32 {
+        self.base.as_ptr()
+    }
+
+    /// Its length in floats.
+    pub fn len(&self) -> usize {
+        self.floats
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.floats == 0
+    }
 }
 
 /// How long ranks that timed out wait for each other to report, to tell who is silent.

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use common::config::Config;
 use common::train_plan::TrainPlan;
 use tch::{nn, Device};
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::memory::{self, PhaseTracker};
 use crate::run_dir::MetricsLog;
@@ -235,9 +235,17 @@ impl<'t> Trainer<'t> {
                 } else {
                     Vec::new()
                 },
+                shared_tables: config.dist.shared_tables,
             },
         )?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
+        let shared = ddp.shared_tables();
+        if !shared.is_empty() && rank == 0 {
+            info!(
+                "embedding tables {} kept once in shared memory: each of the {world} ranks updates its share of their rows",
+                shared.join(", ")
+            );
+        }
         ddp.set_probe(peak_memory_probe(setup.memory.clone(), vs.device()));
         let slow = task::slow_fault(
             &std::env::var("GPTREC_FAULT_SLOW").unwrap_or_default(),

@@ -91,6 +91,8 @@ pub struct ShmGroup {
     chunks: u64,
     /// The members' arenas, once an operation asked for one.
     arena: arena::ArenaState,
+    /// Regions made by [`ShmGroup::host_shared`] so far (names their store keys).
+    regions: u64,
 }
 
 impl ShmGroup {
@@ -120,10 +122,40 @@ impl ShmGroup {
                 segments,
                 chunks: 0,
                 arena: arena::ArenaState::default(),
+                regions: 0,
             })),
             Err(why) => {
                 tracing::warn!(
                     "shared memory between ranks {ranks:?} unavailable, using sockets: {why}"
+                );
+                Ok(None)
+            }
+        }
+    }
+
+    /// `len` bytes that every member maps (the same memory), zeroed, and mapped until the
+    /// process exits: tensors may point into it for the rest of the run. `Ok(None)`, with the
+    /// reason logged, on every member when any could not map it. Every member must call this at
+    /// the same point with the same `len`.
+    pub fn host_shared(
+        &mut self,
+        store: &mut StoreClient,
+        len: usize,
+        timeout: Duration,
+    ) -> Result<Option<std::ptr::NonNull<u8>>, String> {
+        self.regions += 1;
+        let prefix = format!("shm/region{}", self.regions);
+        match segment::share_one(store, &prefix, &self.ranks, self.me, len, timeout)? {
+            Ok(region) => {
+                let base = region.base();
+                // Never unmapped: what points into it may live as long as the process.
+                std::mem::forget(region);
+                Ok(std::ptr::NonNull::new(base))
+            }
+            Err(why) => {
+                tracing::warn!(
+                    "no shared memory of {len} bytes between ranks {:?}: {why}",
+                    self.ranks
                 );
                 Ok(None)
             }

@@ -109,14 +109,8 @@ pub(super) fn share(
         Ok(_) => name.clone(),
         Err(why) => format!("!{why}"),
     };
-    let names = exchange(
-        store,
-        &format!("{prefix}/name"),
-        rank,
-        ranks,
-        &published,
-        timeout,
-    )?;
+    let key = format!("{prefix}/name");
+    let names = exchange(store, &key, rank, ranks, &published, timeout)?;
     let mapped: Result<Vec<Option<Segment>>, String> =
         match names.iter().find(|n| n.starts_with('!')) {
             Some(failed) => Err(failed[1..].to_string()),
@@ -124,7 +118,92 @@ pub(super) fn share(
                 .map(|(j, n)| (j != me).then(|| Segment::open(n, len)).transpose())
                 .collect(),
         };
-    let verdict = if mapped.is_ok() { "ok" } else { "!" };
+    let own_name = own.is_ok().then_some(name.as_str());
+    let all_mapped = settle(
+        store,
+        prefix,
+        rank,
+        ranks,
+        mapped.is_ok(),
+        own_name,
+        timeout,
+    )?;
+    let (own, mut segments) = match (own, mapped) {
+        (Err(why), _) | (_, Err(why)) => return Ok(Err(why)),
+        (Ok(own), Ok(others)) => (own, others),
+    };
+    if !all_mapped {
+        return Ok(Err("another rank could not map the segments".to_string()));
+    }
+    segments[me] = Some(own);
+    Ok(Ok(segments.into_iter().flatten().collect()))
+}
+
+/// One segment of `len` bytes that every member maps (the same memory): member 0 creates it
+/// (zeroed), the others open it, and member 0 unlinks it once every member has said whether it
+/// mapped it. Every member reaches the same answer, as with [`share`].
+pub(super) fn share_one(
+    store: &mut StoreClient,
+    prefix: &str,
+    ranks: &[usize],
+    me: usize,
+    len: usize,
+    timeout: Duration,
+) -> Result<Result<Segment, String>, String> {
+    let rank = ranks[me];
+    let made = (me == 0).then(|| {
+        let name = common::shm_segments::segment_name(std::process::id(), &random_hex()?);
+        Segment::create(&name, len).map(|segment| (name, segment))
+    });
+    let published = match &made {
+        Some(Ok((name, _))) => name.clone(),
+        Some(Err(why)) => format!("!{why}"),
+        None => String::new(), // only member 0's entry names the segment
+    };
+    let key = format!("{prefix}/name");
+    let names = exchange(store, &key, rank, ranks, &published, timeout)?;
+    let (name, mapped) = match made {
+        Some(made) => (
+            made.as_ref().ok().map(|(n, _)| n.clone()),
+            made.map(|(_, s)| s),
+        ),
+        None => match names[0].strip_prefix('!') {
+            Some(why) => (None, Err(why.to_string())),
+            None => (None, Segment::open(&names[0], len)),
+        },
+    };
+    let all_mapped = settle(
+        store,
+        prefix,
+        rank,
+        ranks,
+        mapped.is_ok(),
+        name.as_deref(),
+        timeout,
+    )?;
+    let segment = match mapped {
+        Ok(segment) => segment,
+        Err(why) => return Ok(Err(why)),
+    };
+    if !all_mapped {
+        return Ok(Err("another rank could not map the segment".to_string()));
+    }
+    Ok(Ok(segment))
+}
+
+/// Tells the members whether we mapped what we were to map, unlinks the segment we created
+/// (`own`: mapped everywhere, or given up, so not needed by name), and says whether every member
+/// mapped.
+fn settle(
+    store: &mut StoreClient,
+    prefix: &str,
+    rank: usize,
+    ranks: &[usize],
+    mapped: bool,
+    own: Option<&str>,
+    timeout: Duration,
+) -> Result<bool, String> {
+    let verdict = if mapped { "ok" } else { "!" };
     let verdicts = exchange(
         store,
         &format!("{prefix}/mapped"),
@@ -133,19 +212,10 @@ pub(super) fn share(
         verdict,
         timeout,
     );
-    if own.is_ok() {
-        let _ = shm_unlink(name.as_str()); // mapped everywhere (or given up): not needed by name
+    if let Some(name) = own {
+        let _ = shm_unlink(name);
     }
-    let verdicts = verdicts?;
-    let (own, mut segments) = match (own, mapped) {
-        (Err(why), _) | (_, Err(why)) => return Ok(Err(why)),
-        (Ok(own), Ok(others)) => (own, others),
-    };
-    if verdicts.iter().any(|v| v != "ok") {
-        return Ok(Err("another rank could not map the segments".to_string()));
-    }
-    segments[me] = Some(own);
-    Ok(Ok(segments.into_iter().flatten().collect()))
+    Ok(verdicts?.iter().all(|v| v == "ok"))
 }
 
 /// Publishes `value` under `{prefix}/{rank}` and returns every member's, in member order.

@@ -17,7 +17,8 @@ use link::{exchange, read_exact_until, write_all_until};
 
 use super::shm::{ShmFailure, ShmGroup};
 use super::{
-    flatten_f32, flatten_into, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp,
+    flatten_f32, flatten_into, unflatten_into, Collective, CollectiveError, HostShared, OpContext,
+    ReduceOp,
 };
 use crate::store::StoreClient;
 
@@ -588,6 +589,24 @@ impl Collective for TcpCollective {
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError> {
         let mut token = [Tensor::from_slice(&[1.0f32])];
         self.all_reduce(&mut token, ReduceOp::Sum, ctx)
+    }
+
+    /// Through the shared-memory group, when every rank is on this host.
+    fn host_shared(
+        &mut self,
+        floats: usize,
+        ctx: OpContext,
+    ) -> Result<Option<HostShared>, CollectiveError> {
+        let Some(shm) = self.shm.as_mut().filter(|_| self.hosts.is_none()) else {
+            return Ok(None);
+        };
+        let base = shm
+            .host_shared(&mut self.store, floats.max(1) * 4, ctx.timeout)
+            .map_err(|detail| CollectiveError::Setup {
+                backend: "tcp",
+                detail,
+            })?;
+        Ok(base.map(|base| HostShared::new(base.cast(), floats)))
     }
 }
 
