@@ -358,13 +358,36 @@ impl Ddp {
             let mut grads: Vec<Tensor> = bucket.iter().map(|&i| self.params[i].grad()).collect();
             self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
         }
+        time.collective = reducing.elapsed();
+        let grad_norm = self.update(optimizer, lr, ctx, &mut time)?;
+        let stats = StepStats {
+            loss: global_loss,
+            grad_norm,
+            time,
+            probed_max,
+        };
+        let every = self.config.check_params_every;
+        if every > 0 && (step + 1) % every == 0 {
+            self.check_params(step)?;
+        }
+        Ok(stats)
+    }
+
+    /// Clips the averaged gradients and takes the optimizer step (on shared tables this rank's
+    /// rows, then a barrier); returns the norm before clipping. Adds to `time`.
+    fn update(
+        &mut self,
+        optimizer: &mut AdamW,
+        lr: f64,
+        ctx: OpContext,
+        time: &mut StepTime,
+    ) -> Result<f64, DdpError> {
         let updating = Instant::now();
-        time.collective = updating - reducing;
         let grad_norm = clip_grads(&self.clip_list(), self.config.max_grad_norm)?;
         if !grad_norm.is_finite() {
             // The same on every rank (the gradients were averaged): all stop together.
             return Err(DdpError::Loss {
-                step: step + 1,
+                step: ctx.step,
                 detail: format!(
                     "the gradient norm is {grad_norm}; lower train.lr or check the data"
                 ),
@@ -381,17 +404,7 @@ impl Ddp {
             self.comm.barrier(ctx)?;
             time.collective += waiting.elapsed();
         }
-        let stats = StepStats {
-            loss: global_loss,
-            grad_norm,
-            time,
-            probed_max,
-        };
-        let every = self.config.check_params_every;
-        if every > 0 && (step + 1) % every == 0 {
-            self.check_params(step)?;
-        }
-        Ok(stats)
+        Ok(grad_norm)
     }
 
     /// `[local loss, bad-loss flag, probe slot of each rank (with a probe), touched-row mask of
