@@ -13,9 +13,9 @@ use tch::{Device, Kind, Tensor};
 
 /// One gradient to clip: the whole of it (`rows: None`), or only `rows` of a gradient whose
 /// other rows are zero (ascending, no duplicates).
-pub struct ClipGrad {
+pub struct ClipGrad<'a> {
     pub grad: Tensor,
-    pub rows: Option<Vec<i64>>,
+    pub rows: Option<&'a [i64]>,
 }
 
 /// Global L2 norm over all defined gradients of `params`; if `max_norm / (norm + 1e-6) < 1` the
@@ -33,7 +33,7 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64, tch::TchE
 }
 
 /// [`clip_grad_norm`] over `grads`, each whole or by its listed rows.
-pub fn clip_grads(grads: &[ClipGrad], max_norm: f64) -> Result<f64, tch::TchError> {
+pub fn clip_grads(grads: &[ClipGrad<'_>], max_norm: f64) -> Result<f64, tch::TchError> {
     let _guard = tch::no_grad_guard();
     let mut sum = 0.0;
     for g in grads {
@@ -59,7 +59,7 @@ pub fn clip_grads(grads: &[ClipGrad], max_norm: f64) -> Result<f64, tch::TchErro
 }
 
 /// The sum of squares of `g`'s gradient (of its listed rows), in f64.
-fn sum_of_squares(g: &ClipGrad) -> Result<f64, tch::TchError> {
+fn sum_of_squares(g: &ClipGrad<'_>) -> Result<f64, tch::TchError> {
     let grad = &g.grad;
     let n = grad.numel();
     if n == 0 {
@@ -87,7 +87,7 @@ fn sum_of_squares(g: &ClipGrad) -> Result<f64, tch::TchError> {
         None => (0..rows as usize).map(row).sum(),
         Some(listed) => {
             let mut total = 0.0;
-            for &r in listed {
+            for &r in *listed {
                 if r < 0 || r >= rows {
                     return Err(tch::TchError::Torch(format!(
                         "clipping: row {r} is outside a gradient of {rows} rows"
@@ -200,7 +200,7 @@ mod tests {
         let listed = [
             ClipGrad {
                 grad: g.copy(),
-                rows: Some(rows),
+                rows: Some(&rows),
             },
             ClipGrad {
                 grad: bias.copy(),
@@ -224,7 +224,7 @@ mod tests {
         }
         let bad = [ClipGrad {
             grad: g.copy(),
-            rows: Some(vec![50]),
+            rows: Some(&[50]),
         }];
         assert!(clip_grads(&bad, 1.0).is_err());
     }

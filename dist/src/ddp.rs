@@ -508,12 +508,12 @@ impl Ddp {
     }
 
     /// What clipping reads: each defined gradient, a sparse table's by its exchanged rows.
-    fn clip_list(&self) -> Vec<ClipGrad> {
+    fn clip_list(&self) -> Vec<ClipGrad<'_>> {
         let rows = |i: usize| {
             self.sparse
                 .iter()
                 .find(|t| t.index == i)
-                .and_then(|t| t.union.clone())
+                .and_then(|t| t.union.as_deref())
         };
         self.params
             .iter()

@@ -65,6 +65,10 @@ impl SharedTables {
         for &index in which {
             let size = params[index].size();
             let mut view = || {
+                assert!(
+                    at + slot(index) <= memory.len(),
+                    "the tables overrun their memory"
+                );
                 // SAFETY: `slot(index)` floats at `at` lie inside the shared memory, which stays
                 // mapped until the process exits; the three arrays of each table and the tables
                 // do not overlap.
