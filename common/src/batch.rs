@@ -197,6 +197,13 @@ pub enum BatchError {
         /// What is wrong, and what to do.
         problem: String,
     },
+    /// An elastic job cannot keep the global batch (none is configured, or the world size does
+    /// not divide it).
+    #[error("`batch.global`: {problem}")]
+    Elastic {
+        /// What is wrong, and what to do.
+        problem: String,
+    },
     /// A product does not fit in a `u64`.
     #[error("batch: {expression} does not fit in 64 bits")]
     Overflow {
@@ -217,6 +224,7 @@ impl BatchError {
     pub fn key_path(&self) -> String {
         match self {
             BatchError::Zero { key } | BatchError::Auto { key, .. } => format!("batch.{key}"),
+            BatchError::Elastic { .. } => "batch.global".to_string(),
             _ => "batch".to_string(),
         }
     }
@@ -390,6 +398,37 @@ impl BatchSpec {
             // `check` rejected these above; kept total without panicking.
             (None, None, a) => Err(BatchError::Underdetermined { grad_accum: a }),
         }
+    }
+
+    /// The plan of an elastic job on `world_size` workers: the configured global batch, kept
+    /// exactly whatever the world. The configured plan when it fits this world; otherwise
+    /// grad_accum follows, and micro too where the configured one no longer divides (the largest
+    /// micro up to the configured one that does, as with `micro = "auto"`). An error when no
+    /// global batch is configured or the world size does not divide it.
+    pub fn resolve_elastic(&self, world_size: u64) -> Result<BatchPlan, BatchError> {
+        let Some(g) = self.global else {
+            return Err(BatchError::Elastic {
+                problem: "an elastic job (--nnodes MIN:MAX) keeps the global batch through every change of world size, so it must be configured: set batch.global".into(),
+            });
+        };
+        let exact = self.resolve(world_size);
+        if exact.is_ok() || self.micro_auto || world_size == 0 {
+            return exact;
+        }
+        if g % world_size != 0 {
+            return Err(BatchError::Elastic {
+                problem: format!("global {g} is not divisible by world {world_size}"),
+            });
+        }
+        let cap = self.micro.or(self.max_micro).unwrap_or(g / world_size);
+        BatchPlan::plans_keeping_global(g, world_size)
+            .into_iter()
+            .find(|p| p.micro <= cap)
+            .ok_or_else(|| BatchError::Elastic {
+                problem: format!(
+                    "no micro batch up to {cap} keeps global {g} on world {world_size}"
+                ),
+            })
     }
 
     /// All three given: they must satisfy the invariant; the error suggests plans that do.
@@ -687,6 +726,31 @@ impl Given {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn an_elastic_plan_keeps_the_global_batch_changing_grad_accum_then_micro() {
+        // world 6 -> 4 with micro 128: grad_accum 2 -> 3.
+        let s = spec(Some(1536), Some(128), None);
+        assert_eq!(s.resolve_elastic(6), Ok(BatchPlan::new(1536, 128, 2, 6)));
+        assert_eq!(s.resolve_elastic(4), Ok(BatchPlan::new(1536, 128, 3, 4)));
+        // global 96, micro 16 on world 4: 96 / 4 = 24 is not a multiple of 16, so micro 12.
+        let s = spec(Some(96), Some(16), None);
+        assert_eq!(s.resolve_elastic(4), Ok(BatchPlan::new(96, 12, 2, 4)));
+        // All three given: the configured grad_accum gives way too.
+        let s = spec(Some(256), Some(64), Some(2));
+        assert_eq!(s.resolve_elastic(4), Ok(BatchPlan::new(256, 64, 1, 4)));
+        let err = spec(Some(256), Some(64), None)
+            .resolve_elastic(3)
+            .unwrap_err();
+        assert_eq!(err.key_path(), "batch.global");
+        assert!(
+            err.to_string()
+                .contains("global 256 is not divisible by world 3"),
+            "{err}"
+        );
+        let err = spec(None, Some(8), Some(2)).resolve_elastic(2).unwrap_err();
+        assert!(err.to_string().contains("set batch.global"), "{err}");
+    }
 
     fn spec(g: Option<u64>, m: Option<u64>, a: Option<u64>) -> BatchSpec {
         BatchSpec {

@@ -13,6 +13,12 @@ use std::fmt;
 
 use crate::hostlist;
 
+mod elastic;
+pub use elastic::{
+    parse_endpoint, parse_node_range, parse_rdzv_conf, parse_secs, Elastic, NodeRange,
+    DEFAULT_LAST_CALL, DEFAULT_RDZV_PORT,
+};
+
 /// `--num-processes` as written (or as an environment gave it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NumProcesses {
@@ -50,25 +56,6 @@ pub fn parse_num_processes(text: &str) -> Result<NumProcesses, String> {
                 "expected a positive number, `auto`, `gpu` or `cpu`, got {other:?}"
             )),
         },
-    }
-}
-
-/// Parses a node count; an elastic range is accepted only when it is fixed (`2:2`).
-pub fn parse_nnodes(text: &str) -> Result<u32, String> {
-    let text = text.trim();
-    let fixed = match text.split_once(':') {
-        Some((lo, hi)) if lo.trim() == hi.trim() => lo.trim(),
-        Some(_) => {
-            return Err(format!(
-                "elastic node ranges such as {text:?} are not supported; give a fixed node count"
-            ))
-        }
-        None => text,
-    };
-    match fixed.parse::<u32>() {
-        Ok(0) => Err("must be at least 1".to_string()),
-        Ok(n) => Ok(n),
-        Err(_) => Err(format!("expected a positive number, got {text:?}")),
     }
 }
 
@@ -131,6 +118,14 @@ pub struct Flags {
     pub gpu_ids: Option<Vec<u32>>,
     pub max_restarts: Option<u32>,
     pub standalone: bool,
+    /// `--nnodes MIN:MAX` with `MIN < MAX` (then `nnodes` is `None`).
+    pub elastic_nnodes: Option<NodeRange>,
+    /// `--rdzv-endpoint HOST[:PORT]` as written.
+    pub rdzv_endpoint: Option<String>,
+    /// `--rdzv-timeout SECS`.
+    pub rdzv_timeout: Option<std::time::Duration>,
+    /// `--rdzv-conf key=value,...`, parsed.
+    pub rdzv_conf: Vec<(String, std::time::Duration)>,
 }
 
 /// The job shape for this node, each value with its source.
@@ -148,6 +143,9 @@ pub struct JobShape {
     pub max_restarts: Sourced<u32>,
     /// The Slurm step this launch runs in, when it does.
     pub slurm: Option<SlurmStep>,
+    /// `--nnodes MIN:MAX` (or `PET_NNODES`) with `MIN < MAX`: the rendezvous decides the node
+    /// count and this node's rank at every (re)start; `nnodes` is then `MAX`.
+    pub elastic: Option<Elastic>,
     /// One-line notices for the user (e.g. a run id others can guess).
     pub notices: Vec<String>,
 }
@@ -172,10 +170,11 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
     let slurm = SlurmStep::from_env(env)?;
     let pet = Pet { env };
     let mut notices = Vec::new();
-    let nnodes = resolve_nnodes(flags, &slurm, &pet)?;
+    let (nnodes, range) = resolve_nnodes(flags, &slurm, &pet)?;
     let node_rank = resolve_node_rank(flags, &slurm, &pet, &nnodes)?;
     let multi = nnodes.value > 1;
     let (master_addr, master_port) = resolve_master(flags, &slurm, &pet, &nnodes)?;
+    let elastic = elastic::resolve(flags, &pet, range, (&master_addr, &master_port))?;
     let run_id = resolve_run_id(flags, env, &slurm, &pet, multi)?;
     if multi && matches!(run_id.source, Source::Slurm(_)) {
         notices.push(format!(
@@ -202,6 +201,7 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
         num_processes,
         max_restarts,
         slurm,
+        elastic,
         notices,
     })
 }
@@ -212,23 +212,37 @@ fn resolve_nnodes(
     flags: &Flags,
     slurm: &Option<SlurmStep>,
     pet: &Pet<'_>,
-) -> Result<Sourced<u32>, ShapeError> {
-    let nnodes = if flags.standalone {
-        if flags.nnodes.is_some_and(|n| n > 1) {
+) -> Result<(Sourced<u32>, Sourced<NodeRange>), ShapeError> {
+    let as_range = |n: &Sourced<u32>| {
+        Sourced::new(
+            NodeRange {
+                min: n.value,
+                max: n.value,
+            },
+            n.source.clone(),
+        )
+    };
+    let range = if flags.standalone {
+        let more = flags.nnodes.is_some_and(|n| n > 1) || flags.elastic_nnodes.is_some();
+        if more {
             return Err(ShapeError(
                 "--standalone is a single-node run; it cannot be combined with --nnodes > 1".into(),
             ));
         }
-        Sourced::new(1, Source::Flag("--standalone"))
+        as_range(&Sourced::new(1, Source::Flag("--standalone")))
+    } else if let Some(r) = flags.elastic_nnodes {
+        Sourced::new(r, Source::Flag("--nnodes"))
     } else if let Some(n) = flags.nnodes {
-        Sourced::new(n, Source::Flag("--nnodes"))
+        as_range(&Sourced::new(n, Source::Flag("--nnodes")))
     } else if let Some(s) = slurm {
-        s.nnodes.clone()
-    } else if let Some(n) = pet.get("NNODES", parse_nnodes)? {
-        n
+        as_range(&s.nnodes)
+    } else if let Some(r) = pet.get("NNODES", parse_node_range)? {
+        r
     } else {
-        Sourced::new(1, Source::Default(""))
+        as_range(&Sourced::new(1, Source::Default("")))
     };
+    // An elastic job counts as its largest size wherever a node count is checked.
+    let nnodes = Sourced::new(range.value.max, range.source.clone());
     if let Some(s) = slurm {
         s.check_one_task_per_node(nnodes.value)?;
         if s.step_id.is_none() && nnodes.value > 1 && matches!(nnodes.source, Source::Slurm(_)) {
@@ -238,7 +252,7 @@ fn resolve_nnodes(
             )));
         }
     }
-    Ok(nnodes)
+    Ok((nnodes, range))
 }
 
 /// This node's rank: `--node-rank`, the Slurm step, `PET_NODE_RANK`, else 0; below `nnodes`.

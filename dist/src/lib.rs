@@ -1,5 +1,5 @@
 //! `dist`: the distributed runtime — what any data-parallel `tch` training needs, and nothing
-//! about what is trained. It owns the rendezvous store (`store`), the collectives
+//! about what is trained. It uses the rendezvous store (`store`, its own crate), owns the collectives
 //! (`collective`: a TCP ring on CPUs, NCCL on GPUs), the DDP engine (`ddp`: gradient
 //! accumulation, bucketed all-reduce), gradient clipping (`clip`), listed rows of tables (`rows`), the sharded sampler (`sampler`), AdamW and the
 //! learning-rate schedule (`optim`), checkpoints (`checkpoint`), the shared generator (`rng`)
@@ -16,4 +16,5 @@ pub mod optim;
 pub mod rng;
 pub mod rows;
 pub mod sampler;
-pub mod store;
+/// The rendezvous store, from its own crate (`launch` uses it too, without libtorch).
+pub use ::store;

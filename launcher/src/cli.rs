@@ -37,9 +37,40 @@ pub struct Cli {
     #[arg(long = "gpu-ids", alias = "gpu_ids", value_name = "IDS", value_parser = parse_gpu_ids)]
     pub gpu_ids: Option<GpuIds>,
 
-    /// Number of nodes in the job. Default: Slurm's step, `PET_NNODES`, or 1.
-    #[arg(long, value_parser = parse_nnodes)]
-    pub nnodes: Option<u32>,
+    /// Number of nodes in the job: `N`, or `MIN:MAX` for an elastic job (nodes may leave and
+    /// join; the group re-forms at each change, keeping the global batch). Default: Slurm's
+    /// step, `PET_NNODES`, or 1.
+    #[arg(long, value_name = "N|MIN:MAX", value_parser = parse_node_range)]
+    pub nnodes: Option<NodeRange>,
+
+    /// Elastic jobs: `HOST[:PORT]` of the rendezvous store (port default 29400). The launcher
+    /// on HOST that binds it first hosts the store and must outlive the job. Default:
+    /// `PET_RDZV_ENDPOINT`, or the master address and port.
+    #[arg(
+        long = "rdzv-endpoint",
+        alias = "rdzv_endpoint",
+        value_name = "HOST[:PORT]"
+    )]
+    pub rdzv_endpoint: Option<String>,
+
+    /// Elastic jobs: seconds a rendezvous waits for MIN nodes before giving up (torchrun's
+    /// `join_timeout`). Default: `PET_RDZV_TIMEOUT`, or 900.
+    #[arg(long = "rdzv-timeout", alias = "rdzv_timeout", value_name = "SECS", value_parser = parse_secs)]
+    pub rdzv_timeout: Option<Duration>,
+
+    /// Elastic jobs: `join_timeout=SECS,last_call_timeout=SECS` (last call: once MIN nodes are
+    /// there, how long the first rendezvous waits for more; default 30).
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf", value_name = "KEY=VALUE,...", value_parser = parse_conf)]
+    pub rdzv_conf: Option<RdzvConf>,
+
+    /// torchrun's rendezvous backend: `c10d` (or `static`); ours is chosen by `--nnodes`.
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", value_name = "NAME", value_parser = ["c10d", "static"])]
+    pub rdzv_backend: Option<String>,
+
+    /// Elastic jobs: the address other nodes reach this one at (default: 127.0.0.1 when the
+    /// endpoint is a loopback address, else this host's name).
+    #[arg(long = "local-addr", alias = "local_addr", value_name = "HOST")]
+    pub local_addr: Option<String>,
 
     /// This node's rank among the nodes (0-based). Default: `SLURM_NODEID`, `PET_NODE_RANK`, or 0.
     #[arg(long = "node-rank", alias = "node_rank")]
@@ -112,7 +143,9 @@ pub struct Cli {
     pub program: Vec<OsString>,
 }
 
-use common::job_shape::{parse_nnodes, parse_num_processes};
+use common::job_shape::{
+    parse_node_range, parse_num_processes, parse_rdzv_conf, parse_secs, NodeRange,
+};
 pub use common::job_shape::{NumProcesses, MAX_PROCESSES};
 
 /// `--gpu-ids` as written.
@@ -143,6 +176,14 @@ fn parse_gpu_ids(text: &str) -> Result<GpuIds, String> {
         return Err(format!("more than {MAX_PROCESSES} GPUs listed"));
     }
     Ok(GpuIds::List(ids))
+}
+
+/// `--rdzv-conf`, parsed: (key, seconds) pairs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdzvConf(pub Vec<(String, Duration)>);
+
+fn parse_conf(text: &str) -> Result<RdzvConf, String> {
+    parse_rdzv_conf(text).map(RdzvConf)
 }
 
 fn parse_seconds(text: &str) -> Result<Duration, String> {
@@ -213,6 +254,27 @@ mod tests {
         assert_eq!(cli.gpu_ids, Some(GpuIds::List(vec![0, 2, 5])));
         let cli = parse(&["--gpu-ids", "all", "c.toml"]).unwrap();
         assert_eq!(cli.gpu_ids, Some(GpuIds::All));
+        let cli = parse(&[
+            "--nnodes",
+            "1:4",
+            "--rdzv_endpoint",
+            "h:5",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-conf",
+            "last_call_timeout=2",
+            "c.toml",
+        ])
+        .unwrap();
+        assert_eq!(cli.nnodes, Some(NodeRange { min: 1, max: 4 }));
+        assert_eq!(cli.rdzv_endpoint.as_deref(), Some("h:5"));
+        assert_eq!(
+            cli.rdzv_conf,
+            Some(RdzvConf(vec![(
+                "last_call_timeout".into(),
+                Duration::from_secs(2)
+            )]))
+        );
         // Nothing given: the job shape decides (Slurm, PET_*, defaults).
         let cli = parse(&["c.toml"]).unwrap();
         assert_eq!(
@@ -227,7 +289,10 @@ mod tests {
             &["--num-processes", "0", "c.toml"][..],
             &["--num-processes", "two", "c.toml"],
             &["--num-processes", "5000", "c.toml"],
-            &["--nnodes", "1:4", "c.toml"],
+            &["--nnodes", "4:1", "c.toml"],
+            &["--rdzv-conf", "bogus=1", "c.toml"],
+            &["--rdzv-timeout", "0", "c.toml"],
+            &["--rdzv-backend", "etcd", "c.toml"],
             &["--grace-period", "-1", "c.toml"],
             &["--master-port", "70000", "c.toml"],
             &["--gpu-ids", "0,,1", "c.toml"],

@@ -5,10 +5,12 @@
 
 mod adopted;
 mod cli;
+mod elastic;
 mod gpu;
 mod output;
 mod plan;
 mod progress;
+mod rendezvous;
 mod report;
 mod secret;
 mod shm_sweep;
@@ -130,7 +132,11 @@ fn launch(cli: &Cli) -> i32 {
         eprintln!("launch: error: cannot start the signal thread: {e}");
         return 1;
     }
-    supervisor::run(&plan, watchdog, events)
+    if plan.shape.elastic.is_some() {
+        elastic::run(&plan, watchdog, events)
+    } else {
+        supervisor::run(&plan, watchdog, events)
+    }
 }
 
 fn bad_input(e: &PlanError) -> i32 {

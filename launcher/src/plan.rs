@@ -10,6 +10,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 mod command;
+mod elastic;
+
+pub use elastic::feasible;
 
 use command::command_and_config;
 use common::batch::BatchPlan;
@@ -36,7 +39,7 @@ pub enum PlanError {
 }
 
 /// Everything needed to start (or describe) the worker group on this node.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Plan {
     pub nnodes: u32,
     pub node_rank: u32,
@@ -63,6 +66,8 @@ pub struct Plan {
     pub shape: JobShape,
     /// One-line notices to show before starting (e.g. "no GPU found, using 1 process").
     pub notices: Vec<String>,
+    /// Elastic jobs: the address other nodes reach this one at (`--local-addr`).
+    pub local_addr: String,
 }
 
 impl Plan {
@@ -78,7 +83,8 @@ impl Plan {
         let shape = job_shape::resolve(&flags, env).map_err(|e| PlanError::Usage(e.0))?;
         let mut notices = shape.notices.clone();
         let nnodes = shape.nnodes.value;
-        if nnodes > 1 && is_loopback_name(&shape.master_addr.value) {
+        let elastic = shape.elastic.is_some();
+        if nnodes > 1 && !elastic && is_loopback_name(&shape.master_addr.value) {
             notices.push(format!(
                 "the master address {} ({}) is a loopback address but there are {nnodes} nodes: other nodes cannot reach it",
                 shape.master_addr.value, shape.master_addr.source
@@ -132,7 +138,14 @@ impl Plan {
             PlanError::Usage(format!("{nnodes} nodes x {nproc} processes is too many"))
         })?;
 
-        let (command, config) = command_and_config(cli, world_size)?;
+        let elastic = shape.elastic.as_ref().map(|e| (e, nproc));
+        let (command, config) = command_and_config(cli, world_size, elastic)?;
+        // An elastic job is planned at its largest world that keeps the global batch; each
+        // round the rendezvous forms gets its own plan (`for_round`).
+        let (nnodes, world_size) = match (&shape.elastic, &config) {
+            (Some(_), Some(t)) => (t.batch.world_size as u32 / nproc, t.batch.world_size as u32),
+            _ => (nnodes, world_size),
+        };
 
         let omp_threads = if std::env::var_os("OMP_NUM_THREADS").is_none() {
             Some(((cores / nproc as usize).max(1), cores))
@@ -157,6 +170,7 @@ impl Plan {
             config,
             gpus,
             cuda_visible_devices: selection.map(|s| s.cuda_visible_devices),
+            local_addr: local_addr(cli, &shape),
             shape,
             notices,
         })
@@ -302,7 +316,7 @@ impl Plan {
     /// Makes sure the rendezvous port can be used, on the node that hosts it. On a single-node
     /// run a taken port is replaced by a free one (returned as a notice); port 0 always picks one.
     pub fn resolve_port(&mut self) -> Result<Option<String>, PlanError> {
-        if self.node_rank != 0 {
+        if self.node_rank != 0 || self.shape.elastic.is_some() {
             return Ok(None); // the store lives on node 0; nothing here to check
         }
         let ip = resolve_ip(&self.master_addr)?;
@@ -611,8 +625,13 @@ fn flags_of(cli: &Cli) -> Flags {
         Some(GpuIds::All) => (None, cli.num_processes.or(Some(NumProcesses::Auto))),
         None => (None, cli.num_processes),
     };
+    let range = cli.nnodes;
     Flags {
-        nnodes: cli.nnodes,
+        nnodes: range.and_then(|r| r.fixed()),
+        elastic_nnodes: range.filter(|r| r.fixed().is_none()),
+        rdzv_endpoint: cli.rdzv_endpoint.clone(),
+        rdzv_timeout: cli.rdzv_timeout,
+        rdzv_conf: cli.rdzv_conf.clone().map(|c| c.0).unwrap_or_default(),
         node_rank: cli.node_rank,
         master_addr: cli.master_addr.clone(),
         master_port: cli.master_port,
@@ -705,7 +724,26 @@ fn bound_port(listener: &TcpListener) -> Result<u16, PlanError> {
         .map_err(|e| PlanError::Usage(format!("cannot read the chosen port: {e}")))
 }
 
-fn is_loopback_name(addr: &str) -> bool {
+/// `--local-addr`, else 127.0.0.1 for a loopback rendezvous endpoint (or master address), else
+/// this host's name.
+fn local_addr(cli: &Cli, shape: &JobShape) -> String {
+    if let Some(addr) = &cli.local_addr {
+        return addr.clone();
+    }
+    let peer = match &shape.elastic {
+        Some(e) => e.endpoint.value.0.clone(),
+        None => shape.master_addr.value.clone(),
+    };
+    if is_loopback_name(&peer) {
+        return "127.0.0.1".to_string();
+    }
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "127.0.0.1".to_string())
+}
+
+pub(crate) fn is_loopback_name(addr: &str) -> bool {
     addr == "localhost" || addr.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 

@@ -17,7 +17,8 @@ use tracing::{info, warn};
 use crate::output::{self, Sinks, Stream, Tail};
 use crate::plan::{shell_words, Plan};
 use crate::progress::Display;
-use crate::report::{self, Ending, WorkerRecord};
+pub use crate::report::WorkerRecord;
+use crate::report::{self, Ending};
 use crate::watchdog::Watchdog;
 
 /// How long to wait for workers' output to drain after they exit (their children may hold the
@@ -45,10 +46,15 @@ pub enum Event {
     },
     /// One output stream of group run `round` has been forwarded completely.
     OutputClosed { round: u32 },
+    /// Elastic jobs: the group of `round` must re-form (a member failed, or a node waits to
+    /// join); tear it down now.
+    Regroup { round: u32, reason: String },
+    /// Elastic jobs: the rendezvous store (the host node) is gone.
+    StoreLost(String),
 }
 
 /// How a group run ended.
-enum GroupEnd {
+pub enum GroupEnd {
     Success,
     /// A worker failed; the group was torn down. `root` indexes `records`. `interrupted` is set
     /// when the launcher was also signalled (then there is no restart).
@@ -65,6 +71,14 @@ enum GroupEnd {
     SpawnFailed {
         code: i32,
     },
+    /// Elastic jobs: torn down to re-form ([`Event::Regroup`]).
+    Regroup {
+        reason: String,
+    },
+    /// Elastic jobs: torn down because the rendezvous store is gone.
+    StoreLost {
+        why: String,
+    },
 }
 
 /// Runs the plan to completion; returns the launcher's exit code.
@@ -72,35 +86,12 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
     let sinks = Sinks::new(plan.world_size);
     let mut restart = 0;
     let code = loop {
-        crate::shm_sweep::sweep_and_log();
-        let display = crate::progress::wanted().then(|| {
-            crate::progress::Display::start(
-                (0..plan.nproc).map(|l| plan.worker_env(l, restart).rank),
-            )
-        });
-        let end = run_group(
-            plan,
-            restart,
-            &sinks,
-            display.as_ref(),
-            &mut watchdog,
-            &events,
-        );
-        if let Some(display) = &display {
-            display.stop();
-        }
-        crate::shm_sweep::sweep_and_log(); // every worker of the group is reaped by now
-        match end {
+        match run_once(plan, restart, &sinks, &mut watchdog, &events) {
             GroupEnd::Success => break 0,
-            GroupEnd::Interrupted { signal } => {
-                warn!(
-                    "stopped by {}: every worker was terminated; exit code {}",
-                    report::signal_name(signal),
-                    128 + signal
-                );
-                break 128 + signal;
-            }
+            GroupEnd::Interrupted { signal } => break interrupted(signal),
             GroupEnd::SpawnFailed { code } => break code,
+            // Only elastic jobs send the events behind these.
+            GroupEnd::Regroup { .. } | GroupEnd::StoreLost { .. } => break 1,
             GroupEnd::Failed {
                 records,
                 root,
@@ -126,16 +117,7 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
                         report::signal_name(sig)
                     );
                 }
-                let first = plan.node_rank * plan.nproc;
-                let summary =
-                    report::failure_summary(&records, root, restart + 1, first..first + plan.nproc);
-                // A closed console must not turn a failure report into a panic.
-                let _ = writeln!(std::io::stderr().lock(), "{summary}");
-                // A worker that "failed" with code 0 cannot be the root cause, but be safe.
-                break match r.ending.exit_code() {
-                    0 => 1,
-                    code => code,
-                };
+                break report_failure(plan, &records, root, restart + 1);
             }
         }
     };
@@ -143,8 +125,52 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
     code
 }
 
+/// One run of the worker group (round `round`): sweeps what dead runs left in shared memory
+/// before and after, shows the progress display while it runs.
+pub fn run_once(
+    plan: &Plan,
+    round: u32,
+    sinks: &Arc<Sinks>,
+    watchdog: &mut Watchdog,
+    events: &(Sender<Event>, Receiver<Event>),
+) -> GroupEnd {
+    crate::shm_sweep::sweep_and_log();
+    let display = crate::progress::wanted().then(|| {
+        crate::progress::Display::start((0..plan.nproc).map(|l| plan.worker_env(l, round).rank))
+    });
+    let end = run_group(plan, round, sinks, display.as_ref(), watchdog, events);
+    if let Some(display) = &display {
+        display.stop();
+    }
+    crate::shm_sweep::sweep_and_log(); // every worker of the group is reaped by now
+    end
+}
+
+/// Says that the launcher was stopped by `signal`; the exit code for it.
+pub fn interrupted(signal: i32) -> i32 {
+    warn!(
+        "stopped by {}: every worker was terminated; exit code {}",
+        report::signal_name(signal),
+        128 + signal
+    );
+    128 + signal
+}
+
+/// Prints the failure summary of a group that failed `runs` time(s); the launcher's exit code.
+pub fn report_failure(plan: &Plan, records: &[WorkerRecord], root: usize, runs: u32) -> i32 {
+    let first = plan.node_rank * plan.nproc;
+    let summary = report::failure_summary(records, root, runs, first..first + plan.nproc);
+    // A closed console must not turn a failure report into a panic.
+    let _ = writeln!(std::io::stderr().lock(), "{summary}");
+    // A worker that "failed" with code 0 cannot be the root cause, but be safe.
+    match records[root].ending.exit_code() {
+        0 => 1,
+        code => code,
+    }
+}
+
 /// A signal that arrived while nothing was listening (between group runs).
-fn pending_signal(rx: &Receiver<Event>) -> Option<i32> {
+pub fn pending_signal(rx: &Receiver<Event>) -> Option<i32> {
     rx.try_iter().find_map(|event| match event {
         Event::Signal(sig) => Some(sig),
         _ => None,
@@ -165,6 +191,10 @@ struct Worker {
 enum Cause {
     Failure,
     Signal(i32),
+    /// Elastic jobs: re-form ([`Event::Regroup`]) or the store is gone ([`Event::StoreLost`]);
+    /// the reason is in [`Group::elastic_reason`].
+    Regroup,
+    StoreLost,
 }
 
 /// One run of the worker group, from spawn to the last process gone.
@@ -185,6 +215,8 @@ struct Group<'a> {
     kill_at: Option<Instant>,
     /// After SIGKILL: when to stop waiting for processes the kernel cannot remove.
     give_up_at: Option<Instant>,
+    /// Why an elastic teardown ([`Cause::Regroup`], [`Cause::StoreLost`]) began.
+    elastic_reason: String,
 }
 
 fn run_group(
@@ -210,6 +242,7 @@ fn run_group(
         interrupted: None,
         kill_at: None,
         give_up_at: None,
+        elastic_reason: String::new(),
     };
     for local_rank in 0..plan.nproc {
         let env = plan.worker_env(local_rank, round);
@@ -360,8 +393,28 @@ impl Group<'_> {
             Event::OutputClosed { round } if round == self.round => {
                 self.open_streams = self.open_streams.saturating_sub(1);
             }
+            Event::Regroup { round, reason } if round == self.round => {
+                self.elastic_teardown(Cause::Regroup, reason);
+            }
+            Event::StoreLost(why) => self.elastic_teardown(Cause::StoreLost, why),
             _ => {} // stale event of an earlier round
         }
+    }
+
+    /// Tears the group down for an elastic reason (SIGTERM, SIGKILL after the grace period),
+    /// unless a teardown is under way already.
+    fn elastic_teardown(&mut self, cause: Cause, reason: String) {
+        if self.cause.is_some() {
+            return;
+        }
+        warn!(
+            "{reason}: stopping this node's workers (SIGTERM, SIGKILL after {:.1} s)",
+            self.plan.grace_period.as_secs_f64()
+        );
+        self.cause = Some((cause, Instant::now()));
+        self.elastic_reason = reason;
+        self.signal_running(Signal::SIGTERM);
+        self.kill_at = Some(Instant::now() + self.plan.grace_period);
     }
 
     /// SIGKILL to every group now (workers and whatever is left of their children).
@@ -481,6 +534,21 @@ impl Group<'_> {
         let failure_at = match self.cause {
             None => return GroupEnd::Success,
             Some((Cause::Signal(signal), _)) => return GroupEnd::Interrupted { signal },
+            Some((Cause::Regroup | Cause::StoreLost, _)) if self.interrupted.is_some() => {
+                return GroupEnd::Interrupted {
+                    signal: self.interrupted.unwrap_or(15),
+                }
+            }
+            Some((Cause::Regroup, _)) => {
+                return GroupEnd::Regroup {
+                    reason: self.elastic_reason,
+                }
+            }
+            Some((Cause::StoreLost, _)) => {
+                return GroupEnd::StoreLost {
+                    why: self.elastic_reason,
+                }
+            }
             Some((Cause::Failure, at)) => at,
         };
         // The root cause is the earliest failure, not the first event that arrived: two wait

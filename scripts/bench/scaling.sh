@@ -10,10 +10,15 @@
 #               its share of the rows (the default)
 # Same global batch (256, micro 64) everywhere, OMP_NUM_THREADS=1, `checkpoint.resume = never`.
 # samples/s is the trainer's own summary figure: samples trained over the wall time of training,
-# the end-of-epoch validation and checkpoints included (the steps alone are a little faster).
+# the end-of-epoch validation and checkpoints included; "steps" is samples over the epochs' own
+# time (`seconds_per_epoch`, the training steps alone). This machine's speed moves by 10-15%
+# from minute to minute, so every configuration runs REPEAT times (default 3), the runs of one
+# row interleaved (1 process, then each 2-process way, then again), and each cell is the median.
 #
-# Usage: scripts/bench/scaling.sh [SIZES] [MODELS] [EPOCHS]
+# Usage: [REPEAT=3] scripts/bench/scaling.sh [SIZES] [MODELS]
 #   SIZES  "small full" (default) or one of them; MODELS "bpr cached" (default; add "dynamic")
+# Steps per epoch times the global batch (256) are an epoch's samples: the last partial batch
+# is dropped.
 set -eu
 cd "$(dirname "$0")/../.."
 sizes="${1:-small full}"
@@ -21,12 +26,12 @@ models="${2:-bpr cached}"
 . scripts/bench/lib.sh
 export OMP_NUM_THREADS=1
 
-run() { # size model procs shm sparse shared -> samples/s
-  local size=$1 model=$2 procs=$3 shm=$4 sparse=$5 shared=$6 kind=gpt2rec mode=cached epochs=${EPOCHS:-2}
+run() { # size model procs shm sparse shared repeat -> the run directory
+  local size=$1 model=$2 procs=$3 shm=$4 sparse=$5 shared=$6 again=$7 kind=gpt2rec mode=cached epochs=${EPOCHS:-2}
   local blocks=() # only dynamic text trains GPT-2 blocks: its top one here
   case $model in bpr) kind=bpr ;; dynamic) mode=dynamic; epochs=1; blocks=(--set model.trainable_layers=1) ;; esac
   [ "$size" = full ] && epochs=1
-  local name="$size-$model-p$procs-shm$shm-sparse$sparse-shared$shared"
+  local name="$size-$model-p$procs-shm$shm-sparse$sparse-shared$shared-$again"
   "$launch" --num-processes "$procs" --master-port 0 configs/default.toml \
     --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
     --set data.synthetic=\""$size"\" --set model.kind=\""$kind"\" \
@@ -37,19 +42,42 @@ run() { # size model procs shm sparse shared -> samples/s
     --set dist.shared_memory="$shm" --set dist.sparse_embeddings="$sparse" \
     --set dist.shared_tables="$shared" \
     >"$out/$name.log" 2>&1 || { echo "$name failed: see $out/$name.log" >&2; tail -3 "$out/$name.log" >&2; exit 1; }
-  summary_samples_per_s "$out/$name"
+  echo "$out/$name"
 }
 
-echo "| data | model | 1 process | 2, sockets | 2, shm | 2, shm+sparse | 2, shared tables (default) | 2 / 1 (default) |"
-echo "|---|---|---|---|---|---|---|---|"
+# Both figures of a run directory: "<summary samples/s> <steps samples/s>"
+figures() {
+  python3 - "$1/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+s = next(x for x in rows if x.get("kind") == "summary")
+print(round(s["samples_per_s"]), round(s["steps"] * 256 / s["epochs"] / s["seconds_per_epoch"]))
+PY
+}
+
+# The median of the numbers on stdin
+median() { python3 -c 'import statistics,sys; print(round(statistics.median(int(x) for x in sys.stdin.read().split())))'; }
+
+repeat=${REPEAT:-3}
+ways=("1 true true true" "2 false false false" "2 true false false" "2 true true false" "2 true true true")
+echo "| data | model | 1 process | 2, sockets | 2, shm | 2, shm+sparse | 2, shared tables (default) | 2 / 1 (default) | 2 / 1, steps only |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for size in $sizes; do
   for model in $models; do
-    one=$(run "$size" "$model" 1 true true true)
-    sock=$(run "$size" "$model" 2 false false false)
-    shm=$(run "$size" "$model" 2 true false false)
-    sparse=$(run "$size" "$model" 2 true true false)
-    shared=$(run "$size" "$model" 2 true true true)
-    ratio=$(python3 -c "print(f'{$shared / $one:.2f}x')")
-    echo "| $size | $model | $one | $sock | $shm | $sparse | $shared | $ratio |"
+    rm -f "$out"/figures-*
+    for i in $(seq "$repeat"); do
+      for w in "${!ways[@]}"; do
+        dir=$(run "$size" "$model" ${ways[$w]} "$i")
+        figures "$dir" >>"$out/figures-$w"
+      done
+    done
+    cells=() steps=()
+    for w in "${!ways[@]}"; do
+      cells+=("$(cut -d' ' -f1 "$out/figures-$w" | median)")
+      steps+=("$(cut -d' ' -f2 "$out/figures-$w" | median)")
+    done
+    ratio=$(python3 -c "print(f'{${cells[4]} / ${cells[0]}:.2f}x')")
+    step_ratio=$(python3 -c "print(f'{${steps[4]} / ${steps[0]}:.2f}x')")
+    echo "| $size | $model | ${cells[0]} | ${cells[1]} | ${cells[2]} | ${cells[3]} | ${cells[4]} | $ratio | $step_ratio |"
   done
 done

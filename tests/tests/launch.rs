@@ -595,7 +595,8 @@ fn bad_cli_input_is_rejected_without_panic() {
             &["--num-processes", "x", "--", "true"],
             "expected a positive number",
         ),
-        (&["--nnodes", "1:3", "--", "true"], "elastic"),
+        (&["--nnodes", "3:1", "--", "true"], "above the maximum"),
+        (&["--nnodes", "1:3", "--", "true"], "secret run id"),
         (&["--frobnicate", "--", "true"], "--frobnicate"),
         (&[][..], "nothing to run"),
         (

@@ -173,7 +173,7 @@ fn pet_rendezvous_endpoint_and_fixed_elastic_ranges() {
     assert_eq!(s.master_addr.value, "trainer-0.svc");
     assert_eq!(s.master_port.value, 29400);
     assert_eq!(s.run_id.value.as_deref(), Some("job-7"));
-    assert!(error(&Flags::default(), &[("PET_NNODES", "1:4")]).contains("PET_NNODES=\"1:4\""));
+    assert!(error(&Flags::default(), &[("PET_NNODES", "4:1")]).contains("PET_NNODES=\"4:1\""));
 }
 
 #[test]
@@ -428,8 +428,58 @@ fn parsers_of_counts() {
     assert_eq!(parse_num_processes("gpu"), Ok(NumProcesses::Auto));
     assert_eq!(parse_num_processes(" 3 "), Ok(NumProcesses::Count(3)));
     assert!(parse_num_processes("5000").is_err());
-    assert_eq!(parse_nnodes("4"), Ok(4));
-    assert_eq!(parse_nnodes("4:4"), Ok(4));
-    assert!(parse_nnodes("1:4").unwrap_err().contains("elastic"));
-    assert!(parse_nnodes("0").is_err());
+    assert_eq!(parse_node_range("4").map(NodeRange::fixed), Ok(Some(4)));
+    assert_eq!(parse_node_range("4:4").map(NodeRange::fixed), Ok(Some(4)));
+    assert_eq!(parse_node_range("1:4"), Ok(NodeRange { min: 1, max: 4 }));
+    assert!(parse_node_range("0").is_err());
+}
+
+#[test]
+fn an_elastic_range_gives_an_elastic_shape_with_its_endpoint_and_timeouts() {
+    let flags = Flags {
+        elastic_nnodes: Some(NodeRange { min: 2, max: 3 }),
+        rdzv_endpoint: Some("10.0.0.1:4000".into()),
+        rdzv_conf: vec![(
+            "last_call_timeout".into(),
+            std::time::Duration::from_secs(2),
+        )],
+        run_id: Some("secret".into()),
+        ..Flags::default()
+    };
+    let s = resolve(&flags, &env(&[])).unwrap();
+    let e = s.elastic.expect("elastic");
+    assert_eq!((e.min, e.max, s.nnodes.value), (2, 3, 3));
+    assert_eq!(e.endpoint.value, ("10.0.0.1".to_string(), 4000));
+    assert_eq!(e.last_call.value, std::time::Duration::from_secs(2));
+    assert_eq!(e.join_timeout.value, std::time::Duration::from_secs(900));
+    // torchrun's variables, as an elastic PyTorchJob sets them.
+    let s = resolve(
+        &Flags::default(),
+        &env(&[
+            ("PET_NNODES", "1:4"),
+            ("PET_RDZV_ENDPOINT", "head"),
+            ("PET_RDZV_TIMEOUT", "60"),
+            ("PET_RDZV_ID", "job-7"),
+        ]),
+    )
+    .unwrap();
+    let e = s.elastic.expect("elastic from PET_NNODES");
+    assert_eq!((e.min, e.max), (1, 4));
+    assert_eq!(e.endpoint.value, ("head".to_string(), DEFAULT_RDZV_PORT));
+    assert_eq!(e.join_timeout.value, std::time::Duration::from_secs(60));
+    // A fixed range is not elastic; an elastic one cannot be standalone.
+    let fixed = Flags {
+        nnodes: Some(1),
+        ..Flags::default()
+    };
+    assert!(resolve(&fixed, &env(&[("PET_NNODES", "2:2")]))
+        .unwrap()
+        .elastic
+        .is_none());
+    let standalone = Flags {
+        standalone: true,
+        elastic_nnodes: Some(NodeRange { min: 1, max: 2 }),
+        ..Flags::default()
+    };
+    assert!(error(&standalone, &[]).contains("--standalone"));
 }

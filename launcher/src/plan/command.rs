@@ -5,15 +5,19 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use common::job_shape::Elastic;
 use common::train_plan::TrainPlan;
 
 use super::PlanError;
 use crate::cli::Cli;
 
 /// The command of every worker, and the config's plan when it runs the worker.
+/// An elastic job (`Some((shape, processes per node))`) gets the plan of its largest world that
+/// keeps the global batch.
 pub(super) fn command_and_config(
     cli: &Cli,
     world_size: u32,
+    elastic: Option<(&Elastic, u32)>,
 ) -> Result<(Vec<OsString>, Option<TrainPlan>), PlanError> {
     match (&cli.config, cli.program.is_empty()) {
         (Some(_), false) => Err(PlanError::Usage(
@@ -37,8 +41,15 @@ pub(super) fn command_and_config(
             Ok((cli.program.clone(), None))
         }
         (Some(path), true) => {
-            let train = TrainPlan::load(path, &cli.overrides, u64::from(world_size))
-                .map_err(|e| not_a_config(path, e))?;
+            let train = match elastic {
+                None => TrainPlan::load(path, &cli.overrides, u64::from(world_size))
+                    .map_err(|e| not_a_config(path, e))?,
+                Some((shape, nproc)) => {
+                    let config = common::config::Config::load(path, &cli.overrides)
+                        .map_err(|e| not_a_config(path, e.into()))?;
+                    super::elastic::largest_plan(path, config, shape, nproc)?
+                }
+            };
             let worker = match &cli.worker {
                 Some(worker) => worker.clone(),
                 None => default_worker()?,

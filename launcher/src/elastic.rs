@@ -1,0 +1,327 @@
+//! The elastic supervisor (`--nnodes MIN:MAX`): around the supervisor's group runs, it hosts or
+//! reaches the rendezvous store, joins each round, runs this node's part of the group the round
+//! formed, and on a failure or a newcomer re-forms instead of ending. The job ends when the
+//! group finishes, when the coordinator says the restarts are spent, on a signal, or when the
+//! host node (its store) is lost — said in one line, with every worker of this node stopped.
+//!
+//! What a round is and when it closes is the rendezvous module's; what to start, the plan's.
+
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::batch::BatchPlan;
+use crossbeam_channel::{Receiver, Sender};
+use store::{StoreClient, StoreServer};
+use tracing::{info, warn};
+
+use crate::output::Sinks;
+use crate::plan::Plan;
+use crate::rendezvous::{self, Coordinator, Done, NodeInfo, NotJoined, Round, Terms};
+use crate::supervisor::{self, Event, GroupEnd};
+use crate::watchdog::Watchdog;
+
+/// How long the host keeps its store up after its own group finished, for the other nodes to
+/// report and the waiting ones to hear that the job is done.
+const HOST_LINGER: Duration = Duration::from_secs(30);
+
+/// The store, hosted here or reached, and what the job needs from it.
+struct Rendezvous {
+    addr: String,
+    run_id: String,
+    timeout: Duration,
+    /// Kept alive for as long as the job runs on this node.
+    server: Option<StoreServer>,
+    coordinator: Option<std::thread::JoinHandle<()>>,
+    store: StoreClient,
+}
+
+impl Rendezvous {
+    /// Hosts the store when this node can bind the endpoint (the first launcher there does),
+    /// else connects to it.
+    fn open(plan: &Plan, events: &Sender<Event>) -> Result<(Rendezvous, NodeInfo), String> {
+        let elastic = plan.shape.elastic.as_ref().ok_or("not an elastic job")?;
+        let (host, port) = elastic.endpoint.value.clone();
+        let addr = join_host_port(&host, port);
+        let server =
+            local_endpoint(&host, port).and_then(|at| StoreServer::start(at, &plan.run_id).ok());
+        let timeout = elastic.join_timeout.value;
+        let connect =
+            || StoreClient::connect(&addr, &plan.run_id, timeout).map_err(|e| e.to_string());
+        let mut store = connect()?;
+        let coordinator = match &server {
+            Some(server) => {
+                info!(
+                    "elastic job: this node hosts the rendezvous store on {} ({}..{} nodes); the job ends if this node is lost",
+                    server.local_addr(),
+                    elastic.min,
+                    elastic.max
+                );
+                let spec = plan.config.as_ref().map(|t| t.config.batch.clone());
+                let nproc = plan.nproc;
+                let terms = Terms {
+                    min: elastic.min,
+                    max: elastic.max,
+                    last_call: elastic.last_call.value,
+                    join_timeout: timeout,
+                    max_restarts: plan.max_restarts,
+                    feasible: Box::new(move |n| crate::plan::feasible(spec.as_ref(), nproc, n)),
+                };
+                let handle = Coordinator::new(connect()?, terms)
+                    .start()
+                    .map_err(|e| format!("cannot start the rendezvous coordinator: {e}"))?;
+                Some(handle)
+            }
+            None => None,
+        };
+        let id = rendezvous::take_id(&mut store).map_err(|e| e.to_string())?;
+        rendezvous::start_heartbeat(connect()?, id, events.clone())
+            .map_err(|e| format!("cannot start the heartbeat thread: {e}"))?;
+        let node = NodeInfo {
+            id,
+            addr: plan.local_addr.clone(),
+            nproc: plan.nproc,
+            port: 0,
+            host: server.is_some(),
+        };
+        let rdzv = Rendezvous {
+            addr,
+            run_id: plan.run_id.clone(),
+            timeout,
+            server,
+            coordinator,
+            store,
+        };
+        Ok((rdzv, node))
+    }
+
+    fn connect(&self) -> Result<StoreClient, String> {
+        StoreClient::connect(&self.addr, &self.run_id, self.timeout).map_err(|e| e.to_string())
+    }
+
+    /// The message for a lost store: which node it was on, and that the job cannot go on.
+    fn lost(&self, why: &str) -> String {
+        format!(
+            "lost the rendezvous store at {} ({why}): the node that hosts it is gone, and an elastic job cannot go on without it; this node's workers were stopped",
+            self.addr
+        )
+    }
+}
+
+/// Runs an elastic job on this node; returns the launcher's exit code.
+pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver<Event>)) -> i32 {
+    let code = match Rendezvous::open(plan, &events.0) {
+        Ok((mut rdzv, node)) => run_rounds(plan, &mut rdzv, node, &mut watchdog, &events),
+        Err(e) => {
+            warn!("elastic rendezvous: {e}");
+            1
+        }
+    };
+    watchdog.disarm();
+    code
+}
+
+fn run_rounds(
+    plan: &Plan,
+    rdzv: &mut Rendezvous,
+    mut node: NodeInfo,
+    watchdog: &mut Watchdog,
+    events: &(Sender<Event>, Receiver<Event>),
+) -> i32 {
+    let sinks = Sinks::new(plan.world_size.max(plan.nnodes * plan.nproc));
+    let mut after = None;
+    let mut previous: Option<(u32, Option<BatchPlan>)> = None;
+    let mut last_failure: Option<(Plan, Vec<supervisor::WorkerRecord>, usize)> = None;
+    loop {
+        node.port = match free_port(&node.addr) {
+            Ok(port) => port,
+            Err(e) => {
+                warn!("cannot find a free port on {}: {e}", node.addr);
+                return 1;
+            }
+        };
+        let round = match join(rdzv, &node, after, events) {
+            Ok(round) => round,
+            Err(code) => return finish_failed(code, last_failure.as_ref()),
+        };
+        let round_plan = match plan.for_round(&round, node.id) {
+            Ok(p) => p,
+            Err(e) => {
+                warn!("round {}: {e}", round.round);
+                return 1;
+            }
+        };
+        announce(&round, &round_plan, previous);
+        previous = Some((
+            round_plan.world_size,
+            round_plan.config.as_ref().map(|t| t.batch),
+        ));
+        let stop = Arc::new(AtomicBool::new(false));
+        let monitor = rdzv.connect().and_then(|store| {
+            rendezvous::start_monitor(store, round.round, events.0.clone(), stop.clone())
+                .map_err(|e| e.to_string())
+        });
+        if let Err(e) = monitor {
+            warn!("cannot watch the rendezvous: {e}");
+            return 1;
+        }
+        let end = supervisor::run_once(&round_plan, round.round as u32, &sinks, watchdog, events);
+        stop.store(true, Ordering::Relaxed);
+        after = Some(round.round);
+        match end {
+            GroupEnd::Success => return finished(rdzv, round.round),
+            GroupEnd::Interrupted { signal } => return supervisor::interrupted(signal),
+            GroupEnd::SpawnFailed { code } => return code,
+            GroupEnd::StoreLost { why } => {
+                warn!("{}", rdzv.lost(&why));
+                return 1;
+            }
+            GroupEnd::Regroup { reason } => {
+                info!("round {}: {reason}; re-forming the group", round.round);
+            }
+            GroupEnd::Failed {
+                records,
+                root,
+                interrupted,
+            } => {
+                if let Some(signal) = interrupted {
+                    return supervisor::interrupted(signal);
+                }
+                let r = &records[root];
+                let what = format!("rank {} (node id {}) failed: {}", r.rank, node.id, r.ending);
+                warn!("{what}; re-forming the group");
+                if let Err(e) = rendezvous::report_failure(&mut rdzv.store, round.round, &what) {
+                    warn!("{}", rdzv.lost(&e.to_string()));
+                    return supervisor::report_failure(&round_plan, &records, root, 1);
+                }
+                last_failure = Some((round_plan, records, root));
+            }
+        }
+    }
+}
+
+/// Joins the next round; the exit code when the job ended for this node instead.
+fn join(
+    rdzv: &mut Rendezvous,
+    node: &NodeInfo,
+    after: Option<u64>,
+    events: &(Sender<Event>, Receiver<Event>),
+) -> Result<Round, Result<i32, String>> {
+    let mut say = |line: String| info!("{line}");
+    let mut lost = None;
+    let mut signalled = || {
+        for event in events.1.try_iter() {
+            match event {
+                Event::Signal(sig) => return Some(sig),
+                Event::StoreLost(why) => lost = Some(why),
+                _ => {} // stale events of the last group run
+            }
+        }
+        None
+    };
+    match rendezvous::join(&mut rdzv.store, node, after, &mut say, &mut signalled) {
+        Ok(round) => Ok(round),
+        Err(NotJoined::Signal(sig)) => Err(Ok(supervisor::interrupted(sig))),
+        Err(NotJoined::Done(Done::Finished)) => {
+            info!("the job finished before this node could join it");
+            Err(Ok(0))
+        }
+        Err(NotJoined::Done(Done::Failed(why))) => Err(Err(why)),
+        Err(NotJoined::Store(e)) => {
+            warn!("{}", rdzv.lost(&lost.unwrap_or_else(|| e.to_string())));
+            Err(Ok(1))
+        }
+    }
+}
+
+/// The job ended without this node running: 0 or a code as said, or a failure (`Err`) with the
+/// last failure's report.
+fn finish_failed(
+    outcome: Result<i32, String>,
+    last: Option<&(Plan, Vec<supervisor::WorkerRecord>, usize)>,
+) -> i32 {
+    match outcome {
+        Ok(code) => code,
+        Err(why) => {
+            warn!("elastic job failed: {why}");
+            match last {
+                Some((plan, records, root)) => supervisor::report_failure(plan, records, *root, 1),
+                None => 1,
+            }
+        }
+    }
+}
+
+/// This node's group finished: tell the coordinator; the host waits for it to close the job.
+fn finished(rdzv: &mut Rendezvous, round: u64) -> i32 {
+    if let Err(e) = rendezvous::report_finished(&mut rdzv.store, round) {
+        // Finished here; the host may already be gone after finishing too.
+        tracing::debug!("could not report the finish: {e}");
+    }
+    if let Some(coordinator) = rdzv.coordinator.take() {
+        let deadline = std::time::Instant::now() + HOST_LINGER;
+        while !coordinator.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if !coordinator.is_finished() {
+            warn!(
+                "other nodes did not report their finish within {} s; closing the rendezvous store",
+                HOST_LINGER.as_secs()
+            );
+        }
+        // Nodes still waiting poll twice a second: let them hear that the job is done.
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    drop(rdzv.server.take());
+    0
+}
+
+fn announce(round: &Round, plan: &Plan, previous: Option<(u32, Option<BatchPlan>)>) {
+    let first = plan.node_rank * plan.nproc;
+    let ids: Vec<String> = round.nodes.iter().map(|n| n.id.to_string()).collect();
+    info!(
+        "round {}: {} node(s) (ids {}) x {} process(es), {}; this node is node rank {} (ranks {}..{})",
+        round.round,
+        round.nodes.len(),
+        ids.join(", "),
+        plan.nproc,
+        plan.round_change(previous),
+        plan.node_rank,
+        first,
+        first + plan.nproc - 1
+    );
+}
+
+/// The endpoint's socket address when `host` is an address of this machine (binding tells).
+fn local_endpoint(host: &str, port: u16) -> Option<SocketAddr> {
+    let addrs: Vec<SocketAddr> = (host, port).to_socket_addrs().ok()?.collect();
+    let at = addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()?;
+    // Only try to host where the address is ours: binding elsewhere fails anyway.
+    TcpListener::bind(SocketAddr::new(at.ip(), 0)).ok()?;
+    Some(at)
+}
+
+/// A port that is free on `addr` now (the workers' store binds it if this node is node rank 0).
+fn free_port(addr: &str) -> std::io::Result<u16> {
+    let ip = (addr, 0)
+        .to_socket_addrs()?
+        .map(|a| a.ip())
+        .find(IpAddr::is_ipv4)
+        .unwrap_or(IpAddr::from([0, 0, 0, 0]));
+    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+        .or_else(|_| TcpListener::bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 0)))?;
+    Ok(listener.local_addr()?.port())
+}
+
+fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
