@@ -48,6 +48,11 @@ pub fn alloc_conf_default(is_set: impl Fn(&str) -> bool) -> Option<(&'static str
 /// `ROLE_NAME` value; we have one role, as torchrun does by default.
 pub const ROLE_NAME: &str = "default";
 
+/// Exit code of a worker that an elastic `launch` asked (SIGUSR1) to stop at its next
+/// checkpoint so that the group can re-form with a node that waits to join, and that did:
+/// not a failure (EX_TEMPFAIL, "try again").
+pub const EXIT_REGROUP: i32 = 75;
+
 /// The variables a worker cannot do without (the others have defaults).
 const REQUIRED: [&str; 5] = [
     "RANK",

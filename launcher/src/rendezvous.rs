@@ -230,22 +230,33 @@ pub fn start_monitor(
     std::thread::Builder::new()
         .name("rendezvous-monitor".into())
         .spawn(move || {
+            let mut asked = false;
             while !stop.load(Ordering::Relaxed) {
-                let seen = (|| -> Result<Option<String>, StoreError> {
-                    for what in ["failed", "regroup"] {
+                // A failure re-forms at once; a waiting node at the next checkpoint (and a
+                // failure while waiting for it still at once).
+                let seen = (|| -> Result<Option<(String, bool)>, StoreError> {
+                    for (what, at_checkpoint) in [("failed", false), ("regroup", true)] {
+                        if at_checkpoint && asked {
+                            continue;
+                        }
                         if let Some(v) = store.get(&key(round, what))? {
-                            return Ok(Some(String::from_utf8_lossy(&v).into_owned()));
+                            let reason = String::from_utf8_lossy(&v).into_owned();
+                            return Ok(Some((reason, at_checkpoint)));
                         }
                     }
                     Ok(None)
                 })();
                 match seen {
-                    Ok(Some(reason)) => {
+                    Ok(Some((reason, at_checkpoint))) => {
                         let _ = tx.send(Event::Regroup {
                             round: round as u32,
                             reason,
+                            at_checkpoint,
                         });
-                        return;
+                        if !at_checkpoint {
+                            return;
+                        }
+                        asked = true;
                     }
                     Ok(None) => std::thread::sleep(POLL),
                     Err(_) => return, // the heartbeat reports a lost store
@@ -361,39 +372,51 @@ impl Coordinator {
     }
 
     /// Waits for the nodes of `round` and closes it; `None` when the job ended instead.
+    ///
+    /// The first round closes when MAX nodes joined, or a last call after MIN did. A re-formed
+    /// round closes once every live node joined (a member still running its group until the
+    /// next checkpoint is waited for, and the timeouts start only after it), or a last call
+    /// after that. Without a node count that keeps the global batch it waits, saying why,
+    /// up to the join timeout.
     fn form(
         &mut self,
         round: u64,
         previous: &[u64],
         failures: u32,
     ) -> Result<Option<Round>, StoreError> {
-        let opened = Instant::now();
+        let mut opened = Instant::now();
         let mut enough_since: Option<Instant> = None;
         let mut told = String::new();
         loop {
             let alive = self.alive()?;
             let joined = self.joined(round)?;
-            let live_joined = joined.iter().filter(|n| alive.contains(&n.id)).count() as u32;
+            let has_joined = |id: &u64| joined.iter().any(|j| j.id == *id);
+            let still_running = previous
+                .iter()
+                .any(|id| alive.contains(id) && !has_joined(id));
+            if still_running {
+                opened = Instant::now();
+                enough_since = None;
+            }
             let choice = self.largest_feasible(&joined);
-            if let Ok(n) = choice {
+            if let (Ok(n), false) = (&choice, still_running) {
                 let since = *enough_since.get_or_insert_with(Instant::now);
-                // Every live node is in (at a re-form), MAX are, or the last call is over.
-                let all_in = !previous.is_empty()
-                    && alive.iter().all(|id| joined.iter().any(|j| j.id == *id));
-                let full = live_joined >= self.terms.max;
+                let all_in = !previous.is_empty() && alive.iter().all(has_joined);
+                let full = joined.len() as u32 >= self.terms.max;
                 if all_in || full || since.elapsed() >= self.terms.last_call {
-                    let nodes = joined.into_iter().take(n as usize).collect();
+                    let nodes = joined.into_iter().take(*n as usize).collect();
                     return Ok(Some(Round {
                         round,
                         nodes,
                         failures,
                     }));
                 }
-            } else {
+            }
+            if choice.is_err() {
                 enough_since = None;
             }
             if let Err(why) = &choice {
-                if *why != told {
+                if *why != told && !still_running {
                     self.store.set(&key(round, "waiting"), why.as_bytes())?;
                     told = why.clone();
                 }

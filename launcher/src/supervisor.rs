@@ -46,9 +46,13 @@ pub enum Event {
     },
     /// One output stream of group run `round` has been forwarded completely.
     OutputClosed { round: u32 },
-    /// Elastic jobs: the group of `round` must re-form (a member failed, or a node waits to
-    /// join); tear it down now.
-    Regroup { round: u32, reason: String },
+    /// Elastic jobs: the group of `round` must re-form: at once when a member failed, at the
+    /// workers' next checkpoint (`at_checkpoint`) when a node waits to join.
+    Regroup {
+        round: u32,
+        reason: String,
+        at_checkpoint: bool,
+    },
     /// Elastic jobs: the rendezvous store (the host node) is gone.
     StoreLost(String),
 }
@@ -217,6 +221,8 @@ struct Group<'a> {
     give_up_at: Option<Instant>,
     /// Why an elastic teardown ([`Cause::Regroup`], [`Cause::StoreLost`]) began.
     elastic_reason: String,
+    /// Elastic jobs: the workers were asked to stop at their next checkpoint, and why.
+    regroup_asked: Option<String>,
 }
 
 fn run_group(
@@ -243,6 +249,7 @@ fn run_group(
         kill_at: None,
         give_up_at: None,
         elastic_reason: String::new(),
+        regroup_asked: None,
     };
     for local_rank in 0..plan.nproc {
         let env = plan.worker_env(local_rank, round);
@@ -353,7 +360,10 @@ impl Group<'_> {
                     return;
                 };
                 w.ending = Some((ending, at));
-                if !ending.is_success() && self.cause.is_none() {
+                // Stopping at a checkpoint when asked to is not a failure.
+                let regrouping = self.regroup_asked.is_some()
+                    && ending == Ending::Code(common::env_contract::EXIT_REGROUP);
+                if !ending.is_success() && !regrouping && self.cause.is_none() {
                     self.cause = Some((Cause::Failure, Instant::now()));
                     warn!(
                         "rank {} (pid {}) failed: {ending}; stopping the other workers (SIGTERM, SIGKILL after {:.1} s)",
@@ -393,8 +403,16 @@ impl Group<'_> {
             Event::OutputClosed { round } if round == self.round => {
                 self.open_streams = self.open_streams.saturating_sub(1);
             }
-            Event::Regroup { round, reason } if round == self.round => {
-                self.elastic_teardown(Cause::Regroup, reason);
+            Event::Regroup {
+                round,
+                reason,
+                at_checkpoint,
+            } if round == self.round => {
+                if at_checkpoint && self.plan.config.is_some() {
+                    self.ask_to_stop_at_checkpoint(reason);
+                } else {
+                    self.elastic_teardown(Cause::Regroup, reason);
+                }
             }
             Event::StoreLost(why) => self.elastic_teardown(Cause::StoreLost, why),
             _ => {} // stale event of an earlier round
@@ -415,6 +433,19 @@ impl Group<'_> {
         self.elastic_reason = reason;
         self.signal_running(Signal::SIGTERM);
         self.kill_at = Some(Instant::now() + self.plan.grace_period);
+    }
+
+    /// SIGUSR1 to every running worker: each stops after its next checkpoint, all ranks
+    /// together, and exits with `EXIT_REGROUP`.
+    fn ask_to_stop_at_checkpoint(&mut self, reason: String) {
+        if self.cause.is_some() || self.regroup_asked.is_some() {
+            return;
+        }
+        info!("{reason}: asking this node's workers to stop at their next checkpoint");
+        for w in self.workers.iter().filter(|w| w.ending.is_none()) {
+            let _ = nix::sys::signal::kill(Pid::from_raw(w.pid), Signal::SIGUSR1);
+        }
+        self.regroup_asked = Some(reason);
     }
 
     /// SIGKILL to every group now (workers and whatever is left of their children).
@@ -531,7 +562,15 @@ impl Group<'_> {
     }
 
     fn end(self) -> GroupEnd {
+        let stopped_to_regroup = self.workers.iter().any(|w| {
+            matches!(w.ending, Some((Ending::Code(c), _)) if c == common::env_contract::EXIT_REGROUP)
+        });
         let failure_at = match self.cause {
+            None if stopped_to_regroup && self.regroup_asked.is_some() => {
+                return GroupEnd::Regroup {
+                    reason: self.regroup_asked.unwrap_or_default(),
+                }
+            }
             None => return GroupEnd::Success,
             Some((Cause::Signal(signal), _)) => return GroupEnd::Interrupted { signal },
             Some((Cause::Regroup | Cause::StoreLost, _)) if self.interrupted.is_some() => {

@@ -1,7 +1,9 @@
 //! Elastic jobs (`--nnodes MIN:MAX`) on loopback: each `launch` process is a node, with real
 //! workers training a tiny config. A node that is SIGKILLed is dropped and the others re-form
 //! with the same global batch from the last checkpoint; a late node joins at the next restart;
-//! losing the node that hosts the rendezvous store ends the job with a clear message.
+//! losing the node that hosts the rendezvous store ends the job with a clear message. The
+//! samples each epoch trained are traced (`GPTREC_TRACE_SAMPLES`) and compared with a run
+//! that was not interrupted.
 
 mod support;
 
@@ -18,7 +20,7 @@ const T: Duration = Duration::from_secs(180);
 /// micro 2: world 3 takes grad_accum 2, world 2 grad_accum 3; a checkpoint every 100 steps).
 fn node(dir: &Path, port: u16, run_id: &str, range: &str, epochs: u32) -> Live {
     let endpoint = format!("127.0.0.1:{port}");
-    let mut args: Vec<String> = [
+    let shape = [
         "--nnodes",
         range,
         "--num-processes",
@@ -35,11 +37,19 @@ fn node(dir: &Path, port: u16, run_id: &str, range: &str, epochs: u32) -> Live {
         "3",
         "--grace-period",
         "2",
-        "configs/default.toml",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    ];
+    let args = training_args(&shape, dir, epochs);
+    let mut cmd = launch_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    cmd.env("OMP_NUM_THREADS", "1")
+        .env("GPTREC_TRACE_SAMPLES", dir.join("trace"));
+    Live::new(cmd.spawn().expect("spawn launch"))
+}
+
+/// `launch` arguments: `shape`, then the tiny config (with its samples traced into DIR/trace).
+fn training_args(shape: &[&str], dir: &Path, epochs: u32) -> Vec<String> {
+    std::fs::create_dir_all(dir.join("trace")).unwrap();
+    let mut args: Vec<String> = shape.iter().map(|s| s.to_string()).collect();
+    args.push("configs/default.toml".into());
     args.extend(tiny_bpr_sets(dir));
     for set in [
         format!("train.epochs={epochs}"),
@@ -51,10 +61,63 @@ fn node(dir: &Path, port: u16, run_id: &str, range: &str, epochs: u32) -> Live {
         args.push("--set".into());
         args.push(set);
     }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut cmd = launch_cmd(&args);
-    cmd.env("OMP_NUM_THREADS", "1");
-    Live::new(cmd.spawn().expect("spawn launch"))
+    args
+}
+
+/// One traced step: (restart round, epoch, step, the dataset indices of one rank).
+type Traced = (u32, u64, u64, Vec<usize>);
+
+/// Every step the ranks of a run traced (`GPTREC_TRACE_SAMPLES`).
+fn traces(dir: &Path) -> Vec<Traced> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir.join("trace")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let restart: u32 = name.split('-').nth(1).unwrap().parse().unwrap();
+        for line in std::fs::read_to_string(&path).unwrap().lines() {
+            let mut parts = line.split(' ');
+            let epoch = parts.next().unwrap().parse().unwrap();
+            let step = parts.next().unwrap().parse().unwrap();
+            let indices = parts
+                .next()
+                .unwrap()
+                .split(',')
+                .map(|i| i.parse().unwrap())
+                .collect();
+            out.push((restart, epoch, step, indices));
+        }
+    }
+    out
+}
+
+/// The samples each epoch trained in the run's final history: a step that a later round took
+/// again (after resuming from a checkpoint before it) counts only as that round took it.
+fn epochs_trained(traced: &[Traced]) -> std::collections::BTreeMap<u64, Vec<usize>> {
+    let mut last_round = std::collections::BTreeMap::new();
+    for (restart, _, step, _) in traced {
+        let r = last_round.entry(*step).or_insert(*restart);
+        *r = (*r).max(*restart);
+    }
+    let mut epochs: std::collections::BTreeMap<u64, Vec<usize>> = Default::default();
+    for (restart, epoch, step, indices) in traced {
+        if last_round[step] == *restart {
+            epochs.entry(*epoch).or_default().extend(indices);
+        }
+    }
+    for samples in epochs.values_mut() {
+        samples.sort_unstable();
+    }
+    epochs
+}
+
+/// (step, lr) of every logged step record of the run in `dir`.
+fn lrs(dir: &Path) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(dir.join("default/metrics.jsonl")).unwrap();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["kind"] == "step")
+        .map(|r| (r["step"].as_u64().unwrap(), r["lr"].as_f64().unwrap()))
+        .collect()
 }
 
 /// Waits until stdout or stderr of `live` contains `needle`.
@@ -133,6 +196,48 @@ fn a_killed_node_is_dropped_and_the_others_finish_with_the_same_global_batch() {
     let s = summary(dir.path());
     assert_eq!(s["world_size"], 2, "{s}");
     assert_no_processes(&run_id, Duration::from_secs(10));
+
+    // The same run without the failure, at a fixed world of 2.
+    let reference = tempfile::tempdir().unwrap();
+    let shape = ["--num-processes", "2", "--master-port", "0"];
+    let args = training_args(&shape, reference.path(), 8);
+    let mut cmd = launch_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    cmd.env("OMP_NUM_THREADS", "1")
+        .env("GPTREC_TRACE_SAMPLES", reference.path().join("trace"));
+    wait_output(cmd.spawn().unwrap(), T).assert_code(0);
+    let traced = traces(dir.path());
+    let resumed_at = traced
+        .iter()
+        .filter(|t| t.0 == 1)
+        .map(|t| (t.2, t.1))
+        .min()
+        .expect("steps of the re-formed group");
+    assert!(
+        resumed_at.0 > 100,
+        "resumed from a checkpoint: {resumed_at:?}"
+    );
+    let trained = epochs_trained(&traced);
+    let expected = epochs_trained(&traces(reference.path()));
+    // Twice in an epoch only where the sampler pads the epoch to whole steps by wrapping around
+    // (as torch's DistributedSampler does): the same in the uninterrupted run.
+    let repeats = |samples: &Vec<usize>| {
+        let mut unique = samples.clone();
+        unique.dedup();
+        samples.len() - unique.len()
+    };
+    let epoch = resumed_at.1;
+    assert_eq!(repeats(&trained[&epoch]), repeats(&expected[&epoch]));
+    assert!(repeats(&trained[&epoch]) <= 1, "more than the padding");
+    // Epoch by epoch, the same samples as the uninterrupted run: none skipped, none twice.
+    assert_eq!(trained, expected);
+    // The learning-rate schedule continued from the same optimizer step.
+    let (ours, theirs) = (lrs(dir.path()), lrs(reference.path()));
+    assert!(ours.len() > 10 && ours.iter().any(|(s, _)| *s > resumed_at.0));
+    for (step, lr) in &ours {
+        if let Some((_, want)) = theirs.iter().find(|(s, _)| s == step) {
+            assert!((lr - want).abs() < 1e-12, "step {step}: lr {lr} vs {want}");
+        }
+    }
 }
 
 #[test]
@@ -148,6 +253,9 @@ fn a_late_node_joins_at_the_next_restart() {
         let out = live.finish(T);
         out.assert_code(0);
         out.assert_stderr("waiting to join: re-forming with 3 nodes");
+        // Not mid-step: every worker stopped after a checkpoint, which the new group resumed.
+        out.assert_stderr("asking this node's workers to stop at their next checkpoint");
+        out.assert_stderr("stopped after the checkpoint of step");
         out.assert_stderr("world 2 -> 3: grad_accum 3 -> 2, global 12 kept");
     }
     let out = late.finish(T);

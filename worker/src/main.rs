@@ -41,6 +41,7 @@ fn main() -> ExitCode {
     // Before anything starts CUDA or a thread: the allocator reads this once, at its start.
     let alloc_conf_set = set_alloc_conf_default();
     worker::run_report::init_logging();
+    worker::regroup::install();
     // The one out-of-memory tracker of this process: handed down to everything that runs a
     // phase, and held by the panic hook.
     let tracker = PhaseTracker::new();
@@ -61,6 +62,14 @@ fn main() -> ExitCode {
     }));
     let failure = match outcome {
         Ok(Ok(())) => return ExitCode::SUCCESS,
+        Ok(Err(e))
+            if e.error
+                .downcast_ref::<trainer::TrainError>()
+                .is_some_and(|t| matches!(t, trainer::TrainError::Regroup { .. })) =>
+        {
+            tracing::info!("{:#}", e.error);
+            return ExitCode::from(common::env_contract::EXIT_REGROUP as u8);
+        }
         Ok(Err(e)) => e,
         Err(payload) => Failure {
             error: anyhow::anyhow!("{}", memory::panic_text(payload.as_ref())),

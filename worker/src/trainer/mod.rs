@@ -12,6 +12,7 @@ mod records;
 mod resume;
 mod sync;
 mod task;
+mod trace;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -62,6 +63,9 @@ pub enum TrainError {
     },
     #[error(transparent)]
     Torch(#[from] tch::TchError),
+    /// `launch` asked the group to re-form (SIGUSR1): it stopped after this checkpoint.
+    #[error("stopped after the checkpoint of step {step}: launch asked the group to re-form (a node waits to join)")]
+    Regroup { step: u64 },
 }
 
 /// How the run ended.
@@ -208,6 +212,8 @@ struct Trainer<'t> {
     reports: Option<crate::progress_channel::ProgressSender>,
     /// `GPTREC_FAULT_SLOW` on this rank.
     slow: Option<Duration>,
+    /// `GPTREC_TRACE_SAMPLES`: the samples of every step, for tests.
+    trace: Option<trace::SampleTrace>,
 }
 
 impl<'t> Trainer<'t> {
@@ -312,6 +318,7 @@ impl<'t> Trainer<'t> {
             bar: None,
             reports: crate::progress_channel::ProgressSender::from_env(),
             slow,
+            trace: trace::SampleTrace::from_env(rank),
         })
     }
 
@@ -384,6 +391,9 @@ impl<'t> Trainer<'t> {
             if self.eval.stopped_early {
                 break;
             }
+            if epoch + 1 < self.epochs {
+                self.regroup_if_asked(step)?;
+            }
             if self.setup.stop_after_epoch == Some(epoch + 1) {
                 if self.leader() {
                     warn!(
@@ -421,6 +431,9 @@ impl<'t> Trainer<'t> {
         let windows = batches.len() / grad_accum;
         for (w, window) in batches.chunks(grad_accum).take(windows).enumerate() {
             self.train_step(epoch, window)?;
+            if let Some(trace) = self.trace.as_mut() {
+                trace.record(epoch, self.progress.step, window);
+            }
             samples_in_epoch += self.setup.plan.batch.global;
             let (step, every) = (
                 self.progress.step,
@@ -429,6 +442,7 @@ impl<'t> Trainer<'t> {
             // The last step of an epoch is saved as the end of the epoch.
             if every > 0 && step % every == 0 && w + 1 < windows {
                 self.checkpoint(epoch, step, samples_in_epoch)?;
+                self.regroup_if_asked(step)?;
             }
         }
         self.progress.epochs_done = epoch + 1;
@@ -509,6 +523,21 @@ impl<'t> Trainer<'t> {
         self.setup
             .memory
             .update(|f| f.last_checkpoint = Some(path.display().to_string()));
+        Ok(())
+    }
+
+    /// After a checkpoint: when `launch` asked any rank to let the group re-form (SIGUSR1),
+    /// every rank stops here together ([`TrainError::Regroup`]).
+    fn regroup_if_asked(&mut self, step: u64) -> Result<(), TrainError> {
+        let asked = f32::from(u8::from(crate::regroup::requested()));
+        let mut flag = [tch::Tensor::from_slice(&[asked])];
+        let ctx = self.ctx(step);
+        self.ddp
+            .comm()
+            .all_reduce(&mut flag, dist::collective::ReduceOp::Sum, ctx)?;
+        if flag[0].f_double_value(&[0])? > 0.0 {
+            return Err(TrainError::Regroup { step });
+        }
         Ok(())
     }
 
