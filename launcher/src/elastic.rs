@@ -170,7 +170,7 @@ fn run_rounds(
         stop.store(true, Ordering::Relaxed);
         after = Some(round.round);
         match end {
-            GroupEnd::Success => return finished(rdzv, round.round),
+            GroupEnd::Success => return finished(rdzv, round.round, node.id),
             GroupEnd::Interrupted { signal } => return supervisor::interrupted(signal),
             GroupEnd::SpawnFailed { code } => return code,
             GroupEnd::StoreLost { why } => {
@@ -254,8 +254,8 @@ fn finish_failed(
 }
 
 /// This node's group finished: tell the coordinator; the host waits for it to close the job.
-fn finished(rdzv: &mut Rendezvous, round: u64) -> i32 {
-    if let Err(e) = rendezvous::report_finished(&mut rdzv.store, round) {
+fn finished(rdzv: &mut Rendezvous, round: u64, id: u64) -> i32 {
+    if let Err(e) = rendezvous::report_finished(&mut rdzv.store, round, id) {
         // Finished here; the host may already be gone after finishing too.
         tracing::debug!("could not report the finish: {e}");
     }

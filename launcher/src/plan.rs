@@ -390,6 +390,26 @@ impl Plan {
         for (name, value, source) in rows {
             let _ = writeln!(out, "  {:<13} {value}  [{source}]", format!("{name}:"));
         }
+        if let Some(e) = &shape.elastic {
+            let spec = self.config.as_ref().map(|t| &t.config.batch);
+            let keeps: Vec<String> = (e.min..=e.max)
+                .filter(|&n| feasible(spec, self.nproc, n).is_ok())
+                .map(|n| n.to_string())
+                .collect();
+            let _ = writeln!(
+                out,
+                "  elastic:      {}..{} nodes  [{}]; rendezvous store at {}:{}  [{}]; node rank, world and batch set at each (re)start; node counts that keep the global batch: {}; join timeout {:.0} s, last call {:.0} s",
+                e.min,
+                e.max,
+                e.range_source,
+                e.endpoint.value.0,
+                e.endpoint.value.1,
+                e.endpoint.source,
+                keeps.join(", "),
+                e.join_timeout.value.as_secs_f64(),
+                e.last_call.value.as_secs_f64()
+            );
+        }
         let _ = writeln!(
             out,
             "  failures:     tear down with SIGTERM, SIGKILL after {:.1} s; up to {} restart(s)  [{}]",

@@ -12,7 +12,8 @@
 //!   waits for `elastic/r<r>/members`, the [`Round`] the coordinator closes: the host first,
 //!   then by node id, as many nodes (between MIN and MAX) as give a world that keeps the
 //!   global batch; a node left out joins round `r + 1`;
-//! - a member whose group fails writes `elastic/r<r>/failed`; a newcomer waiting in round
+//! - a member whose group finishes writes `elastic/r<r>/finished/<id>`; one whose group fails
+//!   writes `elastic/r<r>/failed`; a newcomer waiting in round
 //!   `r + 1` makes the coordinator write `elastic/r<r>/regroup`; either way every member tears
 //!   its group down and joins round `r + 1`;
 //! - `elastic/done` ends the job for everyone still waiting ([`Done`]).
@@ -45,6 +46,10 @@ fn key(round: u64, what: &str) -> String {
 
 fn heartbeat_key(id: u64) -> String {
     format!("elastic/hb/{id}")
+}
+
+fn alive_key(id: u64) -> String {
+    format!("elastic/alive/{id}")
 }
 
 /// What a node says about itself when it joins a round.
@@ -129,16 +134,25 @@ pub fn take_id(store: &mut StoreClient) -> Result<u64, StoreError> {
 }
 
 /// Beats for node `id` on its own connection until the store is gone, then sends
-/// [`Event::StoreLost`] (once) and stops.
+/// [`Event::StoreLost`] (once) and stops. The connection also holds the node's ephemeral
+/// `elastic/alive/<id>` key: when this process dies the store drops it at once, so a killed
+/// node is known dead without waiting for its heartbeat to go stale.
 pub fn start_heartbeat(mut store: StoreClient, id: u64, tx: Sender<Event>) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("heartbeat".into())
-        .spawn(move || loop {
-            if let Err(e) = store.add(&heartbeat_key(id), 1) {
+        .spawn(move || {
+            let lost = |e: StoreError| {
                 let _ = tx.send(Event::StoreLost(e.to_string()));
-                return;
+            };
+            if let Err(e) = store.set_ephemeral(&alive_key(id), b"1") {
+                return lost(e);
             }
-            std::thread::sleep(BEAT);
+            loop {
+                if let Err(e) = store.add(&heartbeat_key(id), 1) {
+                    return lost(e);
+                }
+                std::thread::sleep(BEAT);
+            }
         })
         .map(|_| ())
 }
@@ -213,9 +227,10 @@ pub fn report_failure(store: &mut StoreClient, round: u64, what: &str) -> Result
     Ok(())
 }
 
-/// Tells the coordinator that this member's group of `round` finished its work.
-pub fn report_finished(store: &mut StoreClient, round: u64) -> Result<(), StoreError> {
-    store.add(&key(round, "finished"), 1).map(|_| ())
+/// Tells the coordinator that node `id`'s group of `round` finished its work (it may then
+/// leave without being taken for dead).
+pub fn report_finished(store: &mut StoreClient, round: u64, id: u64) -> Result<(), StoreError> {
+    store.set(&key(round, &format!("finished/{id}")), b"1")
 }
 
 /// Watches `round` for this member on its own connection until `stop` is set: sends
@@ -340,11 +355,16 @@ impl Coordinator {
         Ok((0..next).collect())
     }
 
-    /// Reads every heartbeat; returns the ids that are alive.
+    /// Reads every heartbeat; returns the ids that are alive: the connection that holds their
+    /// ephemeral key is open (a process that died has closed it), and their heartbeat moved
+    /// within [`DEAD_AFTER`] (a machine that vanished without closing it).
     fn alive(&mut self) -> Result<Vec<u64>, StoreError> {
         let now = Instant::now();
         let mut alive = Vec::new();
         for id in self.ids()? {
+            if self.store.get(&alive_key(id))?.is_none() {
+                continue;
+            }
             let beat = counter(self.store.get(&heartbeat_key(id))?);
             let entry = self.beats.entry(id).or_insert((beat, now));
             if entry.0 != beat {
@@ -472,11 +492,24 @@ impl Coordinator {
             if self.store.get(&key(round, "failed"))?.is_some() {
                 return Ok(Outcome::Failed);
             }
-            if counter(self.store.get(&key(round, "finished"))?) >= members.len() as i64 {
+            let mut finished = Vec::new();
+            for id in &members {
+                if self
+                    .store
+                    .get(&key(round, &format!("finished/{id}")))?
+                    .is_some()
+                {
+                    finished.push(*id);
+                }
+            }
+            if finished.len() == members.len() {
                 return Ok(Outcome::Finished);
             }
             let alive = self.alive()?;
-            if let Some(dead) = members.iter().find(|id| !alive.contains(id)) {
+            let dead = members
+                .iter()
+                .find(|id| !alive.contains(id) && !finished.contains(id));
+            if let Some(dead) = dead {
                 let what = format!(
                     "node id {dead} stopped answering (no heartbeat for {} s)",
                     DEAD_AFTER.as_secs()

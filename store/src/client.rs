@@ -182,6 +182,20 @@ impl StoreClient {
         }
     }
 
+    /// Stores `value` under `key` for as long as this connection lives: the server removes the
+    /// key when the connection closes (this client is dropped, or its process dies).
+    pub fn set_ephemeral(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let request = Request::SetEphemeral {
+            key: key.to_string(),
+            value: value.to_vec(),
+        };
+        let op = || format!("set {key:?} (ephemeral)");
+        match self.exchange(&op, &request, IO_TIMEOUT)? {
+            Response::Done => Ok(()),
+            other => Err(self.unexpected(op(), other)),
+        }
+    }
+
     /// The value under `key`, or `None` if nobody has set it yet (does not block).
     pub fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let request = Request::Get {

@@ -1,6 +1,8 @@
 //! The rendezvous key-value store (PyTorch's `TCPStore`, as `env://` uses it): rank 0 hosts a
 //! [`StoreServer`] on `MASTER_ADDR:MASTER_PORT` and every rank, rank 0 included, talks to it
-//! through one [`StoreClient`] connection (`set`, `get`, `wait`, `add`).
+//! through one [`StoreClient`] connection (`set`, `get`, `wait`, `add`, and `set_ephemeral`:
+//! a key that lives as long as the connection that set it). `launch` hosts one for an elastic
+//! job's rendezvous; this crate does not link libtorch.
 //!
 //! This module owns the wire protocol (length-prefixed bincode frames and the run-id handshake),
 //! the server's key space, and the client's connect-retry and timeout policy. It must not know
@@ -84,6 +86,12 @@ enum Request {
     Add {
         key: String,
         delta: i64,
+    },
+    /// `Set`, and the server removes the key when this connection ends (however it ends: a
+    /// process that dies closes its sockets), as ZooKeeper's ephemeral nodes.
+    SetEphemeral {
+        key: String,
+        value: Vec<u8>,
     },
 }
 
@@ -479,6 +487,26 @@ mod tests {
         // A second client sees the same key space.
         let mut other = client(&server, "run");
         assert_eq!(other.get("a").unwrap(), Some(b"again".to_vec()));
+    }
+
+    #[test]
+    fn an_ephemeral_key_lives_as_long_as_the_connection_that_set_it() {
+        let server = server("run");
+        let mut watcher = client(&server, "run");
+        let mut owner = client(&server, "run");
+        owner.set_ephemeral("alive/0", b"yes").unwrap();
+        owner.set("kept", b"1").unwrap();
+        assert_eq!(watcher.get("alive/0").unwrap(), Some(b"yes".to_vec()));
+        drop(owner); // as a process that dies: its socket closes
+        let start = Instant::now();
+        while watcher.get("alive/0").unwrap().is_some() {
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "the key outlived its connection"
+            );
+            thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(watcher.get("kept").unwrap(), Some(b"1".to_vec()));
     }
 
     #[test]

@@ -64,7 +64,7 @@ impl Shared {
             Request::Hello { .. } => Response::Refused {
                 reason: "this connection has already presented its run id".into(),
             },
-            Request::Set { key, value } => {
+            Request::Set { key, value } | Request::SetEphemeral { key, value } => {
                 self.lock().insert(key, value);
                 self.changed.notify_all();
                 Response::Done
@@ -387,6 +387,26 @@ impl ServerConn<'_> {
     }
 }
 
+/// The keys a connection set with `SetEphemeral`: removed when it ends.
+struct EphemeralKeys<'a> {
+    shared: &'a Shared,
+    keys: Vec<String>,
+}
+
+impl Drop for EphemeralKeys<'_> {
+    fn drop(&mut self) {
+        if self.keys.is_empty() {
+            return;
+        }
+        let mut map = self.shared.lock();
+        for key in &self.keys {
+            map.remove(key);
+        }
+        drop(map);
+        self.shared.changed.notify_all();
+    }
+}
+
 fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     // Counted by the acceptor before this thread started; uncounted however this ends.
     let mut ungreeted = Ungreeted(Some(shared));
@@ -437,11 +457,18 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
         }
         Err(end) => return conn.end(end),
     }
+    let mut ephemeral = EphemeralKeys {
+        shared,
+        keys: Vec::new(),
+    };
     loop {
         let request = match conn.read_request() {
             Ok(request) => request,
             Err(end) => return conn.end(end),
         };
+        if let Request::SetEphemeral { key, .. } = &request {
+            ephemeral.keys.push(key.clone());
+        }
         let response = shared.answer(request);
         if let Err(end) = conn.send(&response) {
             return conn.end(end);

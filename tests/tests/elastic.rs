@@ -78,6 +78,7 @@ fn traces(dir: &Path) -> Vec<Traced> {
             let mut parts = line.split(' ');
             let epoch = parts.next().unwrap().parse().unwrap();
             let step = parts.next().unwrap().parse().unwrap();
+            let _unix_ms = parts.next().unwrap();
             let indices = parts
                 .next()
                 .unwrap()

@@ -68,20 +68,23 @@ pub struct Elastic {
     pub last_call: Sourced<Duration>,
 }
 
-/// `--rdzv-conf` as torchrun takes it: `key=value,key=value`. Known keys: `join_timeout` and
-/// `last_call_timeout` (seconds); `--rdzv-timeout` is `join_timeout`.
+/// `--rdzv-conf` as torchrun takes it: `key=value,key=value`. Known keys: `join_timeout` (also
+/// torchrun's `timeout`) and `last_call_timeout` (seconds); `--rdzv-timeout` is `join_timeout`.
 pub fn parse_rdzv_conf(text: &str) -> Result<Vec<(String, Duration)>, String> {
     let mut out = Vec::new();
     for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let (key, value) = item
             .split_once('=')
             .ok_or_else(|| format!("expected key=value, got {item:?}"))?;
-        let key = key.trim();
-        if !matches!(key, "join_timeout" | "last_call_timeout") {
-            return Err(format!(
-                "unknown key {key:?} (expected join_timeout or last_call_timeout)"
-            ));
-        }
+        let key = match key.trim() {
+            "timeout" | "join_timeout" => "join_timeout",
+            "last_call_timeout" => "last_call_timeout",
+            other => {
+                return Err(format!(
+                    "unknown key {other:?} (expected join_timeout, timeout or last_call_timeout)"
+                ))
+            }
+        };
         out.push((key.to_string(), parse_secs(value)?));
     }
     Ok(out)

@@ -1,7 +1,9 @@
 //! `GPTREC_TRACE_SAMPLES=DIR`: each rank appends the dataset indices of every optimizer step
-//! to `DIR/trace-<restart>-<rank>.txt` (`epoch step i,j,...` per line), so that a test can
+//! to `DIR/trace-<restart>-<rank>.txt` (`epoch step unix_ms i,j,...` per line: the wall time
+//! when the step ended), so that a test can
 //! check exactly which samples a run trained — across a resume at another world size
-//! included. A test aid, like the fault variables; nothing reads it back.
+//! included, and a benchmark time the restart of a group. A test aid, like the fault
+//! variables; nothing reads it back.
 
 use std::io::Write as _;
 
@@ -33,6 +35,9 @@ impl SampleTrace {
     /// Records the step taken over `window` (its 1-based number is `step`).
     pub(super) fn record(&mut self, epoch: u64, step: u64, window: &[Vec<usize>]) {
         let indices: Vec<String> = window.iter().flatten().map(usize::to_string).collect();
-        let _ = writeln!(self.file, "{epoch} {step} {}", indices.join(","));
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        let _ = writeln!(self.file, "{epoch} {step} {now} {}", indices.join(","));
     }
 }
