@@ -351,6 +351,29 @@ impl Plan {
         }
     }
 
+    /// The dry run's line about an elastic job: its range, endpoint, which node counts keep
+    /// the global batch, and the timeouts.
+    fn elastic_line(&self) -> Option<String> {
+        let e = self.shape.elastic.as_ref()?;
+        let spec = self.config.as_ref().map(|t| &t.config.batch);
+        let keeps: Vec<String> = (e.min..=e.max)
+            .filter(|&n| feasible(spec, self.nproc, n).is_ok())
+            .map(|n| n.to_string())
+            .collect();
+        Some(format!(
+            "  elastic:      {}..{} nodes  [{}]; rendezvous store at {}:{}  [{}]; node rank, world and batch set at each (re)start; node counts that keep the global batch: {}; join timeout {:.0} s, last call {:.0} s",
+            e.min,
+            e.max,
+            e.range_source,
+            e.endpoint.value.0,
+            e.endpoint.value.1,
+            e.endpoint.source,
+            keeps.join(", "),
+            e.join_timeout.value.as_secs_f64(),
+            e.last_call.value.as_secs_f64()
+        ))
+    }
+
     /// The dry-run description: world, nodes, batch derivation, each local rank's device and
     /// environment.
     pub fn describe(&self) -> String {
@@ -390,25 +413,8 @@ impl Plan {
         for (name, value, source) in rows {
             let _ = writeln!(out, "  {:<13} {value}  [{source}]", format!("{name}:"));
         }
-        if let Some(e) = &shape.elastic {
-            let spec = self.config.as_ref().map(|t| &t.config.batch);
-            let keeps: Vec<String> = (e.min..=e.max)
-                .filter(|&n| feasible(spec, self.nproc, n).is_ok())
-                .map(|n| n.to_string())
-                .collect();
-            let _ = writeln!(
-                out,
-                "  elastic:      {}..{} nodes  [{}]; rendezvous store at {}:{}  [{}]; node rank, world and batch set at each (re)start; node counts that keep the global batch: {}; join timeout {:.0} s, last call {:.0} s",
-                e.min,
-                e.max,
-                e.range_source,
-                e.endpoint.value.0,
-                e.endpoint.value.1,
-                e.endpoint.source,
-                keeps.join(", "),
-                e.join_timeout.value.as_secs_f64(),
-                e.last_call.value.as_secs_f64()
-            );
+        if let Some(line) = self.elastic_line() {
+            let _ = writeln!(out, "{line}");
         }
         let _ = writeln!(
             out,
