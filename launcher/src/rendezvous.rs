@@ -436,7 +436,7 @@ impl Coordinator {
                 enough_since = None;
             }
             if let Err(why) = &choice {
-                if *why != told && !still_running {
+                if *why != told && !still_running && !joined.is_empty() {
                     self.store.set(&key(round, "waiting"), why.as_bytes())?;
                     told = why.clone();
                 }
@@ -511,7 +511,7 @@ impl Coordinator {
                 .find(|id| !alive.contains(id) && !finished.contains(id));
             if let Some(dead) = dead {
                 let what = format!(
-                    "node id {dead} stopped answering (no heartbeat for {} s)",
+                    "node id {dead} is gone (its launcher ended, or sent no heartbeat for {} s)",
                     DEAD_AFTER.as_secs()
                 );
                 report_failure(&mut self.store, round, &what)?;

@@ -338,6 +338,8 @@ impl Group<'_> {
                     Ok(event) => event,
                     Err(RecvTimeoutError::Timeout) => {
                         crate::adopted::reap_zombies(&self.own_children());
+                        // A worker still starting ignores the request: ask again.
+                        self.signal_regroup();
                         continue;
                     }
                     Err(RecvTimeoutError::Disconnected) => return,
@@ -442,10 +444,19 @@ impl Group<'_> {
             return;
         }
         info!("{reason}: asking this node's workers to stop at their next checkpoint");
+        self.regroup_asked = Some(reason);
+        self.signal_regroup();
+    }
+
+    /// SIGUSR1 to every running worker while a re-forming is asked for (repeated, since a
+    /// worker ignores it until its handler is installed).
+    fn signal_regroup(&self) {
+        if self.regroup_asked.is_none() || self.cause.is_some() {
+            return;
+        }
         for w in self.workers.iter().filter(|w| w.ending.is_none()) {
             let _ = nix::sys::signal::kill(Pid::from_raw(w.pid), Signal::SIGUSR1);
         }
-        self.regroup_asked = Some(reason);
     }
 
     /// SIGKILL to every group now (workers and whatever is left of their children).
@@ -700,9 +711,17 @@ fn worker_command(plan: &Plan, env: &common::env_contract::WorkerEnv) -> Command
         // reaches only the launcher, which forwards it.
         .process_group(0);
     let launcher = std::process::id() as i32;
-    // SAFETY: only async-signal-safe calls (prctl, getppid), no allocation, between fork and exec.
+    // Our worker takes SIGUSR1 as "stop at your next checkpoint" (elastic re-forming); until
+    // its handler is installed the signal must not kill it (an ignored disposition survives
+    // exec, and the supervisor repeats the request).
+    let ignore_usr1 = plan.config.is_some();
+    // SAFETY: only async-signal-safe calls (prctl, getppid, signal), no allocation, between fork
+    // and exec.
     unsafe {
         command.pre_exec(move || {
+            if ignore_usr1 {
+                libc::signal(libc::SIGUSR1, libc::SIG_IGN);
+            }
             // Die with the launcher, even if it is SIGKILLed (the spawning thread is the main
             // thread, which lives as long as the launcher).
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {

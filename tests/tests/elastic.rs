@@ -19,6 +19,19 @@ const T: Duration = Duration::from_secs(180);
 /// `launch` as one node of an elastic job of 1-process nodes on `port` (tiny bpr, global 12,
 /// micro 2: world 3 takes grad_accum 2, world 2 grad_accum 3; a checkpoint every 100 steps).
 fn node(dir: &Path, port: u16, run_id: &str, range: &str, epochs: u32) -> Live {
+    node_with(dir, port, run_id, range, epochs, 12, &[])
+}
+
+/// [`node`] with another global batch.
+fn node_with(
+    dir: &Path,
+    port: u16,
+    run_id: &str,
+    range: &str,
+    epochs: u32,
+    global: u32,
+    extra: &[&str],
+) -> Live {
     let endpoint = format!("127.0.0.1:{port}");
     let shape = [
         "--nnodes",
@@ -38,7 +51,9 @@ fn node(dir: &Path, port: u16, run_id: &str, range: &str, epochs: u32) -> Live {
         "--grace-period",
         "2",
     ];
-    let args = training_args(&shape, dir, epochs);
+    let mut args = training_args(&shape, dir, epochs);
+    args.extend(["--set".to_string(), format!("batch.global={global}")]);
+    args.extend(extra.iter().map(|a| a.to_string()));
     let mut cmd = launch_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>());
     cmd.env("OMP_NUM_THREADS", "1")
         .env("GPTREC_TRACE_SAMPLES", dir.join("trace"));
@@ -188,14 +203,19 @@ fn a_killed_node_is_dropped_and_the_others_finish_with_the_same_global_batch() {
     );
     let killed = third.finish(T);
     assert_eq!(killed.status.code(), None, "SIGKILLed");
+    // A fourth node, started once the two re-formed, joins at their next checkpoint.
+    wait_for(&host, "world 3 -> 2", T);
+    let fourth = node(dir.path(), port, &run_id, "2:3", 8);
     for live in [host, second] {
         let out = live.finish(T);
         out.assert_code(0);
         out.assert_stderr("world 3 -> 2: grad_accum 2 -> 3, global 12 kept");
         out.assert_stderr("re-forming the group");
+        out.assert_stderr("world 2 -> 3: grad_accum 3 -> 2, global 12 kept");
     }
+    fourth.finish(T).assert_code(0);
     let s = summary(dir.path());
-    assert_eq!(s["world_size"], 2, "{s}");
+    assert_eq!(s["world_size"], 3, "{s}");
     assert_no_processes(&run_id, Duration::from_secs(10));
 
     // The same run without the failure, at a fixed world of 2.
@@ -212,7 +232,7 @@ fn a_killed_node_is_dropped_and_the_others_finish_with_the_same_global_batch() {
         .filter(|t| t.0 == 1)
         .map(|t| (t.2, t.1))
         .min()
-        .expect("steps of the re-formed group");
+        .expect("steps of the group re-formed after the kill");
     assert!(
         resumed_at.0 > 100,
         "resumed from a checkpoint: {resumed_at:?}"
@@ -280,5 +300,41 @@ fn losing_the_store_host_ends_the_job_with_a_clear_message() {
     out.assert_stderr("lost the rendezvous store");
     out.assert_stderr("cannot go on without it");
     let _ = host.finish(T);
+    assert_no_processes(&run_id, Duration::from_secs(10));
+}
+
+#[test]
+fn a_world_that_cannot_keep_the_global_batch_waits_for_one_that_can() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, run_id) = (free_port(), unique_run_id("elastic-wait"));
+    // Global 9: 2 nodes of 1 cannot keep it, 3 can.
+    let host = node_with(dir.path(), port, &run_id, "2:3", 1, 9, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    let second = node_with(dir.path(), port, &run_id, "2:3", 1, 9, &[]);
+    wait_for(&second, "waiting for a node count that does: 3", T);
+    let third = node_with(dir.path(), port, &run_id, "2:3", 1, 9, &[]);
+    for live in [host, second, third] {
+        let out = live.finish(T);
+        out.assert_code(0);
+        out.assert_stderr("round 0: 3 node(s)");
+        out.assert_stderr("micro 1 x grad_accum 3 x world 3 = global 9");
+    }
+    assert_no_processes(&run_id, Duration::from_secs(10));
+}
+
+#[test]
+fn failures_beyond_max_restarts_end_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, run_id) = (free_port(), unique_run_id("elastic-budget"));
+    let no_restart = ["--max-restarts", "0"];
+    let host = node_with(dir.path(), port, &run_id, "1:2", 20, 12, &no_restart);
+    std::thread::sleep(Duration::from_millis(300));
+    let other = node_with(dir.path(), port, &run_id, "1:2", 20, 12, &no_restart);
+    wait_for(&host, "collective tcp ready", T);
+    kill(other.pid(), Signal::SIGKILL).unwrap();
+    let out = host.finish(T);
+    assert_ne!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_stderr("the worker group failed 1 time(s), more than --max-restarts 0");
+    let _ = other.finish(T);
     assert_no_processes(&run_id, Duration::from_secs(10));
 }
