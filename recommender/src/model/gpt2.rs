@@ -19,7 +19,9 @@ use common::memory::Gpt2Dims;
 use serde::Deserialize;
 use tch::{nn, Kind, Tensor};
 
+mod hf_dir;
 mod weights;
+pub use hf_dir::HfDir;
 pub use weights::{load_hf_safetensors, LoadReport};
 
 /// GPT-2 pad/end-of-text token id (`<|endoftext|>`), used to pad batches.
@@ -44,6 +46,9 @@ pub enum Gpt2Error {
     Missing(Vec<String>),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// A Hugging Face model directory that cannot be used (the message names the file).
+    #[error("{0}")]
+    Dir(String),
 }
 
 /// Hyper-parameters. Field names are Hugging Face `GPT2Config`'s, so a HF `config.json`
