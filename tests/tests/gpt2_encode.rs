@@ -51,7 +51,25 @@ fn the_printed_hidden_state_is_what_transformers_computed() {
 #[test]
 fn bad_directories_and_ids_are_one_line_errors() {
     let empty = tempfile::tempdir().unwrap();
+    // The fixture's weights under a config.json that says another width.
+    let wider = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture().join("model.safetensors"),
+        wider.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(fixture().join("config.json")).unwrap();
+    std::fs::write(
+        wider.path().join("config.json"),
+        config.replace("\"n_embd\": 32", "\"n_embd\": 64"),
+    )
+    .unwrap();
     for (dir, args, needle) in [
+        (
+            wider.path().to_path_buf(),
+            &["--ids", "1"][..],
+            "shape [64] expected, file has [32]",
+        ),
         (
             empty.path().to_path_buf(),
             &["--ids", "1"][..],
