@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::batch::BatchPlan;
 use crossbeam_channel::{Receiver, Sender};
-use store::{StoreClient, StoreServer};
+use store::{join_host_port, StoreClient, StoreServer};
 use tracing::{info, warn};
 
 use crate::output::Sinks;
@@ -316,12 +316,4 @@ fn free_port(addr: &str) -> std::io::Result<u16> {
     let listener = TcpListener::bind(SocketAddr::new(ip, 0))
         .or_else(|_| TcpListener::bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 0)))?;
     Ok(listener.local_addr()?.port())
-}
-
-fn join_host_port(host: &str, port: u16) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    }
 }

@@ -4,9 +4,9 @@
 //! It owns processes and their lifetimes; what to start is the plan's, what to print the report's.
 
 use std::io::Write as _;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -14,12 +14,15 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tracing::{info, warn};
 
-use crate::output::{self, Sinks, Stream, Tail};
+use crate::output::{Sinks, Tail};
 use crate::plan::{shell_words, Plan};
 use crate::progress::Display;
 pub use crate::report::WorkerRecord;
 use crate::report::{self, Ending};
 use crate::watchdog::Watchdog;
+
+mod spawn;
+use spawn::spawn_worker;
 
 /// How long to wait for workers' output to drain after they exit (their children may hold the
 /// pipes; those are killed, so this is only a safety net).
@@ -639,143 +642,6 @@ impl Group<'_> {
             interrupted: self.interrupted,
         }
     }
-}
-
-fn spawn_worker(
-    plan: &Plan,
-    env: &common::env_contract::WorkerEnv,
-    sinks: &Arc<Sinks>,
-    display: Option<&Arc<Display>>,
-    tx: &Sender<Event>,
-    round: u32,
-    watchdog: &mut Watchdog,
-) -> std::io::Result<(i32, Tail)> {
-    let mut command = worker_command(plan, env);
-    let follow = display
-        .map(|d| d.connect(&mut command, env.rank))
-        .transpose()?;
-    let mut child = command.spawn()?;
-    if let Some(follow) = follow {
-        follow.start()?;
-    }
-    let pid = child.id() as i32;
-    watchdog.watch(pid);
-    let log = rank_log(plan, env.rank);
-    let tail: Tail = Default::default();
-    let streams: [(Option<Box<dyn std::io::Read + Send>>, Stream); 2] = [
-        (
-            child.stdout.take().map(|s| Box::new(s) as _),
-            Stream::Stdout,
-        ),
-        (
-            child.stderr.take().map(|s| Box::new(s) as _),
-            Stream::Stderr,
-        ),
-    ];
-    for (source, stream) in streams {
-        let tx = tx.clone();
-        let done = move || {
-            let _ = tx.send(Event::OutputClosed { round });
-        };
-        match source {
-            Some(source) => {
-                output::forward(
-                    source,
-                    stream,
-                    env.rank,
-                    sinks.clone(),
-                    log.clone(),
-                    (stream == Stream::Stderr).then(|| tail.clone()),
-                    done,
-                )?;
-            }
-            None => done(),
-        }
-    }
-    report_exit(child, tx.clone(), round, env)?;
-    Ok((pid, tail))
-}
-
-/// The worker's command: the plan's program with the rank's environment, its output piped, in
-/// its own process group, and bound to die with the launcher.
-fn worker_command(plan: &Plan, env: &common::env_contract::WorkerEnv) -> Command {
-    let mut command = Command::new(&plan.command[0]);
-    command
-        .args(&plan.command[1..])
-        .envs(env.to_vars())
-        .envs(plan.extra_env())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Own process group: teardown reaches the worker's children, and the terminal's Ctrl-C
-        // reaches only the launcher, which forwards it.
-        .process_group(0);
-    let launcher = std::process::id() as i32;
-    // Our worker takes SIGUSR1 as "stop at your next checkpoint" (elastic re-forming); until
-    // its handler is installed the signal must not kill it (an ignored disposition survives
-    // exec, and the supervisor repeats the request).
-    let ignore_usr1 = plan.config.is_some();
-    // SAFETY: only async-signal-safe calls (prctl, getppid, signal), no allocation, between fork
-    // and exec.
-    unsafe {
-        command.pre_exec(move || {
-            if ignore_usr1 {
-                libc::signal(libc::SIGUSR1, libc::SIG_IGN);
-            }
-            // Die with the launcher, even if it is SIGKILLed (the spawning thread is the main
-            // thread, which lives as long as the launcher).
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != launcher {
-                // The launcher died before prctl took effect.
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
-    command
-}
-
-/// `--log-dir`'s file for `rank` (a warning, and no file, when it cannot be opened).
-fn rank_log(plan: &Plan, rank: u32) -> Option<Arc<Mutex<std::fs::File>>> {
-    let dir = plan.log_dir.as_ref()?;
-    match output::open_log(dir, rank) {
-        Ok(log) => Some(log),
-        Err(e) => {
-            warn!("cannot write {}/rank-{rank}.log: {e}", dir.display());
-            None
-        }
-    }
-}
-
-/// Waits for the worker on its own thread and sends its exit as an event.
-fn report_exit(
-    mut child: std::process::Child,
-    tx: Sender<Event>,
-    round: u32,
-    env: &common::env_contract::WorkerEnv,
-) -> std::io::Result<()> {
-    let local_rank = env.local_rank;
-    std::thread::Builder::new()
-        .name(format!("wait-rank{}", env.rank))
-        .spawn(move || {
-            let status = loop {
-                match child.wait() {
-                    Ok(status) => break status,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    // Cannot happen for our own child; report it as a kill rather than hang.
-                    Err(_) => break ExitStatus::from_raw(9),
-                }
-            };
-            let _ = tx.send(Event::Exited {
-                round,
-                local_rank,
-                status,
-                at: Instant::now(),
-            });
-        })?;
-    Ok(())
 }
 
 fn ending_of(status: ExitStatus) -> Ending {

@@ -313,7 +313,7 @@ fn check_host_port(addr: &str) -> Result<(), StoreError> {
 }
 
 /// `host:port`, bracketing a bare IPv6 address.
-fn join_host_port(host: &str, port: u16) -> String {
+pub fn join_host_port(host: &str, port: u16) -> String {
     if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]:{port}")
     } else {

@@ -54,10 +54,15 @@ fn node_with(
     let mut args = training_args(&shape, dir, epochs);
     args.extend(["--set".to_string(), format!("batch.global={global}")]);
     args.extend(extra.iter().map(|a| a.to_string()));
+    Live::new(traced_launch(&args, dir).spawn().expect("spawn launch"))
+}
+
+/// `launch ARGS` with one thread per worker and the samples traced into DIR/trace.
+fn traced_launch(args: &[String], dir: &Path) -> std::process::Command {
     let mut cmd = launch_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>());
     cmd.env("OMP_NUM_THREADS", "1")
         .env("GPTREC_TRACE_SAMPLES", dir.join("trace"));
-    Live::new(cmd.spawn().expect("spawn launch"))
+    cmd
 }
 
 /// `launch` arguments: `shape`, then the tiny config (with its samples traced into DIR/trace).
@@ -222,10 +227,8 @@ fn a_killed_node_is_dropped_and_the_others_finish_with_the_same_global_batch() {
     let reference = tempfile::tempdir().unwrap();
     let shape = ["--num-processes", "2", "--master-port", "0"];
     let args = training_args(&shape, reference.path(), 8);
-    let mut cmd = launch_cmd(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    cmd.env("OMP_NUM_THREADS", "1")
-        .env("GPTREC_TRACE_SAMPLES", reference.path().join("trace"));
-    wait_output(cmd.spawn().unwrap(), T).assert_code(0);
+    let cmd = traced_launch(&args, reference.path()).spawn().unwrap();
+    wait_output(cmd, T).assert_code(0);
     let traced = traces(dir.path());
     let resumed_at = traced
         .iter()
