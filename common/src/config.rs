@@ -11,6 +11,7 @@
 //! [`crate::train_plan::TrainPlan`] ties the two together.
 
 mod error;
+mod hf_gpt2;
 mod source;
 mod validate;
 
@@ -22,6 +23,7 @@ use crate::batch::BatchSpec;
 
 use error::one_line;
 pub use error::{ConfigError, Location};
+pub use hf_gpt2::{HfGpt2Config, TOKENIZER_VOCAB};
 use source::{apply_overrides, classify, locate_semantic, Override, Source};
 
 /// A whole config file. Every section is optional (defaults below).
@@ -162,13 +164,17 @@ pub enum ScorerKind {
 pub struct ModelConfig {
     /// Recommender: `"gpt2rec"`, `"bpr"` or `"pop"`. Default: `"gpt2rec"`.
     pub kind: ModelKind,
-    /// GPT-2 size: `"tiny"` or `"gpt2"`. Default: `"tiny"`.
+    /// GPT-2 size: `"tiny"` or `"gpt2"` (not used when `gpt2_weights` names a model
+    /// directory, whose `config.json` gives the size). Default: `"tiny"`.
     pub preset: Gpt2Preset,
     /// Size of the user/item ID embeddings (dimensions, >= 1). Default: `64`.
     pub embedding_dim: usize,
     /// `"cached"` (frozen GPT-2, features computed once) or `"dynamic"`. Default: `"cached"`.
     pub text_mode: TextMode,
-    /// Hugging Face GPT-2 `model.safetensors` to load. Default: unset (random initialisation).
+    /// Hugging Face GPT-2 weights to load: a model directory (`config.json` +
+    /// `model.safetensors`, as `save_pretrained` writes it, e.g. `gpt2`, `distilgpt2`,
+    /// `gpt2-medium`; its `config.json` sets the dimensions and `preset` is not used), or a bare
+    /// `model.safetensors` of the preset's shape. Default: unset (random initialisation).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpt2_weights: Option<PathBuf>,
     /// `"dot"` or `"mlp"` (`gpt2rec` and `bpr`). Default: `"dot"`.

@@ -341,7 +341,9 @@ pub fn estimate(
     device: DeviceKind,
 ) -> MemoryEstimate {
     let m = &config.model;
-    let gpt2 = Gpt2Dims::of(m.preset);
+    // Validation has read a model directory's config.json already; a directory gone since
+    // then fails in the worker, which says so.
+    let gpt2 = m.gpt2_dims().unwrap_or_else(|_| Gpt2Dims::of(m.preset));
     let cuda = device == DeviceKind::Cuda;
     let x = terms::Inputs {
         config,

@@ -2,14 +2,16 @@
 //! when `model.gpt2_weights` is set), texts tokenised into tables, and `cached` mode's features
 //! — every text encoded once by a frozen GPT-2, the work split across ranks.
 
-use common::config::{Config, Gpt2Preset};
+use std::path::PathBuf;
+
+use common::config::{Config, Gpt2Preset, TOKENIZER_VOCAB};
 use common::memory::{Phase, PhaseSink};
 use dist::collective::{Collective, OpContext};
 use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 
 use crate::input::RecData;
-use crate::model::gpt2::{self, Gpt2, Tokenizer};
+use crate::model::gpt2::{self, Gpt2, HfDir, Tokenizer};
 use crate::model::recommender::{TextFeatures, TokenTable};
 use crate::RecError;
 
@@ -21,6 +23,36 @@ pub fn gpt2_config(preset: Gpt2Preset) -> gpt2::Config {
     }
 }
 
+/// The GPT-2 `config` asks for and the weights to load into it: a Hugging Face directory's
+/// `config.json` and `model.safetensors`, a bare safetensors file of the preset's shape, or
+/// none (random initialisation).
+pub fn gpt2_source(config: &Config) -> Result<(gpt2::Config, Option<PathBuf>), RecError> {
+    let invalid = |e: &dyn std::fmt::Display| RecError::Invalid(format!("model.gpt2_weights: {e}"));
+    let m = &config.model;
+    let (gcfg, weights) = match m.gpt2_dir() {
+        Some(dir) => {
+            let hf = HfDir::open(dir).map_err(|e| invalid(&e))?;
+            (hf.config, Some(hf.weights))
+        }
+        None => (gpt2_config(m.preset), m.gpt2_weights.clone()),
+    };
+    if gcfg.vocab_size < TOKENIZER_VOCAB as i64 {
+        return Err(invalid(&format!(
+            "vocab_size {} is smaller than the {TOKENIZER_VOCAB} tokens of GPT-2's tokenizer",
+            gcfg.vocab_size
+        )));
+    }
+    if m.max_text_tokens as i64 > gcfg.n_positions {
+        return Err(RecError::Invalid(format!(
+            "model.max_text_tokens = {} exceeds {}'s {} positions",
+            m.max_text_tokens,
+            m.gpt2_name(),
+            gcfg.n_positions
+        )));
+    }
+    Ok((gcfg, weights))
+}
+
 /// Builds GPT-2 in `vs` under `prefix` (at its root when `None`) and loads
 /// `model.gpt2_weights` into it when set.
 pub(crate) fn build_gpt2(
@@ -28,27 +60,25 @@ pub(crate) fn build_gpt2(
     prefix: Option<&str>,
     config: &Config,
 ) -> Result<Gpt2, RecError> {
-    let gcfg = gpt2_config(config.model.preset);
-    if config.model.max_text_tokens as i64 > gcfg.n_positions {
-        return Err(RecError::Invalid(format!(
-            "model.max_text_tokens = {} exceeds the {:?} preset's {} positions",
-            config.model.max_text_tokens, config.model.preset, gcfg.n_positions
-        )));
-    }
+    let (gcfg, weights) = gpt2_source(config)?;
     let root = vs.root();
     let path = match prefix {
         Some(p) => &root / p,
         None => root,
     };
     let model = Gpt2::new(&path, &gcfg);
-    if let Some(weights) = &config.model.gpt2_weights {
+    if let Some(weights) = &weights {
         let report = gpt2::load_hf_safetensors(vs, prefix, weights).map_err(|e| {
             RecError::Invalid(format!("model.gpt2_weights = {}: {e}", weights.display()))
         })?;
         info!(
-            "loaded {} GPT-2 tensors from {}",
+            "loaded {} GPT-2 tensors from {} ({} blocks, width {}, {} heads, {} positions)",
             report.loaded,
-            weights.display()
+            weights.display(),
+            gcfg.n_layer,
+            gcfg.n_embd,
+            gcfg.n_head,
+            gcfg.n_positions
         );
     }
     Ok(model)

@@ -88,13 +88,19 @@ fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
     check_dynamic_only(model)
 }
 
-/// `model.max_text_tokens` and `model.trainable_layers` within what the GPT-2 preset has (its
-/// positions and blocks); GPT-2's 1024 positions bound the tokens whatever the model.
+/// `model.max_text_tokens` and `model.trainable_layers` within what GPT-2 has (its positions
+/// and blocks: the preset's, or a model directory's `config.json`); GPT-2's 1024 positions
+/// bound the tokens whatever the model.
 fn check_preset_limits(model: &ModelConfig) -> Result<(), ConfigError> {
-    let dims = crate::memory::Gpt2Dims::of(model.preset);
-    let preset = format!("{:?}", model.preset).to_lowercase();
-    let (positions, whose) = if model.kind == ModelKind::Gpt2rec {
-        (dims.n_positions as usize, format!("the {preset} preset's"))
+    let gpt2rec = model.kind == ModelKind::Gpt2rec;
+    let dims = if gpt2rec {
+        model.gpt2_dims()?
+    } else {
+        crate::memory::Gpt2Dims::of(model.preset)
+    };
+    let gpt2 = model.gpt2_name();
+    let (positions, whose) = if gpt2rec {
+        (dims.n_positions as usize, format!("{gpt2}'s"))
     } else {
         (1024, "GPT-2's".to_string())
     };
@@ -110,10 +116,7 @@ fn check_preset_limits(model: &ModelConfig) -> Result<(), ConfigError> {
     match model.trainable_layers {
         Some(n) if u64::from(n) > dims.n_layer => Err(ConfigError::invalid(
             "model.trainable_layers",
-            format!(
-                "is {n}, but the {preset} preset has {} blocks",
-                dims.n_layer
-            ),
+            format!("is {n}, but {gpt2} has {} blocks", dims.n_layer),
         )),
         _ => Ok(()),
     }

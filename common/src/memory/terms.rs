@@ -135,7 +135,7 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         parts.push("MLP scorer".into());
     }
     if s.gpt2_params > 0 {
-        parts.push(format!("GPT-2 {:?} {}", m.preset, s.gpt2_params).to_lowercase());
+        parts.push(format!("GPT-2 {} {}", m.gpt2_label(), s.gpt2_params));
     }
     // AdamW works parameter by parameter; three temporaries the size of the largest one.
     let largest = [users * dim, items * dim, s.proj / 2, s.mlp]
@@ -220,12 +220,11 @@ pub(super) fn text_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
                     bytes: gpt2.params() * F32 + 4 * rows * d * F32 + encode,
                     held: Held::Build,
                     detail: format!(
-                        "frozen GPT-2 {:?} {} f32 + 4 copies of a {rows} x {d} table + {CACHE_ROWS} rows x {} tokens x {ENCODE_COPIES} copies of {d} encoding",
-                        m.preset,
+                        "frozen GPT-2 {} {} f32 + 4 copies of a {rows} x {d} table + {CACHE_ROWS} rows x {} tokens x {ENCODE_COPIES} copies of {d} encoding",
+                        m.gpt2_label(),
                         gpt2.params(),
                         data.item_tokens.max(data.user_tokens)
-                    )
-                    .to_lowercase(),
+                    ),
                 },
             ]
         }

@@ -2,11 +2,13 @@
 //! (`gpt2`, `distilgpt2`, `gpt2-medium`, a fine-tuned one): `config.json` gives the dimensions,
 //! positions, layer-norm epsilon and vocabulary; `model.safetensors` the weights.
 //!
-//! Owns: finding the two files and refusing, with the file named, a directory that is not a
-//! GPT-2 this module computes exactly (another `model_type`, another activation). Must not:
-//! read the weights (the loader does, checking every shape against the config).
+//! Owns: finding the two files and turning `config.json` into our [`Config`] (the checks of a
+//! GPT-2 this module computes exactly live in `common`, where validation makes them too).
+//! Must not: read the weights (the loader does, checking every shape against the config).
 
 use std::path::{Path, PathBuf};
+
+use common::config::HfGpt2Config;
 
 use super::{Config, Gpt2Error};
 
@@ -18,40 +20,15 @@ pub struct HfDir {
 }
 
 impl HfDir {
-    /// Reads `dir/config.json` and checks that `dir/model.safetensors` exists.
+    /// Reads `dir/config.json` (checked by [`HfGpt2Config::read`], the checks the launcher's
+    /// validation makes too) and checks that `dir/model.safetensors` exists.
     pub fn open(dir: &Path) -> Result<HfDir, Gpt2Error> {
-        let bad = |what: String| Gpt2Error::Dir(what);
-        let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|e| bad(format!("{}: {e}", config_path.display())))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| bad(format!("{}: not JSON: {e}", config_path.display())))?;
-        let field = |name: &str| value.get(name).and_then(|v| v.as_str()).map(str::to_string);
-        if let Some(kind) = field("model_type").filter(|k| k != "gpt2") {
-            return Err(bad(format!(
-                "{}: model_type is {kind:?}, not \"gpt2\"",
-                config_path.display()
-            )));
-        }
-        if let Some(act) = field("activation_function").filter(|a| a != "gelu_new") {
-            return Err(bad(format!(
-                "{}: activation_function is {act:?}; only GPT-2's \"gelu_new\" is implemented",
-                config_path.display()
-            )));
-        }
-        let config: Config = serde_json::from_value(value)
-            .map_err(|e| bad(format!("{}: {e}", config_path.display())))?;
-        if config.n_head <= 0 || config.n_embd % config.n_head != 0 {
-            return Err(bad(format!(
-                "{}: n_embd {} is not a multiple of n_head {}",
-                config_path.display(),
-                config.n_embd,
-                config.n_head
-            )));
-        }
+        let hf = HfGpt2Config::read(dir).map_err(Gpt2Error::Dir)?;
+        let config: Config = serde_json::from_value(hf.json)
+            .map_err(|e| Gpt2Error::Dir(format!("{}: {e}", hf.path.display())))?;
         let weights = dir.join("model.safetensors");
         if !weights.is_file() {
-            return Err(bad(format!(
+            return Err(Gpt2Error::Dir(format!(
                 "{} is missing (only safetensors weights are read)",
                 weights.display()
             )));
