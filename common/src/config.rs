@@ -100,6 +100,21 @@ pub struct DataConfig {
     pub synthetic: SyntheticSize,
     /// Lowest rating (stars, 1..=5) kept as a positive interaction. Default: `3`.
     pub min_rating: u8,
+    /// Share of the items (0 <= x <= 0.5) held out of training entirely, cold-start items: no
+    /// interaction of theirs is trained on, validated on or drawn as a negative. After
+    /// training, the best model ranks them for every (warm) user who interacted with them
+    /// (`cold_items` in `metrics.jsonl`). Default: `0` (none).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub cold_items: f64,
+    /// Share of the users (0 <= x <= 0.5) held out of training entirely, cold-start users: the
+    /// best model ranks the warm items for each of them from nothing but what it knows without
+    /// their interactions (`cold_users` in `metrics.jsonl`). Default: `0` (none).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub cold_users: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 impl Default for DataConfig {
@@ -108,6 +123,8 @@ impl Default for DataConfig {
             dir: None,
             synthetic: SyntheticSize::Tiny,
             min_rating: 3,
+            cold_items: 0.0,
+            cold_users: 0.0,
         }
     }
 }
@@ -821,6 +838,14 @@ timeout_s = 60
                 "configs/x.toml:4: `data.min_rating` must be between 1 and 5 (got 0)",
             ),
             (
+                "[batch]\nmicro = 4\n[data]\ncold_items = 0.7\n",
+                "configs/x.toml:4: `data.cold_items` must be a share between 0 and 0.5 (got 0.7)",
+            ),
+            (
+                "[batch]\nmicro = 4\n[data]\ncold_users = -0.1\n",
+                "configs/x.toml:4: `data.cold_users` must be a share between 0 and 0.5 (got -0.1)",
+            ),
+            (
                 "[batch]\nmicro = 4\n[train]\nlr = inf\n",
                 "configs/x.toml:4: `train.lr` must be a finite number > 0 (got inf)",
             ),
@@ -1221,8 +1246,11 @@ timeout_s = 60
             (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>()),
             (every_n_steps, keep, resume) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"]),
             (scorer, l2, max_text_tokens, trainable_layers) in (prop_oneof![Just(ScorerKind::Dot), Just(ScorerKind::Mlp)], prop_oneof![Just(0.0f64), 0.0f64..1.0], 1usize..=1024, prop::option::of(0u32..=48)),
-            (topk, every_n_epochs, patience, batch_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096),
+            (topk, every_n_epochs, patience, batch_users, cold_items, cold_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096, prop_oneof![Just(0.0f64), 0.0f64..=0.5], prop_oneof![Just(0.0f64), 0.0f64..=0.5]),
         ) -> Config {
+            // A directory (".", "a/..") is a model directory whose config.json validation reads;
+            // the round trip is about the text.
+            let gpt2_weights = gpt2_weights.filter(|p| !p.is_dir());
             let topk: Vec<usize> = topk.into_iter().collect();
             let metric = format!("recall@{}", topk[0]);
             let micro = if global.is_none() && micro.is_none() { Some(1) } else { micro };
@@ -1236,7 +1264,7 @@ timeout_s = 60
                 .map(|n| n.min(dims.n_layer as u32));
             Config {
                 run: RunConfig { name, output_dir, seed },
-                data: DataConfig { dir, synthetic, min_rating },
+                data: DataConfig { dir, synthetic, min_rating, cold_items, cold_users },
                 model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },

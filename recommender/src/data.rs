@@ -12,6 +12,7 @@
 //! panics.
 
 mod movielens;
+mod split;
 mod synthetic;
 
 use std::path::PathBuf;
@@ -19,6 +20,7 @@ use std::path::PathBuf;
 use thiserror::Error;
 
 pub use movielens::read_ml1m;
+pub use split::{build_dataset, ColdShares, Dataset};
 pub use synthetic::{generate_ml1m, GENERATOR_VERSION};
 
 /// The 18 ML-1M genres, in the order listed in the dataset's README.
@@ -216,91 +218,6 @@ fn shuffle<T>(v: &mut [T], state: &mut u64) {
     for i in (1..v.len()).rev() {
         let j = below(state, i as u64 + 1) as usize;
         v.swap(i, j);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Implicit feedback + split
-// ---------------------------------------------------------------------------------------------
-
-/// Implicit-feedback interactions with dense ids and a per-user 8:1:1 split.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Dataset {
-    pub n_users: u32,
-    pub n_items: u32,
-    /// Dense user index -> original ML-1M user id (increasing).
-    pub user_ids: Vec<u32>,
-    /// Dense item index -> original ML-1M movie id (increasing).
-    pub item_ids: Vec<u32>,
-    /// Per dense user: sorted dense item ids.
-    pub train: Vec<Vec<u32>>,
-    pub valid: Vec<Vec<u32>>,
-    pub test: Vec<Vec<u32>>,
-}
-
-/// Builds the implicit-feedback dataset.
-///
-/// Keeps ratings `>= min_rating`; users and items that still have an interaction are remapped
-/// densely in increasing original-id order. Each user's distinct items are sorted, shuffled
-/// (Fisher–Yates, SplitMix64 seeded from `(seed, original user id)`), then cut in this order:
-/// the first `n - 2*floor(n/10)` go to train, the next `floor(n/10)` to valid, the last
-/// `floor(n/10)` to test. Each part is then sorted. Deterministic for a seed.
-pub fn build_dataset(raw: &RawData, min_rating: u8, seed: u64) -> Dataset {
-    let kept = || raw.ratings.iter().filter(|r| r.rating >= min_rating);
-    let max_u = kept().map(|r| r.user).max().unwrap_or(0) as usize;
-    let max_m = kept().map(|r| r.movie).max().unwrap_or(0) as usize;
-    let mut umap = vec![u32::MAX; max_u + 1];
-    let mut imap = vec![u32::MAX; max_m + 1];
-    for r in kept() {
-        umap[r.user as usize] = 0;
-        imap[r.movie as usize] = 0;
-    }
-    let densify = |map: &mut [u32]| -> Vec<u32> {
-        let mut ids = Vec::new();
-        for (orig, slot) in map.iter_mut().enumerate() {
-            if *slot != u32::MAX {
-                *slot = ids.len() as u32;
-                ids.push(orig as u32);
-            }
-        }
-        ids
-    };
-    let user_ids = densify(&mut umap);
-    let item_ids = densify(&mut imap);
-    let mut per_user: Vec<Vec<u32>> = vec![Vec::new(); user_ids.len()];
-    for r in kept() {
-        per_user[umap[r.user as usize] as usize].push(imap[r.movie as usize]);
-    }
-    let n = user_ids.len();
-    let (mut train, mut valid, mut test) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    for (d, mut items) in per_user.into_iter().enumerate() {
-        items.sort_unstable();
-        items.dedup();
-        let mut state = mix_seed(seed, u64::from(user_ids[d]));
-        shuffle(&mut items, &mut state);
-        let k = items.len() / 10;
-        let n_train = items.len() - 2 * k;
-        let mut te = items.split_off(n_train + k);
-        let mut va = items.split_off(n_train);
-        items.sort_unstable();
-        va.sort_unstable();
-        te.sort_unstable();
-        train.push(items);
-        valid.push(va);
-        test.push(te);
-    }
-    Dataset {
-        n_users: user_ids.len() as u32,
-        n_items: item_ids.len() as u32,
-        user_ids,
-        item_ids,
-        train,
-        valid,
-        test,
     }
 }
 
@@ -585,7 +502,7 @@ mod tests {
     #[test]
     fn split_proportions_are_exact() {
         let raw = raw_with_counts(&[(5, 20), (3, 25)]);
-        let ds = build_dataset(&raw, 3, 42);
+        let ds = build_dataset(&raw, 3, 42, ColdShares::default());
         // User 100 and its movie are filtered out (rating 1 < 3); dense order is by original id.
         assert_eq!(ds.user_ids, vec![3, 5]);
         assert_eq!(ds.n_users, 2);
@@ -599,7 +516,7 @@ mod tests {
     #[test]
     fn split_parts_are_disjoint_sorted_and_complete() {
         let raw = raw_with_counts(&[(1, 37), (2, 20), (4, 3)]);
-        let ds = build_dataset(&raw, 1, 7);
+        let ds = build_dataset(&raw, 1, 7, ColdShares::default());
         for d in 0..ds.n_users as usize {
             let mut all: Vec<u32> = ds.train[d]
                 .iter()
@@ -622,9 +539,9 @@ mod tests {
     #[test]
     fn split_is_deterministic_and_seed_dependent() {
         let raw = raw_with_counts(&[(1, 60), (2, 40), (9, 33)]);
-        let a = build_dataset(&raw, 3, 1);
-        let b = build_dataset(&raw, 3, 1);
-        let c = build_dataset(&raw, 3, 2);
+        let a = build_dataset(&raw, 3, 1, ColdShares::default());
+        let b = build_dataset(&raw, 3, 1, ColdShares::default());
+        let c = build_dataset(&raw, 3, 2, ColdShares::default());
         assert_eq!(a, b);
         assert_ne!(a.test, c.test);
     }
@@ -694,7 +611,7 @@ mod tests {
                 "no {s}-star rating"
             );
         }
-        let ds = build_dataset(&raw, 3, 0);
+        let ds = build_dataset(&raw, 3, 0, ColdShares::default());
         assert!(ds.n_users > 150 && ds.n_items > 100);
     }
 
@@ -738,7 +655,7 @@ mod tests {
         assert!(raw.movies.iter().all(|m| (1..=3952).contains(&m.id)));
         assert!((800_000..1_200_000).contains(&raw.ratings.len()));
         let t2 = std::time::Instant::now();
-        let ds = build_dataset(&raw, 3, 0);
+        let ds = build_dataset(&raw, 3, 0, ColdShares::default());
         println!(
             "build_dataset {:?}: {} users, {} items",
             t2.elapsed(),

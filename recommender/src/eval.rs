@@ -1,7 +1,7 @@
 //! Full-ranking evaluation of a recommender: top-K metrics over all items (RecBole protocol).
 //!
-//! Owns: ranking one user's scores over all items with excluded items removed (ties broken by
-//! the lower item id, deterministically), the per-user Recall/NDCG/MRR/Hit/Precision@K formulas
+//! Owns: ranking one user's scores over all items with excluded items removed (ties broken in
+//! a fixed pseudo-random order of the items, deterministically), the per-user Recall/NDCG/MRR/Hit/Precision@K formulas
 //! of REFERENCE.md ("Recommendation protocol"), the additive per-rank sums ([`MetricSums`]) with
 //! a flat `f64` layout for an all-reduce, and the final means ([`Metrics`]).
 //!
@@ -201,14 +201,28 @@ fn key(s: f32) -> f32 {
     }
 }
 
-/// Score descending, then item id ascending (a total order over distinct ids).
+/// Where an item goes among items of equal score: a fixed pseudo-random order (murmur3's
+/// 32-bit finaliser, a bijection, so distinct ids never tie). Not the id itself: ids follow the
+/// data's own order (release order, or how a generator numbered its items), and a model
+/// that gives many items one score (popularity on items without counts, an ID-only model on
+/// items it never saw) would be credited with whatever that order carries.
+pub fn tie_order(id: u32) -> u32 {
+    let mut h = id ^ 0x9e37_79b9;
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+/// Score descending, then [`tie_order`] (a total order over distinct ids).
 fn rank_cmp(scores: &[f32], a: u32, b: u32) -> Ordering {
     key(scores[b as usize])
         .total_cmp(&key(scores[a as usize]))
-        .then(a.cmp(&b))
+        .then(tie_order(a).cmp(&tie_order(b)))
 }
 
-/// The top `k` item ids by score (descending; ties by lower id) among items not in `exclude`.
+/// The top `k` item ids by score (descending; ties in [`tie_order`]) among items not in `exclude`.
 /// Returns fewer than `k` ids when fewer items remain. Out-of-range ids in `exclude` are ignored.
 pub fn top_k(scores: &[f32], exclude: &[u32], k: usize) -> Vec<u32> {
     let mut excluded = vec![false; scores.len()];
@@ -361,12 +375,19 @@ mod tests {
     }
 
     #[test]
-    fn ties_broken_by_lower_item_id() {
+    fn ties_follow_a_fixed_pseudo_random_order_not_the_ids() {
+        // tie_order: 1 < 0 < 3 < 2 (and 4 < 5).
         let scores = [1.0, 2.0, 2.0, 1.0, -0.0, 0.0, f32::NAN];
         assert_eq!(top_k(&scores, &[], 7), vec![1, 2, 0, 3, 4, 5, 6]);
         assert_eq!(top_k(&scores, &[], 3), vec![1, 2, 0]);
-        assert_eq!(one(&[1.0; 4], &[], &[0], &[1]).get("hit@1"), Some(1.0));
-        assert_eq!(one(&[1.0; 4], &[], &[3], &[1]).get("hit@1"), Some(0.0));
+        assert_eq!(top_k(&[1.0; 4], &[], 4), vec![1, 0, 3, 2]);
+        assert_eq!(one(&[1.0; 4], &[], &[1], &[1]).get("hit@1"), Some(1.0));
+        assert_eq!(one(&[1.0; 4], &[], &[0], &[1]).get("hit@1"), Some(0.0));
+        // A bijection: distinct ids never tie.
+        let mut keys: Vec<u32> = (0..10_000).map(tie_order).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        assert_eq!(keys.len(), 10_000);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use common::memory::DataShape;
 use dist::collective::{Collective, OpContext};
 use tracing::info;
 
-use crate::data::{self, Dataset, RawData};
+use crate::data::{self, ColdShares, Dataset, RawData};
 use crate::model::gpt2::Tokenizer;
 use crate::RecError;
 
@@ -29,8 +29,14 @@ pub struct RecData {
 
 impl RecData {
     /// Implicit feedback, split and texts from parsed ML-1M files.
-    pub fn from_raw(raw: &RawData, min_rating: u8, seed: u64, source: PathBuf) -> RecData {
-        let dataset = data::build_dataset(raw, min_rating, seed);
+    pub fn from_raw(
+        raw: &RawData,
+        min_rating: u8,
+        seed: u64,
+        cold: ColdShares,
+        source: PathBuf,
+    ) -> RecData {
+        let dataset = data::build_dataset(raw, min_rating, seed, cold);
         let users: HashMap<u32, &data::User> = raw.users.iter().map(|u| (u.id, u)).collect();
         let movies: HashMap<u32, &data::Movie> = raw.movies.iter().map(|m| (m.id, m)).collect();
         // Every rated user and movie exists (the reader checks), so the lookups succeed.
@@ -93,10 +99,15 @@ pub fn load_data(
     };
     let raw = data::read_ml1m(&dir)?;
     check_positives(&raw, config.data.min_rating, &dir)?;
+    let cold = ColdShares {
+        items: config.data.cold_items,
+        users: config.data.cold_users,
+    };
     Ok(RecData::from_raw(
         &raw,
         config.data.min_rating,
         config.run.seed,
+        cold,
         dir,
     ))
 }
@@ -216,7 +227,7 @@ pub(crate) mod tests {
     pub(crate) fn tiny_data(dir: &Path) -> RecData {
         data::generate_ml1m(dir, common::config::SyntheticSize::Tiny, 3).unwrap();
         let raw = data::read_ml1m(dir).unwrap();
-        RecData::from_raw(&raw, 3, 3, dir.to_path_buf())
+        RecData::from_raw(&raw, 3, 3, ColdShares::default(), dir.to_path_buf())
     }
 
     #[test]

@@ -54,16 +54,36 @@ pub enum RecError {
 /// Which held-out part of the data an evaluation ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Split {
+    /// Each warm user's validation items, among the warm items.
     Valid,
+    /// Each warm user's test items, among the warm items.
     Test,
+    /// Cold start (`data.cold_items`): each warm user's items among those training never saw,
+    /// ranked among them.
+    ColdItems,
+    /// Cold start (`data.cold_users`): the items of each user training never saw, among the
+    /// warm items.
+    ColdUsers,
 }
 
 impl Split {
-    /// `"valid"` or `"test"`, as records and messages say it.
+    /// `"valid"`, `"test"`, `"cold_items"` or `"cold_users"`, as records and messages say it.
     pub fn name(self) -> &'static str {
         match self {
             Split::Valid => "valid",
             Split::Test => "test",
+            Split::ColdItems => "cold_items",
+            Split::ColdUsers => "cold_users",
+        }
+    }
+
+    /// The name in words: `test`, `cold items`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Split::Valid => "valid",
+            Split::Test => "test",
+            Split::ColdItems => "cold items",
+            Split::ColdUsers => "cold users",
         }
     }
 }

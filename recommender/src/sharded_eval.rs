@@ -2,6 +2,7 @@
 //! and added in rank order, so every rank returns the metrics a single process would; and the
 //! popularity baseline through the same path.
 
+use std::ops::Range;
 use std::time::Duration;
 
 use dist::collective::{Collective, OpContext};
@@ -27,15 +28,12 @@ pub fn evaluate_popularity(
     let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
         Ok(counts.unsqueeze(0).expand([batch.len() as i64, -1], false))
     };
-    let train_valid: Vec<Vec<u32>>;
-    let (exclude, positives) = match split {
-        Split::Valid => (&ds.train, &ds.valid),
-        Split::Test => {
-            train_valid = train_and_valid(ds);
-            (&train_valid, &ds.test)
-        }
+    let train_valid = match split {
+        Split::Test => train_and_valid(ds),
+        _ => Vec::new(),
     };
-    evaluate_sharded(&mut score, exclude, positives, ks, batch_users, comm, ctx)
+    let lists = split_lists(ds, &train_valid, split);
+    evaluate_sharded(&mut score, &lists, ks, batch_users, comm, ctx)
 }
 
 /// Train ∪ valid per user, sorted: what a test ranking excludes.
@@ -51,23 +49,65 @@ pub(crate) fn train_and_valid(ds: &Dataset) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// What an evaluation ranks: the candidate items (dense ids), per user the items not to rank
+/// and the held-out positives (ids within the candidates).
+pub struct SplitLists<'a> {
+    pub candidates: Range<u32>,
+    pub exclude: &'a [Vec<u32>],
+    pub positives: &'a [Vec<u32>],
+}
+
+/// The lists of `split`: warm splits rank the warm items (cold ones are no candidates: no user
+/// has them in valid or test), excluding what the user trained on (and for test, validated
+/// on); cold items are ranked among themselves, and cold users get the warm items, both
+/// excluding nothing (training saw none of those interactions).
+pub(crate) fn split_lists<'a>(
+    ds: &'a Dataset,
+    train_valid: &'a [Vec<u32>],
+    split: Split,
+) -> SplitLists<'a> {
+    let warm = 0..ds.n_warm_items;
+    let (candidates, exclude, positives) = match split {
+        Split::Valid => (warm, &ds.train[..], &ds.valid),
+        Split::Test => (warm, train_valid, &ds.test),
+        Split::ColdItems => (ds.n_warm_items..ds.n_items, &[][..], &ds.cold_items),
+        Split::ColdUsers => (warm, &[][..], &ds.cold_users),
+    };
+    SplitLists {
+        candidates,
+        exclude,
+        positives,
+    }
+}
+
+/// Ids of `ids` within `range`, shifted to start at 0.
+fn within(ids: &[u32], range: &Range<u32>) -> Vec<u32> {
+    ids.iter()
+        .filter(|i| range.contains(i))
+        .map(|i| i - range.start)
+        .collect()
+}
+
 /// Full-ranking metrics with users split across ranks: this rank scores the users `u` with
 /// `u % world == rank` (and at least one positive), `batch_users` at a time (`score_batch` gives
-/// `[b, n_items]`); the per-rank sums travel as f64 and are added in rank order, so every rank
-/// returns the same metrics, equal to a single-process evaluation up to summation order.
+/// `[b, n_items]`, of which the candidates are ranked); the per-rank sums travel as f64 and are
+/// added in rank order, so every rank returns the same metrics, equal to a single-process
+/// evaluation up to summation order.
 pub fn evaluate_sharded(
     score_batch: &mut dyn FnMut(&[usize]) -> Result<Tensor, tch::TchError>,
-    exclude: &[Vec<u32>],
-    positives: &[Vec<u32>],
+    lists: &SplitLists<'_>,
     ks: &[usize],
     batch_users: usize,
     comm: &mut dyn Collective,
     ctx: OpContext,
 ) -> Result<Metrics, RecError> {
     let (rank, world) = (comm.rank(), comm.world_size());
+    let positives = lists.positives;
     let users: Vec<usize> = (0..positives.len())
         .filter(|&u| u % world == rank && !positives[u].is_empty())
         .collect();
+    let range = &lists.candidates;
+    let (from, len) = (range.start as usize, range.len());
     let mut sums = MetricSums::new(ks);
     for chunk in users.chunks(batch_users.max(1)) {
         let scores = score_batch(chunk)?
@@ -75,11 +115,21 @@ pub fn evaluate_sharded(
             .f_to_kind(Kind::Float)?
             .f_contiguous()?;
         let n = scores.size().get(1).copied().unwrap_or(0) as usize;
+        if from + len > n {
+            return Err(RecError::Invalid(format!(
+                "evaluation: {n} item scores for candidates {range:?}"
+            )));
+        }
         let flat = Vec::<f32>::try_from(scores.f_view([-1])?)?;
         for (row, &u) in chunk.iter().enumerate() {
-            let mut s = flat[row * n..(row + 1) * n].to_vec();
-            let ex = exclude.get(u).map_or(&[][..], Vec::as_slice);
-            add_user(&mut sums, &mut s, ex, &positives[u]);
+            let mut s = flat[row * n + from..row * n + from + len].to_vec();
+            let ex = lists.exclude.get(u).map_or(&[][..], Vec::as_slice);
+            add_user(
+                &mut sums,
+                &mut s,
+                &within(ex, range),
+                &within(&positives[u], range),
+            );
         }
     }
     let mine = Tensor::from_slice(&sums.to_vec());
@@ -133,32 +183,44 @@ mod tests {
         let positives = lists(5);
         let ks = vec![1, 5, 10];
         let users: Vec<usize> = (0..n_users).collect();
-        let direct = evaluate_all(
-            |u| (0..n_items).map(|i| score_of(u, i)).collect(),
-            &users,
-            &exclude,
-            &positives,
-            &ks,
-        )
-        .means();
-        assert!(direct.users > 10);
-        for world in [1u32, 2, 3] {
-            let (ex, pos, k) = (exclude.clone(), positives.clone(), ks.clone());
-            let results = with_ring(world, move |_, comm| {
-                let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
-                    let rows: Vec<f32> = batch
-                        .iter()
-                        .flat_map(|&u| (0..n_items).map(move |i| score_of(u, i)))
-                        .collect();
-                    Ok(Tensor::from_slice(&rows).view([batch.len() as i64, n_items as i64]))
-                };
-                evaluate_sharded(&mut score, &ex, &pos, &k, 4, comm, CTX).unwrap()
-            });
-            for m in results {
-                assert_eq!(m.users, direct.users, "world {world}");
-                for name in ["recall@5", "ndcg@10", "mrr@1", "hit@5", "precision@10"] {
-                    let (a, b) = (m.get(name).unwrap(), direct.get(name).unwrap());
-                    assert!((a - b).abs() < 1e-12, "world {world} {name}: {a} vs {b}");
+        // All items, and a range of them (as cold items are ranked among themselves).
+        for range in [0..n_items as u32, 12..n_items as u32] {
+            let shifted = |l: &[Vec<u32>]| -> Vec<Vec<u32>> {
+                l.iter().map(|ids| within(ids, &range)).collect()
+            };
+            let direct = evaluate_all(
+                |u| range.clone().map(|i| score_of(u, i as usize)).collect(),
+                &users,
+                &shifted(&exclude),
+                &shifted(&positives),
+                &ks,
+            )
+            .means();
+            assert!(direct.users > 10);
+            for world in [1u32, 2, 3] {
+                let (ex, pos, k) = (exclude.clone(), positives.clone(), ks.clone());
+                let candidates = range.clone();
+                let results = with_ring(world, move |_, comm| {
+                    let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
+                        let rows: Vec<f32> = batch
+                            .iter()
+                            .flat_map(|&u| (0..n_items).map(move |i| score_of(u, i)))
+                            .collect();
+                        Ok(Tensor::from_slice(&rows).view([batch.len() as i64, n_items as i64]))
+                    };
+                    let lists = SplitLists {
+                        candidates: candidates.clone(),
+                        exclude: &ex,
+                        positives: &pos,
+                    };
+                    evaluate_sharded(&mut score, &lists, &k, 4, comm, CTX).unwrap()
+                });
+                for m in results {
+                    assert_eq!(m.users, direct.users, "world {world}");
+                    for name in ["recall@5", "ndcg@10", "mrr@1", "hit@5", "precision@10"] {
+                        let (a, b) = (m.get(name).unwrap(), direct.get(name).unwrap());
+                        assert!((a - b).abs() < 1e-12, "world {world} {name}: {a} vs {b}");
+                    }
                 }
             }
         }

@@ -16,7 +16,7 @@ use crate::eval::Metrics;
 use crate::input::RecData;
 use crate::model::gpt2::Tokenizer;
 use crate::model::recommender::{RecConfig, Recommender, Scorer, Text};
-use crate::sharded_eval::{evaluate_sharded, train_and_valid};
+use crate::sharded_eval::{evaluate_sharded, split_lists, train_and_valid};
 use crate::text::{build_gpt2, cached_text_features, token_table};
 use crate::{RecError, Split};
 
@@ -25,12 +25,10 @@ pub struct RecTask {
     model: Recommender,
     /// (user, positive item) of every training interaction; the sampler shards its indices.
     pairs: Vec<(u32, u32)>,
-    train: Vec<Vec<u32>>,
-    valid: Vec<Vec<u32>>,
-    test: Vec<Vec<u32>>,
+    /// The split (train lists for negatives, held-out lists for evaluation).
+    ds: Dataset,
     /// Train ∪ valid per user: what a test ranking excludes.
     train_valid: Vec<Vec<u32>>,
-    n_items: u32,
     l2: f64,
     device: Device,
     ks: Vec<usize>,
@@ -95,6 +93,8 @@ impl RecTask {
         let rec_config = RecConfig {
             n_users: i64::from(ds.n_users),
             n_items: i64::from(ds.n_items),
+            n_warm_users: i64::from(ds.n_warm_users),
+            n_warm_items: i64::from(ds.n_warm_items),
             dim: config.model.embedding_dim as i64,
             scorer: match config.model.scorer {
                 ScorerKind::Dot => Scorer::Dot,
@@ -115,11 +115,8 @@ impl RecTask {
         Ok(RecTask {
             model,
             pairs,
-            train: ds.train.clone(),
-            valid: ds.valid.clone(),
-            test: ds.test.clone(),
+            ds: ds.clone(),
             train_valid,
-            n_items: ds.n_items,
             l2: config.model.l2,
             device,
             ks: config.eval.topk.clone(),
@@ -174,12 +171,17 @@ fn model_hash(config: &Config, ds: &Dataset) -> String {
         activation_checkpointing: false,
         ..config.model.clone()
     };
-    let text = format!(
+    let mut text = format!(
         "{}/{}x{}",
         serde_json::to_string(&model).unwrap_or_default(),
         ds.n_users,
         ds.n_items
     );
+    // Cold start reorders the ids: a model trained without it means other rows. (Only then,
+    // so the fingerprints of runs without cold start stay what they were.)
+    if (ds.n_warm_users, ds.n_warm_items) != (ds.n_users, ds.n_items) {
+        text += &format!("/warm {}x{}", ds.n_warm_users, ds.n_warm_items);
+    }
     let digest = sha2::Sha256::digest(text.as_bytes());
     digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -218,8 +220,10 @@ impl RecTask {
             let (u, p) = self.pairs[i];
             // A user who has every item in train has no negative: reuse the positive (the
             // pair then adds a constant to the loss and no gradient through the score).
-            let negative = data::sample_negative(&self.train[u as usize], self.n_items, &mut state)
-                .unwrap_or(p);
+            // Negatives among the warm items only: a cold item must stay unseen.
+            let negative =
+                data::sample_negative(&self.ds.train[u as usize], self.ds.n_warm_items, &mut state)
+                    .unwrap_or(p);
             users.push(i64::from(u));
             pos.push(i64::from(p));
             neg.push(i64::from(negative));
@@ -259,6 +263,11 @@ impl RecTask {
         crate::model::autocast::autocast(self.bf16, || self.model.finish_backward())
     }
 
+    /// What the best model is tested on: `test`, then the cold-start parts the data has.
+    pub fn test_splits(&self) -> Vec<Split> {
+        self.ds.test_splits()
+    }
+
     /// A fingerprint of the model's configuration and the data's shape.
     pub fn model_hash(&self) -> String {
         self.hash.clone()
@@ -272,10 +281,7 @@ impl RecTask {
         ctx: OpContext,
     ) -> Result<Metrics, RecError> {
         let (users, items) = self.model.tables(self.device);
-        let (exclude, positives) = match split {
-            Split::Valid => (&self.train, &self.valid),
-            Split::Test => (&self.train_valid, &self.test),
-        };
+        let lists = split_lists(&self.ds, &self.train_valid, split);
         let model = &self.model;
         let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
             let _guard = tch::no_grad_guard();
@@ -283,15 +289,7 @@ impl RecTask {
             let rows = users.f_index_select(0, &Tensor::from_slice(&ids).to_device(self.device))?;
             Ok(model.score_tables(&rows, &items))
         };
-        let metrics = evaluate_sharded(
-            &mut score,
-            exclude,
-            positives,
-            &self.ks,
-            self.batch_users,
-            comm,
-            ctx,
-        )?;
+        let metrics = evaluate_sharded(&mut score, &lists, &self.ks, self.batch_users, comm, ctx)?;
         Ok(metrics)
     }
 }
@@ -333,9 +331,9 @@ mod tests {
                     Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]) as u64;
                 for &i in &idx {
                     let (u, _) = task.pairs[i];
-                    let n = data::sample_negative(&task.train[u as usize], task.n_items, &mut state)
+                    let n = data::sample_negative(&task.ds.train[u as usize], task.ds.n_warm_items, &mut state)
                         .unwrap();
-                    assert!(task.train[u as usize].binary_search(&n).is_err());
+                    assert!(task.ds.train[u as usize].binary_search(&n).is_err());
                 }
                 tch::manual_seed(seed);
                 let loss = task.loss(&idx).unwrap().double_value(&[]);

@@ -131,7 +131,7 @@ fn an_out_of_memory_error_in_any_phase_is_explained_and_stops_the_group() {
                 .path()
                 .join(phase)
                 .join("checkpoints")
-                .join("step-000017");
+                .join("step-000014");
             assert!(
                 out.stderr
                     .contains(&format!("the last checkpoint {} is intact", ckpt.display())),
@@ -150,7 +150,7 @@ fn an_out_of_memory_error_in_any_phase_is_explained_and_stops_the_group() {
     );
     assert_eq!(out.code(), Some(0), "{}", out.all());
     assert!(out.stdout.contains("resuming from") || out.stderr.contains("resuming from"));
-    assert!(out.stderr.contains("step-000017") || out.stdout.contains("step-000017"));
+    assert!(out.stderr.contains("step-000014") || out.stdout.contains("step-000014"));
 }
 
 #[test]

@@ -84,6 +84,7 @@ fn default_config_trains_and_beats_popularity() {
         r_ours > r_pop,
         "test Recall@10 {r_ours} <= popularity's {r_pop}"
     );
+    cold_start_is_tested_and_text_knows_cold_items(dir.path(), &recs, &pop_recs, &out.stdout);
 
     // Every evaluation has every metric at every K; the best model and the summary are there.
     for r in of_kind(&recs, "eval") {
@@ -111,6 +112,44 @@ fn default_config_trains_and_beats_popularity() {
     assert!(!lines
         .iter()
         .any(|(r, t)| *r == 1 && t.starts_with("summary")));
+}
+
+/// The default holds out 10% of the items and of the users: both are tested after training
+/// (records and printed comparison). On cold items, the GPT-2 recommender (text) beats
+/// popularity (no counts for them), and BPR (IDs only, which it never trained for them) ranks
+/// them exactly as popularity does, by the fixed tie order: it knows nothing of them.
+fn cold_start_is_tested_and_text_knows_cold_items(
+    out_dir: &Path,
+    recs: &[Value],
+    pop_recs: &[Value],
+    stdout: &str,
+) {
+    let split = |recs: &[Value], name: &str| -> Value {
+        recs.iter()
+            .find(|r| r["kind"] == "eval" && r["split"] == name)
+            .unwrap_or_else(|| panic!("no {name} evaluation in {recs:?}"))
+            .clone()
+    };
+    let ndcg = |r: &Value| r["ndcg@10"].as_f64().unwrap();
+    for name in ["cold_items", "cold_users"] {
+        let (ours, pop) = (split(recs, name), split(pop_recs, name));
+        assert_eq!(ours["users"], pop["users"], "{name}");
+        assert!(ours["users"].as_u64().unwrap() >= 10, "{name}: {ours}");
+    }
+    let (ours, pop) = (split(recs, "cold_items"), split(pop_recs, "cold_items"));
+    assert!(
+        ndcg(&ours) > 1.5 * ndcg(&pop),
+        "cold items: gpt2rec {ours} vs pop {pop}"
+    );
+    for line in ["  cold items ndcg@10:", "  cold users ndcg@10:"] {
+        assert!(stdout.contains(line), "no {line:?} in\n{stdout}");
+    }
+    let bpr = run(out_dir, "bpr", &["model.kind=\"bpr\"", "train.epochs=2"]);
+    assert_eq!(bpr.code(), Some(0), "{}", bpr.all());
+    let bpr = split(&records(&out_dir.join("bpr")), "cold_items");
+    for m in ["recall@10", "ndcg@10", "mrr@20", "hit@20"] {
+        assert_eq!(bpr[m], pop[m], "bpr {bpr} vs pop {pop}");
+    }
 }
 
 /// A learning rate too small to move any f32 parameter: validation never improves.

@@ -162,12 +162,17 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
         ctx,
     )
     .context("evaluating the popularity baseline")?;
-    let pop_test =
-        recommender::evaluate_popularity(&data, Split::Test, ks, users_at_once, comm.as_mut(), ctx)
-            .context("evaluating the popularity baseline")?;
+    // The baseline on every split the model is tested on: test, then any cold-start parts.
+    let mut pop_tests = Vec::new();
+    for split in data.dataset.test_splits() {
+        let m =
+            recommender::evaluate_popularity(&data, split, ks, users_at_once, comm.as_mut(), ctx)
+                .context("evaluating the popularity baseline")?;
+        pop_tests.push((split, m));
+    }
     if config.model.kind == ModelKind::Pop {
         if start.leader() {
-            run_report::popularity_only(&start.run_dir, config, &pop_valid, &pop_test)?;
+            run_report::popularity_only(&start.run_dir, config, &pop_valid, &pop_tests)?;
         }
         return Ok(());
     }
@@ -221,7 +226,7 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
             milestones,
             report: &report,
             pop_valid: &pop_valid,
-            pop_test: &pop_test,
+            pop_tests: &pop_tests,
             run_dir: &start.run_dir,
             world_size: start.env.world_size,
         }

@@ -37,6 +37,10 @@ impl Task for RecTask {
         RecTask::model_hash(self)
     }
 
+    fn test_splits(&self) -> Vec<Split> {
+        RecTask::test_splits(self)
+    }
+
     fn evaluate(
         &mut self,
         split: Split,

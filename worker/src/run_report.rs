@@ -16,6 +16,7 @@ use crate::memory::mib;
 use crate::run_dir::{MetricsLog, RunDirError};
 use crate::trainer::{eval_record, TrainReport};
 use recommender::eval::Metrics;
+use recommender::Split;
 
 /// The exit code of a helper binary (`program`) whose `run` gave `result`: 0, or 1 after one
 /// `program: error: ...` line with the whole chain of causes.
@@ -58,7 +59,8 @@ pub struct RunSummary<'a> {
     pub milestones: Milestones,
     pub report: &'a TrainReport,
     pub pop_valid: &'a Metrics,
-    pub pop_test: &'a Metrics,
+    /// The baseline on `test` and on the cold-start splits, in that order.
+    pub pop_tests: &'a [(Split, Metrics)],
     pub run_dir: &'a Path,
     pub world_size: u32,
 }
@@ -207,15 +209,24 @@ impl RunSummary<'_> {
                 best.step,
                 self.run_dir.join("best").display()
             );
-            println!("  valid     {}", best.valid.summary_line());
+            println!("  {:<15}{}", "valid", best.valid.summary_line());
         }
-        if let Some(test) = &r.test {
-            println!("  test      {}", test.summary_line());
+        let ours: Vec<(Split, &Metrics)> = r
+            .test
+            .iter()
+            .map(|m| (Split::Test, m))
+            .chain(r.cold.iter().map(|(s, m)| (*s, m)))
+            .collect();
+        for (split, m) in &ours {
+            println!("  {:<15}{}", split.label(), m.summary_line());
         }
-        println!("  pop valid {}", self.pop_valid.summary_line());
-        println!("  pop test  {}", self.pop_test.summary_line());
-        if let Some(test) = &r.test {
-            self.print_comparison(test);
+        println!("  {:<15}{}", "pop valid", self.pop_valid.summary_line());
+        for (split, m) in self.pop_tests {
+            let label = format!("pop {}", split.label());
+            println!("  {label:<15}{}", m.summary_line());
+        }
+        for (split, m) in &ours {
+            self.print_comparison(*split, m);
         }
     }
 
@@ -240,16 +251,20 @@ impl RunSummary<'_> {
         )
     }
 
-    /// `test ndcg@10: 0.1054 vs popularity 0.0889 (+18.7%)`.
-    fn print_comparison(&self, test: &Metrics) {
+    /// `test ndcg@10: 0.1054 vs popularity 0.0889 (+18.7%)`, and so for a cold-start split
+    /// (`cold items ndcg@10: ...`).
+    fn print_comparison(&self, split: Split, ours: &Metrics) {
         let metric = self.plan.config.eval.metric.trim().to_ascii_lowercase();
-        if let (Some(ours), Some(pop)) = (test.get(&metric), self.pop_test.get(&metric)) {
+        let pop = self.pop_tests.iter().find(|(s, _)| *s == split);
+        if let (Some(ours), Some(pop)) = (ours.get(&metric), pop.and_then(|(_, m)| m.get(&metric)))
+        {
             let change = if pop > 0.0 {
-                (ours / pop - 1.0) * 100.0
+                format!("{:+.1}%", (ours / pop - 1.0) * 100.0)
             } else {
-                0.0
+                "popularity has nothing to go on".to_string()
             };
-            println!("  test {metric}: {ours:.4} vs popularity {pop:.4} ({change:+.1}%)");
+            let name = split.label();
+            println!("  {name} {metric}: {ours:.4} vs popularity {pop:.4} ({change})");
         }
     }
 }
@@ -260,7 +275,7 @@ pub fn popularity_only(
     run_dir: &Path,
     config: &Config,
     valid: &Metrics,
-    test: &Metrics,
+    tests: &[(Split, Metrics)],
 ) -> Result<(), RunDirError> {
     if let Some((to, moved)) = crate::run_dir::set_aside(run_dir, 0, None)? {
         tracing::info!(
@@ -281,9 +296,13 @@ pub fn popularity_only(
     std::fs::write(&path, toml).map_err(io(&path))?;
     let mut log = MetricsLog::open(&run_dir.join("metrics.jsonl"))?;
     log.append(&eval_record("valid", 0, 0, valid, 0.0))?;
-    log.append(&eval_record("test", 0, 0, test, 0.0))?;
+    for (split, m) in tests {
+        log.append(&eval_record(split.name(), 0, 0, m, 0.0))?;
+    }
     println!("summary: model pop (nothing to train)");
-    println!("  valid     {}", valid.summary_line());
-    println!("  test      {}", test.summary_line());
+    println!("  {:<15}{}", "valid", valid.summary_line());
+    for (split, m) in tests {
+        println!("  {:<15}{}", split.label(), m.summary_line());
+    }
     Ok(())
 }

@@ -60,6 +60,17 @@ fn check_data(data: &DataConfig) -> Result<(), ConfigError> {
             format!("must be between 1 and 5 (got {})", data.min_rating),
         ));
     }
+    for (key, share) in [
+        ("data.cold_items", data.cold_items),
+        ("data.cold_users", data.cold_users),
+    ] {
+        if !(0.0..=0.5).contains(&share) {
+            return Err(ConfigError::invalid(
+                key,
+                format!("must be a share between 0 and 0.5 (got {share})"),
+            ));
+        }
+    }
     Ok(())
 }
 

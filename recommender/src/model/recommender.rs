@@ -23,6 +23,10 @@ pub enum Scorer {
 pub struct RecConfig {
     pub n_users: i64,
     pub n_items: i64,
+    /// Users and items training sees (the first ids); the rest are cold start, whose ID
+    /// embeddings never train and count as zero (their text alone speaks for them).
+    pub n_warm_users: i64,
+    pub n_warm_items: i64,
     /// ID embedding size (RecBole's `embedding_size`; 64 in REFERENCE.md's table).
     pub dim: i64,
     pub scorer: Scorer,
@@ -188,11 +192,26 @@ impl Recommender {
         }
     }
 
-    /// Representations [b, dim] of rows `ids` ([b] i64): ID embedding + projected text.
+    /// Representations [b, dim] of rows `ids` ([b] i64): ID embedding (zero for a cold id) +
+    /// projected text.
     fn repr(&self, side: Side, ids: &Tensor, train: bool) -> Tensor {
-        let id_emb = match side {
-            Side::User => self.user_id.forward(ids),
-            Side::Item => self.item_id.forward(ids),
+        let (id_emb, n, warm) = match side {
+            Side::User => (
+                self.user_id.forward(ids),
+                self.config.n_users,
+                self.config.n_warm_users,
+            ),
+            Side::Item => (
+                self.item_id.forward(ids),
+                self.config.n_items,
+                self.config.n_warm_items,
+            ),
+        };
+        let id_emb = if warm < n {
+            // An embedding training never touched is its random initialisation: noise.
+            &id_emb * ids.lt(warm).unsqueeze(-1).to_kind(id_emb.kind())
+        } else {
+            id_emb
         };
         match (self.text_rows(side, ids, train), &self.proj) {
             (Some(rows), Some((up, ip))) => {
@@ -354,6 +373,8 @@ mod tests {
         let config = RecConfig {
             n_users: 5,
             n_items: 7,
+            n_warm_users: 5,
+            n_warm_items: 7,
             dim: 8,
             scorer,
         };
@@ -367,6 +388,52 @@ mod tests {
         };
         let m = Recommender::new(&vs.root(), config, text);
         (vs, m)
+    }
+
+    #[test]
+    fn cold_ids_count_as_zero_and_their_text_alone_speaks() {
+        let pair = |text: bool| {
+            let (vs, warm) = model(Scorer::Dot, text);
+            let mut config = warm.config();
+            (config.n_warm_users, config.n_warm_items) = (4, 5);
+            // The same variables under a config with the last user and two items cold.
+            let features = match &warm.text {
+                Text::Cached(f) => Text::Cached(TextFeatures {
+                    users: f.users.shallow_clone(),
+                    items: f.items.shallow_clone(),
+                }),
+                _ => Text::None,
+            };
+            let vs2 = nn::VarStore::new(tch::Device::Cpu);
+            let cold = Recommender::new(&vs2.root(), config, features);
+            let mut vs2 = vs2;
+            vs2.copy(&vs).unwrap();
+            (warm, cold)
+        };
+        let (warm, cold) = pair(false);
+        let (wu, wi) = warm.tables(tch::Device::Cpu);
+        let (cu, ci) = cold.tables(tch::Device::Cpu);
+        assert!(cu.narrow(0, 0, 4).equal(&wu.narrow(0, 0, 4)));
+        assert!(ci.narrow(0, 0, 5).equal(&wi.narrow(0, 0, 5)));
+        assert_eq!(
+            cu.narrow(0, 4, 1).abs().sum(Kind::Float).double_value(&[]),
+            0.0
+        );
+        assert_eq!(
+            ci.narrow(0, 5, 2).abs().sum(Kind::Float).double_value(&[]),
+            0.0
+        );
+        // With text, a cold item is its projected text: the warm representation minus its ID.
+        let (warm, cold) = pair(true);
+        let (_, wi) = warm.tables(tch::Device::Cpu);
+        let (_, ci) = cold.tables(tch::Device::Cpu);
+        let ids = ids(&[5, 6]);
+        let expected = wi.index_select(0, &ids) - warm.item_id.forward(&ids);
+        let diff = (ci.narrow(0, 5, 2) - expected)
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(diff < 1e-6, "{diff}");
     }
 
     #[test]

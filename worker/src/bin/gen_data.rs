@@ -55,7 +55,12 @@ fn run() -> Result<()> {
     let start = Instant::now();
     let raw = recommender::data::read_ml1m(&cli.dir).context("reading the data back")?;
     let read = start.elapsed();
-    let dataset = recommender::data::build_dataset(&raw, cli.min_rating, cli.seed);
+    let dataset = recommender::data::build_dataset(
+        &raw,
+        cli.min_rating,
+        cli.seed,
+        recommender::data::ColdShares::default(),
+    );
     let count = |parts: &[Vec<u32>]| parts.iter().map(Vec::len).sum::<usize>();
     println!(
         "{}: {} users, {} movies, {} ratings (written in {:.2} s, read in {:.3} s)",

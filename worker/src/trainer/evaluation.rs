@@ -98,38 +98,40 @@ impl Trainer<'_> {
         }
     }
 
-    /// The test evaluation of the best model (rank 0 reads it, everyone receives it), unless
-    /// the run was interrupted by the test hook.
-    pub(super) fn test(&mut self) -> Result<Option<Metrics>, TrainError> {
+    /// The test evaluations of the best model (rank 0 reads it, everyone receives it): every
+    /// split of [`Task::test_splits`](super::Task::test_splits), in its order, each recorded in
+    /// `metrics.jsonl`; none when the run was interrupted by the test hook.
+    pub(super) fn test(&mut self) -> Result<Vec<(Split, Metrics)>, TrainError> {
         let done = self.progress.epochs_done;
         let interrupted = self
             .setup
             .stop_after_epoch
             .is_some_and(|e| done == e && e < self.epochs && !self.eval.stopped_early);
         if interrupted {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         let step = self.progress.step;
         self.report_progress(common::progress::Phase::Evaluate, true);
         if self.eval.best.is_some() {
             self.load_best(step)?;
         }
-        let t0 = Instant::now();
-        self.setup.memory.enter(Phase::Evaluation);
-        let ctx = self.slow_ctx(step);
-        let test = self.task.evaluate(Split::Test, self.ddp.comm(), ctx);
-        let test = self.setup.memory.check(test)?;
-        if let (Some(m), Some(file)) = (&test, self.metrics.as_mut()) {
-            let epoch = self.eval.best.as_ref().map_or(done, |b| b.epoch);
-            file.append(&eval_record(
-                "test",
-                epoch,
-                step,
-                m,
-                t0.elapsed().as_secs_f64(),
-            ))?;
+        let mut results = Vec::new();
+        for split in self.task.test_splits() {
+            let t0 = Instant::now();
+            self.setup.memory.enter(Phase::Evaluation);
+            let ctx = self.slow_ctx(step);
+            let metrics = self.task.evaluate(split, self.ddp.comm(), ctx);
+            let Some(m) = self.setup.memory.check(metrics)? else {
+                continue;
+            };
+            if let Some(file) = self.metrics.as_mut() {
+                let epoch = self.eval.best.as_ref().map_or(done, |b| b.epoch);
+                let secs = t0.elapsed().as_secs_f64();
+                file.append(&eval_record(split.name(), epoch, step, &m, secs))?;
+            }
+            results.push((split, m));
         }
-        Ok(test)
+        Ok(results)
     }
 
     pub(super) fn load_best(&mut self, step: u64) -> Result<(), TrainError> {

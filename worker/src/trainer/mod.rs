@@ -80,6 +80,8 @@ pub struct TrainReport {
     pub best: Option<BestRecord>,
     /// Test metrics of the best model (of the last one when there was no validation).
     pub test: Option<Metrics>,
+    /// The best model's metrics on the cold-start splits the task has (empty without).
+    pub cold: Vec<(Split, Metrics)>,
     /// Patience ran out before `train.epochs`.
     pub stopped_early: bool,
     /// Peak resident memory of each rank (bytes, from the kernel's high-water mark).
@@ -132,9 +134,9 @@ pub fn train(
     trainer.resume()?;
     trainer.prepare_run_dir()?;
     trainer.fit()?;
-    let test = trainer.test()?;
+    let tested = trainer.test()?;
     trainer.report_progress(common::progress::Phase::Done, true);
-    trainer.report(test)
+    trainer.report(tested)
 }
 
 /// Waits on rank 0's file work (checkpoints) get at least this long.
@@ -542,7 +544,10 @@ impl<'t> Trainer<'t> {
     }
 
     /// Peak memory of every rank, and how the run went.
-    fn report(mut self, test: Option<Metrics>) -> Result<TrainReport, TrainError> {
+    fn report(mut self, tested: Vec<(Split, Metrics)>) -> Result<TrainReport, TrainError> {
+        let (test, cold): (Vec<_>, Vec<_>) =
+            tested.into_iter().partition(|(s, _)| *s == Split::Test);
+        let test = test.into_iter().next().map(|(_, m)| m);
         let ctx = self.ctx(self.progress.step);
         let peak_rss = gather_u64(self.ddp.comm(), memory::peak_rss_bytes(), ctx)?;
         let peak_device = if self.device.is_cuda() {
@@ -571,6 +576,7 @@ impl<'t> Trainer<'t> {
             resumed_from: self.resumed_from,
             best: self.eval.best,
             test,
+            cold,
             stopped_early: self.eval.stopped_early,
             peak_rss,
             peak_device,

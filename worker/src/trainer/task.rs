@@ -39,6 +39,10 @@ pub trait Task {
     }
     /// A fingerprint of the model's configuration; a checkpoint of another model is refused.
     fn model_hash(&self) -> String;
+    /// What the best model is tested on at the end, in order. Default: `test`.
+    fn test_splits(&self) -> Vec<Split> {
+        vec![Split::Test]
+    }
     /// Metrics of the current model on `split`. Every rank calls it together (the task may
     /// split the work and reduce). `None` (the default): the task has nothing to evaluate.
     fn evaluate(
