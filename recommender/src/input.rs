@@ -23,6 +23,11 @@ pub struct RecData {
     pub dataset: Dataset,
     pub user_texts: Vec<String>,
     pub item_texts: Vec<String>,
+    /// Every (dense) item's title as in `movies.dat`, for people reading recommendations.
+    pub item_titles: Vec<String>,
+    /// Per dense user: every item they rated, whatever the stars (a recommendation leaves
+    /// out what they have seen, not only what they liked), sorted.
+    pub rated: Vec<Vec<u32>>,
     /// Where the files came from, for logs.
     pub source: PathBuf,
 }
@@ -58,10 +63,22 @@ impl RecData {
                     .map_or_else(String::new, |m| data::item_text(m))
             })
             .collect();
+        let item_titles = dataset
+            .item_ids
+            .iter()
+            .map(|id| {
+                movies
+                    .get(id)
+                    .map_or_else(String::new, |m| m.title.trim().to_string())
+            })
+            .collect();
+        let rated = rated_items(raw, &dataset);
         RecData {
             dataset,
             user_texts,
             item_texts,
+            item_titles,
+            rated,
             source,
         }
     }
@@ -70,6 +87,29 @@ impl RecData {
     pub fn train_interactions(&self) -> usize {
         self.dataset.train.iter().map(Vec::len).sum()
     }
+}
+
+/// Per dense user, the dense items they rated at any rating (items without a dense id, rated
+/// only below `min_rating` by everyone, are no candidates anyway).
+fn rated_items(raw: &RawData, ds: &Dataset) -> Vec<Vec<u32>> {
+    let dense = |ids: &[u32]| -> HashMap<u32, u32> {
+        ids.iter()
+            .enumerate()
+            .map(|(d, &o)| (o, d as u32))
+            .collect()
+    };
+    let (users, items) = (dense(&ds.user_ids), dense(&ds.item_ids));
+    let mut rated = vec![Vec::new(); ds.user_ids.len()];
+    for r in &raw.ratings {
+        if let (Some(&u), Some(&i)) = (users.get(&r.user), items.get(&r.movie)) {
+            rated[u as usize].push(i);
+        }
+    }
+    for list in &mut rated {
+        list.sort_unstable();
+        list.dedup();
+    }
+    rated
 }
 
 /// Reads `data.dir`, or — when it is unset — synthetic data generated once into

@@ -21,6 +21,7 @@ pub mod data;
 pub mod eval;
 pub mod input;
 pub mod model;
+pub mod serve;
 pub mod sharded_eval;
 pub mod task;
 pub mod text;

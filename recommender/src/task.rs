@@ -15,7 +15,7 @@ use crate::data::{self, Dataset};
 use crate::eval::Metrics;
 use crate::input::RecData;
 use crate::model::gpt2::Tokenizer;
-use crate::model::recommender::{RecConfig, Recommender, Scorer, Text};
+use crate::model::recommender::{NewUserText, RecConfig, Recommender, Scorer, Text};
 use crate::sharded_eval::{evaluate_sharded, split_lists, train_and_valid};
 use crate::text::{build_gpt2, cached_text_features, token_table};
 use crate::{RecError, Split};
@@ -261,6 +261,53 @@ impl RecTask {
     pub fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         // The recompute runs under the forward's autocast setting.
         crate::model::autocast::autocast(self.bf16, || self.model.finish_backward())
+    }
+
+    /// Representations of every user and every item ([n_users, dim], [n_items, dim]; cold ones
+    /// from their text alone), for serving.
+    pub fn tables(&self) -> (Tensor, Tensor) {
+        self.model.tables(self.device)
+    }
+
+    /// Scores of user representations [b, dim] against item representations [n, dim] → [b, n].
+    pub fn score_tables(&self, users: &Tensor, items: &Tensor) -> Tensor {
+        let _guard = tch::no_grad_guard();
+        self.model.score_tables(users, items)
+    }
+
+    /// The model's scorer.
+    pub fn scorer(&self) -> Scorer {
+        self.model.config().scorer
+    }
+
+    /// Representations [b, dim] of users described only by `texts` (`data::user_text`), through
+    /// the text tower as cold users are; every rank calls it together (cached mode encodes).
+    pub fn new_users(
+        &self,
+        config: &Config,
+        data: &RecData,
+        texts: &[String],
+        comm: &mut dyn Collective,
+        ctx: OpContext,
+    ) -> Result<Tensor, RecError> {
+        let text = match (config.model.kind, config.model.text_mode) {
+            (ModelKind::Gpt2rec, TextMode::Cached) => NewUserText::Features(
+                crate::text::cached_new_user_features(config, data, texts, self.device, comm, ctx)?,
+            ),
+            (ModelKind::Gpt2rec, TextMode::Dynamic) => {
+                let tok = Tokenizer::new()?;
+                NewUserText::Tokens(token_table(&tok, texts, config.model.max_text_tokens, self.device))
+            }
+            _ => {
+                return Err(RecError::Invalid(format!(
+                    "model.kind = {:?} has no text tower: only \"gpt2rec\" can place a user known by demographics alone",
+                    format!("{:?}", config.model.kind).to_lowercase()
+                )))
+            }
+        };
+        self.model
+            .new_users(&text)
+            .ok_or_else(|| RecError::Invalid("the model has no text tower".into()))
     }
 
     /// What the best model is tested on: `test`, then the cold-start parts the data has.

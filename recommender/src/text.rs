@@ -114,26 +114,91 @@ pub fn cached_text_features(
     phases: &dyn PhaseSink,
 ) -> Result<TextFeatures, RecError> {
     phases.enter(Phase::TextCaching);
-    // The same weights on every rank by construction: drawn from the CPU generator with one
-    // seed (or read from the file), then moved to the device. Drawn on each rank's GPU they
-    // would agree only if every GPU's generator gave the same numbers, and nothing broadcasts
-    // this encoder (it is not part of the trained model).
-    tch::manual_seed(config.run.seed as i64);
-    let mut vs = nn::VarStore::new(Device::Cpu);
-    let gpt2 = build_gpt2(&vs, None, config)?;
-    vs.set_device(device);
-    let tok = Tokenizer::new()?;
-    let mut encode = |texts: &[String]| -> Result<Tensor, RecError> {
+    let encoder = FrozenEncoder::new(config, device)?;
+    let users = encoder.encode(&data.user_texts, comm, ctx)?;
+    let items = encoder.encode(&data.item_texts, comm, ctx)?;
+    phases.enter(Phase::ModelBuild);
+    Ok(TextFeatures {
+        users: standardize(&users, users.size()[0]),
+        items: standardize(&items, items.size()[0]),
+    })
+}
+
+/// `cached` mode's features of users described only by `texts` (new users): encoded by the same
+/// frozen GPT-2 and standardised with the statistics of the data's users, exactly as their rows
+/// were (a new user with a known user's text gets that user's row).
+pub fn cached_new_user_features(
+    config: &Config,
+    data: &RecData,
+    texts: &[String],
+    device: Device,
+    comm: &mut dyn Collective,
+    ctx: OpContext,
+) -> Result<Tensor, RecError> {
+    let encoder = FrozenEncoder::new(config, device)?;
+    let all: Vec<String> = data.user_texts.iter().chain(texts).cloned().collect();
+    let known = data.user_texts.len() as i64;
+    let rows = standardize(&encoder.encode(&all, comm, ctx)?, known);
+    Ok(rows.narrow(0, known, texts.len() as i64))
+}
+
+/// `(x - mean) / std` per feature over the first `n` rows, then divided by sqrt(width): rows of
+/// norm about 1, so that projected they start at the scale of the ID embeddings instead of
+/// swamping them.
+fn standardize(full: &Tensor, n: i64) -> Tensor {
+    let width = full.size().last().copied().unwrap_or(1);
+    let stats = full.narrow(0, 0, n);
+    let mean = stats.mean_dim([0i64].as_slice(), true, Kind::Float);
+    let std = stats.std_dim([0i64].as_slice(), false, true);
+    (full - mean) / (std + 1e-6) / (width as f64).sqrt()
+}
+
+/// The frozen GPT-2 of `cached` mode and its tokenizer.
+struct FrozenEncoder {
+    gpt2: Gpt2,
+    tok: Tokenizer,
+    max_tokens: usize,
+    device: Device,
+    _vs: nn::VarStore,
+}
+
+impl FrozenEncoder {
+    /// The same weights on every rank by construction: drawn from the CPU generator with one
+    /// seed (or read from the file), then moved to the device. Drawn on each rank's GPU they
+    /// would agree only if every GPU's generator gave the same numbers, and nothing broadcasts
+    /// this encoder (it is not part of the trained model).
+    fn new(config: &Config, device: Device) -> Result<FrozenEncoder, RecError> {
+        tch::manual_seed(config.run.seed as i64);
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let gpt2 = build_gpt2(&vs, None, config)?;
+        vs.set_device(device);
+        Ok(FrozenEncoder {
+            gpt2,
+            tok: Tokenizer::new()?,
+            max_tokens: config.model.max_text_tokens,
+            device,
+            _vs: vs,
+        })
+    }
+
+    /// Mean-pooled last hidden states of `texts` [n, width]: each rank encodes an even share
+    /// of the rows, and all are gathered.
+    fn encode(
+        &self,
+        texts: &[String],
+        comm: &mut dyn Collective,
+        ctx: OpContext,
+    ) -> Result<Tensor, RecError> {
         let (rank, world) = (comm.rank(), comm.world_size());
         let per_rank = texts.len().div_ceil(world).max(1);
         let start = (rank * per_rank).min(texts.len());
         let end = (start + per_rank).min(texts.len());
-        let width = gpt2.config().n_embd;
+        let width = self.gpt2.config().n_embd;
         let mut parts = Vec::new();
         let _guard = tch::no_grad_guard();
         for chunk in texts[start..end].chunks(CACHE_ROWS) {
-            let table = token_table(&tok, chunk, config.model.max_text_tokens, device);
-            let hidden = gpt2.forward(&table.ids, &table.mask, false);
+            let table = token_table(&self.tok, chunk, self.max_tokens, self.device);
+            let hidden = self.gpt2.forward(&table.ids, &table.mask, false);
             parts.push(Gpt2::mean_pool(&hidden, &table.mask));
         }
         // Pad to the same number of rows everywhere (all_gather needs equal shapes).
@@ -141,21 +206,12 @@ pub fn cached_text_features(
         if mine < per_rank {
             parts.push(Tensor::zeros(
                 [(per_rank - mine) as i64, width],
-                (Kind::Float, device),
+                (Kind::Float, self.device),
             ));
         }
         let mine = Tensor::cat(&parts, 0);
         let all = comm.all_gather(&mine, ctx)?;
-        let all: Vec<Tensor> = all.iter().map(|t| t.to_device(device)).collect();
-        let full = Tensor::cat(&all, 0).narrow(0, 0, texts.len() as i64);
-        let mean = full.mean_dim([0i64].as_slice(), true, Kind::Float);
-        let std = full.std_dim([0i64].as_slice(), false, true);
-        // Unit-variance columns, then rows of norm ~1: projected, they start at the scale of
-        // the ID embeddings instead of swamping them.
-        Ok((full - mean) / (std + 1e-6) / (width as f64).sqrt())
-    };
-    let users = encode(&data.user_texts)?;
-    let items = encode(&data.item_texts)?;
-    phases.enter(Phase::ModelBuild);
-    Ok(TextFeatures { users, items })
+        let all: Vec<Tensor> = all.iter().map(|t| t.to_device(self.device)).collect();
+        Ok(Tensor::cat(&all, 0).narrow(0, 0, texts.len() as i64))
+    }
 }

@@ -59,6 +59,14 @@ pub enum Text {
     },
 }
 
+/// The text of users training never saw, as the model's text mode reads it.
+pub enum NewUserText {
+    /// `cached` mode: their feature rows (standardised as the data's users' were).
+    Features(Tensor),
+    /// `dynamic` mode: their tokens.
+    Tokens(TokenTable),
+}
+
 /// Rows of texts GPT-2 encodes at once when building a whole table.
 const ENCODE_ROWS: i64 = 128;
 
@@ -265,6 +273,23 @@ impl Recommender {
             all(self.config.n_users, Side::User),
             all(self.config.n_items, Side::Item),
         )
+    }
+
+    /// Representations [b, dim] of users training never saw, from their text alone (no ID, as
+    /// a cold user's); `None` without a text tower or with text of the other mode.
+    pub fn new_users(&self, text: &NewUserText) -> Option<Tensor> {
+        let _guard = tch::no_grad_guard();
+        let (user_proj, _) = self.proj.as_ref()?;
+        let rows = match (&self.text, text) {
+            (Text::Cached(_), NewUserText::Features(f)) => f.shallow_clone(),
+            (Text::Dynamic { gpt2, .. }, NewUserText::Tokens(t)) => {
+                let n = t.ids.size()[0];
+                let ids = Tensor::arange(n, (Kind::Int64, t.ids.device()));
+                encode_rows(gpt2.as_ref(), t, &ids, false)
+            }
+            _ => return None,
+        };
+        Some(user_proj.forward(&rows))
     }
 
     /// Scores of user representations `u` [b, dim] against item representations `items`

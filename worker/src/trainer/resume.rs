@@ -172,7 +172,7 @@ pub(super) fn resume_decision(
 }
 
 /// Copies checkpoint tensors into the model's variables, by name.
-pub(super) fn load_params(
+pub fn load_params(
     params: &[(String, Tensor)],
     saved: &[(String, Tensor)],
 ) -> Result<(), TrainError> {

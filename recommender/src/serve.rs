@@ -1,0 +1,155 @@
+//! Using a trained recommender: top-K items for a user (what they interacted with left out),
+//! users described only by demographics, and the final user and item vectors exported for
+//! serving from any language.
+//!
+//! Owns: ranking for serving, parsing a new user's description, and the export
+//! format (`vectors.safetensors` + `ids.json`). Must not: train, load checkpoints or talk to
+//! other ranks (the caller builds the model and loads its weights).
+
+use std::path::Path;
+
+use serde_json::json;
+use tch::{Kind, Tensor};
+
+use crate::data::{age_group_name, Dataset, Gender, User};
+use crate::eval::top_k;
+use crate::model::recommender::Scorer;
+use crate::task::RecTask;
+use crate::RecError;
+
+/// The `k` best items (dense id, score) for each user representation in `users` [b, dim]
+/// against `items` [n, dim], leaving out `exclude[row]`.
+pub fn top_items(
+    task: &RecTask,
+    users: &Tensor,
+    items: &Tensor,
+    exclude: &[Vec<u32>],
+    k: usize,
+) -> Result<Vec<Vec<(u32, f32)>>, RecError> {
+    let scores = task
+        .score_tables(users, items)
+        .f_to_kind(Kind::Float)?
+        .f_contiguous()?;
+    let n = items.size()[0] as usize;
+    let flat = Vec::<f32>::try_from(scores.f_view([-1])?)?;
+    Ok(flat
+        .chunks(n.max(1))
+        .zip(exclude)
+        .map(|(row, ex)| {
+            top_k(row, ex, k)
+                .into_iter()
+                .map(|i| (i, row[i as usize]))
+                .collect()
+        })
+        .collect())
+}
+
+/// A user known only by gender, age code and occupation code, as `GENDER,AGE,OCCUPATION`
+/// (`F,25,12`: ML-1M's `users.dat` codes).
+pub fn parse_new_user(spec: &str) -> Result<User, String> {
+    let bad = |why: String| format!("--new-user {spec:?}: {why}");
+    let parts: Vec<&str> = spec.split(',').map(str::trim).collect();
+    let [gender, age, occupation] = parts[..] else {
+        return Err(bad(
+            "expected GENDER,AGE,OCCUPATION, e.g. F,25,12".to_string()
+        ));
+    };
+    let gender = match gender {
+        "F" | "f" => Gender::F,
+        "M" | "m" => Gender::M,
+        other => return Err(bad(format!("gender must be F or M (got {other:?})"))),
+    };
+    let age: u8 = age
+        .parse()
+        .ok()
+        .filter(|a| age_group_name(*a) != "unknown")
+        .ok_or_else(|| {
+            bad(format!(
+                "age must be one of ML-1M's codes 1, 18, 25, 35, 45, 50, 56 (got {age:?})"
+            ))
+        })?;
+    let occupation: u8 = occupation
+        .parse()
+        .ok()
+        .filter(|o| *o <= 20)
+        .ok_or_else(|| {
+            bad(format!(
+                "occupation must be a code 0..=20 (got {occupation:?})"
+            ))
+        })?;
+    Ok(User {
+        id: 0,
+        gender,
+        age,
+        occupation,
+        zip: String::new(),
+    })
+}
+
+/// Writes `dir/vectors.safetensors` (`users` [n_users, dim], `items` [n_items, dim], f32: a
+/// user's score for an item is the dot product of their rows) and `dir/ids.json` (the original
+/// ML-1M id and text of every row, and which rows are cold start), each through a temporary
+/// file and a rename, so a reader never sees half a file.
+pub fn export_vectors(
+    dir: &Path,
+    task: &RecTask,
+    ds: &Dataset,
+    titles: &[String],
+) -> Result<(), RecError> {
+    if task.scorer() != Scorer::Dot {
+        return Err(RecError::Invalid(
+            "model.scorer = \"mlp\": its scores are not a product of user and item vectors, so vectors alone cannot serve it".into(),
+        ));
+    }
+    let io = |path: &Path, e: std::io::Error| RecError::Invalid(format!("{}: {e}", path.display()));
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let (users, items) = task.tables();
+    let tensors = [
+        (
+            "users",
+            users.to_device(tch::Device::Cpu).to_kind(Kind::Float),
+        ),
+        (
+            "items",
+            items.to_device(tch::Device::Cpu).to_kind(Kind::Float),
+        ),
+    ];
+    let vectors = dir.join("vectors.safetensors");
+    let tmp = dir.join(".vectors.safetensors.tmp");
+    Tensor::write_safetensors(&tensors, &tmp)?;
+    std::fs::rename(&tmp, &vectors).map_err(|e| io(&vectors, e))?;
+    let ids = json!({
+        "score": "dot product of a users row and an items row",
+        "users": ds.user_ids,
+        "items": ds.item_ids,
+        "item_titles": titles,
+        "cold_users_from_row": ds.n_warm_users,
+        "cold_items_from_row": ds.n_warm_items,
+    });
+    let path = dir.join("ids.json");
+    let tmp = dir.join(".ids.json.tmp");
+    std::fs::write(&tmp, format!("{ids:#}\n")).map_err(|e| io(&tmp, e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_users_are_parsed_with_ml1m_codes_and_bad_ones_named() {
+        let u = parse_new_user("F,25,12").unwrap();
+        assert_eq!((u.gender, u.age, u.occupation), (Gender::F, 25, 12));
+        assert_eq!(parse_new_user(" m , 56 , 0 ").unwrap().age, 56);
+        for (spec, why) in [
+            ("F,25", "expected GENDER,AGE,OCCUPATION"),
+            ("X,25,1", "gender must be F or M"),
+            ("F,26,1", "age must be one of ML-1M's codes"),
+            ("F,25,21", "occupation must be a code 0..=20"),
+            ("F,25,x", "occupation must be a code"),
+        ] {
+            let err = parse_new_user(spec).unwrap_err();
+            assert!(err.contains(why) && err.contains(spec), "{err}");
+        }
+    }
+}

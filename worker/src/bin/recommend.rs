@@ -1,0 +1,221 @@
+//! `recommend RUN_DIR --user 42 --new-user F,25,12 --top 10 --export DIR`: the best model of a
+//! finished run (`RUN_DIR/best/`), rebuilt from `RUN_DIR/config.resolved.toml` on the same data
+//! and split, turned into recommendations: the top-K items with titles for ML-1M users (what
+//! they interacted with left out) and for new users known only by gender, age and occupation
+//! (through the text tower); and, with `--export`, the final user and item vectors for serving
+//! from any language. Run it from the directory the run was started in (the config's relative
+//! paths, the data's included, are relative to it). One process on the CPU.
+//!
+//! Exit codes: 0; 2 for bad arguments or a run it cannot use, each a one-line error.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use clap::Parser;
+use common::config::Config;
+use common::env_contract::WorkerEnv;
+use dist::collective::tcp::TcpCollective;
+use dist::collective::{Collective, OpContext};
+use dist::store::{StoreClient, StoreServer};
+use recommender::data::user_text;
+use recommender::serve::{export_vectors, parse_new_user, top_items};
+use recommender::{RecData, RecTask};
+use tch::{nn, Device, Tensor};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "recommend",
+    about = "Top-K recommendations and exported vectors from a trained run's best model"
+)]
+struct Cli {
+    /// The run's directory (`<run.output_dir>/<run.name>`), with `best/` and
+    /// `config.resolved.toml`.
+    #[arg(value_name = "RUN_DIR")]
+    run_dir: PathBuf,
+    /// An ML-1M user id (`users.dat`) to recommend for; repeat for more.
+    #[arg(long = "user", value_name = "ID")]
+    users: Vec<u32>,
+    /// A new user described by `GENDER,AGE,OCCUPATION` in ML-1M's codes (`F,25,12`: female,
+    /// 25-34, programmer); repeat for more.
+    #[arg(long = "new-user", value_name = "G,AGE,OCC")]
+    new_users: Vec<String>,
+    /// Items per user.
+    #[arg(long, default_value_t = 10, value_name = "K")]
+    top: usize,
+    /// Write `vectors.safetensors` and `ids.json` into this directory.
+    #[arg(long, value_name = "DIR")]
+    export: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tch::set_num_threads(1);
+    match run(&cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("recommend: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+const CTX: OpContext = OpContext {
+    step: 0,
+    timeout: Duration::from_secs(600),
+};
+
+fn run(cli: &Cli) -> anyhow::Result<()> {
+    if cli.users.is_empty() && cli.new_users.is_empty() && cli.export.is_none() {
+        bail!("nothing to do: give --user ID, --new-user G,AGE,OCC or --export DIR");
+    }
+    if cli.top == 0 {
+        bail!("--top must be at least 1");
+    }
+    let new_users = (cli.new_users.iter())
+        .map(|spec| parse_new_user(spec))
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(anyhow::Error::msg)?;
+    let config_path = cli.run_dir.join("config.resolved.toml");
+    let config = Config::load(&config_path, &[])
+        .with_context(|| format!("{}: not a finished run's config", config_path.display()))?;
+    let (_server, mut comm) = single_process()?;
+    let data = recommender::load_data(&config, comm.as_mut(), CTX).context("loading the data")?;
+    let vs = nn::VarStore::new(Device::Cpu);
+    let task = RecTask::new(&config, &data, &vs, Device::Cpu, comm.as_mut(), CTX, &())
+        .context("building the model")?;
+    load_best(&vs, &cli.run_dir.join("best"), &task.model_hash())?;
+    let ds = &data.dataset;
+    let rows = (cli.users.iter())
+        .map(|&id| match ds.user_ids.iter().position(|&u| u == id) {
+            Some(row) => Ok((id, row)),
+            None => Err(anyhow::anyhow!(
+                "--user {id}: no such user (with a positive rating) in {}",
+                data.source.display()
+            )),
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (user_table, item_table) = task.tables();
+    for (id, row) in rows {
+        let seen = data.rated[row].clone();
+        let user = user_table.narrow(0, row as i64, 1);
+        let cold = if row as u32 >= ds.n_warm_users {
+            ", cold start"
+        } else {
+            ""
+        };
+        let title = format!(
+            "user {id} ({}; {} movies rated{cold})",
+            describe(&data.user_texts[row]),
+            seen.len()
+        );
+        print_top(&task, &data, &title, &user, &item_table, seen, cli.top)?;
+    }
+    if !new_users.is_empty() {
+        let texts: Vec<String> = new_users.iter().map(user_text).collect();
+        let reprs = task
+            .new_users(&config, &data, &texts, comm.as_mut(), CTX)
+            .context("placing the new users")?;
+        for (i, text) in texts.iter().enumerate() {
+            let title = format!("new user ({})", describe(text));
+            let user = reprs.narrow(0, i as i64, 1);
+            print_top(
+                &task,
+                &data,
+                &title,
+                &user,
+                &item_table,
+                Vec::new(),
+                cli.top,
+            )?;
+        }
+    }
+    if let Some(dir) = &cli.export {
+        export_vectors(dir, &task, &data.dataset, &data.item_titles)
+            .with_context(|| format!("exporting to {}", dir.display()))?;
+        println!(
+            "exported {} user and {} item vectors of dimension {} to {}/vectors.safetensors (ids in ids.json)",
+            data.dataset.n_users,
+            data.dataset.n_items,
+            config.model.embedding_dim,
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// `User: female, aged 25-34, works as programmer.` -> `female, aged 25-34, works as programmer`.
+fn describe(text: &str) -> &str {
+    text.trim_start_matches("User: ").trim_end_matches('.')
+}
+
+fn print_top(
+    task: &RecTask,
+    data: &RecData,
+    title: &str,
+    user: &Tensor,
+    items: &Tensor,
+    seen: Vec<u32>,
+    k: usize,
+) -> anyhow::Result<()> {
+    let top = top_items(task, user, items, &[seen], k)?;
+    println!("{title}:");
+    for (rank, (item, score)) in top.into_iter().flatten().enumerate() {
+        let i = item as usize;
+        let cold = if item >= data.dataset.n_warm_items {
+            "  (cold start)"
+        } else {
+            ""
+        };
+        println!(
+            "  {:>2}. {score:>8.4}  [movie {}] {}{cold}",
+            rank + 1,
+            data.dataset.item_ids[i],
+            data.item_titles[i]
+        );
+    }
+    Ok(())
+}
+
+/// The run's best model into `vs`, refused when it was written for another model or data.
+fn load_best(vs: &nn::VarStore, dir: &Path, model_hash: &str) -> anyhow::Result<()> {
+    let mut skipped = Vec::new();
+    let Some((path, state)) = dist::checkpoint::find_latest(dir, &mut skipped)? else {
+        bail!(
+            "{}: no complete best model (has the run validated once?){}",
+            dir.display(),
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", skipped.join("; "))
+            }
+        );
+    };
+    if state.model_hash != model_hash {
+        bail!(
+            "{}: written for another model or data (fingerprint {} vs {} rebuilt from config.resolved.toml)",
+            path.display(),
+            state.model_hash,
+            model_hash
+        );
+    }
+    let (saved, _, _) = dist::checkpoint::load(&path)?;
+    let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    worker::trainer::load_params(&params, &saved)
+        .with_context(|| format!("loading {}", path.display()))?;
+    Ok(())
+}
+
+/// A collective of one process over a store of its own on loopback (cached mode's text
+/// encoding gathers through it).
+fn single_process() -> anyhow::Result<(StoreServer, Box<dyn Collective>)> {
+    let id = format!("recommend-{}", std::process::id());
+    let server =
+        StoreServer::start("127.0.0.1:0".parse()?, &id).context("starting a local store")?;
+    let addr = server.local_addr();
+    let store = StoreClient::connect(&addr.to_string(), &id, Duration::from_secs(10))?;
+    let env = WorkerEnv::single_node(0, 1, "127.0.0.1", addr.port(), &id);
+    let comm = TcpCollective::connect(&env, store, Duration::from_secs(10))?;
+    Ok((server, Box::new(comm)))
+}
