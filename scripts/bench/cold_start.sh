@@ -25,17 +25,13 @@ run_case() { # kind mode epochs
   local kind=$1 mode=$2 e=$3 name="$size-$1-$2" t0 t1 extra=()
   [ "$mode" = dynamic ] && extra=(--set model.trainable_layers=1)
   t0=$(date +%s.%N)
-  if ! "$launch" --num-processes 1 --master-port 0 configs/default.toml \
+  launch_logged "$name" --num-processes 1 --master-port 0 configs/default.toml \
       --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
       --set data.synthetic=\""$size"\" --set data.cold_items=0.1 --set data.cold_users=0.1 \
       --set model.kind=\""$kind"\" --set model.text_mode=\""$mode"\" "${extra[@]}" \
       --set model.max_text_tokens=32 --set train.epochs="$e" \
       --set checkpoint.resume=\"never\" --set eval.patience=0 \
-      --set batch.global=256 --set batch.micro=64 >"$out/$name.log" 2>&1; then
-    echo "$name failed: see $out/$name.log" >&2
-    tail -5 "$out/$name.log" >&2
-    return 1
-  fi
+      --set batch.global=256 --set batch.micro=64 || return 1
   t1=$(date +%s.%N)
   python3 - "$out/$name/metrics.jsonl" "$kind" "$mode" "$t0" "$t1" >>"$results" <<'PY'
 import json, sys

@@ -11,3 +11,15 @@ echo "runs in $out"
 summary_samples_per_s() {
   python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(next(x for x in r if x.get("kind")=="summary")["samples_per_s"]))' "$1/metrics.jsonl"
 }
+
+# Runs the launcher with its output in $out/NAME.log; on failure says so with the log's tail:
+# launch_logged NAME ARGS...
+launch_logged() {
+  local name=$1
+  shift
+  if ! "$launch" "$@" >"$out/$name.log" 2>&1; then
+    echo "$name failed: see $out/$name.log" >&2
+    tail -5 "$out/$name.log" >&2
+    return 1
+  fi
+}

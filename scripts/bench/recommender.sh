@@ -25,17 +25,13 @@ run_case() { # size procs kind mode epochs
   local t0 t1 blocks=() # only dynamic text trains GPT-2 blocks: its top one here
   [ "$kind" = gpt2rec ] && [ "$mode" = dynamic ] && blocks=(--set model.trainable_layers=1)
   t0=$(date +%s.%N)
-  if ! "$launch" --num-processes "$procs" --master-port 0 configs/default.toml \
+  launch_logged "$name" --num-processes "$procs" --master-port 0 configs/default.toml \
       --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
       --set data.synthetic=\""$size"\" --set model.kind=\""$kind"\" \
       --set model.text_mode=\""$mode"\" --set train.epochs="$epochs" \
       "${blocks[@]}" --set model.max_text_tokens=32 \
       --set checkpoint.resume=\"never\" --set eval.patience=0 \
-      --set batch.global=256 --set batch.micro=64 >"$out/$name.log" 2>&1; then
-    echo "$name failed: see $out/$name.log" >&2
-    tail -5 "$out/$name.log" >&2
-    return 1
-  fi
+      --set batch.global=256 --set batch.micro=64 || return 1
   t1=$(date +%s.%N)
   python3 - "$out/$name/metrics.jsonl" "$name" "$size" "$procs" "$kind" "$mode" "$t0" "$t1" >>"$results" <<'PY'
 import json, sys

@@ -105,17 +105,16 @@ pub fn build_dataset(raw: &RawData, min_rating: u8, seed: u64, cold: ColdShares)
     for (d, mut items) in per_user.into_iter().enumerate() {
         items.sort_unstable();
         items.dedup();
-        // Sorted, so the warm items are a prefix.
-        let mut cold_part = items.split_off(items.partition_point(|&i| i < n_warm_items));
-        if d as u32 >= n_warm_users {
-            ds.cold_users.push(items);
-            cold_part.clear();
-            items = Vec::new();
+        // Sorted, so the warm items are a prefix. A cold user's cold items are in no list.
+        let cold_part = items.split_off(items.partition_point(|&i| i < n_warm_items));
+        let (warm, cold_items, cold_user) = if d as u32 >= n_warm_users {
+            (Vec::new(), Vec::new(), items)
         } else {
-            ds.cold_users.push(Vec::new());
-        }
-        ds.cold_items.push(cold_part);
-        let (train, valid, test) = split_user(items, mix_seed(seed, u64::from(ds.user_ids[d])));
+            (items, cold_part, Vec::new())
+        };
+        ds.cold_items.push(cold_items);
+        ds.cold_users.push(cold_user);
+        let (train, valid, test) = split_user(warm, mix_seed(seed, u64::from(ds.user_ids[d])));
         ds.train.push(train);
         ds.valid.push(valid);
         ds.test.push(test);

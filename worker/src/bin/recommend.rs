@@ -8,7 +8,7 @@
 //!
 //! Exit codes: 0; 2 for bad arguments or a run it cannot use, each a one-line error.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -85,7 +85,10 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     let vs = nn::VarStore::new(Device::Cpu);
     let task = RecTask::new(&config, &data, &vs, Device::Cpu, comm.as_mut(), CTX, &())
         .context("building the model")?;
-    load_best(&vs, &cli.run_dir.join("best"), &task.model_hash())?;
+    let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    let best = cli.run_dir.join("best");
+    worker::trainer::load_best(&params, &best, Some(&task.model_hash()))
+        .with_context(|| format!("loading the best model of {}", cli.run_dir.display()))?;
     let ds = &data.dataset;
     let rows = (cli.users.iter())
         .map(|&id| match ds.user_ids.iter().position(|&u| u == id) {
@@ -175,35 +178,6 @@ fn print_top(
             data.item_titles[i]
         );
     }
-    Ok(())
-}
-
-/// The run's best model into `vs`, refused when it was written for another model or data.
-fn load_best(vs: &nn::VarStore, dir: &Path, model_hash: &str) -> anyhow::Result<()> {
-    let mut skipped = Vec::new();
-    let Some((path, state)) = dist::checkpoint::find_latest(dir, &mut skipped)? else {
-        bail!(
-            "{}: no complete best model (has the run validated once?){}",
-            dir.display(),
-            if skipped.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", skipped.join("; "))
-            }
-        );
-    };
-    if state.model_hash != model_hash {
-        bail!(
-            "{}: written for another model or data (fingerprint {} vs {} rebuilt from config.resolved.toml)",
-            path.display(),
-            state.model_hash,
-            model_hash
-        );
-    }
-    let (saved, _, _) = dist::checkpoint::load(&path)?;
-    let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    worker::trainer::load_params(&params, &saved)
-        .with_context(|| format!("loading {}", path.display()))?;
     Ok(())
 }
 

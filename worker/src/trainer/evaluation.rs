@@ -140,6 +140,7 @@ impl Trainer<'_> {
             resume::load_best(
                 &self.ddp.named_variables(),
                 &self.setup.run_dir.join("best"),
+                None,
             )
             .err()
             .map(|e| e.to_string())

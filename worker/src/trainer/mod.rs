@@ -39,7 +39,7 @@ pub use task::Task;
 use logging::{new_bar, progress_bar_wanted};
 pub use rank_time::{lines as rank_time_lines, straggler, RankTime};
 use resume::EvalProgress;
-pub use resume::{load_params, BestRecord};
+pub use resume::{load_best, BestRecord};
 use sync::{broadcast_json, save_checkpoint};
 
 #[derive(Debug, thiserror::Error)]

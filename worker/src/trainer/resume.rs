@@ -59,10 +59,16 @@ pub struct BestRecord {
     pub valid: recommender::eval::Metrics,
 }
 
-/// Copies the model saved in `<run dir>/best/` into `params`.
-pub(super) fn load_best(params: &[(String, Tensor)], dir: &Path) -> Result<(), TrainError> {
+/// Copies the model saved in `<run dir>/best/` into `params`; with `model_hash`, refuses a
+/// best model written for another model or data (the trainer's own is its run's by
+/// construction).
+pub fn load_best(
+    params: &[(String, Tensor)],
+    dir: &Path,
+    model_hash: Option<&str>,
+) -> Result<(), TrainError> {
     let mut skipped = Vec::new();
-    let Some((path, _)) = checkpoint::find_latest(dir, &mut skipped)? else {
+    let Some((path, state)) = checkpoint::find_latest(dir, &mut skipped)? else {
         return Err(TrainError::Resume(format!(
             "{}: no complete best model{}",
             dir.display(),
@@ -73,6 +79,13 @@ pub(super) fn load_best(params: &[(String, Tensor)], dir: &Path) -> Result<(), T
             }
         )));
     };
+    if let Some(expected) = model_hash.filter(|h| *h != state.model_hash) {
+        return Err(TrainError::Resume(format!(
+            "{}: written for another model or data (fingerprint {} vs {expected})",
+            path.display(),
+            state.model_hash
+        )));
+    }
     let (model, _, _) = checkpoint::load(&path)?;
     load_params(params, &model)
 }
@@ -172,7 +185,7 @@ pub(super) fn resume_decision(
 }
 
 /// Copies checkpoint tensors into the model's variables, by name.
-pub fn load_params(
+pub(super) fn load_params(
     params: &[(String, Tensor)],
     saved: &[(String, Tensor)],
 ) -> Result<(), TrainError> {
