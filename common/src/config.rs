@@ -91,8 +91,10 @@ pub enum SyntheticSize {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// Directory with the MovieLens-1M files (`ratings.dat`, `users.dat`, `movies.dat`).
-    /// Default: unset, meaning synthetic data is generated once into
+    /// Directory with a MovieLens data set: MovieLens-1M's `ratings.dat`, `users.dat`,
+    /// `movies.dat`, or MovieLens-100k's `u.data`, `u.user`, `u.item` (told apart by the files
+    /// present). A name `fetch` knows (`"ml-1m"`, `"ml-100k"`) means its directory in the cache
+    /// (`fetch ml-1m` downloads it). Default: unset, meaning synthetic data is generated once into
     /// `<run.output_dir>/data/synthetic-<size>-seed<seed>-v<N>/` and shared by runs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dir: Option<PathBuf>,
@@ -191,7 +193,9 @@ pub struct ModelConfig {
     /// Hugging Face GPT-2 weights to load: a model directory (`config.json` +
     /// `model.safetensors`, as `save_pretrained` writes it, e.g. `gpt2`, `distilgpt2`,
     /// `gpt2-medium`; its `config.json` sets the dimensions and `preset` is not used), or a bare
-    /// `model.safetensors` of the preset's shape. Default: unset (random initialisation).
+    /// `model.safetensors` of the preset's shape. A name `fetch` knows (`"gpt2"`,
+    /// `"distilgpt2"`, `"gpt2-medium"`, ...) means its directory in the cache (`fetch gpt2`
+    /// downloads it). Default: unset (random initialisation).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpt2_weights: Option<PathBuf>,
     /// `"dot"` or `"mlp"` (`gpt2rec` and `bpr`). Default: `"dot"`.
@@ -199,6 +203,11 @@ pub struct ModelConfig {
     /// Weight of the L2 penalty on the ID embeddings used in a batch (>= 0, per sample).
     /// Default: `1e-4`.
     pub l2: f64,
+    /// `gpt2rec`: weight of the L2 penalty on the text part (the projected GPT-2 features) of
+    /// the user and item representations in a batch (>= 0, per sample). The projections start
+    /// at zero, so the model starts as plain matrix factorisation; this keeps the text part to
+    /// what the IDs lack. Default: `1e-2`.
+    pub text_l2: f64,
     /// Tokens of user/item text fed to GPT-2, longer texts are cut (1..=n_positions).
     /// Default: `64`.
     pub max_text_tokens: usize,
@@ -227,6 +236,7 @@ impl Default for ModelConfig {
             gpt2_weights: None,
             scorer: ScorerKind::Dot,
             l2: 1e-4,
+            text_l2: 1e-2,
             max_text_tokens: 64,
             freeze_gpt2: false,
             trainable_layers: None,
@@ -426,11 +436,44 @@ impl Default for CheckpointConfig {
     }
 }
 
+/// Largest config file read: configs are a few KiB; anything bigger is a mistake.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// A config file's text. A FIFO, a device or a directory is refused without blocking on it
+/// (opened non-blocking, checked through the open handle), as is a file over 1 MiB.
+fn read_config_text(path: &Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    // O_NONBLOCK, so that opening a FIFO with no writer returns at once.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        let what = if meta.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file (a FIFO, socket or device)"
+        };
+        return Err(std::io::Error::other(format!("it is {what}")));
+    }
+    if meta.len() > MAX_CONFIG_BYTES {
+        return Err(std::io::Error::other(format!(
+            "it is {} bytes, more than a config's {MAX_CONFIG_BYTES}",
+            meta.len()
+        )));
+    }
+    let mut text = String::new();
+    file.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
+    Ok(text)
+}
+
 impl Config {
     /// Reads `path`, applies `--set key.path=value` overrides in order, deserialises, validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
         let origin = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = read_config_text(path).map_err(|source| ConfigError::Read {
             path: origin.clone(),
             source,
         })?;
@@ -451,9 +494,10 @@ impl Config {
             .collect::<Result<Vec<_>, _>>()?;
 
         // Pass 1: the file alone, so spans point into the user's text.
-        let from_file: Config = toml::from_str(text)
+        let mut from_file: Config = toml::from_str(text)
             .map_err(|e| classify(e, &file, |_, span| file.location(span)).error)?;
         if overrides.is_empty() {
+            from_file.resolve_asset_names();
             from_file
                 .validate()
                 .map_err(|e| locate_semantic(e, &file, &[]))?;
@@ -479,10 +523,24 @@ impl Config {
                 }
             }
         };
+        let mut config = config;
+        config.resolve_asset_names();
         config
             .validate()
             .map_err(|e| locate_semantic(e, &file, &overrides))?;
         Ok(config)
+    }
+
+    /// `data.dir` and `model.gpt2_weights` written as a name `fetch` knows (`"ml-1m"`,
+    /// `"gpt2"`) become that download's directory in the cache (see [`crate::assets`]).
+    fn resolve_asset_names(&mut self) {
+        use crate::assets::{resolve, AssetKind};
+        if let Some(dir) = &mut self.data.dir {
+            *dir = resolve(dir, AssetKind::Dataset);
+        }
+        if let Some(weights) = &mut self.model.gpt2_weights {
+            *weights = resolve(weights, AssetKind::Model);
+        }
     }
 
     /// The config as TOML text (for `config.resolved.toml`); `parse(to_toml())` gives it back.
@@ -1265,7 +1323,7 @@ timeout_s = 60
             Config {
                 run: RunConfig { name, output_dir, seed },
                 data: DataConfig { dir, synthetic, min_rating, cold_items, cold_users },
-                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
+                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
                 dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables },

@@ -19,9 +19,11 @@
 //! and start fast. It does no I/O beyond reading a config file (and `/proc`, above), spawns nothing, touches no
 //! devices, never prints, and never panics on user-influenced input (errors are returned).
 
+pub mod assets;
 pub mod batch;
 pub mod config;
 pub mod cuda_visible;
+pub mod data_layout;
 pub mod env_contract;
 pub mod hostlist;
 pub mod job_shape;

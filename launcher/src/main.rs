@@ -9,6 +9,7 @@ mod elastic;
 mod gpu;
 mod output;
 mod plan;
+mod preflight;
 mod progress;
 mod rendezvous;
 mod report;

@@ -12,16 +12,39 @@
 //! panics.
 
 mod movielens;
+mod movielens100k;
 mod split;
 mod synthetic;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-pub use movielens::read_ml1m;
+pub use movielens::{file_type_name, read_ml1m};
+pub use movielens100k::read_ml100k;
 pub use split::{build_dataset, ColdShares, Dataset};
 pub use synthetic::{generate_ml1m, GENERATOR_VERSION};
+
+pub use common::data_layout::DataFormat;
+
+/// The layout of `dir`, or an error that names both layouts' files (and the command that
+/// fetches it, for a known data set).
+pub fn detect_format(dir: &Path) -> Result<DataFormat, DataError> {
+    DataFormat::detect(dir).ok_or_else(|| DataError::NoDataSet {
+        dir: dir.to_path_buf(),
+        hint: common::assets::fetch_hint(dir, common::assets::AssetKind::Dataset),
+    })
+}
+
+/// Reads the data set in `dir`, whichever of the two layouts it has.
+pub fn read_movielens(dir: &Path) -> Result<(RawData, DataFormat), DataError> {
+    let format = detect_format(dir)?;
+    let raw = match format {
+        DataFormat::Ml1m => read_ml1m(dir)?,
+        DataFormat::Ml100k => read_ml100k(dir)?,
+    };
+    Ok((raw, format))
+}
 
 /// The 18 ML-1M genres, in the order listed in the dataset's README.
 pub const GENRES: [&str; 18] = [
@@ -102,17 +125,22 @@ pub fn item_text(movie: &Movie) -> String {
 }
 
 /// The metadata text of a user in words, e.g.
-/// `User: female, aged 25-34, works as programmer.`
+/// `User: female, aged 25-34, works as programmer.` (ML-1M's codes) or
+/// `User: male, aged 24, works as technician.` (ML-100k's years and names).
 pub fn user_text(user: &User) -> String {
     let gender = match user.gender {
         Gender::M => "male",
         Gender::F => "female",
     };
-    format!(
-        "User: {gender}, aged {}, works as {}.",
-        age_group_name(user.age),
-        occupation_name(user.occupation)
-    )
+    let age = match user.age {
+        Age::Group(code) => age_group_name(code).to_string(),
+        Age::Years(years) => years.to_string(),
+    };
+    let occupation = match &user.occupation {
+        Occupation::Code(code) => occupation_name(*code),
+        Occupation::Named(name) => name.as_str(),
+    };
+    format!("User: {gender}, aged {age}, works as {occupation}.")
 }
 
 /// Errors reading or writing ML-1M files.
@@ -120,6 +148,16 @@ pub fn user_text(user: &User) -> String {
 pub enum DataError {
     #[error("data: missing file {}", path.display())]
     MissingFile { path: PathBuf },
+    #[error("data: {} is {what}, not a data file", path.display())]
+    NotAFile { path: PathBuf, what: &'static str },
+    #[error("data: {} is {size} bytes, more than the {max} a data file may have", path.display())]
+    TooLarge { path: PathBuf, size: u64, max: u64 },
+    #[error(
+        "data: {} holds neither MovieLens-1M's ratings.dat, users.dat, movies.dat nor MovieLens-100k's u.data, u.user, u.item{}",
+        dir.display(),
+        hint.as_deref().map(|h| format!(" (run `{h}` to download it)")).unwrap_or_default()
+    )]
+    NoDataSet { dir: PathBuf, hint: Option<String> },
     #[error("data: cannot read {}: {source}", path.display())]
     Read {
         path: PathBuf,
@@ -145,20 +183,36 @@ pub enum Gender {
     F,
 }
 
-/// One row of `users.dat`.
+/// A user's age as the data set gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Age {
+    /// ML-1M's age code (1, 18, 25, 35, 45, 50 or 56); see [`age_group_name`].
+    Group(u8),
+    /// Years (ML-100k).
+    Years(u8),
+}
+
+/// A user's occupation as the data set gives it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Occupation {
+    /// ML-1M's occupation code 0..=20; see [`occupation_name`].
+    Code(u8),
+    /// A name in words (ML-100k's `u.occupation`, e.g. `technician`).
+    Named(String),
+}
+
+/// One user (a row of ML-1M's `users.dat` or ML-100k's `u.user`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct User {
     pub id: u32,
     pub gender: Gender,
-    /// Age code (1, 18, 25, 35, 45, 50 or 56); see [`age_group_name`].
-    pub age: u8,
-    /// Occupation code 0..=20; see [`occupation_name`].
-    pub occupation: u8,
+    pub age: Age,
+    pub occupation: Occupation,
     /// Kept verbatim (ZIP+4 and odd codes are valid).
     pub zip: String,
 }
 
-/// One row of `movies.dat`.
+/// One movie (a row of ML-1M's `movies.dat` or ML-100k's `u.item`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Movie {
     pub id: u32,
@@ -169,7 +223,7 @@ pub struct Movie {
     pub genres: Vec<String>,
 }
 
-/// One row of `ratings.dat`.
+/// One rating (a row of ML-1M's `ratings.dat` or ML-100k's `u.data`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rating {
     pub user: u32,
@@ -296,7 +350,7 @@ mod tests {
         let raw = read_ml1m(d.path()).expect("parse");
         assert_eq!(raw.users.len(), 3);
         assert_eq!(raw.users[0].gender, Gender::F);
-        assert_eq!(raw.users[0].age, 1);
+        assert_eq!(raw.users[0].age, Age::Group(1));
         assert_eq!(raw.users[1].zip, "98107-2117");
         assert_eq!(raw.users[2].zip, "5849574");
         assert_eq!(raw.movies.len(), 4);
@@ -448,13 +502,23 @@ mod tests {
         let user = User {
             id: 1,
             gender: Gender::F,
-            age: 25,
-            occupation: 12,
+            age: Age::Group(25),
+            occupation: Occupation::Code(12),
             zip: "12345-6789".into(),
         };
         assert_eq!(
             user_text(&user),
             "User: female, aged 25-34, works as programmer."
+        );
+        let user = User {
+            age: Age::Years(24),
+            occupation: Occupation::Named("technician".into()),
+            gender: Gender::M,
+            ..user
+        };
+        assert_eq!(
+            user_text(&user),
+            "User: male, aged 24, works as technician."
         );
     }
 

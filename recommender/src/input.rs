@@ -1,4 +1,4 @@
-//! The data a recommender trains on, ready for a model: MovieLens-1M's files (or synthetic ones
+//! The data a recommender trains on, ready for a model: MovieLens-1M's or -100k's files (or synthetic ones
 //! in their format, generated once per size and seed) read, filtered to implicit feedback,
 //! split per user, and each user's and item's metadata as text; and the data's shape for the
 //! memory estimate.
@@ -30,6 +30,8 @@ pub struct RecData {
     pub rated: Vec<Vec<u32>>,
     /// Where the files came from, for logs.
     pub source: PathBuf,
+    /// Their layout (ML-1M's or ML-100k's).
+    pub format: data::DataFormat,
 }
 
 impl RecData {
@@ -40,6 +42,7 @@ impl RecData {
         seed: u64,
         cold: ColdShares,
         source: PathBuf,
+        format: data::DataFormat,
     ) -> RecData {
         let dataset = data::build_dataset(raw, min_rating, seed, cold);
         let users: HashMap<u32, &data::User> = raw.users.iter().map(|u| (u.id, u)).collect();
@@ -80,6 +83,7 @@ impl RecData {
             item_titles,
             rated,
             source,
+            format,
         }
     }
 
@@ -137,8 +141,8 @@ pub fn load_data(
             dir
         }
     };
-    let raw = data::read_ml1m(&dir)?;
-    check_positives(&raw, config.data.min_rating, &dir)?;
+    let (raw, format) = data::read_movielens(&dir)?;
+    check_positives(&raw, config.data.min_rating, &dir.join(format.files()[0]))?;
     let cold = ColdShares {
         items: config.data.cold_items,
         users: config.data.cold_users,
@@ -149,13 +153,13 @@ pub fn load_data(
         config.run.seed,
         cold,
         dir,
+        format,
     ))
 }
 
 /// A data set with nothing to learn from is refused naming the file and the cause (rather than
 /// as "0 training samples" later).
-fn check_positives(raw: &RawData, min_rating: u8, dir: &Path) -> Result<(), RecError> {
-    let ratings = dir.join("ratings.dat");
+fn check_positives(raw: &RawData, min_rating: u8, ratings: &Path) -> Result<(), RecError> {
     if raw.ratings.is_empty() {
         return Err(RecError::Invalid(format!(
             "{}: holds no ratings",
@@ -248,26 +252,37 @@ pub(crate) mod tests {
             movies: Vec::new(),
             ratings: Vec::new(),
         };
-        let text = check_positives(&raw, 3, dir).unwrap_err().to_string();
+        let text = check_positives(&raw, 3, &dir.join("ratings.dat"))
+            .unwrap_err()
+            .to_string();
         assert!(
             text.contains("/data/ml-1m/ratings.dat: holds no ratings"),
             "{text}"
         );
         raw.ratings = vec![rating(1), rating(2)];
-        let text = check_positives(&raw, 3, dir).unwrap_err().to_string();
+        let text = check_positives(&raw, 3, &dir.join("ratings.dat"))
+            .unwrap_err()
+            .to_string();
         assert!(
             text.contains(
                 "none of its 2 ratings is at or above data.min_rating = 3 (the highest is 2)"
             ),
             "{text}"
         );
-        assert!(check_positives(&raw, 2, dir).is_ok());
+        assert!(check_positives(&raw, 2, &dir.join("ratings.dat")).is_ok());
     }
 
     pub(crate) fn tiny_data(dir: &Path) -> RecData {
         data::generate_ml1m(dir, common::config::SyntheticSize::Tiny, 3).unwrap();
         let raw = data::read_ml1m(dir).unwrap();
-        RecData::from_raw(&raw, 3, 3, ColdShares::default(), dir.to_path_buf())
+        RecData::from_raw(
+            &raw,
+            3,
+            3,
+            ColdShares::default(),
+            dir.to_path_buf(),
+            data::DataFormat::Ml1m,
+        )
     }
 
     #[test]

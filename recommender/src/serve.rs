@@ -11,7 +11,7 @@ use std::path::Path;
 use serde_json::json;
 use tch::{Kind, Tensor};
 
-use crate::data::{age_group_name, Dataset, Gender, User};
+use crate::data::{age_group_name, Age, Dataset, Gender, Occupation, User};
 use crate::eval::top_k;
 use crate::model::recommender::Scorer;
 use crate::task::RecTask;
@@ -44,39 +44,64 @@ pub fn top_items(
         .collect())
 }
 
-/// A user known only by gender, age code and occupation code, as `GENDER,AGE,OCCUPATION`
-/// (`F,25,12`: ML-1M's `users.dat` codes).
-pub fn parse_new_user(spec: &str) -> Result<User, String> {
+/// A user known only by gender, age and occupation, as `GENDER,AGE,OCCUPATION`: ML-1M's
+/// `users.dat` codes (`F,25,12`), or for a model trained on ML-100k its years and occupation
+/// names (`F,31,librarian`). `years` says which the model's data used.
+pub fn parse_new_user(spec: &str, years: bool) -> Result<User, String> {
     let bad = |why: String| format!("--new-user {spec:?}: {why}");
     let parts: Vec<&str> = spec.split(',').map(str::trim).collect();
+    let example = if years { "F,31,librarian" } else { "F,25,12" };
     let [gender, age, occupation] = parts[..] else {
-        return Err(bad(
-            "expected GENDER,AGE,OCCUPATION, e.g. F,25,12".to_string()
-        ));
+        return Err(bad(format!(
+            "expected GENDER,AGE,OCCUPATION, e.g. {example}"
+        )));
     };
     let gender = match gender {
         "F" | "f" => Gender::F,
         "M" | "m" => Gender::M,
         other => return Err(bad(format!("gender must be F or M (got {other:?})"))),
     };
-    let age: u8 = age
-        .parse()
-        .ok()
-        .filter(|a| age_group_name(*a) != "unknown")
-        .ok_or_else(|| {
-            bad(format!(
-                "age must be one of ML-1M's codes 1, 18, 25, 35, 45, 50, 56 (got {age:?})"
-            ))
-        })?;
-    let occupation: u8 = occupation
-        .parse()
-        .ok()
-        .filter(|o| *o <= 20)
-        .ok_or_else(|| {
-            bad(format!(
-                "occupation must be a code 0..=20 (got {occupation:?})"
-            ))
-        })?;
+    let age = if years {
+        age.parse::<u8>()
+            .ok()
+            .filter(|a| (1..=120).contains(a))
+            .map(Age::Years)
+            .ok_or_else(|| bad(format!("age must be years 1..=120 (got {age:?})")))?
+    } else {
+        age.parse::<u8>()
+            .ok()
+            .filter(|a| age_group_name(*a) != "unknown")
+            .map(Age::Group)
+            .ok_or_else(|| {
+                bad(format!(
+                    "age must be one of ML-1M's codes 1, 18, 25, 35, 45, 50, 56 (got {age:?})"
+                ))
+            })?
+    };
+    let occupation = if years {
+        let ok = !occupation.is_empty()
+            && occupation.len() <= 40
+            && occupation
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || " -/".contains(c));
+        if !ok {
+            return Err(bad(format!(
+                "occupation must be a word such as librarian (got {occupation:?})"
+            )));
+        }
+        Occupation::Named(occupation.to_lowercase())
+    } else {
+        occupation
+            .parse::<u8>()
+            .ok()
+            .filter(|o| *o <= 20)
+            .map(Occupation::Code)
+            .ok_or_else(|| {
+                bad(format!(
+                    "occupation must be a code 0..=20 (got {occupation:?})"
+                ))
+            })?
+    };
     Ok(User {
         id: 0,
         gender,
@@ -138,9 +163,15 @@ mod tests {
 
     #[test]
     fn new_users_are_parsed_with_ml1m_codes_and_bad_ones_named() {
-        let u = parse_new_user("F,25,12").unwrap();
-        assert_eq!((u.gender, u.age, u.occupation), (Gender::F, 25, 12));
-        assert_eq!(parse_new_user(" m , 56 , 0 ").unwrap().age, 56);
+        let u = parse_new_user("F,25,12", false).unwrap();
+        assert_eq!(
+            (u.gender, u.age, u.occupation),
+            (Gender::F, Age::Group(25), Occupation::Code(12))
+        );
+        assert_eq!(
+            parse_new_user(" m , 56 , 0 ", false).unwrap().age,
+            Age::Group(56)
+        );
         for (spec, why) in [
             ("F,25", "expected GENDER,AGE,OCCUPATION"),
             ("X,25,1", "gender must be F or M"),
@@ -148,8 +179,25 @@ mod tests {
             ("F,25,21", "occupation must be a code 0..=20"),
             ("F,25,x", "occupation must be a code"),
         ] {
-            let err = parse_new_user(spec).unwrap_err();
+            let err = parse_new_user(spec, false).unwrap_err();
             assert!(err.contains(why) && err.contains(spec), "{err}");
+        }
+    }
+
+    #[test]
+    fn new_users_of_ml100k_give_years_and_an_occupation_name() {
+        let u = parse_new_user("F,31,Librarian", true).unwrap();
+        assert_eq!(
+            (u.age, u.occupation),
+            (Age::Years(31), Occupation::Named("librarian".into()))
+        );
+        for (spec, why) in [
+            ("F,0,writer", "age must be years"),
+            ("F,31,", "occupation must be a word"),
+            ("F,31,a;b", "occupation must be a word"),
+        ] {
+            let err = parse_new_user(spec, true).unwrap_err();
+            assert!(err.contains(why), "{err}");
         }
     }
 }

@@ -100,6 +100,7 @@ impl RecTask {
                 ScorerKind::Dot => Scorer::Dot,
                 ScorerKind::Mlp => Scorer::Mlp,
             },
+            text_l2: config.model.text_l2,
         };
         let model = Recommender::new(&vs.root(), rec_config, text);
         if config.train.bf16 && device.is_cuda() {
@@ -416,6 +417,15 @@ mod tests {
         assert!(!vars["gpt2.wte.weight"].requires_grad());
         assert!(vars["gpt2.h.1.attn.c_attn.weight"].requires_grad());
         assert!(vars["gpt2.ln_f.weight"].requires_grad());
+        // The text projections start at zero (GPT-2 gets gradients from the second step on);
+        // give them weights, as one optimizer step would.
+        tch::no_grad(|| {
+            for (name, var) in &vars {
+                if name.contains("text_proj.weight") {
+                    let _ = var.shallow_clone().fill_(0.01);
+                }
+            }
+        });
         let loss = task.loss(&[0, 1, 2, 3]).unwrap();
         loss.backward();
         let g = vars["gpt2.h.1.mlp.c_fc.weight"].grad();

@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use recommender::data::{item_text, user_text, Gender, Movie, User};
+use recommender::data::{item_text, user_text, Age, Gender, Movie, Occupation, User};
 use recommender::model::gpt2::Tokenizer;
 use serde_json::Value;
 
@@ -33,8 +33,8 @@ fn our_text(entry: &Value) -> String {
             } else {
                 Gender::M
             },
-            age: entry["age"].as_u64().unwrap() as u8,
-            occupation: entry["occupation"].as_u64().unwrap() as u8,
+            age: Age::Group(entry["age"].as_u64().unwrap() as u8),
+            occupation: Occupation::Code(entry["occupation"].as_u64().unwrap() as u8),
             zip: String::new(),
         }),
         other => panic!("unknown fixture kind {other}"),

@@ -89,6 +89,7 @@ fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
     }
 
     check_non_negative("model.l2", model.l2)?;
+    check_non_negative("model.text_l2", model.text_l2)?;
     check_preset_limits(model)?;
     if model.trainable_layers.is_some() && model.freeze_gpt2 {
         return Err(ConfigError::invalid(

@@ -7,22 +7,73 @@ use std::path::Path;
 
 use super::*;
 
-fn read_file(path: &Path) -> Result<Vec<u8>, DataError> {
-    match fs::read(path) {
-        Ok(b) => Ok(b),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(DataError::MissingFile {
+/// Largest data file read (ML-1M's `ratings.dat` is 24 MB): a bigger one is refused, not
+/// read into memory.
+pub(super) const MAX_DATA_FILE: u64 = 4 << 30;
+
+/// Reads a whole data file. A FIFO, a device or a directory is refused without blocking on it
+/// (opened non-blocking, checked through the open handle), as is one over [`MAX_DATA_FILE`].
+pub(super) fn read_file(path: &Path) -> Result<Vec<u8>, DataError> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let read_err = |source| DataError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut file = match fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(DataError::MissingFile {
+                path: path.to_path_buf(),
+            })
+        }
+        Err(source) => return Err(read_err(source)),
+    };
+    let meta = file.metadata().map_err(read_err)?;
+    if !meta.is_file() {
+        return Err(DataError::NotAFile {
             path: path.to_path_buf(),
-        }),
-        Err(source) => Err(DataError::Read {
+            what: file_type_name(&meta.file_type()),
+        });
+    }
+    if meta.len() > MAX_DATA_FILE {
+        return Err(DataError::TooLarge {
             path: path.to_path_buf(),
-            source,
-        }),
+            size: meta.len(),
+            max: MAX_DATA_FILE,
+        });
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.by_ref()
+        .take(MAX_DATA_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_err)?;
+    Ok(bytes)
+}
+
+/// What a file that is not a regular file is, in words.
+pub fn file_type_name(t: &fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt as _;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
     }
 }
 
 /// Iterates over `(1-based line number, line bytes)`, skipping empty lines and stripping a
 /// trailing `\r`.
-fn lines(bytes: &[u8]) -> impl Iterator<Item = (usize, &[u8])> {
+pub(super) fn lines(bytes: &[u8]) -> impl Iterator<Item = (usize, &[u8])> {
     bytes
         .split(|&b| b == b'\n')
         .enumerate()
@@ -54,7 +105,7 @@ fn split_fields<'a, const N: usize>(line: &'a [u8], out: &mut [&'a [u8]; N]) -> 
     n + 1
 }
 
-fn parse_uint(field: &[u8]) -> Option<u64> {
+pub(super) fn parse_uint(field: &[u8]) -> Option<u64> {
     if field.is_empty() || field.len() > 19 {
         return None;
     }
@@ -69,16 +120,16 @@ fn parse_uint(field: &[u8]) -> Option<u64> {
 }
 
 /// Latin-1 decoding: each byte is the char U+00XX.
-fn latin1(bytes: &[u8]) -> String {
+pub(super) fn latin1(bytes: &[u8]) -> String {
     bytes.iter().map(|&b| b as char).collect()
 }
 
-struct Ctx<'p> {
-    path: &'p Path,
+pub(super) struct Ctx<'p> {
+    pub(super) path: &'p Path,
 }
 
 impl Ctx<'_> {
-    fn err(&self, line: usize, msg: impl Into<String>) -> DataError {
+    pub(super) fn err(&self, line: usize, msg: impl Into<String>) -> DataError {
         DataError::Parse {
             path: self.path.to_path_buf(),
             line,
@@ -102,7 +153,13 @@ impl Ctx<'_> {
         Ok(out)
     }
 
-    fn num(&self, line_no: usize, what: &str, field: &[u8], max: u64) -> Result<u64, DataError> {
+    pub(super) fn num(
+        &self,
+        line_no: usize,
+        what: &str,
+        field: &[u8],
+        max: u64,
+    ) -> Result<u64, DataError> {
         match parse_uint(field) {
             Some(v) if v <= max => Ok(v),
             Some(v) => Err(self.err(line_no, format!("{what} {v} out of range (max {max})"))),
@@ -145,8 +202,8 @@ fn parse_users(path: &Path, bytes: &[u8]) -> Result<Vec<User>, DataError> {
         users.push(User {
             id,
             gender,
-            age,
-            occupation,
+            age: Age::Group(age),
+            occupation: Occupation::Code(occupation),
             zip: latin1(zip),
         });
     }
@@ -154,7 +211,7 @@ fn parse_users(path: &Path, bytes: &[u8]) -> Result<Vec<User>, DataError> {
 }
 
 /// Year from a title ending in `(dddd)`.
-fn title_year(title: &[u8]) -> Option<u16> {
+pub(super) fn title_year(title: &[u8]) -> Option<u16> {
     let t = title.trim_ascii_end();
     if t.len() < 6 || t[t.len() - 1] != b')' || t[t.len() - 6] != b'(' {
         return None;
@@ -214,38 +271,52 @@ fn parse_ratings(
             }
         }
         // Slow path: re-parse field by field to report exactly what is wrong.
-        let [u, m, r, t] = cx.fields::<4>(no, line)?;
-        let user = cx.num(no, "user id", u, u64::from(u32::MAX))? as u32;
-        let movie = cx.num(no, "movie id", m, u64::from(u32::MAX))? as u32;
-        let rating = cx.num(no, "rating", r, 255)? as u8;
-        if !(1..=5).contains(&rating) {
-            return Err(cx.err(no, format!("rating {rating} not in 1..=5")));
-        }
-        let timestamp = cx.num(no, "timestamp", t, u64::MAX)?;
-        if !users.contains(user) {
-            return Err(cx.err(no, format!("rating for unknown user {user}")));
-        }
-        if !movies.contains(movie) {
-            return Err(cx.err(no, format!("rating for unknown movie {movie}")));
-        }
-        ratings.push(Rating {
-            user,
-            movie,
-            rating,
-            timestamp,
-        });
+        let fields = cx.fields::<4>(no, line)?;
+        ratings.push(cx.rating(no, fields, users, movies)?);
     }
     Ok(ratings)
 }
 
+impl Ctx<'_> {
+    /// A rating from its four fields (user, movie, stars, timestamp), each checked: numbers,
+    /// stars in 1..=5, a known user and movie.
+    pub(super) fn rating(
+        &self,
+        no: usize,
+        [u, m, r, t]: [&[u8]; 4],
+        users: &IdSet,
+        movies: &IdSet,
+    ) -> Result<Rating, DataError> {
+        let user = self.num(no, "user id", u, u64::from(u32::MAX))? as u32;
+        let movie = self.num(no, "movie id", m, u64::from(u32::MAX))? as u32;
+        let rating = self.num(no, "rating", r, 255)? as u8;
+        if !(1..=5).contains(&rating) {
+            return Err(self.err(no, format!("rating {rating} not in 1..=5")));
+        }
+        let timestamp = self.num(no, "timestamp", t, u64::MAX)?;
+        if !users.contains(user) {
+            return Err(self.err(no, format!("rating for unknown user {user}")));
+        }
+        if !movies.contains(movie) {
+            return Err(self.err(no, format!("rating for unknown movie {movie}")));
+        }
+        Ok(Rating {
+            user,
+            movie,
+            rating,
+            timestamp,
+        })
+    }
+}
+
 /// Membership test for ids: a bitmap when ids are small (ML-1M), a sorted list otherwise.
-enum IdSet {
+pub(super) enum IdSet {
     Bitmap(Vec<bool>),
     Sorted(Vec<u32>),
 }
 
 impl IdSet {
-    fn new(ids: impl Iterator<Item = u32>) -> IdSet {
+    pub(super) fn new(ids: impl Iterator<Item = u32>) -> IdSet {
         let mut v: Vec<u32> = ids.collect();
         let max = v.iter().copied().max().unwrap_or(0) as usize;
         if max <= 1 << 24 {
@@ -261,7 +332,7 @@ impl IdSet {
     }
 
     #[inline]
-    fn contains(&self, id: u32) -> bool {
+    pub(super) fn contains(&self, id: u32) -> bool {
         match self {
             IdSet::Bitmap(b) => b.get(id as usize).copied().unwrap_or(false),
             IdSet::Sorted(v) => v.binary_search(&id).is_ok(),

@@ -2,7 +2,15 @@
 //! mean-pooled GPT-2 states of each user's and item's metadata text, mapped to the embedding
 //! size), and a scorer (`dot` or `mlp`, no final sigmoid: it would squeeze BPR's score
 //! differences into [-1, 1] and slow learning). Also BPR loss with L2 on the embeddings used in
-//! the batch, and the popularity baseline's scores. It does not read data, encode text or train:
+//! the batch, and the popularity baseline's scores.
+//!
+//! The fusion starts as plain matrix factorisation and lets text add only what IDs lack: the
+//! text projections start at zero, and the text part of every representation in a batch pays
+//! its own L2 (`text_l2`). Added at full strength from the first step (as a default-initialised
+//! projection does), the text part of users (a few demographic words shared by many) learns
+//! faster than each user's ID and costs warm-item quality (see the README's ablation). A cold
+//! user, whom no ID embedding describes, starts from the average warm user, so their text
+//! adjusts the average taste rather than replacing it. It does not read data, encode text or train:
 //! text features arrive as tensors; the DDP engine trains the variables.
 
 use tch::{nn, nn::Module, Kind, Tensor};
@@ -30,6 +38,8 @@ pub struct RecConfig {
     /// ID embedding size (RecBole's `embedding_size`; 64 in REFERENCE.md's table).
     pub dim: i64,
     pub scorer: Scorer,
+    /// L2 weight on the text part of the representations in a batch (per sample).
+    pub text_l2: f64,
 }
 
 /// Text features of every user and item (rows in dense-id order), e.g. `[n_users, 768]`.
@@ -115,10 +125,16 @@ impl Recommender {
             )),
             Text::Dynamic { gpt2, .. } => Some((gpt2.config().n_embd, gpt2.config().n_embd)),
         };
+        // Zero: the model starts as plain MF, and text grows only where it pays.
+        let zero = nn::LinearConfig {
+            ws_init: nn::Init::Const(0.0),
+            bs_init: Some(nn::Init::Const(0.0)),
+            bias: true,
+        };
         let proj = width.map(|(wu, wi)| {
             (
-                nn::linear(p / "user_text_proj", wu, config.dim, Default::default()),
-                nn::linear(p / "item_text_proj", wi, config.dim, Default::default()),
+                nn::linear(p / "user_text_proj", wu, config.dim, zero),
+                nn::linear(p / "item_text_proj", wi, config.dim, zero),
             )
         });
         let text = match text {
@@ -200,36 +216,46 @@ impl Recommender {
         }
     }
 
-    /// Representations [b, dim] of rows `ids` ([b] i64): ID embedding (zero for a cold id) +
-    /// projected text.
-    fn repr(&self, side: Side, ids: &Tensor, train: bool) -> Tensor {
-        let (id_emb, n, warm) = match side {
-            Side::User => (
-                self.user_id.forward(ids),
-                self.config.n_users,
-                self.config.n_warm_users,
-            ),
-            Side::Item => (
-                self.item_id.forward(ids),
-                self.config.n_items,
-                self.config.n_warm_items,
-            ),
+    /// The two parts of the representations [b, dim] of rows `ids` ([b] i64): the ID
+    /// embedding and, with a text tower, the projected text. A cold item's ID part is zero; a
+    /// cold user's is the mean of the warm users' embeddings (the average taste).
+    fn parts(&self, side: Side, ids: &Tensor, train: bool) -> (Tensor, Option<Tensor>) {
+        let (table, n, warm) = match side {
+            Side::User => (&self.user_id, self.config.n_users, self.config.n_warm_users),
+            Side::Item => (&self.item_id, self.config.n_items, self.config.n_warm_items),
         };
-        let id_emb = if warm < n {
-            // An embedding training never touched is its random initialisation: noise.
-            &id_emb * ids.lt(warm).unsqueeze(-1).to_kind(id_emb.kind())
+        let id_emb = table.forward(ids);
+        // Training sees warm ids only; an embedding training never touched is noise.
+        let id_emb = if warm < n && !train {
+            let is_warm = ids.lt(warm).unsqueeze(-1);
+            let stand_in = match side {
+                Side::User if warm > 0 => {
+                    table
+                        .ws
+                        .narrow(0, 0, warm)
+                        .mean_dim([0i64].as_slice(), true, Kind::Float)
+                }
+                _ => Tensor::zeros([1, self.config.dim], (id_emb.kind(), id_emb.device())),
+            };
+            id_emb.where_self(&is_warm, &stand_in.expand_as(&id_emb))
         } else {
             id_emb
         };
-        match (self.text_rows(side, ids, train), &self.proj) {
-            (Some(rows), Some((up, ip))) => {
-                let proj = match side {
-                    Side::User => up,
-                    Side::Item => ip,
-                };
-                id_emb + proj.forward(&rows)
-            }
-            _ => id_emb,
+        let text = match (self.text_rows(side, ids, train), &self.proj) {
+            (Some(rows), Some((up, ip))) => Some(match side {
+                Side::User => up.forward(&rows),
+                Side::Item => ip.forward(&rows),
+            }),
+            _ => None,
+        };
+        (id_emb, text)
+    }
+
+    /// Representations [b, dim] of rows `ids`: ID part + text part.
+    fn repr(&self, side: Side, ids: &Tensor, train: bool) -> Tensor {
+        match self.parts(side, ids, train) {
+            (id_emb, Some(text)) => id_emb + text,
+            (id_emb, None) => id_emb,
         }
     }
 
@@ -275,8 +301,9 @@ impl Recommender {
         )
     }
 
-    /// Representations [b, dim] of users training never saw, from their text alone (no ID, as
-    /// a cold user's); `None` without a text tower or with text of the other mode.
+    /// Representations [b, dim] of users training never saw, from their text alone (the
+    /// average warm user's ID part, as a cold user's); `None` without a text tower or with text
+    /// of the other mode.
     pub fn new_users(&self, text: &NewUserText) -> Option<Tensor> {
         let _guard = tch::no_grad_guard();
         let (user_proj, _) = self.proj.as_ref()?;
@@ -289,7 +316,16 @@ impl Recommender {
             }
             _ => return None,
         };
-        Some(user_proj.forward(&rows))
+        let average = match self.config.n_warm_users {
+            0 => Tensor::zeros([1, self.config.dim], (Kind::Float, rows.device())),
+            warm => {
+                self.user_id
+                    .ws
+                    .narrow(0, 0, warm)
+                    .mean_dim([0i64].as_slice(), true, Kind::Float)
+            }
+        };
+        Some(user_proj.forward(&rows) + average.to_device(rows.device()))
     }
 
     /// Scores of user representations `u` [b, dim] against item representations `items`
@@ -315,7 +351,8 @@ impl Recommender {
     }
 
     /// BPR loss as REFERENCE.md gives it, `-log(1e-10 + sigmoid(pos - neg)).mean()`, plus
-    /// `l2` times the squared norms of the ID embeddings used in the batch, averaged over it.
+    /// `l2` times the squared norms of the ID embeddings used in the batch, plus the config's
+    /// `text_l2` times those of their text parts, each averaged over the batch.
     /// `train` turns GPT-2's dropout on (dynamic mode).
     pub fn bpr_loss(
         &self,
@@ -325,21 +362,29 @@ impl Recommender {
         l2: f64,
         train: bool,
     ) -> Tensor {
-        let u = self.repr(Side::User, users, train);
+        let (u_id, u_text) = self.parts(Side::User, users, train);
         // Positives and negatives go through GPT-2 together: one forward pass, not two.
         let b = pos.size()[0];
-        let items = self.repr(Side::Item, &Tensor::cat(&[pos, neg], 0), train);
+        let (i_id, i_text) = self.parts(Side::Item, &Tensor::cat(&[pos, neg], 0), train);
+        let (u, items) = match (&u_text, &i_text) {
+            (Some(ut), Some(it)) => (&u_id + ut, &i_id + it),
+            _ => (u_id.shallow_clone(), i_id.shallow_clone()),
+        };
         let (p, n) = (items.narrow(0, 0, b), items.narrow(0, b, b));
         let diff = self.score_pairs(&u, &p) - self.score_pairs(&u, &n);
-        let bpr = -(diff.sigmoid() + 1e-10).log().mean(Kind::Float);
-        if l2 == 0.0 {
-            return bpr;
+        let mut loss = -(diff.sigmoid() + 1e-10).log().mean(Kind::Float);
+        let per_sample = 1.0 / b.max(1) as f64;
+        if l2 != 0.0 {
+            let norms = u_id.square().sum(Kind::Float) + i_id.square().sum(Kind::Float);
+            loss = loss + norms * (l2 * per_sample);
         }
-        let reg = (self.user_id.forward(users).square().sum(Kind::Float)
-            + self.item_id.forward(pos).square().sum(Kind::Float)
-            + self.item_id.forward(neg).square().sum(Kind::Float))
-            / b.max(1) as f64;
-        bpr + reg * l2
+        if let (Some(ut), Some(it)) = (&u_text, &i_text) {
+            if self.config.text_l2 != 0.0 {
+                let norms = ut.square().sum(Kind::Float) + it.square().sum(Kind::Float);
+                loss = loss + norms * (self.config.text_l2 * per_sample);
+            }
+        }
+        loss
     }
 }
 
@@ -402,6 +447,7 @@ mod tests {
             n_warm_items: 7,
             dim: 8,
             scorer,
+            text_l2: 0.0,
         };
         let text = if text {
             Text::Cached(TextFeatures {
@@ -412,11 +458,67 @@ mod tests {
             Text::None
         };
         let m = Recommender::new(&vs.root(), config, text);
+        // The projections start at zero; give them weights so that text changes the scores.
+        let _guard = tch::no_grad_guard();
+        for (name, mut var) in vs.variables() {
+            if name.contains("text_proj") {
+                var.copy_(&(Tensor::randn_like(&var) * 0.3));
+            }
+        }
         (vs, m)
     }
 
     #[test]
-    fn cold_ids_count_as_zero_and_their_text_alone_speaks() {
+    fn a_new_model_with_text_scores_as_plain_mf() {
+        tch::manual_seed(0);
+        let config = RecConfig {
+            n_users: 5,
+            n_items: 7,
+            n_warm_users: 5,
+            n_warm_items: 7,
+            dim: 8,
+            scorer: Scorer::Dot,
+            text_l2: 0.0,
+        };
+        let (vs_mf, vs_text) = (
+            nn::VarStore::new(tch::Device::Cpu),
+            nn::VarStore::new(tch::Device::Cpu),
+        );
+        let mf = Recommender::new(&vs_mf.root(), config, Text::None);
+        let text = Text::Cached(TextFeatures {
+            users: Tensor::randn([5, 12], (Kind::Float, tch::Device::Cpu)),
+            items: Tensor::randn([7, 12], (Kind::Float, tch::Device::Cpu)),
+        });
+        let fused = Recommender::new(&vs_text.root(), config, text);
+        let mut vs_mf = vs_mf;
+        vs_mf.copy(&vs_text).unwrap();
+        let users = ids(&[0, 1, 2, 3, 4]);
+        assert!(fused
+            .score_all_items(&users)
+            .equal(&mf.score_all_items(&users)));
+    }
+
+    #[test]
+    fn text_l2_adds_the_squared_norms_of_the_text_parts() {
+        let (_vs, mut m) = model(Scorer::Dot, true);
+        let (u, p, n) = (ids(&[0, 1]), ids(&[2, 3]), ids(&[4, 5]));
+        let plain = m.bpr_loss(&u, &p, &n, 0.0, true).double_value(&[]);
+        m.config.text_l2 = 0.5;
+        let with = m.bpr_loss(&u, &p, &n, 0.0, true).double_value(&[]);
+        let text = |side, ids: &Tensor| {
+            let (_, t) = m.parts(side, ids, true);
+            t.unwrap().square().sum(Kind::Float).double_value(&[])
+        };
+        let norms = (text(Side::User, &u) + text(Side::Item, &p) + text(Side::Item, &n)) / 2.0;
+        assert!(norms > 0.0);
+        assert!(
+            (with - plain - 0.5 * norms).abs() < 1e-5,
+            "{with} {plain} {norms}"
+        );
+    }
+
+    #[test]
+    fn cold_items_count_as_zero_cold_users_as_the_average_user() {
         let pair = |text: bool| {
             let (vs, warm) = model(Scorer::Dot, text);
             let mut config = warm.config();
@@ -440,9 +542,13 @@ mod tests {
         let (cu, ci) = cold.tables(tch::Device::Cpu);
         assert!(cu.narrow(0, 0, 4).equal(&wu.narrow(0, 0, 4)));
         assert!(ci.narrow(0, 0, 5).equal(&wi.narrow(0, 0, 5)));
-        assert_eq!(
-            cu.narrow(0, 4, 1).abs().sum(Kind::Float).double_value(&[]),
-            0.0
+        let average = wu
+            .narrow(0, 0, 4)
+            .mean_dim([0i64].as_slice(), true, Kind::Float);
+        let diff = (cu.narrow(0, 4, 1) - average).abs().max().double_value(&[]);
+        assert!(
+            diff < 1e-6,
+            "a cold user is not the average warm user: {diff}"
         );
         assert_eq!(
             ci.narrow(0, 5, 2).abs().sum(Kind::Float).double_value(&[]),
@@ -459,6 +565,7 @@ mod tests {
             .max()
             .double_value(&[]);
         assert!(diff < 1e-6, "{diff}");
+        assert!(ci.narrow(0, 5, 2).abs().sum(Kind::Float).double_value(&[]) > 0.0);
     }
 
     #[test]

@@ -37,8 +37,9 @@ struct Cli {
     /// An ML-1M user id (`users.dat`) to recommend for; repeat for more.
     #[arg(long = "user", value_name = "ID")]
     users: Vec<u32>,
-    /// A new user described by `GENDER,AGE,OCCUPATION` in ML-1M's codes (`F,25,12`: female,
-    /// 25-34, programmer); repeat for more.
+    /// A new user described by `GENDER,AGE,OCCUPATION`: in ML-1M's codes (`F,25,12`: female,
+    /// 25-34, programmer), or for a run on ML-100k in years and its occupation names
+    /// (`F,31,librarian`); repeat for more.
     #[arg(long = "new-user", value_name = "G,AGE,OCC")]
     new_users: Vec<String>,
     /// Items per user.
@@ -73,15 +74,15 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     if cli.top == 0 {
         bail!("--top must be at least 1");
     }
-    let new_users = (cli.new_users.iter())
-        .map(|spec| parse_new_user(spec))
-        .collect::<Result<Vec<_>, String>>()
-        .map_err(anyhow::Error::msg)?;
     let config_path = cli.run_dir.join("config.resolved.toml");
     let config = Config::load(&config_path, &[])
         .with_context(|| format!("{}: not a finished run's config", config_path.display()))?;
     let (_server, mut comm) = single_process()?;
     let data = recommender::load_data(&config, comm.as_mut(), CTX).context("loading the data")?;
+    let new_users = (cli.new_users.iter())
+        .map(|spec| parse_new_user(spec, data.format.ages_in_years()))
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(anyhow::Error::msg)?;
     let vs = nn::VarStore::new(Device::Cpu);
     let task = RecTask::new(&config, &data, &vs, Device::Cpu, comm.as_mut(), CTX, &())
         .context("building the model")?;

@@ -1,0 +1,412 @@
+//! Getting one named asset into the cache, from the network or from `--from`: skip it when
+//! complete, take the name's lock, download and check (zip: pinned size and SHA-256; model:
+//! the hub's `X-Linked-Size`/`X-Linked-Etag`, `config.json` is GPT-2's), unpack or gather into
+//! a staging directory, place it, and turn failures into their one line (disk full, offline
+//! with the way to fetch by hand).
+//!
+//! Must not: parse the command line, print errors or exit (the binary's edge does).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use common::assets::{Asset, AssetKind};
+
+use crate::download::{self, Options, Want};
+use crate::error::FetchError;
+use crate::http::{Client, Head};
+use crate::manifest::{self, Entry, Source};
+use crate::model;
+use crate::place::{self, MarkedFile, Marker, Staging};
+use crate::unpack;
+
+/// The cache and how to download.
+pub struct Ctx {
+    pub root: PathBuf,
+    pub client: Client,
+    pub opts: Options,
+}
+
+/// What became of a name.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// It was complete already, in this directory.
+    Already(PathBuf),
+    /// It was placed in this directory now.
+    Placed(PathBuf),
+}
+
+/// `<root>/data/<name>` or `<root>/models/<name>` (as `common::assets::asset_dir` lays out
+/// the default cache root).
+pub fn final_dir(root: &Path, asset: &Asset) -> PathBuf {
+    let sub = match asset.kind {
+        AssetKind::Dataset => "data",
+        AssetKind::Model => "models",
+    };
+    root.join(sub).join(asset.name)
+}
+
+/// `<root>/.partial`: partial downloads and locks.
+fn partial_root(root: &Path) -> PathBuf {
+    root.join(".partial")
+}
+
+/// Downloads `entry` into the cache unless it is complete there.
+pub fn fetch(ctx: &Ctx, entry: &Entry) -> Result<Outcome, FetchError> {
+    let hint = offline_hint(entry);
+    guarded(ctx, entry, || match &entry.source {
+        Source::Zip { urls, size, sha256 } => fetch_zip(ctx, entry.asset, urls, *size, sha256),
+        Source::Hub {
+            repo,
+            revision,
+            pin,
+        } => fetch_model(ctx, entry.asset, repo, revision, pin.as_ref()),
+    })
+    .map_err(|e| e.with_offline_hint(&hint))
+}
+
+/// Installs `entry` from a file downloaded by hand (a zip; for a model, a directory holding
+/// `config.json` and `model.safetensors`), with the same checks and no network.
+pub fn install_from(ctx: &Ctx, entry: &Entry, from: &Path) -> Result<Outcome, FetchError> {
+    guarded(ctx, entry, || match &entry.source {
+        Source::Zip { size, sha256, .. } => zip_from(ctx, entry.asset, from, *size, sha256),
+        Source::Hub { pin, .. } => model_from(ctx, entry.asset, from, pin.as_ref()),
+    })
+}
+
+/// Runs `work` under the name's lock unless the asset is complete; a full disk names the
+/// directory that was not placed.
+fn guarded(
+    ctx: &Ctx,
+    entry: &Entry,
+    work: impl FnOnce() -> Result<(), FetchError>,
+) -> Result<Outcome, FetchError> {
+    let dir = final_dir(&ctx.root, entry.asset);
+    if place::is_complete(&dir) {
+        return Ok(Outcome::Already(dir));
+    }
+    let result = place::lock(&partial_root(&ctx.root), entry.asset.name).and_then(|_lock| {
+        if place::is_complete(&dir) {
+            return Ok(Outcome::Already(dir.clone()));
+        }
+        work().map(|()| Outcome::Placed(dir.clone()))
+    });
+    result.map_err(|e| e.placing(&dir))
+}
+
+/// How to get `entry` by hand when this machine is offline.
+fn offline_hint(entry: &Entry) -> String {
+    let name = entry.asset.name;
+    match &entry.source {
+        Source::Zip { urls, .. } => format!(
+            "download {} on another machine and run: fetch --from FILE {name}",
+            urls.first().map_or("the zip", String::as_str)
+        ),
+        Source::Hub { repo, revision, .. } => {
+            let url = |f| manifest::hub_url(&manifest::hf_endpoint(), repo, revision, f);
+            format!(
+                "download {} and {} into one directory on another machine and run: fetch --from DIR {name}",
+                url("config.json"),
+                url("model.safetensors")
+            )
+        }
+    }
+}
+
+fn say(ctx: &Ctx, line: &str) {
+    if !ctx.opts.quiet {
+        eprintln!("fetch: {line}");
+    }
+}
+
+fn fetch_zip(
+    ctx: &Ctx,
+    asset: &Asset,
+    urls: &[String],
+    size: u64,
+    sha256: &str,
+) -> Result<(), FetchError> {
+    let label = format!("{}.zip", asset.name);
+    let part = partial_root(&ctx.root)
+        .join(asset.name)
+        .join(format!("{label}.part"));
+    say(
+        ctx,
+        &format!(
+            "downloading {} from {}",
+            asset.name,
+            urls.first().map_or("", String::as_str)
+        ),
+    );
+    let want = Want {
+        label: &label,
+        urls,
+        size,
+        sha256,
+    };
+    download::download(&ctx.client, &want, &part, ctx.opts)?;
+    let marked = MarkedFile {
+        file: label.clone(),
+        size,
+        sha256: sha256.to_string(),
+    };
+    place_zip(
+        ctx,
+        asset,
+        &part,
+        marked,
+        urls.first().cloned().unwrap_or_default(),
+    )?;
+    download::discard(&part);
+    Ok(())
+}
+
+fn zip_from(
+    ctx: &Ctx,
+    asset: &Asset,
+    from: &Path,
+    size: u64,
+    sha256: &str,
+) -> Result<(), FetchError> {
+    let label = format!("{}.zip", asset.name);
+    let want = Want {
+        label: &label,
+        urls: &[],
+        size,
+        sha256,
+    };
+    let then = format!(" ({} is not the published {label})", from.display());
+    download::check(&want, from, &then)?;
+    let marked = MarkedFile {
+        file: label.clone(),
+        size,
+        sha256: sha256.to_string(),
+    };
+    place_zip(
+        ctx,
+        asset,
+        from,
+        marked,
+        format!("--from {}", from.display()),
+    )
+}
+
+/// Unpacks a checked zip into staging, checks the data set's files are there, places it.
+fn place_zip(
+    ctx: &Ctx,
+    asset: &Asset,
+    zip: &Path,
+    marked: MarkedFile,
+    source: String,
+) -> Result<(), FetchError> {
+    let staging = Staging::new(&final_dir(&ctx.root, asset))?;
+    unpack::unpack(zip, &staging.dir, &marked.file, unpack::LIMITS)?;
+    let missing: Vec<&str> = manifest::required_files(asset.name)
+        .iter()
+        .copied()
+        .filter(|f| !staging.dir.join(f).is_file())
+        .collect();
+    if !missing.is_empty() {
+        return Err(FetchError::BadContent {
+            file: marked.file,
+            detail: format!("has no {} (not {})", missing.join(", "), asset.name),
+        });
+    }
+    let marker = Marker {
+        name: asset.name.to_string(),
+        source,
+        files: vec![marked],
+    };
+    staging.commit(&marker)
+}
+
+fn fetch_model(
+    ctx: &Ctx,
+    asset: &Asset,
+    repo: &str,
+    revision: &str,
+    pin: Option<&(u64, String)>,
+) -> Result<(), FetchError> {
+    let endpoint = manifest::hf_endpoint();
+    let config_url = manifest::hub_url(&endpoint, repo, revision, "config.json");
+    let weights_url = manifest::hub_url(&endpoint, repo, revision, "model.safetensors");
+    say(
+        ctx,
+        &format!("downloading {} from {endpoint}/{repo}", asset.name),
+    );
+    let config = download::small_file(&ctx.client, &config_url, "config.json", model::CONFIG_MAX)?;
+    model::check_config(&config).map_err(|detail| bad("config.json", detail))?;
+    let head = ctx.client.head(&weights_url)?;
+    let (size, sha256) = hub_digest(&head, pin, &weights_url)?;
+    let part = partial_root(&ctx.root)
+        .join(asset.name)
+        .join("model.safetensors.part");
+    let urls = [head.download_url.clone()];
+    let want = Want {
+        label: "model.safetensors",
+        urls: &urls,
+        size,
+        sha256: &sha256,
+    };
+    download::download(&ctx.client, &want, &part, ctx.opts)?;
+    model::check_safetensors(&part).map_err(|detail| bad("model.safetensors", detail))?;
+    place_model(ctx, asset, &config, &part, (size, sha256), weights_url)?;
+    download::discard(&part);
+    Ok(())
+}
+
+/// The size and SHA-256 `model.safetensors` must have: the hub's `X-Linked-*` headers, which
+/// must agree with a pin when the manifest has one.
+fn hub_digest(
+    head: &Head,
+    pin: Option<&(u64, String)>,
+    url: &str,
+) -> Result<(u64, String), FetchError> {
+    let linked = head
+        .linked_etag
+        .as_ref()
+        .filter(|e| is_sha256(e))
+        .zip(head.linked_size)
+        .map(|(sha, size)| (size, sha.clone()));
+    match (linked, pin) {
+        (Some(hub), Some(pin)) if &hub != pin => Err(FetchError::Hub(format!(
+            "{url}: the hub's file ({} bytes, sha256 {}) is not the pinned one ({} bytes, sha256 {})",
+            hub.0, hub.1, pin.0, pin.1
+        ))),
+        (Some(hub), _) => Ok(hub),
+        (None, Some(pin)) => Ok(pin.clone()),
+        (None, None) => Err(FetchError::Hub(format!(
+            "{url}: the answer has no X-Linked-Etag (sha256) and X-Linked-Size, so model.safetensors cannot be checked; pin its size and sha256 in a --manifest"
+        ))),
+    }
+}
+
+fn is_sha256(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn bad(file: &str, detail: String) -> FetchError {
+    FetchError::BadContent {
+        file: file.to_string(),
+        detail,
+    }
+}
+
+/// Gathers `config.json` and the checked weights (linked, else copied) into staging and places
+/// them; the partial file stays until the placement succeeded.
+fn place_model(
+    ctx: &Ctx,
+    asset: &Asset,
+    config: &[u8],
+    weights: &Path,
+    digest: (u64, String),
+    source: String,
+) -> Result<(), FetchError> {
+    let staging = Staging::new(&final_dir(&ctx.root, asset))?;
+    place::write_synced(&staging.dir.join("config.json"), config)?;
+    let target = staging.dir.join("model.safetensors");
+    if fs::hard_link(weights, &target).is_err() {
+        place::copy_synced(weights, &target)?;
+    }
+    let marker = model_marker(asset, config, digest, source);
+    staging.commit(&marker)
+}
+
+fn model_marker(asset: &Asset, config: &[u8], digest: (u64, String), source: String) -> Marker {
+    use sha2::{Digest, Sha256};
+    let config_file = MarkedFile {
+        file: "config.json".into(),
+        size: config.len() as u64,
+        sha256: download::hex(&Sha256::digest(config)),
+    };
+    let weights_file = MarkedFile {
+        file: "model.safetensors".into(),
+        size: digest.0,
+        sha256: digest.1,
+    };
+    Marker {
+        name: asset.name.to_string(),
+        source,
+        files: vec![config_file, weights_file],
+    }
+}
+
+/// A model from a directory holding `config.json` and `model.safetensors`: the config is
+/// GPT-2's, the weights are whole (and match the pin, when there is one); copied into place.
+fn model_from(
+    ctx: &Ctx,
+    asset: &Asset,
+    from: &Path,
+    pin: Option<&(u64, String)>,
+) -> Result<(), FetchError> {
+    let config_path = from.join("config.json");
+    let weights = from.join("model.safetensors");
+    let config = fs::read(&config_path).map_err(FetchError::io_at("reading", &config_path))?;
+    model::check_config(&config).map_err(|d| bad(&config_path.display().to_string(), d))?;
+    model::check_safetensors(&weights).map_err(|d| bad(&weights.display().to_string(), d))?;
+    let digest = match pin {
+        Some((size, sha256)) => {
+            let want = Want {
+                label: "model.safetensors",
+                urls: &[],
+                size: *size,
+                sha256,
+            };
+            download::check(&want, &weights, &format!(" ({})", weights.display()))?;
+            (*size, sha256.clone())
+        }
+        None => {
+            let size = fs::metadata(&weights)
+                .map_err(FetchError::io_at("reading", &weights))?
+                .len();
+            (size, download::sha256_file(&weights)?)
+        }
+    };
+    let staging = Staging::new(&final_dir(&ctx.root, asset))?;
+    place::write_synced(&staging.dir.join("config.json"), &config)?;
+    place::copy_synced(&weights, &staging.dir.join("model.safetensors"))?;
+    staging.commit(&model_marker(
+        asset,
+        &config,
+        digest,
+        format!("--from {}", from.display()),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use common::assets;
+
+    #[test]
+    fn final_dirs_match_common_asset_dirs_under_the_default_root() {
+        for asset in assets::ASSETS.iter() {
+            assert_eq!(
+                final_dir(&assets::cache_root(), asset),
+                assets::asset_dir(asset)
+            );
+        }
+    }
+
+    fn head(etag: Option<&str>, size: Option<u64>) -> Head {
+        Head {
+            download_url: "u".into(),
+            linked_etag: etag.map(str::to_string),
+            linked_size: size,
+            etag: None,
+        }
+    }
+
+    #[test]
+    fn the_hub_digest_comes_from_x_linked_headers_and_must_match_a_pin() {
+        let sha = "a".repeat(64);
+        let got = hub_digest(&head(Some(&sha), Some(5)), None, "u").unwrap();
+        assert_eq!(got, (5, sha.clone()));
+        let pin = (5, sha.clone());
+        assert_eq!(hub_digest(&head(None, None), Some(&pin), "u").unwrap(), pin);
+        let other = (6, sha.clone());
+        let err = hub_digest(&head(Some(&sha), Some(5)), Some(&other), "u").unwrap_err();
+        assert!(err.to_string().contains("not the pinned one"), "{err}");
+        let err = hub_digest(&head(Some("e1"), Some(5)), None, "u").unwrap_err();
+        assert!(err.to_string().contains("no X-Linked-Etag"), "{err}");
+    }
+}

@@ -1,0 +1,275 @@
+//! Pre-flight: every file and directory a config's run needs (the data set's files, GPT-2's
+//! weights, the output directory) is checked before any worker starts, and by `--dry-run`, so
+//! that a missing or unusable one is one line naming the path and how to get it, not a failure
+//! of every worker after start-up.
+//!
+//! Must not: parse the data or the weights (the worker does), write or create anything, or
+//! block: a FIFO is opened non-blocking and refused.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
+use std::path::{Path, PathBuf};
+
+use common::assets::{fetch_hint, AssetKind};
+use common::config::Config;
+use common::data_layout::DataFormat;
+
+/// Largest data or weights file the worker will be asked to read (GPT-2 XL's weights are
+/// 6.4 GB; ML-1M's ratings 24 MB).
+const MAX_INPUT_BYTES: u64 = 64 << 30;
+
+/// A needed path that is missing or unusable: one line.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: {}: {problem}{}", path.display(), hint.as_deref().map(|h| format!("; {h}")).unwrap_or_default())]
+pub struct PreflightError {
+    /// The config key that named the path.
+    pub key: &'static str,
+    pub path: PathBuf,
+    pub problem: String,
+    /// What to do about it (`run `fetch ml-1m` to download it`).
+    pub hint: Option<String>,
+}
+
+/// Checks everything `config` needs on this node.
+pub fn check(config: &Config) -> Result<(), PreflightError> {
+    if let Some(dir) = &config.data.dir {
+        check_data_dir(dir)?;
+    }
+    if let Some(weights) = &config.model.gpt2_weights {
+        if config.model.kind == common::config::ModelKind::Gpt2rec {
+            check_weights(weights)?;
+        }
+    }
+    check_output_dir(&config.run.output_dir, &config.run.name)
+}
+
+fn fetch_line(path: &Path, kind: AssetKind) -> Option<String> {
+    fetch_hint(path, kind).map(|cmd| format!("run `{cmd}` to download it"))
+}
+
+fn check_data_dir(dir: &Path) -> Result<(), PreflightError> {
+    let fail = |problem: String| PreflightError {
+        key: "data.dir",
+        path: dir.to_path_buf(),
+        problem,
+        hint: fetch_line(dir, AssetKind::Dataset).or_else(|| {
+            Some(
+                "point data.dir at a MovieLens directory, or leave it out for synthetic data"
+                    .into(),
+            )
+        }),
+    };
+    match std::fs::metadata(dir) {
+        Err(e) => return Err(fail(io_problem(&e, "no such directory"))),
+        Ok(m) if !m.is_dir() => return Err(fail("not a directory".into())),
+        Ok(_) => {}
+    }
+    let format = DataFormat::detect(dir).ok_or_else(|| {
+        fail("holds neither MovieLens-1M's ratings.dat, users.dat, movies.dat nor MovieLens-100k's u.data, u.user, u.item".into())
+    })?;
+    for name in format.files() {
+        let path = dir.join(name);
+        check_file(&path).map_err(|problem| PreflightError {
+            key: "data.dir",
+            path: path.clone(),
+            problem: format!("{problem} ({} needs it)", format.name()),
+            hint: fetch_line(dir, AssetKind::Dataset),
+        })?;
+    }
+    Ok(())
+}
+
+fn check_weights(weights: &Path) -> Result<(), PreflightError> {
+    let fail = |path: &Path, problem: String| PreflightError {
+        key: "model.gpt2_weights",
+        path: path.to_path_buf(),
+        problem,
+        hint: fetch_line(weights, AssetKind::Model),
+    };
+    let files: Vec<PathBuf> = match std::fs::metadata(weights) {
+        Err(e) => return Err(fail(weights, io_problem(&e, "no such file or directory"))),
+        Ok(m) if m.is_dir() => ["config.json", "model.safetensors"]
+            .iter()
+            .map(|f| weights.join(f))
+            .collect(),
+        Ok(_) => vec![weights.to_path_buf()],
+    };
+    for path in files {
+        check_file(&path).map_err(|problem| fail(&path, problem))?;
+    }
+    Ok(())
+}
+
+/// A file a worker will read: there, readable, a regular file, not empty, not enormous.
+fn check_file(path: &Path) -> Result<(), String> {
+    let file: File = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| io_problem(&e, "no such file"))?;
+    let meta = file.metadata().map_err(|e| io_problem(&e, "cannot stat"))?;
+    let kind = meta.file_type();
+    if !kind.is_file() {
+        let what = if kind.is_dir() {
+            "a directory"
+        } else if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_char_device() || kind.is_block_device() {
+            "a device"
+        } else {
+            "not a regular file"
+        };
+        return Err(format!("is {what}, not a file"));
+    }
+    if meta.len() == 0 {
+        return Err("is empty".into());
+    }
+    if meta.len() > MAX_INPUT_BYTES {
+        return Err(format!(
+            "is {} bytes, more than the {MAX_INPUT_BYTES} allowed",
+            meta.len()
+        ));
+    }
+    Ok(())
+}
+
+/// The output directory must be a directory we can write in, or creatable under one; the run's
+/// own directory, when there, a directory.
+fn check_output_dir(output_dir: &Path, run_name: &str) -> Result<(), PreflightError> {
+    let fail = |path: &Path, problem: String| PreflightError {
+        key: "run.output_dir",
+        path: path.to_path_buf(),
+        problem,
+        hint: None,
+    };
+    let run_dir = output_dir.join(run_name);
+    if let Ok(m) = std::fs::metadata(&run_dir) {
+        if !m.is_dir() {
+            return Err(fail(
+                &run_dir,
+                "the run's directory is not a directory".into(),
+            ));
+        }
+    }
+    // The nearest existing ancestor is where the run's directories will be created.
+    let mut probe = output_dir.to_path_buf();
+    loop {
+        match std::fs::metadata(&probe) {
+            Ok(m) if m.is_dir() => break,
+            Ok(_) => return Err(fail(&probe, "not a directory".into())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(fail(&probe, io_problem(&e, ""))),
+        }
+        match probe.parent() {
+            Some(p) if !p.as_os_str().is_empty() => probe = p.to_path_buf(),
+            _ => {
+                probe = PathBuf::from(".");
+                break;
+            }
+        }
+    }
+    let writable = nix::unistd::access(
+        &probe,
+        nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
+    );
+    if let Err(e) = writable {
+        let problem = format!("cannot write there ({})", e.desc());
+        return Err(fail(&probe, problem));
+    }
+    Ok(())
+}
+
+/// An I/O error as a short phrase, without repeating what the OS says twice.
+fn io_problem(e: &io::Error, not_found: &str) -> String {
+    match e.kind() {
+        io::ErrorKind::NotFound => not_found.to_string(),
+        io::ErrorKind::PermissionDenied => "permission denied".to_string(),
+        _ => match e.raw_os_error() {
+            Some(code) => nix::errno::Errno::from_raw(code).desc().to_lowercase(),
+            None => e.to_string(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> Config {
+        Config::parse(&format!("{text}[batch]\nglobal = 8\n"), "x.toml", &[]).expect("config")
+    }
+
+    #[test]
+    fn a_missing_named_data_set_says_how_to_fetch_it() {
+        let cache = tempfile::tempdir().unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let dir = cache.path().join("data").join("ml-1m");
+        let c = config(&format!(
+            "[run]\noutput_dir = {:?}\n[data]\ndir = {:?}\n",
+            out.path(),
+            dir
+        ));
+        let e = check(&c).unwrap_err().to_string();
+        assert!(e.starts_with("data.dir: "), "{e}");
+        assert!(
+            e.contains("no such directory") && e.contains("run `fetch ml-1m`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn data_files_are_checked_by_layout() {
+        let d = tempfile::tempdir().unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let c = config(&format!(
+            "[run]\noutput_dir = {:?}\n[data]\ndir = {:?}\n",
+            out.path(),
+            d.path()
+        ));
+        let e = check(&c).unwrap_err().to_string();
+        assert!(e.contains("holds neither"), "{e}");
+        for f in ["u.data", "u.user"] {
+            std::fs::write(d.path().join(f), "1").unwrap();
+        }
+        let e = check(&c).unwrap_err().to_string();
+        assert!(
+            e.contains("u.item: no such file (MovieLens-100k needs it)"),
+            "{e}"
+        );
+        std::fs::write(d.path().join("u.item"), "").unwrap();
+        let e = check(&c).unwrap_err().to_string();
+        assert!(e.contains("u.item: is empty"), "{e}");
+        std::fs::remove_file(d.path().join("u.item")).unwrap();
+        nix::unistd::mkfifo(&d.path().join("u.item"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let e = check(&c).unwrap_err().to_string();
+        assert!(e.contains("u.item: is a FIFO, not a file"), "{e}");
+        std::fs::remove_file(d.path().join("u.item")).unwrap();
+        std::fs::write(d.path().join("u.item"), "1").unwrap();
+        check(&c).expect("complete");
+    }
+
+    #[test]
+    fn weights_and_output_dir() {
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("file");
+        std::fs::write(&out, "x").unwrap();
+        let c = config(&format!("[run]\noutput_dir = {:?}\n", out.join("deeper")));
+        let e = check(&c).unwrap_err().to_string();
+        assert!(
+            e.starts_with("run.output_dir: ") && e.contains("not a directory"),
+            "{e}"
+        );
+        let weights = d.path().join("gpt2").join("model.safetensors");
+        let c = config(&format!(
+            "[run]\noutput_dir = {:?}\n[model]\ngpt2_weights = {:?}\n",
+            d.path(),
+            weights
+        ));
+        let e = check(&c).unwrap_err().to_string();
+        assert!(
+            e.starts_with("model.gpt2_weights: ") && e.contains("run `fetch gpt2`"),
+            "{e}"
+        );
+    }
+}
