@@ -115,6 +115,10 @@ pub struct DataConfig {
     pub cold_users: f64,
 }
 
+fn is_default<T: Default + PartialEq>(x: &T) -> bool {
+    *x == T::default()
+}
+
 fn is_zero(x: &f64) -> bool {
     *x == 0.0
 }
@@ -177,6 +181,18 @@ pub enum ScorerKind {
     Mlp,
 }
 
+/// How the text projections of `gpt2rec` start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TextProjInit {
+    /// All zero: the model starts as plain matrix factorisation (the default).
+    #[default]
+    Zero,
+    /// libtorch's default linear initialisation (uniform, Kaiming-like): text speaks at full
+    /// strength from the first step. Kept for the ablation (`scripts/bench/ablation.sh`).
+    Random,
+}
+
 /// `[model]`
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -208,6 +224,9 @@ pub struct ModelConfig {
     /// at zero, so the model starts as plain matrix factorisation; this keeps the text part to
     /// what the IDs lack. Default: `1e-2`.
     pub text_l2: f64,
+    /// `gpt2rec`: how the text projections start, `"zero"` or `"random"`. Default: `"zero"`.
+    #[serde(skip_serializing_if = "is_default")]
+    pub text_proj_init: TextProjInit,
     /// Tokens of user/item text fed to GPT-2, longer texts are cut (1..=n_positions).
     /// Default: `64`.
     pub max_text_tokens: usize,
@@ -237,6 +256,7 @@ impl Default for ModelConfig {
             scorer: ScorerKind::Dot,
             l2: 1e-4,
             text_l2: 1e-2,
+            text_proj_init: TextProjInit::Zero,
             max_text_tokens: 64,
             freeze_gpt2: false,
             trainable_layers: None,
@@ -1323,7 +1343,7 @@ timeout_s = 60
             Config {
                 run: RunConfig { name, output_dir, seed },
                 data: DataConfig { dir, synthetic, min_rating, cold_items, cold_users },
-                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
+                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
                 dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables },

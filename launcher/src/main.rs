@@ -49,7 +49,12 @@ fn launch(cli: &Cli) -> i32 {
                 let _ = std::io::stdout()
                     .lock()
                     .write_all(plan.describe().as_bytes());
-                0
+                // The plan is shown even when a file it needs is missing; the exit code says
+                // that it would not start.
+                match preflight_of(&plan) {
+                    Ok(()) => 0,
+                    Err(e) => bad_input(&e),
+                }
             }
             Err(e) => bad_input(&e),
         };
@@ -73,7 +78,7 @@ fn launch(cli: &Cli) -> i32 {
             return 1;
         }
     };
-    let mut plan = match Plan::from_cli(cli) {
+    let mut plan = match Plan::from_cli(cli).and_then(|p| preflight_of(&p).map(|()| p)) {
         Ok(plan) => plan,
         Err(e) => {
             watchdog.disarm();
@@ -137,6 +142,14 @@ fn launch(cli: &Cli) -> i32 {
         elastic::run(&plan, watchdog, events)
     } else {
         supervisor::run(&plan, watchdog, events)
+    }
+}
+
+/// The pre-flight of the plan's config (data, weights, output directory), when it runs one.
+fn preflight_of(plan: &Plan) -> Result<(), PlanError> {
+    match &plan.config {
+        Some(t) => preflight::check(&t.config).map_err(|e| PlanError::Usage(e.to_string())),
+        None => Ok(()),
     }
 }
 

@@ -140,9 +140,6 @@ impl Plan {
 
         let elastic = shape.elastic.as_ref().map(|e| (e, nproc));
         let (command, config) = command_and_config(cli, world_size, elastic)?;
-        if let Some(t) = &config {
-            crate::preflight::check(&t.config).map_err(|e| PlanError::Usage(e.to_string()))?;
-        }
         // An elastic job is planned at its largest world that keeps the global batch; each
         // round the rendezvous forms gets its own plan (`for_round`).
         let (nnodes, world_size) = match (&shape.elastic, &config) {

@@ -6,7 +6,7 @@
 //! calls [`RecTask::loss`] and [`RecTask::evaluate`]. All ranks call the collective parts
 //! (building in `cached` mode, evaluation) together and in the same order.
 
-use common::config::{Config, ModelKind, ScorerKind, TextMode};
+use common::config::{Config, ModelKind, ScorerKind, TextMode, TextProjInit};
 use common::memory::PhaseSink;
 use dist::collective::{Collective, OpContext};
 use tch::{nn, Device, Kind, Tensor};
@@ -101,6 +101,7 @@ impl RecTask {
                 ScorerKind::Mlp => Scorer::Mlp,
             },
             text_l2: config.model.text_l2,
+            zero_text_proj: config.model.text_proj_init == TextProjInit::Zero,
         };
         let model = Recommender::new(&vs.root(), rec_config, text);
         if config.train.bf16 && device.is_cuda() {

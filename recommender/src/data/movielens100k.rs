@@ -215,7 +215,9 @@ mod tests {
 
     #[test]
     fn malformed_lines_name_file_line_and_cause() {
-        let cases: [(&[u8], &[u8], &[u8], &str, &str); 6] = [
+        // (u.user, u.item, u.data, the place named, the cause named)
+        type Case<'a> = (&'a [u8], &'a [u8], &'a [u8], &'a str, &'a str);
+        let cases: [Case; 6] = [
             (b"1|24|M|x\n", ITEMS, DATA, "u.user:1:", "5 '|'-separated"),
             (
                 b"1|240|M|x|1\n",

@@ -40,6 +40,8 @@ pub struct RecConfig {
     pub scorer: Scorer,
     /// L2 weight on the text part of the representations in a batch (per sample).
     pub text_l2: f64,
+    /// Whether the text projections start at zero (else libtorch's default initialisation).
+    pub zero_text_proj: bool,
 }
 
 /// Text features of every user and item (rows in dense-id order), e.g. `[n_users, 768]`.
@@ -126,10 +128,14 @@ impl Recommender {
             Text::Dynamic { gpt2, .. } => Some((gpt2.config().n_embd, gpt2.config().n_embd)),
         };
         // Zero: the model starts as plain MF, and text grows only where it pays.
-        let zero = nn::LinearConfig {
-            ws_init: nn::Init::Const(0.0),
-            bs_init: Some(nn::Init::Const(0.0)),
-            bias: true,
+        let zero = if config.zero_text_proj {
+            nn::LinearConfig {
+                ws_init: nn::Init::Const(0.0),
+                bs_init: Some(nn::Init::Const(0.0)),
+                bias: true,
+            }
+        } else {
+            Default::default()
         };
         let proj = width.map(|(wu, wi)| {
             (
@@ -372,19 +378,20 @@ impl Recommender {
         };
         let (p, n) = (items.narrow(0, 0, b), items.narrow(0, b, b));
         let diff = self.score_pairs(&u, &p) - self.score_pairs(&u, &n);
-        let mut loss = -(diff.sigmoid() + 1e-10).log().mean(Kind::Float);
+        let bpr = -(diff.sigmoid() + 1e-10).log().mean(Kind::Float);
         let per_sample = 1.0 / b.max(1) as f64;
+        let mut penalties = Vec::new();
         if l2 != 0.0 {
             let norms = u_id.square().sum(Kind::Float) + i_id.square().sum(Kind::Float);
-            loss = loss + norms * (l2 * per_sample);
+            penalties.push(norms * (l2 * per_sample));
         }
         if let (Some(ut), Some(it)) = (&u_text, &i_text) {
             if self.config.text_l2 != 0.0 {
                 let norms = ut.square().sum(Kind::Float) + it.square().sum(Kind::Float);
-                loss = loss + norms * (self.config.text_l2 * per_sample);
+                penalties.push(norms * (self.config.text_l2 * per_sample));
             }
         }
-        loss
+        penalties.into_iter().fold(bpr, |loss, p| loss + p)
     }
 }
 
@@ -448,6 +455,7 @@ mod tests {
             dim: 8,
             scorer,
             text_l2: 0.0,
+            zero_text_proj: true,
         };
         let text = if text {
             Text::Cached(TextFeatures {
@@ -479,6 +487,7 @@ mod tests {
             dim: 8,
             scorer: Scorer::Dot,
             text_l2: 0.0,
+            zero_text_proj: true,
         };
         let (vs_mf, vs_text) = (
             nn::VarStore::new(tch::Device::Cpu),
