@@ -13,11 +13,14 @@
 //! - the training plan ([`train_plan`]): a config and its batch plan, resolved once;
 //! - the progress reports workers send `launch` for its live display ([`progress`]);
 //! - the names of the shared-memory segments ([`shm_segments`]) that workers create and the
-//!   launcher sweeps (and, through `/proc`, whether their creator is gone).
+//!   launcher sweeps (and, through `/proc`, whether their creator is gone);
+//! - how the tools open the files a user hands them and replace the files they write
+//!   ([`files`]: never blocking on a FIFO, never writing through a planted link).
 //!
 //! It must not depend on libtorch (`tch`) or anything heavy: the launcher links it and must build
-//! and start fast. It does no I/O beyond reading a config file (and `/proc`, above), spawns nothing, touches no
-//! devices, never prints, and never panics on user-influenced input (errors are returned).
+//! and start fast. It does no I/O beyond reading a config file (and `/proc`, and what callers
+//! ask of [`files`]), spawns nothing, touches no devices, never prints, and never panics on
+//! user-influenced input (errors are returned).
 
 pub mod assets;
 pub mod batch;
@@ -25,6 +28,7 @@ pub mod config;
 pub mod cuda_visible;
 pub mod data_layout;
 pub mod env_contract;
+pub mod files;
 pub mod hostlist;
 pub mod job_shape;
 pub mod memory;

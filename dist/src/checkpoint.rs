@@ -3,7 +3,9 @@
 //! directory, fsynced and renamed into place, then `checkpoints/latest` is updated (last). The
 //! newest K are kept. A checkpoint is only ever loaded when it is complete: `state.json` records
 //! the size and SHA-256 of both tensor files, so one left half-written by a crash is skipped.
-//! This module reads and writes files; it must not decide when to checkpoint (the trainer does).
+//! This module reads and writes files (reading none that is not a regular file, so a FIFO in a
+//! run directory is refused, not waited on); it must not decide when to checkpoint (the trainer
+//! does).
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -29,7 +31,14 @@ pub enum CheckpointError {
     Invalid { path: String, detail: String },
     #[error("{path}: {source}")]
     Tensors { path: String, source: tch::TchError },
+    /// A file that cannot be opened for reading (a FIFO, a device, missing): the message
+    /// names it.
+    #[error("{0}")]
+    Input(#[from] common::files::InputError),
 }
+
+/// Largest `state.json` or `latest` read (they are a few KiB).
+const MAX_STATE_FILE: u64 = 16 << 20;
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io {
@@ -165,7 +174,7 @@ pub fn find_latest(
     }
     let mut candidates = step_dirs(dir)?;
     candidates.reverse(); // newest first
-    if let Ok(latest) = fs::read_to_string(dir.join(LATEST)) {
+    if let Ok(latest) = common::files::read_input_text(&dir.join(LATEST), MAX_STATE_FILE) {
         let named = dir.join(latest.trim());
         if let Some(pos) = candidates.iter().position(|c| *c == named) {
             let first = candidates.remove(pos);
@@ -188,17 +197,18 @@ pub fn find_latest(
     Ok(None)
 }
 
-/// Checks that a checkpoint directory is complete and returns its state.
+/// Checks that a checkpoint directory is complete and returns its state. Nothing is read
+/// that is not a regular file (a FIFO planted in a run directory is refused, not waited on),
+/// and a tensor file of another size than recorded is refused without being read.
 pub fn verify(path: &Path) -> Result<TrainState, CheckpointError> {
     let state_path = path.join(STATE_FILE);
-    let text = fs::read(&state_path).map_err(io_err(&state_path))?;
+    let text = common::files::read_input(&state_path, MAX_STATE_FILE)?;
     let state: TrainState =
         serde_json::from_slice(&text).map_err(|e| CheckpointError::Invalid {
             path: state_path.display().to_string(),
             detail: format!("unreadable state ({e}): incomplete checkpoint"),
         })?;
     for file in [MODEL_FILE, OPTIMIZER_FILE] {
-        let file_path = path.join(file);
         let expected = state
             .files
             .get(file)
@@ -206,18 +216,37 @@ pub fn verify(path: &Path) -> Result<TrainState, CheckpointError> {
                 path: state_path.display().to_string(),
                 detail: format!("no digest for {file}"),
             })?;
-        let actual = digest(&file_path)?;
-        if actual != *expected {
-            return Err(CheckpointError::Invalid {
-                path: file_path.display().to_string(),
-                detail: format!(
-                    "{} bytes (sha256 {}) but state.json recorded {} bytes (sha256 {}): incomplete or damaged checkpoint",
-                    actual.bytes, &actual.sha256[..12], expected.bytes, &expected.sha256[..12.min(expected.sha256.len())]
-                ),
-            });
-        }
+        check_file(&path.join(file), expected)?;
     }
     Ok(state)
+}
+
+/// The file at `path` has the recorded size and digest (the size compared before reading).
+fn check_file(path: &Path, expected: &FileDigest) -> Result<(), CheckpointError> {
+    let short = |sha: &str| sha.chars().take(12).collect::<String>();
+    let damaged = |actual: String| {
+        CheckpointError::Invalid {
+        path: path.display().to_string(),
+        detail: format!(
+            "{actual} but state.json recorded {} bytes (sha256 {}): incomplete or damaged checkpoint",
+            expected.bytes,
+            short(&expected.sha256)
+        ),
+    }
+    };
+    let (_, len) = common::files::open_input(path, u64::MAX)?;
+    if len != expected.bytes {
+        return Err(damaged(format!("{len} bytes")));
+    }
+    let actual = digest(path)?;
+    if actual != *expected {
+        return Err(damaged(format!(
+            "{} bytes (sha256 {})",
+            actual.bytes,
+            short(&actual.sha256)
+        )));
+    }
+    Ok(())
 }
 
 /// Named tensors, as stored in a safetensors file.
@@ -273,12 +302,14 @@ fn prune(dir: &Path, keep: usize, current: u64) -> Result<(), CheckpointError> {
     Ok(())
 }
 
+/// Size and SHA-256 of a file, streamed (a tensor file is never held whole for this).
 fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
-    let bytes = fs::read(path).map_err(io_err(path))?;
-    let sha = Sha256::digest(&bytes);
+    let (mut file, _) = common::files::open_input(path, u64::MAX)?;
+    let mut sha = Sha256::new();
+    let bytes = std::io::copy(&mut file, &mut sha).map_err(io_err(path))?;
     Ok(FileDigest {
-        bytes: bytes.len() as u64,
-        sha256: sha.iter().map(|b| format!("{b:02x}")).collect(),
+        bytes,
+        sha256: sha.finalize().iter().map(|b| format!("{b:02x}")).collect(),
     })
 }
 
@@ -376,6 +407,32 @@ mod tests {
             "{}",
             skipped[0]
         );
+    }
+
+    /// FIFOs planted in a checkpoint (its state, its model, `latest`) are refused at once,
+    /// not waited on; the older complete checkpoint is used.
+    #[test]
+    fn fifos_in_a_checkpoint_are_refused_without_blocking() {
+        let fifo = |path: &Path| {
+            let _ = fs::remove_file(path);
+            nix::unistd::mkfifo(path, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        };
+        for planted in [STATE_FILE, MODEL_FILE] {
+            let dir = tempfile::tempdir().unwrap();
+            save(dir.path(), &tensors(1.0), &tensors(0.0), &state(10), 3).unwrap();
+            let newest = save(dir.path(), &tensors(2.0), &tensors(0.0), &state(20), 3).unwrap();
+            fifo(&newest.join(planted));
+            fifo(&dir.path().join(LATEST));
+            let mut skipped = Vec::new();
+            let (path, _) = find_latest(dir.path(), &mut skipped).unwrap().unwrap();
+            assert!(path.ends_with("step-000010"), "{planted}");
+            assert_eq!(skipped.len(), 1, "{skipped:?}");
+            assert!(
+                skipped[0].ends_with(&format!("{planted}: is a FIFO, not a file")),
+                "{}",
+                skipped[0]
+            );
+        }
     }
 
     #[test]

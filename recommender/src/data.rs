@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-pub use movielens::{file_type_name, read_ml1m};
+pub use movielens::read_ml1m;
 pub use movielens100k::read_ml100k;
 pub use split::{build_dataset, ColdShares, Dataset};
 pub use synthetic::{generate_ml1m, GENERATOR_VERSION};

@@ -116,6 +116,17 @@ fn rated_items(raw: &RawData, ds: &Dataset) -> Vec<Vec<u32>> {
     rated
 }
 
+/// Where the synthetic data of `config` (`data.dir` unset) is generated:
+/// `<output_dir>/data/synthetic-<size>-seed<seed>-v<generator version>/`.
+pub fn synthetic_dir(config: &Config) -> PathBuf {
+    let size = format!("{:?}", config.data.synthetic).to_lowercase();
+    config.run.output_dir.join("data").join(format!(
+        "synthetic-{size}-seed{}-v{}",
+        config.run.seed,
+        data::GENERATOR_VERSION
+    ))
+}
+
 /// Reads `data.dir`, or — when it is unset — synthetic data generated once into
 /// `<output_dir>/data/synthetic-<size>-seed<seed>-v<generator version>/` (rank 0 first; a rank that still does not
 /// see it after the barrier, e.g. on another machine, writes its own identical copy).
@@ -127,12 +138,7 @@ pub fn load_data(
     let dir = match &config.data.dir {
         Some(dir) => dir.clone(),
         None => {
-            let size = format!("{:?}", config.data.synthetic).to_lowercase();
-            let dir = config.run.output_dir.join("data").join(format!(
-                "synthetic-{size}-seed{}-v{}",
-                config.run.seed,
-                data::GENERATOR_VERSION
-            ));
+            let dir = synthetic_dir(config);
             if comm.rank() == 0 {
                 generate_once(&dir, config)?;
             }

@@ -3,11 +3,13 @@
 //! serving from any language.
 //!
 //! Owns: ranking for serving, parsing a new user's description, and the export
-//! format (`vectors.safetensors` + `ids.json`). Must not: train, load checkpoints or talk to
-//! other ranks (the caller builds the model and loads its weights).
+//! format (`vectors.safetensors` + `ids.json`, put in place together or not at all). Must not:
+//! train, load checkpoints or talk to other ranks (the caller builds the model and loads its
+//! weights), or write through a link planted in the export directory.
 
 use std::path::Path;
 
+use common::files::{OutputError, Staging};
 use serde_json::json;
 use tch::{Kind, Tensor};
 
@@ -111,10 +113,15 @@ pub fn parse_new_user(spec: &str, years: bool) -> Result<User, String> {
     })
 }
 
+/// The export's files, in the order they are put in place.
+pub const EXPORT_FILES: [&str; 2] = ["vectors.safetensors", "ids.json"];
+
 /// Writes `dir/vectors.safetensors` (`users` [n_users, dim], `items` [n_items, dim], f32: a
 /// user's score for an item is the dot product of their rows) and `dir/ids.json` (the original
-/// ML-1M id and text of every row, and which rows are cold start), each through a temporary
-/// file and a rename, so a reader never sees half a file.
+/// ML-1M id and text of every row, and which rows are cold start), all or nothing: both are
+/// written into a private staging directory inside `dir`, then renamed into place together
+/// (a link at either name is replaced, not written through; a name held by a directory is
+/// refused before either file moves; a failure leaves the previous export as it was).
 pub fn export_vectors(
     dir: &Path,
     task: &RecTask,
@@ -126,8 +133,7 @@ pub fn export_vectors(
             "model.scorer = \"mlp\": its scores are not a product of user and item vectors, so vectors alone cannot serve it".into(),
         ));
     }
-    let io = |path: &Path, e: std::io::Error| RecError::Invalid(format!("{}: {e}", path.display()));
-    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let out = |e: OutputError| RecError::Invalid(e.to_string());
     let (users, items) = task.tables();
     let tensors = [
         (
@@ -139,10 +145,6 @@ pub fn export_vectors(
             items.to_device(tch::Device::Cpu).to_kind(Kind::Float),
         ),
     ];
-    let vectors = dir.join("vectors.safetensors");
-    let tmp = dir.join(".vectors.safetensors.tmp");
-    Tensor::write_safetensors(&tensors, &tmp)?;
-    std::fs::rename(&tmp, &vectors).map_err(|e| io(&vectors, e))?;
     let ids = json!({
         "score": "dot product of a users row and an items row",
         "users": ds.user_ids,
@@ -151,10 +153,15 @@ pub fn export_vectors(
         "cold_users_from_row": ds.n_warm_users,
         "cold_items_from_row": ds.n_warm_items,
     });
-    let path = dir.join("ids.json");
-    let tmp = dir.join(".ids.json.tmp");
-    std::fs::write(&tmp, format!("{ids:#}\n")).map_err(|e| io(&tmp, e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))
+    let [vectors, ids_json] = EXPORT_FILES;
+    let staging = Staging::new(dir).map_err(out)?;
+    // By path, inside the staging directory this call just created (mode 0700): nothing else
+    // can have put a link there.
+    Tensor::write_safetensors(&tensors, staging.path(vectors))?;
+    staging
+        .write(ids_json, format!("{ids:#}\n").as_bytes())
+        .map_err(out)?;
+    staging.commit(&EXPORT_FILES).map_err(out)
 }
 
 #[cfg(test)]

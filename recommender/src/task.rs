@@ -123,7 +123,7 @@ impl RecTask {
             device,
             ks: config.eval.topk.clone(),
             batch_users: config.eval.batch_users,
-            hash: model_hash(config, ds),
+            hash: model_hash(config, data),
             bf16: config.train.bf16 && device.is_cuda(),
             data_time: std::time::Duration::ZERO,
             last_rows: None,
@@ -163,9 +163,20 @@ fn freeze_gpt2_layers(vs: &nn::VarStore, config: &Config, n_layer: i64) {
     }
 }
 
-/// A fingerprint of what the checkpoint's tensors mean: the `[model]` section and the data's
-/// shape (another data set gives other embedding tables).
-fn model_hash(config: &Config, ds: &Dataset) -> String {
+/// A fingerprint of what the checkpoint's tensors mean and what they were trained on:
+/// `MODEL+DATA`, MODEL from the `[model]` section and the data's shape (another data set gives
+/// other embedding tables), DATA from the split itself ([`data_digest`]).
+fn model_hash(config: &Config, data: &RecData) -> String {
+    format!(
+        "{}+{}",
+        model_part(config, &data.dataset),
+        data_digest(data)
+    )
+}
+
+/// The model part of [`model_hash`] (the whole fingerprint before the data part was added,
+/// unchanged, so a checkpoint of an older run still compares on it).
+fn model_part(config: &Config, ds: &Dataset) -> String {
     use sha2::Digest;
     // Activation checkpointing changes how gradients are computed, not the model: a run may
     // turn it on and resume.
@@ -185,6 +196,41 @@ fn model_hash(config: &Config, ds: &Dataset) -> String {
         text += &format!("/warm {}x{}", ds.n_warm_users, ds.n_warm_items);
     }
     let digest = sha2::Sha256::digest(text.as_bytes());
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A digest of the data a model is trained and evaluated on: which users and items the rows
+/// are, every split list, and the texts. It covers all the split depends on (run.seed,
+/// data.min_rating, data.cold_items, data.cold_users, the data files, the synthetic size and
+/// seed) by digesting the result rather than the inputs, so re-fetched identical files match.
+fn data_digest(data: &RecData) -> String {
+    use sha2::Digest;
+    let ds = &data.dataset;
+    let mut h = sha2::Sha256::new();
+    let mut ints = |values: &[u32]| {
+        h.update((values.len() as u64).to_le_bytes());
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        h.update(bytes);
+    };
+    ints(&[ds.n_users, ds.n_items, ds.n_warm_users, ds.n_warm_items]);
+    ints(&ds.user_ids);
+    ints(&ds.item_ids);
+    for lists in [
+        &ds.train,
+        &ds.valid,
+        &ds.test,
+        &ds.cold_items,
+        &ds.cold_users,
+    ] {
+        for list in lists.iter() {
+            ints(list);
+        }
+    }
+    for text in data.user_texts.iter().chain(&data.item_texts) {
+        h.update((text.len() as u64).to_le_bytes());
+        h.update(text.as_bytes());
+    }
+    let digest = h.finalize();
     digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -317,7 +363,8 @@ impl RecTask {
         self.ds.test_splits()
     }
 
-    /// A fingerprint of the model's configuration and the data's shape.
+    /// A fingerprint of the model's configuration and the data's shape, and (after a `+`) of
+    /// the data it trains on.
     pub fn model_hash(&self) -> String {
         self.hash.clone()
     }

@@ -25,7 +25,8 @@ pub fn gpt2_config(preset: Gpt2Preset) -> gpt2::Config {
 
 /// The GPT-2 `config` asks for and the weights to load into it: a Hugging Face directory's
 /// `config.json` and `model.safetensors`, a bare safetensors file of the preset's shape, or
-/// none (random initialisation).
+/// none (random initialisation). The weights' header is checked against the shapes here,
+/// before anything is built.
 pub fn gpt2_source(config: &Config) -> Result<(gpt2::Config, Option<PathBuf>), RecError> {
     let invalid = |e: &dyn std::fmt::Display| RecError::Invalid(format!("model.gpt2_weights: {e}"));
     let m = &config.model;
@@ -34,7 +35,16 @@ pub fn gpt2_source(config: &Config) -> Result<(gpt2::Config, Option<PathBuf>), R
             let hf = HfDir::open(dir).map_err(|e| invalid(&e))?;
             (hf.config, Some(hf.weights))
         }
-        None => (gpt2_config(m.preset), m.gpt2_weights.clone()),
+        None => {
+            let gcfg = gpt2_config(m.preset);
+            if let Some(weights) = &m.gpt2_weights {
+                // The header against the preset's shapes, before the model is built.
+                gpt2::check_weights(weights, &gcfg).map_err(|e| {
+                    RecError::Invalid(format!("model.gpt2_weights = {}: {e}", weights.display()))
+                })?;
+            }
+            (gcfg, m.gpt2_weights.clone())
+        }
     };
     if gcfg.vocab_size < TOKENIZER_VOCAB as i64 {
         return Err(invalid(&format!(

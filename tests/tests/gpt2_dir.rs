@@ -204,3 +204,39 @@ fn weights_that_disagree_with_config_json_fail_naming_the_tensor() {
     out.assert_stderr("model.gpt2_weights");
     out.assert_stderr("expected, file has");
 }
+
+/// The range checks of `config.json` apply to training too: a hostile value is one line naming
+/// the file and the field, before any worker starts (and quickly: nothing is allocated).
+#[test]
+fn hostile_config_json_values_are_refused_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gpt2 = tmp.path().join("hostile");
+    write_gpt2_dir(&gpt2, 2, 16, 32);
+    let text = std::fs::read_to_string(gpt2.join("config.json")).unwrap();
+    let config = format!("{}/config.json", gpt2.display());
+    for (from, to, needle) in [
+        (
+            "\"n_embd\": 16",
+            "\"n_embd\": 1000000000",
+            "n_embd is 1000000000, more than the 65536",
+        ),
+        (
+            "\"embd_pdrop\": 0.1",
+            "\"embd_pdrop\": 5",
+            "embd_pdrop must be a number in [0, 1) (got 5)",
+        ),
+        (
+            "\"layer_norm_epsilon\": 1e-05",
+            "\"layer_norm_epsilon\": -1",
+            "layer_norm_epsilon must be a number in (0, 1) (got -1)",
+        ),
+    ] {
+        assert!(text.contains(from), "{from}");
+        std::fs::write(gpt2.join("config.json"), text.replace(from, to)).unwrap();
+        let out = launch_with_dir(tmp.path(), &gpt2, false, &["model.max_text_tokens=32"]);
+        out.assert_code(2);
+        out.assert_stderr(format!("{config}: {needle}"));
+        out.assert_ended_within(30);
+        assert!(!tmp.path().join("default").exists(), "{}", out.all());
+    }
+}

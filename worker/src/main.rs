@@ -76,9 +76,10 @@ fn main() -> ExitCode {
             code: 1,
         },
     };
-    let text = format!("{:#}", failure.error);
+    let text = worker::error_line::chain_text(&failure.error);
     tracker.exit_if_oom(&text);
-    // One line, the whole chain of context: what was being done and why it failed.
+    // One line, the whole chain of context (each cause once): what was being done and why it
+    // failed.
     eprintln!("worker: error: {text}");
     ExitCode::from(failure.code)
 }

@@ -3,9 +3,11 @@
 //! `config.json` instead of `model.preset`.
 //!
 //! Owns: reading and checking `config.json` (a GPT-2 this project computes exactly: `model_type`
-//! "gpt2", activation "gelu_new", a width divisible by the heads), so the launcher's dry run,
-//! the memory estimate and validation see the same dimensions the worker builds. Must not: read
-//! the weights (the worker's loader checks every tensor's shape against these dimensions).
+//! "gpt2", activation "gelu_new", a width divisible by the heads; every size, epsilon and dropout
+//! within range, and the whole within [`MAX_PARAMETERS`]), so the launcher's dry run, the memory
+//! estimate, validation and the worker see the same checked dimensions before anything is
+//! allocated. Must not: read the weights (the worker checks the safetensors header's shapes
+//! against these dimensions before it builds the model).
 
 use std::path::{Path, PathBuf};
 
@@ -16,6 +18,18 @@ use crate::memory::Gpt2Dims;
 /// smaller vocabulary would be indexed past its embedding table.
 pub const TOKENIZER_VOCAB: u64 = 50257;
 
+/// The largest GPT-2 this project builds, field by field (GPT-2 XL, the largest published, has
+/// 48 blocks of width 1600, 1024 positions and 50257 tokens), and in parameters: 2^33 (32 GiB
+/// of f32), checked before anything is allocated.
+pub const MAX_N_LAYER: u64 = 1024;
+pub const MAX_N_EMBD: u64 = 65536;
+pub const MAX_N_POSITIONS: u64 = 1 << 20;
+pub const MAX_VOCAB: u64 = 1 << 22;
+pub const MAX_PARAMETERS: u64 = 1 << 33;
+
+/// Largest `config.json` read (GPT-2's is under 1 KiB).
+const MAX_CONFIG_JSON: u64 = 1 << 20;
+
 /// A Hugging Face GPT-2 directory's `config.json`, checked.
 #[derive(Debug, Clone)]
 pub struct HfGpt2Config {
@@ -23,50 +37,24 @@ pub struct HfGpt2Config {
     pub path: PathBuf,
     /// Its dimensions.
     pub dims: Gpt2Dims,
-    /// The whole file, for readers that want more fields (epsilon, dropouts).
+    /// The whole file, for readers that want more fields (epsilon, dropouts), each of which
+    /// [`Self::read`] has checked when present.
     pub json: serde_json::Value,
 }
 
 impl HfGpt2Config {
-    /// Reads `dir/config.json`. Errors name the file and say what is wrong.
+    /// Reads `dir/config.json` (a FIFO, a device or a file over 1 MiB is refused without
+    /// blocking) and checks every field this project reads. Errors name the file and the field.
     pub fn read(dir: &Path) -> Result<HfGpt2Config, String> {
         let path = dir.join("config.json");
         let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            crate::files::read_input_text(&path, MAX_CONFIG_JSON).map_err(|e| e.to_string())?;
         let json: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
-        let at = |problem: String| format!("{}: {problem}", path.display());
-        let text_field = |name: &str| json.get(name).and_then(|v| v.as_str());
-        if let Some(kind) = text_field("model_type").filter(|k| *k != "gpt2") {
-            return Err(at(format!("model_type is {kind:?}, not \"gpt2\"")));
-        }
-        if let Some(act) = text_field("activation_function").filter(|a| *a != "gelu_new") {
-            return Err(at(format!(
-                "activation_function is {act:?}; only GPT-2's \"gelu_new\" is implemented"
-            )));
-        }
-        let number = |name: &str| -> Result<u64, String> {
-            match json.get(name) {
-                Some(v) => v
-                    .as_u64()
-                    .filter(|n| *n > 0)
-                    .ok_or_else(|| at(format!("{name} must be a positive integer (got {v})"))),
-                None => Err(at(format!("{name} is missing"))),
-            }
-        };
-        let dims = Gpt2Dims {
-            n_layer: number("n_layer")?,
-            n_head: number("n_head")?,
-            n_embd: number("n_embd")?,
-            n_positions: number("n_positions")?,
-            vocab_size: number("vocab_size")?,
-        };
-        if dims.n_embd % dims.n_head != 0 {
-            return Err(at(format!(
-                "n_embd {} is not a multiple of n_head {}",
-                dims.n_embd, dims.n_head
-            )));
-        }
+        let fields = Fields { json: &json };
+        let dims = fields
+            .check()
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         Ok(HfGpt2Config { path, dims, json })
     }
 
@@ -82,6 +70,105 @@ impl HfGpt2Config {
             ));
         }
         Ok(hf)
+    }
+}
+
+/// The fields of a `config.json`, checked one by one (messages name the field, not the file).
+struct Fields<'a> {
+    json: &'a serde_json::Value,
+}
+
+impl Fields<'_> {
+    /// Every field GPT-2 is built from, within range, and the model within
+    /// [`MAX_PARAMETERS`].
+    fn check(&self) -> Result<Gpt2Dims, String> {
+        if !self.json.is_object() {
+            return Err("not a JSON object".into());
+        }
+        self.kind()?;
+        let dims = Gpt2Dims {
+            n_layer: self.integer("n_layer", MAX_N_LAYER)?,
+            n_head: self.integer("n_head", MAX_N_EMBD)?,
+            n_embd: self.integer("n_embd", MAX_N_EMBD)?,
+            n_positions: self.integer("n_positions", MAX_N_POSITIONS)?,
+            vocab_size: self.integer("vocab_size", MAX_VOCAB)?,
+        };
+        if dims.n_embd % dims.n_head != 0 {
+            return Err(format!(
+                "n_embd {} is not a multiple of n_head {}",
+                dims.n_embd, dims.n_head
+            ));
+        }
+        self.n_inner(dims.n_embd)?;
+        self.number(
+            "layer_norm_epsilon",
+            |x| x > 0.0 && x < 1.0,
+            "a number in (0, 1)",
+        )?;
+        for dropout in ["embd_pdrop", "attn_pdrop", "resid_pdrop"] {
+            self.number(dropout, |x| (0.0..1.0).contains(&x), "a number in [0, 1)")?;
+        }
+        // Each field is bounded, so the count cannot overflow.
+        let params = dims.params();
+        if params > MAX_PARAMETERS {
+            return Err(format!(
+                "n_layer {}, n_embd {}, n_positions {} and vocab_size {} make {params} parameters, more than the {MAX_PARAMETERS} this project builds",
+                dims.n_layer, dims.n_embd, dims.n_positions, dims.vocab_size
+            ));
+        }
+        Ok(dims)
+    }
+
+    /// A GPT-2 this project computes exactly: `model_type` "gpt2", activation "gelu_new".
+    fn kind(&self) -> Result<(), String> {
+        let text = |name: &str| self.json.get(name).and_then(|v| v.as_str());
+        if let Some(kind) = text("model_type").filter(|k| *k != "gpt2") {
+            return Err(format!("model_type is {kind:?}, not \"gpt2\""));
+        }
+        if let Some(act) = text("activation_function").filter(|a| *a != "gelu_new") {
+            return Err(format!(
+                "activation_function is {act:?}; only GPT-2's \"gelu_new\" is implemented"
+            ));
+        }
+        Ok(())
+    }
+
+    /// A required integer in `1..=max`.
+    fn integer(&self, name: &str, max: u64) -> Result<u64, String> {
+        let v = self
+            .json
+            .get(name)
+            .ok_or_else(|| format!("{name} is missing"))?;
+        match v.as_u64() {
+            Some(n) if (1..=max).contains(&n) => Ok(n),
+            Some(n) if n > max => Err(format!(
+                "{name} is {v}, more than the {max} this project builds"
+            )),
+            _ => Err(format!("{name} must be a positive integer (got {v})")),
+        }
+    }
+
+    /// An optional number for which `ok` holds (`what` says which).
+    fn number(&self, name: &str, ok: impl Fn(f64) -> bool, what: &str) -> Result<(), String> {
+        match self.json.get(name) {
+            None => Ok(()),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && ok(x) => Ok(()),
+                _ => Err(format!("{name} must be {what} (got {v})")),
+            },
+        }
+    }
+
+    /// `n_inner` (the MLP's width) unset, or GPT-2's four times the width.
+    fn n_inner(&self, n_embd: u64) -> Result<(), String> {
+        match self.json.get("n_inner") {
+            None | Some(serde_json::Value::Null) => Ok(()),
+            Some(v) if v.as_u64() == Some(4 * n_embd) => Ok(()),
+            Some(v) => Err(format!(
+                "n_inner is {v}; only GPT-2's MLP of 4 × n_embd = {} is implemented",
+                4 * n_embd
+            )),
+        }
     }
 }
 
@@ -162,5 +249,127 @@ mod tests {
         assert!(HfGpt2Config::read(empty.path())
             .unwrap_err()
             .contains("config.json"));
+    }
+
+    /// Each hostile value is one message naming the file and the field, before anything is
+    /// built from it.
+    #[test]
+    fn hostile_sizes_epsilons_and_dropouts_are_refused_naming_the_field() {
+        let err = |from: &str, to: &str| {
+            let text = GPT2.replace(from, to);
+            assert_ne!(text, GPT2, "{from} not in the fixture");
+            let e = read(&text).unwrap_err();
+            assert!(e.contains("config.json: "), "{e}");
+            e
+        };
+        let cases = [
+            (
+                "\"n_embd\": 32",
+                "\"n_embd\": 1000000000",
+                "n_embd is 1000000000, more than the 65536",
+            ),
+            (
+                "\"n_embd\": 32",
+                "\"n_embd\": 1e9",
+                "n_embd must be a positive integer (got 1000000000.0)",
+            ),
+            (
+                "\"vocab_size\": 50257",
+                "\"vocab_size\": 1000000000000",
+                "vocab_size is 1000000000000, more than the 4194304",
+            ),
+            (
+                "\"n_positions\": 32",
+                "\"n_positions\": 1000000000000",
+                "n_positions is 1000000000000, more than the 1048576",
+            ),
+            (
+                "\"n_layer\": 2",
+                "\"n_layer\": 100000",
+                "n_layer is 100000, more than the 1024",
+            ),
+            (
+                "\"n_layer\": 2",
+                "\"n_layer\": 0",
+                "n_layer must be a positive integer (got 0)",
+            ),
+            (
+                "\"n_head\": 4",
+                "\"n_head\": 64",
+                "n_embd 32 is not a multiple of n_head 64",
+            ),
+            (
+                "\"layer_norm_epsilon\": 1e-5",
+                "\"layer_norm_epsilon\": -1",
+                "layer_norm_epsilon must be a number in (0, 1) (got -1)",
+            ),
+            (
+                "\"layer_norm_epsilon\": 1e-5",
+                "\"layer_norm_epsilon\": 0",
+                "layer_norm_epsilon must be a number in (0, 1) (got 0)",
+            ),
+            (
+                "\"layer_norm_epsilon\": 1e-5",
+                "\"layer_norm_epsilon\": \"x\"",
+                "layer_norm_epsilon must be a number",
+            ),
+            (
+                "\"layer_norm_epsilon\": 1e-5",
+                "\"embd_pdrop\": 5",
+                "embd_pdrop must be a number in [0, 1) (got 5)",
+            ),
+            (
+                "\"layer_norm_epsilon\": 1e-5",
+                "\"attn_pdrop\": 1",
+                "attn_pdrop must be a number in [0, 1) (got 1)",
+            ),
+            (
+                "\"layer_norm_epsilon\": 1e-5",
+                "\"resid_pdrop\": -0.1",
+                "resid_pdrop must be a number in [0, 1) (got -0.1)",
+            ),
+            (
+                "\"layer_norm_epsilon\": 1e-5",
+                "\"n_inner\": 100",
+                "n_inner is 100; only GPT-2's MLP of 4 × n_embd = 128",
+            ),
+        ];
+        for (from, to, needle) in cases {
+            let e = err(from, to);
+            assert!(e.contains(needle), "{to}: {e}");
+        }
+        // Each field within its bound, the whole too large.
+        let e = err("\"n_embd\": 32", "\"n_embd\": 65536");
+        assert!(
+            e.contains("make ") && e.contains("parameters, more than the 8589934592"),
+            "{e}"
+        );
+        assert!(err("{\"model_type\"", "[{\"model_type\"").contains("not JSON"));
+        let array = tempfile::tempdir().unwrap();
+        std::fs::write(array.path().join("config.json"), "[1]").unwrap();
+        assert!(HfGpt2Config::read(array.path())
+            .unwrap_err()
+            .ends_with("config.json: not a JSON object"));
+        // The defaults HF leaves out, and n_inner = null, are fine.
+        let lean = GPT2.replace(", \"layer_norm_epsilon\": 1e-5", ", \"n_inner\": null");
+        assert!(read(&lean).is_ok());
+    }
+
+    #[test]
+    fn a_config_json_that_is_a_fifo_or_a_directory_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = HfGpt2Config::read(dir.path()).unwrap_err();
+        assert!(e.ends_with("config.json: is a FIFO, not a file"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let e = HfGpt2Config::read(dir.path()).unwrap_err();
+        assert!(
+            e.ends_with("config.json: is a directory, not a file"),
+            "{e}"
+        );
     }
 }

@@ -2,7 +2,6 @@
 //! `::`-separated; every bad line is an error naming the file, the line and what is wrong.
 
 use std::collections::HashSet;
-use std::fs;
 use std::path::Path;
 
 use super::*;
@@ -11,64 +10,19 @@ use super::*;
 /// read into memory.
 pub(super) const MAX_DATA_FILE: u64 = 4 << 30;
 
-/// Reads a whole data file. A FIFO, a device or a directory is refused without blocking on it
-/// (opened non-blocking, checked through the open handle), as is one over [`MAX_DATA_FILE`].
+/// Reads a whole data file. A FIFO, a device or a directory is refused without blocking on it,
+/// as is one over [`MAX_DATA_FILE`] (`common::files`).
 pub(super) fn read_file(path: &Path) -> Result<Vec<u8>, DataError> {
-    use std::io::Read as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let read_err = |source| DataError::Read {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut file = match fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(DataError::MissingFile {
-                path: path.to_path_buf(),
-            })
-        }
-        Err(source) => return Err(read_err(source)),
-    };
-    let meta = file.metadata().map_err(read_err)?;
-    if !meta.is_file() {
-        return Err(DataError::NotAFile {
-            path: path.to_path_buf(),
-            what: file_type_name(&meta.file_type()),
-        });
-    }
-    if meta.len() > MAX_DATA_FILE {
-        return Err(DataError::TooLarge {
-            path: path.to_path_buf(),
-            size: meta.len(),
-            max: MAX_DATA_FILE,
-        });
-    }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.by_ref()
-        .take(MAX_DATA_FILE + 1)
-        .read_to_end(&mut bytes)
-        .map_err(read_err)?;
-    Ok(bytes)
-}
-
-/// What a file that is not a regular file is, in words.
-pub fn file_type_name(t: &fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt as _;
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_char_device() || t.is_block_device() {
-        "a device"
-    } else if t.is_socket() {
-        "a socket"
-    } else {
-        "not a regular file"
-    }
+    use common::files::InputError;
+    common::files::read_input(path, MAX_DATA_FILE).map_err(|e| match e {
+        InputError::Missing { path } => DataError::MissingFile { path },
+        InputError::NotAFile { path, what } => DataError::NotAFile { path, what },
+        InputError::TooLarge { path, size, max } => DataError::TooLarge { path, size, max },
+        InputError::Io { path, error } => DataError::Read {
+            path,
+            source: error,
+        },
+    })
 }
 
 /// Iterates over `(1-based line number, line bytes)`, skipping empty lines and stripping a

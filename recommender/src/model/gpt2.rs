@@ -22,7 +22,7 @@ use tch::{nn, Kind, Tensor};
 mod hf_dir;
 mod weights;
 pub use hf_dir::HfDir;
-pub use weights::{load_hf_safetensors, LoadReport};
+pub use weights::{check_weights, expected_shapes, load_hf_safetensors, LoadReport};
 
 /// GPT-2 pad/end-of-text token id (`<|endoftext|>`), used to pad batches.
 pub const PAD_TOKEN_ID: i64 = 50256;
@@ -34,6 +34,9 @@ pub enum Gpt2Error {
     Read(#[from] tch::TchError),
     #[error("reading safetensors: {0}")]
     Io(#[from] std::io::Error),
+    /// A weights file that cannot be opened (the message names it).
+    #[error("{0}")]
+    Input(#[from] common::files::InputError),
     #[error("not a valid safetensors file: {0}")]
     Format(String),
     #[error("{name}: shape {expected:?} expected, file has {found:?}")]
@@ -65,7 +68,8 @@ pub struct Config {
     pub n_positions: i64,
     /// Token vocabulary (HF `vocab_size`).
     pub vocab_size: i64,
-    /// Layer-norm epsilon (HF `layer_norm_epsilon`).
+    /// Layer-norm epsilon (HF `layer_norm_epsilon`, whose default is 1e-5).
+    #[serde(default = "default_epsilon")]
     pub layer_norm_epsilon: f64,
     /// Dropout on embeddings (HF `embd_pdrop`).
     #[serde(default = "default_pdrop")]
@@ -80,6 +84,10 @@ pub struct Config {
 
 fn default_pdrop() -> f64 {
     0.1
+}
+
+fn default_epsilon() -> f64 {
+    1e-5
 }
 
 impl Config {
@@ -778,6 +786,21 @@ mod tests {
         assert!(report.skipped.is_empty());
         assert_eq!(report.ignored.len(), 2);
         assert!(model.forward(&x, &mask, false).equal(&want));
+    }
+
+    /// What the header check expects is exactly what the model builds.
+    #[test]
+    fn expected_shapes_are_the_built_variables() {
+        let (vs, _) = tiny();
+        let mut built: Vec<(String, Vec<i64>)> = vs
+            .variables()
+            .into_iter()
+            .map(|(n, t)| (n, t.size()))
+            .collect();
+        built.sort();
+        let mut want = expected_shapes(&Config::tiny());
+        want.sort();
+        assert_eq!(built, want);
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! the last hidden state of our GPT-2 for a Hugging Face model directory (`config.json` +
 //! `model.safetensors`), printed as JSON (`{"ids": [...], "last_hidden_state": [[...], ...]}`,
 //! one row per token), so that anyone can compare it with what `transformers` gives for their
-//! own model. Exit code 2 for a bad directory or arguments.
+//! own model. Exit code 2 for a bad directory or arguments, one line each: `config.json` is
+//! checked field by field and the weights' header against it before the model is built (a
+//! hostile size allocates nothing), and neither file may be a FIFO, a device or a directory.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -42,7 +44,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("gpt2-encode: error: {e:#}");
+            eprintln!("gpt2-encode: error: {}", worker::error_line::one_line(&e));
             ExitCode::from(2)
         }
     }

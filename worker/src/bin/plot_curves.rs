@@ -1,6 +1,8 @@
 //! `plot-curves RUN_DIR...`: (re)draws the curves of runs from their `metrics.jsonl` into
 //! `RUN_DIR/curves/` (`loss.svg`, `lr.svg`, `valid.svg`), for any run directory: a finished
-//! one, an interrupted one, or one whose pictures were deleted.
+//! one, an interrupted one, or one whose pictures were deleted. Exit code 2 (one line naming
+//! the path) for a log that is missing, empty, a FIFO, a device or too large, or a `curves`
+//! that cannot be written; values near the ends of f64 are drawn at a limit, never a hang.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -30,10 +32,10 @@ fn main() -> ExitCode {
             }
             Err(e) => {
                 eprintln!("plot-curves: error: {e}");
-                // A missing or empty log is the caller's input; anything else is ours.
+                // The log and the run directory are the caller's input; drawing is ours.
                 code = match e {
-                    CurvesError::Io { .. } | CurvesError::Empty { .. } => ExitCode::from(2),
                     CurvesError::Draw { .. } => ExitCode::from(1),
+                    _ => ExitCode::from(2),
                 };
             }
         }

@@ -3,22 +3,24 @@
 //! and split, turned into recommendations: the top-K items with titles for ML-1M users (what
 //! they interacted with left out) and for new users known only by gender, age and occupation
 //! (through the text tower); and, with `--export`, the final user and item vectors for serving
-//! from any language. Run it from the directory the run was started in (the config's relative
-//! paths, the data's included, are relative to it). One process on the CPU.
+//! from any language. One process on the CPU.
+//!
+//! It may run from anywhere: the config's relative paths (the data's included) are taken from
+//! the directory the run was started in, found from where RUN_DIR is (`<run.output_dir>/
+//! <run.name>`), and the run's synthetic data from `RUN_DIR/../data`. Data that is not there is
+//! refused, never generated; a best model trained on other data (another seed, split or data
+//! files) is refused by its fingerprint.
 //!
 //! Exit codes: 0; 2 for bad arguments or a run it cannot use, each a one-line error.
 
-use std::path::PathBuf;
+use std::path::{Component, Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use clap::Parser;
 use common::config::Config;
-use common::env_contract::WorkerEnv;
-use dist::collective::tcp::TcpCollective;
-use dist::collective::{Collective, OpContext};
-use dist::store::{StoreClient, StoreServer};
+use dist::collective::OpContext;
 use recommender::data::user_text;
 use recommender::serve::{export_vectors, parse_new_user, top_items};
 use recommender::{RecData, RecTask};
@@ -45,7 +47,7 @@ struct Cli {
     /// Items per user.
     #[arg(long, default_value_t = 10, value_name = "K")]
     top: usize,
-    /// Write `vectors.safetensors` and `ids.json` into this directory.
+    /// Write `vectors.safetensors` and `ids.json` into this directory (both or neither).
     #[arg(long, value_name = "DIR")]
     export: Option<PathBuf>,
 }
@@ -56,7 +58,7 @@ fn main() -> ExitCode {
     match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("recommend: error: {e:#}");
+            eprintln!("recommend: error: {}", worker::error_line::one_line(&e));
             ExitCode::from(2)
         }
     }
@@ -75,9 +77,14 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         bail!("--top must be at least 1");
     }
     let config_path = cli.run_dir.join("config.resolved.toml");
-    let config = Config::load(&config_path, &[])
+    let mut config = Config::load(&config_path, &[])
         .with_context(|| format!("{}: not a finished run's config", config_path.display()))?;
-    let (_server, mut comm) = single_process()?;
+    // Before the working directory moves to where the run was started.
+    let export = cli.export.as_deref().map(std::path::absolute).transpose()?;
+    let run_dir = std::fs::canonicalize(&cli.run_dir)
+        .with_context(|| format!("{}", cli.run_dir.display()))?;
+    locate_run_files(&mut config, &run_dir)?;
+    let (_server, mut comm) = worker::single_process::single_process("recommend")?;
     let data = recommender::load_data(&config, comm.as_mut(), CTX).context("loading the data")?;
     let new_users = (cli.new_users.iter())
         .map(|spec| parse_new_user(spec, data.format.ages_in_years()))
@@ -87,7 +94,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     let task = RecTask::new(&config, &data, &vs, Device::Cpu, comm.as_mut(), CTX, &())
         .context("building the model")?;
     let params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    let best = cli.run_dir.join("best");
+    let best = run_dir.join("best");
     worker::trainer::load_best(&params, &best, Some(&task.model_hash()))
         .with_context(|| format!("loading the best model of {}", cli.run_dir.display()))?;
     let ds = &data.dataset;
@@ -135,7 +142,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             )?;
         }
     }
-    if let Some(dir) = &cli.export {
+    if let Some(dir) = &export {
         export_vectors(dir, &task, &data.dataset, &data.item_titles)
             .with_context(|| format!("exporting to {}", dir.display()))?;
         println!(
@@ -147,6 +154,64 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Points `config` at the files of the run in `run_dir` (canonical), wherever this command runs:
+/// the working directory becomes the one the run was started in (when RUN_DIR tells it: its
+/// parent ends in the recorded relative `run.output_dir`), so the config's relative paths mean
+/// what they meant to the run (the model's fingerprint covers them as written);
+/// `run.output_dir` becomes RUN_DIR's parent. The data must be there: a missing `data.dir` is
+/// refused, and synthetic data is read from where the run generated it, never generated here.
+fn locate_run_files(config: &mut Config, run_dir: &Path) -> anyhow::Result<()> {
+    let output_dir = run_dir
+        .parent()
+        .ok_or_else(|| anyhow::anyhow!("{}: not a run directory", run_dir.display()))?;
+    if let Some(base) = started_in(output_dir, &config.run.output_dir) {
+        std::env::set_current_dir(&base).with_context(|| format!("{}", base.display()))?;
+    }
+    let base = std::env::current_dir()?;
+    config.run.output_dir = output_dir.to_path_buf();
+    match &config.data.dir {
+        Some(dir) if !base.join(dir).is_dir() => bail!(
+            "data.dir = {:?} in the run's config.resolved.toml: {} is not a directory (relative paths are taken from {}, where the run was started)",
+            dir.display().to_string(),
+            base.join(dir).display(),
+            base.display()
+        ),
+        Some(_) => {}
+        None => {
+            let synthetic = recommender::input::synthetic_dir(config);
+            if !synthetic.join("ratings.dat").is_file() {
+                bail!(
+                    "{}: the run's synthetic data is not there (training generates it under the run's output directory; recommend reads it and generates nothing)",
+                    synthetic.display()
+                );
+            }
+            config.data.dir = Some(synthetic);
+        }
+    }
+    Ok(())
+}
+
+/// The directory a run was started in: `output_dir` (where its directory is, canonical) less
+/// the recorded relative `run.output_dir`; `None` when that cannot be told (an absolute or
+/// `..` output_dir, or a run directory moved elsewhere).
+fn started_in(output_dir: &Path, recorded: &Path) -> Option<PathBuf> {
+    let mut tail = PathBuf::new();
+    for part in recorded.components() {
+        match part {
+            Component::CurDir => {}
+            Component::Normal(name) => tail.push(name),
+            _ => return None,
+        }
+    }
+    if !output_dir.ends_with(&tail) {
+        return None;
+    }
+    output_dir
+        .ancestors()
+        .nth(tail.components().count())
+        .map(Path::to_path_buf)
 }
 
 /// `User: female, aged 25-34, works as programmer.` -> `female, aged 25-34, works as programmer`.
@@ -180,17 +245,4 @@ fn print_top(
         );
     }
     Ok(())
-}
-
-/// A collective of one process over a store of its own on loopback (cached mode's text
-/// encoding gathers through it).
-fn single_process() -> anyhow::Result<(StoreServer, Box<dyn Collective>)> {
-    let id = format!("recommend-{}", std::process::id());
-    let server =
-        StoreServer::start("127.0.0.1:0".parse()?, &id).context("starting a local store")?;
-    let addr = server.local_addr();
-    let store = StoreClient::connect(&addr.to_string(), &id, Duration::from_secs(10))?;
-    let env = WorkerEnv::single_node(0, 1, "127.0.0.1", addr.port(), &id);
-    let comm = TcpCollective::connect(&env, store, Duration::from_secs(10))?;
-    Ok((server, Box::new(comm)))
 }

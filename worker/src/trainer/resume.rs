@@ -59,9 +59,42 @@ pub struct BestRecord {
     pub valid: recommender::eval::Metrics,
 }
 
+/// How a checkpoint's fingerprint compares with the task's. A fingerprint is `MODEL+DATA` (what
+/// the tensors mean, and what they were trained on) or, from a task that has no data part or
+/// from before tasks added it, `MODEL` alone: that one is compared on the model part only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fingerprint {
+    Same,
+    OtherModel,
+    OtherData,
+}
+
+impl Fingerprint {
+    /// Compares the fingerprint a checkpoint was `stored` with against the task's `now`.
+    pub(crate) fn compare(stored: &str, now: &str) -> Fingerprint {
+        let (stored_model, stored_data) = split_fingerprint(stored);
+        let (model, data) = split_fingerprint(now);
+        match (stored_data, data) {
+            _ if stored_model != model => Fingerprint::OtherModel,
+            (Some(a), Some(b)) if a != b => Fingerprint::OtherData,
+            _ => Fingerprint::Same,
+        }
+    }
+}
+
+fn split_fingerprint(fingerprint: &str) -> (&str, Option<&str>) {
+    match fingerprint.split_once('+') {
+        Some((model, data)) => (model, Some(data)),
+        None => (fingerprint, None),
+    }
+}
+
+/// What trained on other data means, for messages.
+const OTHER_DATA: &str = "trained on other data or another split (run.seed, data.min_rating, data.cold_items, data.cold_users or the data files differ)";
+
 /// Copies the model saved in `<run dir>/best/` into `params`; with `model_hash`, refuses a
-/// best model written for another model or data (the trainer's own is its run's by
-/// construction).
+/// best model written for another model or trained on other data (the trainer's own is its
+/// run's by construction).
 pub fn load_best(
     params: &[(String, Tensor)],
     dir: &Path,
@@ -79,12 +112,19 @@ pub fn load_best(
             }
         )));
     };
-    if let Some(expected) = model_hash.filter(|h| *h != state.model_hash) {
-        return Err(TrainError::Resume(format!(
-            "{}: written for another model or data (fingerprint {} vs {expected})",
-            path.display(),
-            state.model_hash
-        )));
+    if let Some(expected) = model_hash {
+        let why = match Fingerprint::compare(&state.model_hash, expected) {
+            Fingerprint::Same => None,
+            Fingerprint::OtherModel => Some("written for another model"),
+            Fingerprint::OtherData => Some(OTHER_DATA),
+        };
+        if let Some(why) = why {
+            return Err(TrainError::Resume(format!(
+                "{}: {why} (fingerprint {} vs {expected})",
+                path.display(),
+                state.model_hash
+            )));
+        }
     }
     let (model, _, _) = checkpoint::load(&path)?;
     load_params(params, &model)
@@ -140,9 +180,14 @@ pub(super) fn resume_decision(
             ResumeDecision::default()
         }
         Ok(Some((path, state))) => {
-            if state.model_hash != model_hash {
+            let why = match Fingerprint::compare(&state.model_hash, &model_hash) {
+                Fingerprint::Same => None,
+                Fingerprint::OtherModel => Some("written for a different model config"),
+                Fingerprint::OtherData => Some(OTHER_DATA),
+            };
+            if let Some(why) = why {
                 return fail(format!(
-                    "{} was written for a different model config (fingerprint {} vs {} now); change [model] back, or start a new run (another run.name or checkpoint.resume = \"never\")",
+                    "{} was {why} (fingerprint {} vs {} now); change the config back, or start a new run (another run.name or checkpoint.resume = \"never\")",
                     path.display(),
                     state.model_hash,
                     model_hash
@@ -382,5 +427,23 @@ impl Trainer<'_> {
                 state.world_size
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A data part that differs is told apart from a model that differs; a checkpoint from
+    /// before fingerprints had a data part is compared on the model alone.
+    #[test]
+    fn fingerprints_compare_model_and_data_parts() {
+        use Fingerprint::*;
+        assert_eq!(Fingerprint::compare("m1+d1", "m1+d1"), Same);
+        assert_eq!(Fingerprint::compare("m1+d1", "m1+d2"), OtherData);
+        assert_eq!(Fingerprint::compare("m1+d1", "m2+d1"), OtherModel);
+        assert_eq!(Fingerprint::compare("m1", "m1+d2"), Same);
+        assert_eq!(Fingerprint::compare("m1", "m2+d2"), OtherModel);
+        assert_eq!(Fingerprint::compare("abc", "abc"), Same);
     }
 }

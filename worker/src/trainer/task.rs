@@ -37,7 +37,8 @@ pub trait Task {
     fn rows_used(&self, _table: &str) -> Option<&[i64]> {
         None
     }
-    /// A fingerprint of the model's configuration; a checkpoint of another model is refused.
+    /// A fingerprint of the model's configuration, optionally followed by `+` and one of the
+    /// data it trains on; a checkpoint of another model (or trained on other data) is refused.
     fn model_hash(&self) -> String;
     /// What the best model is tested on at the end, in order. Default: `test`.
     fn test_splits(&self) -> Vec<Split> {

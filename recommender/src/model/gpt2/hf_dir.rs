@@ -2,15 +2,17 @@
 //! (`gpt2`, `distilgpt2`, `gpt2-medium`, a fine-tuned one): `config.json` gives the dimensions,
 //! positions, layer-norm epsilon and vocabulary; `model.safetensors` the weights.
 //!
-//! Owns: finding the two files and turning `config.json` into our [`Config`] (the checks of a
-//! GPT-2 this module computes exactly live in `common`, where validation makes them too).
-//! Must not: read the weights (the loader does, checking every shape against the config).
+//! Owns: finding the two files, turning `config.json` into our [`Config`] (the checks of a
+//! GPT-2 this module computes exactly, and of every field's range, live in `common`, where
+//! validation makes them too), and checking the weights' header against it, so that a
+//! directory that opens can be built and loaded. Must not: read the weights' values (the
+//! loader does), or allocate anything the size of the model.
 
 use std::path::{Path, PathBuf};
 
 use common::config::HfGpt2Config;
 
-use super::{Config, Gpt2Error};
+use super::{check_weights, Config, Gpt2Error};
 
 /// A GPT-2 directory: its config and where its weights are.
 #[derive(Debug, Clone)]
@@ -21,31 +23,51 @@ pub struct HfDir {
 
 impl HfDir {
     /// Reads `dir/config.json` (checked by [`HfGpt2Config::read`], the checks the launcher's
-    /// validation makes too) and checks that `dir/model.safetensors` exists.
+    /// validation makes too) and checks that `dir/model.safetensors` holds every tensor of that
+    /// GPT-2 with its shape (its header only: nothing is built yet).
     pub fn open(dir: &Path) -> Result<HfDir, Gpt2Error> {
         let hf = HfGpt2Config::read(dir).map_err(Gpt2Error::Dir)?;
         let config: Config = serde_json::from_value(hf.json)
             .map_err(|e| Gpt2Error::Dir(format!("{}: {e}", hf.path.display())))?;
         let weights = dir.join("model.safetensors");
-        if !weights.is_file() {
-            return Err(Gpt2Error::Dir(format!(
-                "{} is missing (only safetensors weights are read)",
-                weights.display()
-            )));
+        match check_weights(&weights, &config) {
+            Ok(()) => Ok(HfDir { config, weights }),
+            Err(Gpt2Error::Input(common::files::InputError::Missing { .. })) => {
+                Err(Gpt2Error::Dir(format!(
+                    "{} is missing (only safetensors weights are read)",
+                    weights.display()
+                )))
+            }
+            Err(e @ Gpt2Error::Input(_)) => Err(e),
+            Err(e) => Err(Gpt2Error::Dir(format!("{}: {e}", weights.display()))),
         }
-        Ok(HfDir { config, weights })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::gpt2::expected_shapes;
+    use tch::{Device, Kind, Tensor};
+
+    /// Zero weights of every tensor a GPT-2 of `config` has, as `transformers` names them.
+    fn write_weights(path: &Path, config: &str) {
+        let config: Config = serde_json::from_str(config).unwrap();
+        let tensors: Vec<(String, Tensor)> = expected_shapes(&config)
+            .into_iter()
+            .map(|(n, s)| {
+                let t = Tensor::zeros(s.as_slice(), (Kind::Float, Device::Cpu));
+                (format!("transformer.{n}"), t)
+            })
+            .collect();
+        Tensor::write_safetensors(&tensors, path).unwrap();
+    }
 
     fn dir_with(config: &str, weights: bool) -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("config.json"), config).unwrap();
         if weights {
-            std::fs::write(dir.path().join("model.safetensors"), b"").unwrap();
+            write_weights(&dir.path().join("model.safetensors"), GPT2);
         }
         dir
     }
@@ -73,5 +95,52 @@ mod tests {
         assert!(err(&broken).contains("config.json: not JSON"));
         let empty = tempfile::tempdir().unwrap();
         assert!(err(&empty).contains("config.json"));
+    }
+
+    /// A config.json that disagrees with its weights is refused from the header alone: a
+    /// width of 4096 would allocate 1.6 GB before the loader could compare shapes.
+    #[test]
+    fn a_config_that_disagrees_with_its_weights_is_refused_before_anything_is_built() {
+        let err = |config: &str| {
+            let dir = dir_with(&GPT2.replace("\"n_embd\": 32", config), true);
+            HfDir::open(dir.path()).unwrap_err().to_string()
+        };
+        let e = err("\"n_embd\": 4096");
+        assert!(
+            e.contains(
+                "model.safetensors: wte.weight: shape [96, 4096] expected, file has [96, 32]"
+            ),
+            "{e}"
+        );
+        let dir = dir_with(&GPT2.replace("\"n_layer\": 2", "\"n_layer\": 3"), true);
+        let e = HfDir::open(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("tensors missing from the file: h.2.ln_1.weight, h.2.ln_1.bias")
+                && e.ends_with(", and 4 more"),
+            "{e}"
+        );
+        let e = err("\"n_embd\": 65536");
+        assert!(e.contains("parameters, more than the"), "{e}");
+    }
+
+    #[test]
+    fn weights_that_are_a_fifo_or_not_safetensors_are_refused_at_once() {
+        let dir = dir_with(GPT2, false);
+        let weights = dir.path().join("model.safetensors");
+        let c = std::ffi::CString::new(weights.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = HfDir::open(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.ends_with("model.safetensors: is a FIFO, not a file"),
+            "{e}"
+        );
+        std::fs::remove_file(&weights).unwrap();
+        std::fs::write(&weights, b"").unwrap();
+        let e = HfDir::open(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("model.safetensors: not a valid safetensors file"),
+            "{e}"
+        );
     }
 }

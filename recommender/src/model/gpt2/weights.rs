@@ -5,8 +5,12 @@
 //! tensor straight into its variable. Peak memory is the model plus at most one tensor: the file
 //! is never held whole, and no second model is built to receive it.
 //!
+//! Also owns [`check_weights`]: the same header checked against a config's shapes before any
+//! model is built, so that a config that disagrees with its weights allocates nothing.
+//!
 //! Must not: change a variable unless every GPT-2 variable is in the file with its shape;
-//! transpose anything (HF's Conv1D weights are stored [in, out], as ours are).
+//! transpose anything (HF's Conv1D weights are stored [in, out], as ours are); block on a FIFO
+//! (the file is opened through `common::files`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -16,7 +20,88 @@ use std::path::Path;
 use serde::Deserialize;
 use tch::{nn, Device, Kind, Tensor};
 
-use super::Gpt2Error;
+use super::{Config, Gpt2Error};
+
+/// Largest weights file opened (GPT-2 XL's is 6.4 GB; the largest model a `config.json` may
+/// describe is 2^33 parameters).
+const MAX_WEIGHTS_FILE: u64 = 1 << 40;
+
+/// The GPT-2 tensors a model of `config` has, by Hugging Face name (without `transformer.`),
+/// with their shapes: the variables [`super::Gpt2::new`] creates.
+pub fn expected_shapes(config: &Config) -> Vec<(String, Vec<i64>)> {
+    let (d, v, p) = (config.n_embd, config.vocab_size, config.n_positions);
+    let mut shapes = vec![
+        ("wte.weight".to_string(), vec![v, d]),
+        ("wpe.weight".to_string(), vec![p, d]),
+    ];
+    let block: [(&str, Vec<i64>); 12] = [
+        ("ln_1.weight", vec![d]),
+        ("ln_1.bias", vec![d]),
+        ("attn.c_attn.weight", vec![d, 3 * d]),
+        ("attn.c_attn.bias", vec![3 * d]),
+        ("attn.c_proj.weight", vec![d, d]),
+        ("attn.c_proj.bias", vec![d]),
+        ("ln_2.weight", vec![d]),
+        ("ln_2.bias", vec![d]),
+        ("mlp.c_fc.weight", vec![d, 4 * d]),
+        ("mlp.c_fc.bias", vec![4 * d]),
+        ("mlp.c_proj.weight", vec![4 * d, d]),
+        ("mlp.c_proj.bias", vec![d]),
+    ];
+    for i in 0..config.n_layer {
+        shapes.extend(
+            block
+                .iter()
+                .map(|(name, shape)| (format!("h.{i}.{name}"), shape.clone())),
+        );
+    }
+    shapes.push(("ln_f.weight".to_string(), vec![d]));
+    shapes.push(("ln_f.bias".to_string(), vec![d]));
+    shapes
+}
+
+/// Checks the safetensors file at `path` (its header only) against a model of `config`: every
+/// GPT-2 tensor present with its shape (the first that differs is named with both shapes).
+/// Nothing is allocated but the header, so a config that disagrees with its weights is
+/// refused before a model is built from it.
+pub fn check_weights(path: &Path, config: &Config) -> Result<(), Gpt2Error> {
+    let (mut file, _) = common::files::open_input(path, MAX_WEIGHTS_FILE)?;
+    let header = read_header(&mut file)?;
+    let found: BTreeMap<&str, &Vec<i64>> = header
+        .iter()
+        .map(|(name, entry)| {
+            let name = name.strip_prefix("transformer.").unwrap_or(name);
+            (name, &entry.shape)
+        })
+        .collect();
+    let mut missing = Vec::new();
+    for (name, expected) in expected_shapes(config) {
+        match found.get(name.as_str()) {
+            None => missing.push(name),
+            Some(shape) if **shape != expected => {
+                return Err(Gpt2Error::Shape {
+                    name,
+                    expected,
+                    found: (*shape).clone(),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    // One line, however many blocks the config says.
+    if missing.len() > MISSING_NAMED {
+        let more = missing.len() - MISSING_NAMED;
+        missing.truncate(MISSING_NAMED);
+        missing.push(format!("and {more} more"));
+    }
+    Err(Gpt2Error::Missing(missing))
+}
+
+/// Missing tensors named in a message at most.
+const MISSING_NAMED: usize = 8;
 
 /// What `load_hf_safetensors` did.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -52,7 +137,7 @@ pub fn load_hf_safetensors(
     prefix: Option<&str>,
     path: &Path,
 ) -> Result<LoadReport, Gpt2Error> {
-    let mut file = File::open(path)?;
+    let (mut file, _) = common::files::open_input(path, MAX_WEIGHTS_FILE)?;
     let header = read_header(&mut file)?;
     let mut report = LoadReport::default();
     let mut by_name: BTreeMap<String, (&String, &Stored)> = BTreeMap::new();
