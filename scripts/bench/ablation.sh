@@ -49,7 +49,7 @@ for v in "${variants[@]}"; do
   rows=""
   for seed in $seeds; do
     name="abl-$(echo "$label" | tr -c 'a-z0-9' '-' | tr -s '-')-s$seed"
-    if ! ./target/release/launch --num-processes "$nproc" "$config" "${sets[@]}" \
+    if ! ./target/release/launch --num-processes "$nproc" --master-port 0 "$config" "${sets[@]}" \
         --set "run.seed=$seed" --set "run.name=\"$name\"" --set "run.output_dir=\"$out\"" "$@" \
         >"$out/$name.log" 2>&1; then
       echo "ablation: $name failed; see $out/$name.log" >&2

@@ -47,7 +47,7 @@ for model in $models; do
       sets=(--set "model.kind=\"$model\"" --set "train.lr=$lr" --set "run.name=\"$name\""
             --set "run.output_dir=\"$out\"")
       [ "$tl2" != - ] && sets+=(--set "model.text_l2=$tl2")
-      if ! ./target/release/launch --num-processes "$nproc" "$config" "${sets[@]}" "$@" \
+      if ! ./target/release/launch --num-processes "$nproc" --master-port 0 "$config" "${sets[@]}" "$@" \
           >"$out/$name.log" 2>&1; then
         echo "tune: $name failed; see $out/$name.log" >&2
         continue
