@@ -113,6 +113,18 @@ pub struct DataConfig {
     /// their interactions (`cold_users` in `metrics.jsonl`). Default: `0` (none).
     #[serde(skip_serializing_if = "is_zero")]
     pub cold_users: f64,
+    /// Seed of the train/valid/test split and of the cold-start hold-outs. Default: unset
+    /// (`run.seed`). Set it to keep one split while `run.seed` varies the model's
+    /// initialisation and sampling, e.g. to average over seeds on one split.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split_seed: Option<u64>,
+}
+
+impl DataConfig {
+    /// The seed the split uses: `split_seed`, else `run_seed`.
+    pub fn split_seed_or(&self, run_seed: u64) -> u64 {
+        self.split_seed.unwrap_or(run_seed)
+    }
 }
 
 fn is_default<T: Default + PartialEq>(x: &T) -> bool {
@@ -131,6 +143,7 @@ impl Default for DataConfig {
             min_rating: 3,
             cold_items: 0.0,
             cold_users: 0.0,
+            split_seed: None,
         }
     }
 }
@@ -1342,7 +1355,7 @@ timeout_s = 60
                 .map(|n| n.min(dims.n_layer as u32));
             Config {
                 run: RunConfig { name, output_dir, seed },
-                data: DataConfig { dir, synthetic, min_rating, cold_items, cold_users },
+                data: DataConfig { dir, synthetic, min_rating, cold_items, cold_users, split_seed: None },
                 model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },

@@ -43,21 +43,7 @@ fn main() {
 
 fn launch(cli: &Cli) -> i32 {
     if cli.dry_run {
-        return match Plan::from_cli(cli) {
-            Ok(plan) => {
-                // `launch --dry-run ... | head` must not panic on the closed pipe.
-                let _ = std::io::stdout()
-                    .lock()
-                    .write_all(plan.describe().as_bytes());
-                // The plan is shown even when a file it needs is missing; the exit code says
-                // that it would not start.
-                match preflight_of(&plan) {
-                    Ok(()) => 0,
-                    Err(e) => bad_input(&e),
-                }
-            }
-            Err(e) => bad_input(&e),
-        };
+        return dry_run(cli);
     }
     // An inherited SIG_IGN for SIGCHLD would make the kernel reap workers behind our back.
     // SAFETY: restoring a default disposition is always sound.
@@ -142,6 +128,24 @@ fn launch(cli: &Cli) -> i32 {
         elastic::run(&plan, watchdog, events)
     } else {
         supervisor::run(&plan, watchdog, events)
+    }
+}
+
+/// `--dry-run`: the plan on stdout, started nothing. It is shown even when a file it needs is
+/// missing; the exit code (2, with the pre-flight's line) says that it would not start.
+fn dry_run(cli: &Cli) -> i32 {
+    match Plan::from_cli(cli) {
+        Ok(plan) => {
+            // `launch --dry-run ... | head` must not panic on the closed pipe.
+            let _ = std::io::stdout()
+                .lock()
+                .write_all(plan.describe().as_bytes());
+            match preflight_of(&plan) {
+                Ok(()) => 0,
+                Err(e) => bad_input(&e),
+            }
+        }
+        Err(e) => bad_input(&e),
     }
 }
 

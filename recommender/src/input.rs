@@ -156,7 +156,7 @@ pub fn load_data(
     Ok(RecData::from_raw(
         &raw,
         config.data.min_rating,
-        config.run.seed,
+        config.data.split_seed_or(config.run.seed),
         cold,
         dir,
         format,

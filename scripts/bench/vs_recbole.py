@@ -258,18 +258,30 @@ def our_pop(log: str) -> dict:
 
 
 def table(args: argparse.Namespace) -> None:
-    rows = [json.load(open(p, encoding="utf-8")) for p in args.files]
-    head = ["model", "Recall@10", "Recall@20", "NDCG@10", "NDCG@20", "wall s", "test users"]
+    """One row per model: the mean of its runs (one per seed), their count, and the range of
+    NDCG@10 over them."""
+    runs = [json.load(open(p, encoding="utf-8")) for p in args.files]
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    head = ["model", "Recall@10", "Recall@20", "NDCG@10", "NDCG@20", "NDCG@10 range", "seeds",
+            "wall s", "test users"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for r in rows:
-        cells = [r["model"]] + [fmt(r["test"].get(m)) for m in METRICS]
-        wall = r.get("wall_s")
-        cells += ["-" if wall is None or math.isnan(wall) else f"{wall:.0f}", str(r.get("test_users", "?"))]
+    mean_ndcg = {}
+    for model in models:
+        rows = [r for r in runs if r["model"] == model]
+        mean = {m: sum(r["test"][m] for r in rows) / len(rows) for m in METRICS}
+        mean_ndcg[model] = mean["ndcg@10"]
+        ndcgs = [r["test"]["ndcg@10"] for r in rows]
+        walls = [r.get("wall_s") for r in rows if r.get("wall_s") is not None]
+        walls = [w for w in walls if not math.isnan(w)]
+        cells = [model] + [fmt(mean[m]) for m in METRICS]
+        cells += [f"{min(ndcgs):.4f}-{max(ndcgs):.4f}", str(len(rows)),
+                  f"{sum(walls) / len(walls):.0f}" if walls else "-",
+                  str(rows[0].get("test_users", "?"))]
         print("| " + " | ".join(cells) + " |")
-    by = {r["model"]: r["test"].get("ndcg@10") for r in rows}
-    for ours_name, theirs in [("ours bpr", "RecBole BPR"), ("ours gpt2rec", "RecBole LightGCN")]:
-        a, b = by.get(ours_name), by.get(theirs)
+    for ours_name, theirs in [("ours bpr", "RecBole BPR"), ("ours gpt2rec", "RecBole LightGCN"),
+                              ("ours gpt2rec", "RecBole BPR")]:
+        a, b = mean_ndcg.get(ours_name), mean_ndcg.get(theirs)
         if a is None or b is None:
             continue
         print(f"NDCG@10: {ours_name} {a:.4f} vs {theirs} {b:.4f} ({(a / b - 1) * 100:+.1f}%)")

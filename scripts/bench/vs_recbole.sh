@@ -10,7 +10,9 @@
 #   BENCH_OUT     where everything goes (default: runs/vs_recbole; wiped of earlier runs' results)
 #   GPTREC_CACHE  the cache (default: ${XDG_CACHE_HOME:-$HOME/.cache}/gptrec): ML-100k, the torch
 #                 2.11.0 venv of scripts/setup.sh, and RecBole's venv (recbole-1.2.1/, made once)
-#   SEED          RecBole's seed (default 42; ours is the config's run.seed, 42)
+#   SEEDS         seeds of the models' initialisation and sampling, one run per model and seed
+#                 (default "42"; e.g. "42 1 2" for a mean and a range); the split stays the one
+#                 of seed 42 (ours through data.split_seed)
 #   MODELS        what to run (default: "ours-bpr ours-gpt2rec pop pop-exact bpr lightgcn"; the
 #                 table shows what $BENCH_OUT/results holds from this run)
 #   SKIP_BUILD    1: use the binaries in target/release as they are (no cargo build)
@@ -59,14 +61,15 @@ set -eu
 cd "$(dirname "$0")/../.."
 cache="${GPTREC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gptrec}"
 out="${BENCH_OUT:-runs/vs_recbole}"
-seed="${SEED:-42}"
+seeds="${SEEDS:-42}"
+split_seed=42
 models="${MODELS:-ours-bpr ours-gpt2rec pop pop-exact bpr lightgcn}"
 config=configs/ml-100k.toml
 name=ml100k
 recbole_version=1.2.1
 rvenv="$cache/recbole-$recbole_version"
 helper=scripts/bench/vs_recbole.py
-no_cold=(--set data.cold_items=0 --set data.cold_users=0)
+no_cold=(--set data.cold_items=0 --set data.cold_users=0 --set data.split_seed=$split_seed)
 
 # (a) the data, (b) the build and the split.
 bash scripts/data/ml100k.sh
@@ -110,55 +113,60 @@ echo "RecBole $("$rvenv/bin/python" -c 'import recbole; print(recbole.__version_
 # Pop with each positive counted once (RecBole's own counts an item once per batch, negatives
 # included; see exact_pop_counts in the helper): it shows the split and the metrics agree, as
 # it matches our popularity baseline but for ties.
-recbole() { # TAG MODEL [HELPER ARGS...]
-  local tag=$1 model=$2
-  shift 2
-  echo "vs_recbole: RecBole $tag"
+recbole() { # TAG MODEL SEED [HELPER ARGS...]
+  local tag=$1 model=$2 seed=$3
+  shift 3
+  echo "vs_recbole: RecBole $tag, seed $seed"
+  local log="$out/recbole-$tag-s$seed.log"
   if ! "$rvenv/bin/python" "$helper" recbole --model "$model" "$@" \
     --data-path "$out/recbole-data" --dataset "$name" --workdir "$out/recbole-work" \
-    --seed "$seed" --out "$out/results/recbole-$tag.json" >"$out/recbole-$tag.log" 2>&1; then
-    echo "RecBole $tag failed: see $out/recbole-$tag.log" >&2
-    tail -5 "$out/recbole-$tag.log" >&2
+    --seed "$seed" --out "$out/results/recbole-$tag-s$seed.json" >"$log" 2>&1; then
+    echo "RecBole $tag failed: see $log" >&2
+    tail -5 "$log" >&2
     exit 1
   fi
 }
 
 # (e) ours: 2 processes, the config as it is but for cold start (off) and a fresh start. The bpr
 # run's log also gives our popularity baseline's test line (evaluated in every run).
-ours() { # KIND
-  local kind=$1 run="ours-$1" start end
-  echo "vs_recbole: ours $kind"
+ours() { # KIND SEED
+  local kind=$1 seed=$2 run="ours-$1-s$2" start end
+  echo "vs_recbole: ours $kind, seed $seed"
   start=$(date +%s.%N)
   if ! target/release/launch --num-processes 2 --master-port 0 "$config" "${no_cold[@]}" \
     --set model.kind=\""$kind"\" --set run.output_dir=\""$out"\" --set run.name=\""$run"\" \
-    --set checkpoint.resume=\"never\" >"$out/$run.log" 2>&1; then
+    --set checkpoint.resume=\"never\" --set run.seed="$seed" >"$out/$run.log" 2>&1; then
     echo "ours $kind failed: see $out/$run.log" >&2
     tail -5 "$out/$run.log" >&2
     exit 1
   fi
   end=$(date +%s.%N)
   local pop=()
-  [ "$kind" = bpr ] && pop=(--log "$out/$run.log" --pop-out "$out/results/ours-pop.json")
+  [ "$kind" = bpr ] && pop=(--log "$out/$run.log" --pop-out "$out/results/ours-pop-s$seed.json")
   python3 "$helper" ours --run-dir "$out/$run" --model "$kind" "${pop[@]}" \
     --wall-s "$(python3 -c "print($end - $start)")" --out "$out/results/$run.json"
 }
 
 for m in $models; do
-  case $m in
-    pop) recbole Pop Pop ;;
-    pop-exact) recbole Pop-exact Pop --exact-pop ;;
-    bpr) recbole BPR BPR ;;
-    lightgcn) recbole LightGCN LightGCN ;;
-    ours-bpr) ours bpr ;;
-    ours-gpt2rec) ours gpt2rec ;;
-    *) echo "vs_recbole: unknown model $m (ours-bpr, ours-gpt2rec, pop, pop-exact, bpr, lightgcn)" >&2; exit 2 ;;
-  esac
+  for s in $seeds; do
+    case $m in
+      pop) recbole Pop Pop "$s" ;;
+      pop-exact) recbole Pop-exact Pop "$s" --exact-pop ;;
+      bpr) recbole BPR BPR "$s" ;;
+      lightgcn) recbole LightGCN LightGCN "$s" ;;
+      ours-bpr) ours bpr "$s" ;;
+      ours-gpt2rec) ours gpt2rec "$s" ;;
+      *) echo "vs_recbole: unknown model $m (ours-bpr, ours-gpt2rec, pop, pop-exact, bpr, lightgcn)" >&2; exit 2 ;;
+    esac
+  done
 done
 
 # (f) the table, ours first.
 results=()
 for f in ours-pop ours-bpr ours-gpt2rec recbole-Pop recbole-Pop-exact recbole-BPR recbole-LightGCN; do
-  [ -f "$out/results/$f.json" ] && results+=("$out/results/$f.json")
+  for s in $seeds; do
+    [ -f "$out/results/$f-s$s.json" ] && results+=("$out/results/$f-s$s.json")
+  done
 done
 echo
 python3 "$helper" table "${results[@]}"

@@ -151,3 +151,57 @@ fn cold_start_and_bad_names_are_refused_in_one_line() {
     assert_eq!(bad.stderr.trim().lines().count(), 1, "{}", bad.stderr);
     assert!(!tmp.path().join("split").exists(), "nothing written");
 }
+
+/// The three files' bytes.
+fn split_files(dir: &Path, name: &str) -> Vec<Vec<u8>> {
+    ["train", "valid", "test"]
+        .iter()
+        .map(|part| std::fs::read(dir.join(format!("{name}.{part}.inter"))).unwrap())
+        .collect()
+}
+
+#[test]
+fn data_split_seed_keeps_the_split_while_run_seed_changes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let no_cold = ["--set", "data.cold_items=0", "--set", "data.cold_users=0"];
+    let export = |dir: &str, extra: &[&str]| {
+        let mut args: Vec<&str> = no_cold.to_vec();
+        args.extend(extra);
+        args.extend(["--out", dir, "--name", "s"]);
+        let out = export_split(tmp.path(), &args);
+        out.assert_code(0);
+    };
+    let first = tmp.path().join("first").display().to_string();
+    export(&first, &[]);
+    // The same data (the first export generated it at run.seed 42) under another run.seed.
+    let data = ratings_file(tmp.path());
+    let set_data = format!(
+        "data.dir={:?}",
+        data.parent().unwrap().display().to_string()
+    );
+    let kept = tmp.path().join("kept").display().to_string();
+    export(
+        &kept,
+        &[
+            "--set",
+            &set_data,
+            "--set",
+            "run.seed=5",
+            "--set",
+            "data.split_seed=42",
+        ],
+    );
+    let moved = tmp.path().join("moved").display().to_string();
+    export(&moved, &["--set", &set_data, "--set", "run.seed=5"]);
+    let files = |d: &str| split_files(Path::new(d), "s");
+    assert_eq!(
+        files(&first),
+        files(&kept),
+        "split_seed 42 is run.seed 42's split"
+    );
+    assert_ne!(
+        files(&first),
+        files(&moved),
+        "run.seed alone moves the split"
+    );
+}
