@@ -473,30 +473,24 @@ impl Default for CheckpointConfig {
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
 /// A config file's text. A FIFO, a device or a directory is refused without blocking on it
-/// (opened non-blocking, checked through the open handle), as is a file over 1 MiB.
+/// (`crate::files`), as is a file over 1 MiB.
 fn read_config_text(path: &Path) -> std::io::Result<String> {
+    use crate::files::InputError;
     use std::io::Read as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    // O_NONBLOCK, so that opening a FIFO with no writer returns at once.
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)?;
-    let meta = file.metadata()?;
-    if !meta.is_file() {
-        let what = if meta.is_dir() {
-            "a directory"
-        } else {
-            "not a regular file (a FIFO, socket or device)"
-        };
-        return Err(std::io::Error::other(format!("it is {what}")));
-    }
-    if meta.len() > MAX_CONFIG_BYTES {
-        return Err(std::io::Error::other(format!(
-            "it is {} bytes, more than a config's {MAX_CONFIG_BYTES}",
-            meta.len()
-        )));
-    }
+    let (file, _) = crate::files::open_input(path, MAX_CONFIG_BYTES).map_err(|e| match e {
+        InputError::Missing { .. } => std::io::Error::from_raw_os_error(libc::ENOENT),
+        InputError::NotAFile {
+            what: "a directory",
+            ..
+        } => std::io::Error::other("it is a directory"),
+        InputError::NotAFile { .. } => {
+            std::io::Error::other("it is not a regular file (a FIFO, socket or device)")
+        }
+        InputError::TooLarge { size, max, .. } => {
+            std::io::Error::other(format!("it is {size} bytes, more than a config's {max}"))
+        }
+        InputError::Io { error, .. } => error,
+    })?;
     let mut text = String::new();
     file.take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
     Ok(text)

@@ -6,9 +6,7 @@
 //! Must not: parse the data or the weights (the worker does), write or create anything, or
 //! block: a FIFO is opened non-blocking and refused.
 
-use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 
 use common::assets::{fetch_hint, AssetKind};
@@ -101,35 +99,20 @@ fn check_weights(weights: &Path) -> Result<(), PreflightError> {
     Ok(())
 }
 
-/// A file a worker will read: there, readable, a regular file, not empty, not enormous.
+/// A file a worker will read: there, readable, a regular file (opened without blocking, by
+/// `common::files`), not empty, not enormous.
 fn check_file(path: &Path) -> Result<(), String> {
-    let file: File = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| io_problem(&e, "no such file"))?;
-    let meta = file.metadata().map_err(|e| io_problem(&e, "cannot stat"))?;
-    let kind = meta.file_type();
-    if !kind.is_file() {
-        let what = if kind.is_dir() {
-            "a directory"
-        } else if kind.is_fifo() {
-            "a FIFO"
-        } else if kind.is_char_device() || kind.is_block_device() {
-            "a device"
-        } else {
-            "not a regular file"
-        };
-        return Err(format!("is {what}, not a file"));
-    }
-    if meta.len() == 0 {
+    use common::files::InputError;
+    let (_, len) = common::files::open_input(path, MAX_INPUT_BYTES).map_err(|e| match e {
+        InputError::Missing { .. } => "no such file".to_string(),
+        InputError::NotAFile { what, .. } => format!("is {what}, not a file"),
+        InputError::TooLarge { size, max, .. } => {
+            format!("is {size} bytes, more than the {max} allowed")
+        }
+        InputError::Io { error, .. } => io_problem(&error, "no such file"),
+    })?;
+    if len == 0 {
         return Err("is empty".into());
-    }
-    if meta.len() > MAX_INPUT_BYTES {
-        return Err(format!(
-            "is {} bytes, more than the {MAX_INPUT_BYTES} allowed",
-            meta.len()
-        ));
     }
     Ok(())
 }

@@ -330,19 +330,42 @@ fn fast_rating(line: &[u8]) -> Option<(u32, u32, u8, u64)> {
     ))
 }
 
-/// Reads and validates `users.dat`, `movies.dat` and `ratings.dat` from `dir`.
-pub fn read_ml1m(dir: &Path) -> Result<RawData, DataError> {
-    let up = dir.join("users.dat");
-    let mp = dir.join("movies.dat");
-    let rp = dir.join("ratings.dat");
-    let users = parse_users(&up, &read_file(&up)?)?;
-    let movies = parse_movies(&mp, &read_file(&mp)?)?;
+/// A ratings parser: the file's path and bytes, the known users and movies.
+pub(super) type ParseRatings = fn(&Path, &[u8], &IdSet, &IdSet) -> Result<Vec<Rating>, DataError>;
+
+/// The three parsers of one layout.
+pub(super) struct Parsers {
+    pub(super) users: fn(&Path, &[u8]) -> Result<Vec<User>, DataError>,
+    pub(super) movies: fn(&Path, &[u8]) -> Result<Vec<Movie>, DataError>,
+    pub(super) ratings: ParseRatings,
+}
+
+/// Reads and validates the files of `format` from `dir`: users and movies first, then the
+/// ratings, each of which must name a known user and movie.
+pub(super) fn read_layout(
+    dir: &Path,
+    format: DataFormat,
+    parse: Parsers,
+) -> Result<RawData, DataError> {
+    let [rp, up, mp] = format.files().map(|f| dir.join(f));
+    let users = (parse.users)(&up, &read_file(&up)?)?;
+    let movies = (parse.movies)(&mp, &read_file(&mp)?)?;
     let user_ok = IdSet::new(users.iter().map(|u| u.id));
     let movie_ok = IdSet::new(movies.iter().map(|m| m.id));
-    let ratings = parse_ratings(&rp, &read_file(&rp)?, &user_ok, &movie_ok)?;
+    let ratings = (parse.ratings)(&rp, &read_file(&rp)?, &user_ok, &movie_ok)?;
     Ok(RawData {
         users,
         movies,
         ratings,
     })
+}
+
+/// Reads and validates `users.dat`, `movies.dat` and `ratings.dat` from `dir`.
+pub fn read_ml1m(dir: &Path) -> Result<RawData, DataError> {
+    let parse = Parsers {
+        users: parse_users,
+        movies: parse_movies,
+        ratings: parse_ratings,
+    };
+    read_layout(dir, DataFormat::Ml1m, parse)
 }

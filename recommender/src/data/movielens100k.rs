@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use super::movielens::{latin1, lines, read_file, title_year, Ctx, IdSet};
+use super::movielens::{latin1, lines, read_layout, title_year, Ctx, IdSet, Parsers};
 use super::*;
 
 /// The genre of `u.item`'s flag `k` (0..19): `unknown`, then ML-1M's 18 in their order.
@@ -142,19 +142,12 @@ fn parse_ratings(
 
 /// Reads and validates `u.user`, `u.item` and `u.data` from `dir`.
 pub fn read_ml100k(dir: &Path) -> Result<RawData, DataError> {
-    let up = dir.join("u.user");
-    let ip = dir.join("u.item");
-    let rp = dir.join("u.data");
-    let users = parse_users(&up, &read_file(&up)?)?;
-    let movies = parse_items(&ip, &read_file(&ip)?)?;
-    let user_ok = IdSet::new(users.iter().map(|u| u.id));
-    let movie_ok = IdSet::new(movies.iter().map(|m| m.id));
-    let ratings = parse_ratings(&rp, &read_file(&rp)?, &user_ok, &movie_ok)?;
-    Ok(RawData {
-        users,
-        movies,
-        ratings,
-    })
+    let parse = Parsers {
+        users: parse_users,
+        movies: parse_items,
+        ratings: parse_ratings,
+    };
+    read_layout(dir, DataFormat::Ml100k, parse)
 }
 
 #[cfg(test)]
