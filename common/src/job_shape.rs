@@ -31,6 +31,96 @@ pub enum NumProcesses {
 
 /// More workers than this on one node is a typo, not a plan.
 pub const MAX_PROCESSES: u32 = 1024;
+/// The most nodes a job may have (`--nnodes`, `PET_NNODES`, Slurm's node counts).
+pub const MAX_NODES: u32 = 65_536;
+/// The most workers a job may have in all (nodes x processes per node).
+pub const MAX_WORLD: u32 = 1 << 20;
+
+/// What a count counts. [`Count::parse`] and [`Count::at_most`] are the one place node and
+/// process counts are bounded, whichever flag or variable they come from, so a typo such as
+/// `--nnodes 1:4000000000` is one line, never a table of 4 billion nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Count {
+    /// Nodes in the job: at most [`MAX_NODES`].
+    Nodes,
+    /// Processes (or GPUs) on one node: at most [`MAX_PROCESSES`].
+    Processes,
+    /// Processes in the job: at most [`MAX_WORLD`].
+    World,
+}
+
+/// Why a written count was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CountError {
+    /// Not a whole number (each caller says what it expected instead).
+    NotANumber,
+    /// A number above the limit: the reason, naming the value and the limit.
+    TooMany(String),
+}
+
+impl Count {
+    pub fn limit(self) -> u32 {
+        match self {
+            Count::Nodes => MAX_NODES,
+            Count::Processes => MAX_PROCESSES,
+            Count::World => MAX_WORLD,
+        }
+    }
+
+    fn noun(self) -> &'static str {
+        match self {
+            Count::Nodes => "nodes",
+            Count::Processes => "processes on one node",
+            Count::World => "processes in the job",
+        }
+    }
+
+    /// `n` when it is within the limit; else the reason, e.g. `4000000000 nodes is more than
+    /// launch supports (at most 65536)`.
+    pub fn at_most(self, n: u64) -> Result<u32, String> {
+        self.check(n, &n.to_string())
+    }
+
+    /// A whole number (`0` included: callers that need one say so) within the limit, however
+    /// many digits it has.
+    pub fn parse(self, text: &str) -> Result<u32, CountError> {
+        let text = text.trim();
+        let digits = text.strip_prefix('+').unwrap_or(text);
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(CountError::NotANumber);
+        }
+        // Past u64 is past any limit: saturate, the message shows the text.
+        let n = digits.parse::<u64>().unwrap_or(u64::MAX);
+        self.check(n, digits).map_err(CountError::TooMany)
+    }
+
+    fn check(self, n: u64, shown: &str) -> Result<u32, String> {
+        match u32::try_from(n) {
+            Ok(n) if n <= self.limit() => Ok(n),
+            _ => Err(format!(
+                "{shown} {} is more than launch supports (at most {})",
+                self.noun(),
+                self.limit()
+            )),
+        }
+    }
+}
+
+/// The job's world, `nnodes` x `nproc`, within [`MAX_WORLD`]: else one line naming both
+/// counts, where each came from, and the limit.
+pub fn check_world(
+    nnodes: &Sourced<u32>,
+    nproc: u32,
+    nproc_source: &Source,
+) -> Result<u32, ShapeError> {
+    let world = u64::from(nnodes.value) * u64::from(nproc);
+    Count::World.at_most(world).map_err(|why| {
+        ShapeError(format!(
+            "{} node(s) ({}) x {nproc} process(es) per node ({nproc_source}): {why}",
+            nnodes.value, nnodes.source
+        ))
+    })
+}
 
 /// torchrun's default rendezvous port.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -46,13 +136,11 @@ pub fn parse_num_processes(text: &str) -> Result<NumProcesses, String> {
     match text.trim() {
         "auto" | "gpu" => Ok(NumProcesses::Auto),
         "cpu" => Ok(NumProcesses::Cpu),
-        other => match other.parse::<u32>() {
+        other => match Count::Processes.parse(other) {
             Ok(0) => Err("must be at least 1".to_string()),
-            Ok(n) if n > MAX_PROCESSES => Err(format!(
-                "{n} processes on one node is more than the {MAX_PROCESSES} `launch` supports"
-            )),
             Ok(n) => Ok(NumProcesses::Count(n)),
-            Err(_) => Err(format!(
+            Err(CountError::TooMany(why)) => Err(why),
+            Err(CountError::NotANumber) => Err(format!(
                 "expected a positive number, `auto`, `gpu` or `cpu`, got {other:?}"
             )),
         },
@@ -577,7 +665,7 @@ impl SlurmStep {
             &["SLURM_NNODES", "SLURM_JOB_NUM_NODES"],
         ) {
             Some((name, text)) => Sourced::new(
-                slurm_number::<u32>(text, name)?.max(1),
+                slurm_count(text, name, Count::Nodes)?.max(1),
                 Source::Slurm(format!("{name}={text}")),
             ),
             None => Sourced::new(1, Source::Slurm("(no node count: 1 node)".into())),
@@ -623,7 +711,10 @@ impl SlurmStep {
             "SLURM_STEP_NUM_TASKS",
             &["SLURM_NTASKS", "SLURM_NPROCS"],
         ) {
-            Some((name, text)) => Some((slurm_number(text, name)?, format!("{name}={text}"))),
+            Some((name, text)) => Some((
+                slurm_count(text, name, Count::World)?,
+                format!("{name}={text}"),
+            )),
             None => None,
         };
         Ok(Some(SlurmStep {
@@ -665,6 +756,13 @@ fn slurm_gpus(env: &Env, in_step: bool) -> Result<Option<SlurmGpus>, ShapeError>
         "SLURM_JOB_GPUS"
     };
     if let Some((name, text)) = first_var(env, &[list_var]) {
+        // Counted before any is kept: the list's length is bounded like every GPU count.
+        let listed = text.split(',').filter(|s| !s.trim().is_empty()).count() as u64;
+        Count::Processes.at_most(listed).map_err(|why| {
+            ShapeError(format!(
+                "environment variable {name} (set by Slurm) lists {listed} GPUs: {why}"
+            ))
+        })?;
         let ids = split_ids(text);
         if !ids.is_empty() {
             return Ok(Some(SlurmGpus {
@@ -675,7 +773,7 @@ fn slurm_gpus(env: &Env, in_step: bool) -> Result<Option<SlurmGpus>, ShapeError>
         }
     }
     Ok(match first_var(env, &["SLURM_GPUS_ON_NODE"]) {
-        Some((name, text)) => match slurm_number::<u32>(text, name)? {
+        Some((name, text)) => match slurm_count(text, name, Count::Processes)? {
             0 => None,
             count => Some(SlurmGpus {
                 count,
@@ -718,12 +816,26 @@ fn first_step_var<'e>(
     from_step.or_else(|| first_var(env, job_vars))
 }
 
-fn slurm_number<T: std::str::FromStr>(text: &str, name: &str) -> Result<T, ShapeError> {
-    text.trim().parse().map_err(|_| {
-        ShapeError(format!(
-            "environment variable {name}={text:?} (set by Slurm) is not a number"
-        ))
+/// A count Slurm gave in `name`, within `count`'s limit.
+fn slurm_count(text: &str, name: &str, count: Count) -> Result<u32, ShapeError> {
+    count.parse(text).map_err(|e| match e {
+        CountError::NotANumber => not_a_slurm_number(text, name),
+        CountError::TooMany(why) => ShapeError(format!(
+            "environment variable {name}={text:?} (set by Slurm): {why}"
+        )),
     })
+}
+
+fn not_a_slurm_number(text: &str, name: &str) -> ShapeError {
+    ShapeError(format!(
+        "environment variable {name}={text:?} (set by Slurm) is not a number"
+    ))
+}
+
+fn slurm_number<T: std::str::FromStr>(text: &str, name: &str) -> Result<T, ShapeError> {
+    text.trim()
+        .parse()
+        .map_err(|_| not_a_slurm_number(text, name))
 }
 
 #[cfg(test)]

@@ -10,6 +10,8 @@
 //!   from flags, Slurm ([`hostlist`]) or torchrun's `PET_*` variables, each with its source;
 //! - the memory estimate ([`memory`]): each term of a worker's memory from the config and the
 //!   batch plan, and the plans that keep the global batch with less memory;
+//! - the job terms ([`job_terms`]): what every node of a job must agree on, and how two
+//!   nodes' terms differ, by key;
 //! - the training plan ([`train_plan`]): a config and its batch plan, resolved once;
 //! - the progress reports workers send `launch` for its live display ([`progress`]);
 //! - the names of the shared-memory segments ([`shm_segments`]) that workers create and the
@@ -31,6 +33,7 @@ pub mod env_contract;
 pub mod files;
 pub mod hostlist;
 pub mod job_shape;
+pub mod job_terms;
 pub mod memory;
 pub mod progress;
 pub mod shm_segments;

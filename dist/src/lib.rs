@@ -5,8 +5,10 @@
 //! learning-rate schedule (`optim`), checkpoints (`checkpoint`), the shared generator (`rng`)
 //! and the few CUDA runtime calls it makes itself (`cuda_runtime`). It must not know about
 //! recommenders, data sets or metrics: the worker's trainer wires a model to it, and the
-//! `ddp-fixture` trains a plain MLP through it.
+//! `ddp-fixture` trains a plain MLP through it. Before any collective of a multi-node job,
+//! `agreement` checks that every rank runs the same job (terms the caller gives).
 
+pub mod agreement;
 pub mod checkpoint;
 pub mod clip;
 pub mod collective;

@@ -20,8 +20,9 @@ use clap::Parser;
     after_help = "Examples:\n  launch --num-processes 2 configs/default.toml\n  launch --num-processes auto configs/train.toml\n  launch --dry-run --num-processes 8 configs/train.toml\n  launch --num-processes 2 -- python my_script.py"
 )]
 pub struct Cli {
-    /// Workers on this node: a number, `auto` (= visible GPUs, 1 without GPUs), `gpu` (same) or
-    /// `cpu` (= CPU cores). Default: the GPUs Slurm gave the step, `PET_NPROC_PER_NODE`, or 1.
+    /// Workers on this node: a number up to 1024, `auto` (= visible GPUs, 1 without GPUs), `gpu`
+    /// (same) or `cpu` (= CPU cores). Default: the GPUs Slurm gave the step,
+    /// `PET_NPROC_PER_NODE`, or 1. A job has at most 1,048,576 workers in all.
     #[arg(
         long = "num-processes",
         visible_alias = "nproc-per-node",
@@ -38,8 +39,8 @@ pub struct Cli {
     pub gpu_ids: Option<GpuIds>,
 
     /// Number of nodes in the job: `N`, or `MIN:MAX` for an elastic job (nodes may leave and
-    /// join; the group re-forms at each change, keeping the global batch). Default: Slurm's
-    /// step, `PET_NNODES`, or 1.
+    /// join; the group re-forms at each change, keeping the global batch); at most 65,536.
+    /// Default: Slurm's step, `PET_NNODES`, or 1.
     #[arg(long, value_name = "N|MIN:MAX", value_parser = parse_node_range)]
     pub nnodes: Option<NodeRange>,
 
@@ -144,9 +145,29 @@ pub struct Cli {
 }
 
 use common::job_shape::{
-    parse_node_range, parse_num_processes, parse_rdzv_conf, parse_secs, NodeRange,
+    parse_node_range, parse_num_processes, parse_rdzv_conf, parse_secs, Count, NodeRange,
 };
 pub use common::job_shape::{NumProcesses, MAX_PROCESSES};
+
+/// The command line, or the process's end: a bad value is one line, `launch: error: ...`,
+/// exit 2; `--help`, `--version` and other usage errors print as clap prints them.
+pub fn parse() -> Cli {
+    let error = match Cli::try_parse() {
+        Ok(cli) => return cli,
+        Err(error) => error,
+    };
+    if error.kind() != clap::error::ErrorKind::ValueValidation {
+        error.exit();
+    }
+    eprintln!("launch: {}", one_line(&error.render().to_string()));
+    std::process::exit(2);
+}
+
+/// clap's rendering of a bad value without its hint, on one line (a value may hold newlines).
+fn one_line(rendered: &str) -> String {
+    let error = rendered.split("\n\nFor more information").next();
+    error.unwrap_or_default().trim_end().replace('\n', "\\n")
+}
 
 /// `--gpu-ids` as written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -162,6 +183,10 @@ fn parse_gpu_ids(text: &str) -> Result<GpuIds, String> {
     if text == "all" {
         return Ok(GpuIds::All);
     }
+    let listed = text.split(',').count() as u64;
+    Count::Processes
+        .at_most(listed)
+        .map_err(|why| format!("{listed} GPUs listed: {why}"))?;
     let mut ids = Vec::new();
     for item in text.split(',').map(str::trim) {
         let id: u32 = item.parse().map_err(|_| {
@@ -171,9 +196,6 @@ fn parse_gpu_ids(text: &str) -> Result<GpuIds, String> {
             return Err(format!("GPU {id} is listed twice in {text:?}"));
         }
         ids.push(id);
-    }
-    if ids.len() > MAX_PROCESSES as usize {
-        return Err(format!("more than {MAX_PROCESSES} GPUs listed"));
     }
     Ok(GpuIds::List(ids))
 }
@@ -303,6 +325,52 @@ mod tests {
         ] {
             assert!(parse(args).is_err(), "{args:?} should fail");
         }
+    }
+
+    /// Counts past the limits name the value and the limit, however many digits they have;
+    /// clap's rendering becomes one line.
+    #[test]
+    fn huge_counts_are_refused_with_the_limit() {
+        for (args, why) in [
+            (
+                &["--nnodes", "1:4000000000"][..],
+                "4000000000 nodes is more than launch supports (at most 65536)",
+            ),
+            (
+                &["--nnodes", "65537"],
+                "65537 nodes is more than launch supports (at most 65536)",
+            ),
+            (
+                &["--nnodes", "99999999999999999999999"],
+                "99999999999999999999999 nodes",
+            ),
+            (
+                &["--num-processes", "1025"],
+                "1025 processes on one node is more than launch supports (at most 1024)",
+            ),
+            (
+                &[
+                    "--gpu-ids",
+                    &(0..1025)
+                        .map(|i| i.to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                ],
+                "1025 GPUs listed: 1025 processes on one node",
+            ),
+        ] {
+            let error = parse(&[args, &["c.toml"]].concat()).unwrap_err();
+            let line = one_line(&error.render().to_string());
+            assert!(line.starts_with("error: invalid value '"), "{line}");
+            assert!(line.contains(why), "{line}");
+            assert!(!line.contains('\n'), "{line}");
+        }
+        let cli = parse(&["--nnodes", "1:65536", "--num-processes", "1024", "c.toml"]).unwrap();
+        assert_eq!(cli.nnodes, Some(NodeRange { min: 1, max: 65536 }));
+        assert_eq!(
+            one_line("error: invalid value 'a\nb' for '--x': bad\n\nFor more information, try '--help'.\n"),
+            "error: invalid value 'a\\nb' for '--x': bad"
+        );
     }
 
     #[test]

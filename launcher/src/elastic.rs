@@ -47,6 +47,7 @@ impl Rendezvous {
         let server =
             local_endpoint(&host, port).and_then(|at| StoreServer::start(at, &plan.run_id).ok());
         let timeout = elastic.join_timeout.value;
+        let job = plan.job_terms();
         let connect =
             || StoreClient::connect(&addr, &plan.run_id, timeout).map_err(|e| e.to_string());
         let mut store = connect()?;
@@ -59,14 +60,16 @@ impl Rendezvous {
                     elastic.max
                 );
                 let spec = plan.config.as_ref().map(|t| t.config.batch.clone());
-                let nproc = plan.nproc;
                 let terms = Terms {
                     min: elastic.min,
                     max: elastic.max,
                     last_call: elastic.last_call.value,
                     join_timeout: timeout,
                     max_restarts: plan.max_restarts,
-                    feasible: Box::new(move |n| crate::plan::feasible(spec.as_ref(), nproc, n)),
+                    feasible: Box::new(move |world| {
+                        crate::plan::feasible_world(spec.as_ref(), world)
+                    }),
+                    job: job.clone(),
                 };
                 let handle = Coordinator::new(connect()?, terms)
                     .start()
@@ -76,6 +79,7 @@ impl Rendezvous {
             None => None,
         };
         let id = rendezvous::take_id(&mut store).map_err(|e| e.to_string())?;
+        rendezvous::publish_terms(&mut store, id, &job).map_err(|e| e.to_string())?;
         rendezvous::start_heartbeat(connect()?, id, events.clone())
             .map_err(|e| format!("cannot start the heartbeat thread: {e}"))?;
         let node = NodeInfo {
@@ -84,6 +88,7 @@ impl Rendezvous {
             nproc: plan.nproc,
             port: 0,
             host: server.is_some(),
+            terms: common::job_terms::digest(&job),
         };
         let rdzv = Rendezvous {
             addr,
@@ -224,10 +229,22 @@ fn join(
         Ok(round) => Ok(round),
         Err(NotJoined::Signal(sig)) => Err(Ok(supervisor::interrupted(sig))),
         Err(NotJoined::Done(Done::Finished)) => {
-            info!("the job finished before this node could join it");
+            match after {
+                Some(round) => info!(
+                    "the job finished without this node (it left the group after round {round}); nothing left to do here"
+                ),
+                None => info!("the job finished before this node could join it"),
+            }
             Err(Ok(0))
         }
-        Err(NotJoined::Done(Done::Failed(why))) => Err(Err(why)),
+        Err(NotJoined::Done(Done::Failed(why))) => {
+            say_history(&mut rdzv.store);
+            Err(Err(why))
+        }
+        Err(NotJoined::Refused(line)) => {
+            warn!("{line}; start it with the job's config, data and worker build");
+            Err(Ok(2))
+        }
         Err(NotJoined::Store(e)) => {
             warn!("{}", rdzv.lost(&lost.unwrap_or_else(|| e.to_string())));
             Err(Ok(1))
@@ -260,32 +277,62 @@ fn finished(rdzv: &mut Rendezvous, round: u64, id: u64) -> i32 {
         tracing::debug!("could not report the finish: {e}");
     }
     if let Some(coordinator) = rdzv.coordinator.take() {
-        let deadline = std::time::Instant::now() + HOST_LINGER;
-        while !coordinator.is_finished() && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        if !coordinator.is_finished() {
-            warn!(
-                "other nodes did not report their finish within {} s; closing the rendezvous store",
-                HOST_LINGER.as_secs()
-            );
-        }
-        // Nodes still waiting poll twice a second: let them hear that the job is done.
-        std::thread::sleep(Duration::from_millis(500));
+        linger(rdzv, &coordinator, id);
     }
     drop(rdzv.server.take());
     0
 }
 
+/// The host, done: keeps the store up until the coordinator closed the job and every other
+/// launcher has heard it and left (a node dropped while stopped learns the job finished
+/// without it, instead of finding the store gone), at most [`HOST_LINGER`].
+fn linger(rdzv: &mut Rendezvous, coordinator: &std::thread::JoinHandle<()>, id: u64) {
+    let deadline = std::time::Instant::now() + HOST_LINGER;
+    let others = |rdzv: &mut Rendezvous| rendezvous::others_connected(&mut rdzv.store, id);
+    while std::time::Instant::now() < deadline
+        && (!coordinator.is_finished() || others(rdzv).is_ok_and(|n| n > 0))
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if !coordinator.is_finished() {
+        warn!(
+            "other nodes did not report their finish within {} s; closing the rendezvous store",
+            HOST_LINGER.as_secs()
+        );
+    } else if let Ok(n @ 1..) = others(rdzv) {
+        warn!(
+            "{n} other node(s) still connected {} s after the job finished; closing the rendezvous store",
+            HOST_LINGER.as_secs()
+        );
+    }
+    let rounds = rendezvous::history(&mut rdzv.store);
+    if rounds.len() > 1 {
+        info!("the job's rounds: {}", rounds.join("; "));
+    }
+}
+
+/// The job's rounds and how each ended, in one line (on a failure).
+fn say_history(store: &mut StoreClient) {
+    let rounds = rendezvous::history(store);
+    if !rounds.is_empty() {
+        warn!("the job's rounds: {}", rounds.join("; "));
+    }
+}
+
 fn announce(round: &Round, plan: &Plan, previous: Option<(u32, Option<BatchPlan>)>) {
-    let first = plan.node_rank * plan.nproc;
+    let first = plan.first_rank;
     let ids: Vec<String> = round.nodes.iter().map(|n| n.id.to_string()).collect();
+    let counts: Vec<String> = round.nodes.iter().map(|n| n.nproc.to_string()).collect();
+    let processes = if counts.iter().all(|c| *c == counts[0]) {
+        format!("x {} process(es)", counts[0])
+    } else {
+        format!("with {} process(es)", counts.join(" + "))
+    };
     info!(
-        "round {}: {} node(s) (ids {}) x {} process(es), {}; this node is node rank {} (ranks {}..{})",
+        "round {}: {} node(s) (ids {}) {processes}, {}; this node is node rank {} (ranks {}..{})",
         round.round,
         round.nodes.len(),
         ids.join(", "),
-        plan.nproc,
         plan.round_change(previous),
         plan.node_rank,
         first,

@@ -3,6 +3,7 @@
 //! reports; choosing how many workers to start, and on which GPUs, is the plan's job.
 
 use common::cuda_visible::{select_visible, Visible};
+use common::job_shape::{Count, CountError};
 use nvml_wrapper::Nvml;
 
 /// `GPTREC_SIMULATE_GPUS=N`: pretend N GPUs of [`SIMULATED_BYTES`] each are present (tests and
@@ -25,12 +26,23 @@ pub struct Gpu {
     pub free_bytes: u64,
 }
 
+/// Why the visible GPUs are not known.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// None could be looked up (no NVML, ...): the plan goes on without GPUs, with a notice.
+    #[error("{0}")]
+    Unavailable(String),
+    /// More GPUs than one node may run workers on ([`Count::Processes`]): a usage error.
+    #[error("{0}")]
+    TooMany(String),
+}
+
 /// The visible GPUs, or why none were found (for the notice).
-pub fn visible_gpus() -> Result<Vec<Gpu>, String> {
+pub fn visible_gpus() -> Result<Vec<Gpu>, GpuError> {
     let simulate = std::env::var(SIMULATE_VAR).ok();
     let all = match &simulate {
         Some(text) => simulated(text)?,
-        None => nvml_gpus()?,
+        None => nvml_gpus().map_err(GpuError::Unavailable)?,
     };
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let selected = select_visible(
@@ -39,6 +51,15 @@ pub fn visible_gpus() -> Result<Vec<Gpu>, String> {
             .map(|(gpu, uuid)| (gpu.nvml_index, uuid.as_str()))
             .collect::<Vec<_>>(),
     );
+    // MIG ids are not checked against devices, so the list alone bounds them.
+    Count::Processes
+        .at_most(selected.len() as u64)
+        .map_err(|why| {
+            GpuError::TooMany(format!(
+                "environment variable CUDA_VISIBLE_DEVICES lists {} devices: {why}",
+                selected.len()
+            ))
+        })?;
     Ok(selected
         .into_iter()
         .enumerate()
@@ -109,12 +130,16 @@ fn nvml_gpus() -> Result<Vec<(Gpu, String)>, String> {
     Ok(all)
 }
 
-fn simulated(text: &str) -> Result<Vec<(Gpu, String)>, String> {
-    let count: u32 = text
-        .trim()
-        .parse()
-        .map_err(|_| format!("{SIMULATE_VAR}={text:?} is not a number of GPUs"))?;
-    Ok((0..count.min(crate::cli::MAX_PROCESSES))
+fn simulated(text: &str) -> Result<Vec<(Gpu, String)>, GpuError> {
+    let count = Count::Processes.parse(text).map_err(|e| match e {
+        CountError::NotANumber => {
+            GpuError::Unavailable(format!("{SIMULATE_VAR}={text:?} is not a number of GPUs"))
+        }
+        CountError::TooMany(why) => GpuError::TooMany(format!(
+            "environment variable {SIMULATE_VAR}={text:?}: {why}"
+        )),
+    })?;
+    Ok((0..count)
         .map(|index| {
             (
                 Gpu {

@@ -21,7 +21,6 @@ mod watchdog;
 use std::fmt;
 use std::io::Write as _;
 
-use clap::Parser;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{info, warn, Event, Level, Subscriber};
 use tracing_subscriber::fmt::format::Writer;
@@ -36,7 +35,7 @@ use crate::watchdog::Watchdog;
 const EXIT_BAD_INPUT: i32 = 2;
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = cli::parse();
     init_logging();
     std::process::exit(launch(&cli));
 }
@@ -167,9 +166,11 @@ fn bad_input(e: &PlanError) -> i32 {
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Field names are styled (ANSI escapes) only on a terminal, never into a log file or a pipe.
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(progress::ConsoleWriter::default)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .event_format(LaunchFormat)
         .init();
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 mod command;
 mod elastic;
 
-pub use elastic::feasible;
+pub use elastic::{feasible, feasible_world, list_counts};
 
 use command::command_and_config;
 use common::batch::BatchPlan;
@@ -45,6 +45,9 @@ pub struct Plan {
     pub node_rank: u32,
     /// Workers on this node.
     pub nproc: u32,
+    /// Global rank of this node's local rank 0: `node_rank x nproc` when every node runs as
+    /// many processes (static jobs), the sum over the nodes before it in an elastic round.
+    pub first_rank: u32,
     pub world_size: u32,
     pub master_addr: String,
     pub master_port: u16,
@@ -97,7 +100,8 @@ impl Plan {
         let (gpus, gpu_error) = if want_gpus {
             match gpu::visible_gpus() {
                 Ok(gpus) => (Some(gpus), None),
-                Err(why) => (Some(Vec::new()), Some(why)),
+                Err(gpu::GpuError::TooMany(why)) => return Err(PlanError::Usage(why)),
+                Err(gpu::GpuError::Unavailable(why)) => (Some(Vec::new()), Some(why)),
             }
         } else {
             (None, None)
@@ -134,9 +138,8 @@ impl Plan {
                 }
             }
         };
-        let world_size = nnodes.checked_mul(nproc).ok_or_else(|| {
-            PlanError::Usage(format!("{nnodes} nodes x {nproc} processes is too many"))
-        })?;
+        let world_size = job_shape::check_world(&shape.nnodes, nproc, &shape.num_processes.source)
+            .map_err(|e| PlanError::Usage(e.0))?;
 
         let elastic = shape.elastic.as_ref().map(|e| (e, nproc));
         let (command, config) = command_and_config(cli, world_size, elastic)?;
@@ -157,6 +160,7 @@ impl Plan {
         Ok(Plan {
             nnodes,
             node_rank: shape.node_rank.value,
+            first_rank: shape.node_rank.value * nproc,
             nproc,
             world_size,
             master_addr: shape.master_addr.value.clone(),
@@ -179,7 +183,7 @@ impl Plan {
     /// The contract variables of local rank `local_rank` in restart round `restart_count`.
     pub fn worker_env(&self, local_rank: u32, restart_count: u32) -> WorkerEnv {
         WorkerEnv {
-            rank: self.node_rank * self.nproc + local_rank,
+            rank: self.first_rank + local_rank,
             local_rank,
             world_size: self.world_size,
             local_world_size: self.nproc,
@@ -301,7 +305,7 @@ impl Plan {
             .and_then(|t| common::memory::parse_memory_limit(&t).ok());
         (0..self.nproc)
             .map(|local_rank| {
-                let rank = self.node_rank * self.nproc + local_rank;
+                let rank = self.first_rank + local_rank;
                 match limit {
                     Some((bytes, only)) if only.is_none_or(|r| r == rank) => (
                         "simulated limit GPTREC_MEMORY_LIMIT_MB".to_string(),
@@ -356,10 +360,7 @@ impl Plan {
     fn elastic_line(&self) -> Option<String> {
         let e = self.shape.elastic.as_ref()?;
         let spec = self.config.as_ref().map(|t| &t.config.batch);
-        let keeps: Vec<String> = (e.min..=e.max)
-            .filter(|&n| feasible(spec, self.nproc, n).is_ok())
-            .map(|n| n.to_string())
-            .collect();
+        let keeps = list_counts((e.min..=e.max).filter(|&n| feasible(spec, self.nproc, n).is_ok()));
         Some(format!(
             "  elastic:      {}..{} nodes  [{}]; rendezvous store at {}:{}  [{}]; node rank, world and batch set at each (re)start; node counts that keep the global batch: {}; join timeout {:.0} s, last call {:.0} s",
             e.min,
@@ -368,7 +369,7 @@ impl Plan {
             e.endpoint.value.0,
             e.endpoint.value.1,
             e.endpoint.source,
-            keeps.join(", "),
+            keeps,
             e.join_timeout.value.as_secs_f64(),
             e.last_call.value.as_secs_f64()
         ))

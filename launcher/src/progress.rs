@@ -8,9 +8,15 @@
 //! that writes to the console while a display is up ([`on_console`]). Must not: slow a worker
 //! (the workers' writes never block, see the worker's `progress_channel`), draw anywhere but a
 //! terminal, or decide anything about the run.
+//!
+//! A pipe is read to its end whatever comes through it, in bounded memory: a line longer than
+//! [`MAX_LINE`] is discarded, a line that is not a record (not UTF-8, not JSON) is skipped, and
+//! a record of a rank this launch did not start on this node is dropped; each is counted and
+//! told in a rate-limited warning, and the reader goes on, so the writer never blocks or gets
+//! `EPIPE`.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
@@ -19,10 +25,18 @@ use std::time::{Duration, Instant};
 
 use common::progress::{Phase, ProgressRecord, PROGRESS_FD, PROGRESS_FD_VAR};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tracing::warn;
 
 /// How long ranks may disagree (one still starting, another phase, a stale step) before the
 /// per-rank lines appear: reports arrive up to 0.1 s apart even when the ranks are in step.
 const DRIFT_AFTER: Duration = Duration::from_secs(1);
+
+/// The longest line a progress pipe may carry (a record is about 150 bytes); the rest of a
+/// longer one is read and discarded.
+const MAX_LINE: usize = 64 * 1024;
+
+/// The least time between two warnings about one pipe's skipped lines.
+const WARN_EVERY: Duration = Duration::from_secs(30);
 
 /// The display of one launcher, shared by the reader threads and the console writers.
 pub struct Display {
@@ -131,9 +145,13 @@ impl Display {
         })
     }
 
-    /// Takes in one report and redraws.
-    fn update(&self, record: ProgressRecord) {
+    /// Takes in one report and redraws; `false` (and nothing drawn) for a rank that is not one
+    /// of this node's.
+    fn update(&self, record: ProgressRecord) -> bool {
         let mut state = lock(&self.state);
+        if !state.ranks.contains_key(&record.rank) {
+            return false;
+        }
         if state.ranks.values().all(Option::is_none) {
             self.multi
                 .set_draw_target(ProgressDrawTarget::stderr_with_hz(10));
@@ -142,6 +160,7 @@ impl Display {
             .ranks
             .insert(record.rank, Some((record, Instant::now())));
         state.redraw(&self.multi);
+        true
     }
 }
 
@@ -157,18 +176,197 @@ impl Follow {
     /// Reads the worker's reports on a thread of their own until it closes the pipe.
     pub fn start(self) -> std::io::Result<()> {
         drop(self.writer);
-        let (display, reader) = (self.display, self.reader);
+        let (display, reader, rank) = (self.display, self.reader, self.rank);
         std::thread::Builder::new()
-            .name(format!("rank{}-progress", self.rank))
+            .name(format!("rank{rank}-progress"))
             .spawn(move || {
-                for line in BufReader::new(std::fs::File::from(reader)).lines() {
-                    let Ok(line) = line else { break };
-                    if let Some(record) = ProgressRecord::from_line(&line) {
-                        display.update(record);
-                    }
-                }
+                follow(&display, rank, std::fs::File::from(reader));
             })?;
         Ok(())
+    }
+}
+
+/// Reads rank `rank`'s pipe to its end: records of this node's ranks go to the display, the
+/// rest is counted and warned about. Returns what was skipped.
+fn follow(display: &Display, rank: u32, pipe: impl Read) -> Skipped {
+    let mut lines = Lines::new(pipe);
+    let mut warnings = Warnings::default();
+    loop {
+        let skip = match lines.next_line() {
+            Ok(Line::End) | Err(_) => break,
+            Ok(Line::TooLong) => Skip::TooLong,
+            Ok(Line::Text(bytes)) => match std::str::from_utf8(bytes) {
+                Ok(text) if text.trim().is_empty() => continue,
+                Ok(text) => match ProgressRecord::from_line(text) {
+                    Some(record) => {
+                        let claimed = record.rank;
+                        if display.update(record) {
+                            continue;
+                        }
+                        Skip::Foreign(claimed)
+                    }
+                    None => Skip::Unreadable,
+                },
+                Err(_) => Skip::Unreadable,
+            },
+        };
+        warnings.count(skip, rank);
+    }
+    warnings.finish(rank);
+    warnings.counts
+}
+
+/// One line of a progress pipe.
+#[derive(Debug, PartialEq, Eq)]
+enum Line<'a> {
+    /// Its bytes, without the newline.
+    Text(&'a [u8]),
+    /// Longer than [`MAX_LINE`]: read to its newline and discarded.
+    TooLong,
+    /// The pipe is closed.
+    End,
+}
+
+/// Splits a pipe into lines, holding at most [`MAX_LINE`] bytes of one.
+struct Lines<R> {
+    reader: BufReader<R>,
+    line: Vec<u8>,
+}
+
+impl<R: Read> Lines<R> {
+    fn new(reader: R) -> Self {
+        Lines {
+            reader: BufReader::new(reader),
+            line: Vec::new(),
+        }
+    }
+
+    /// The next line (a last one without a newline included); an error only when the pipe
+    /// cannot be read at all.
+    fn next_line(&mut self) -> std::io::Result<Line<'_>> {
+        self.line.clear();
+        let mut too_long = false;
+        loop {
+            let buf = match self.reader.fill_buf() {
+                Ok(buf) => buf,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            let (chunk, used, ended) = match buf.iter().position(|&b| b == b'\n') {
+                Some(at) => (&buf[..at], at + 1, true),
+                None => (buf, buf.len(), buf.is_empty()),
+            };
+            if too_long || self.line.len() + chunk.len() > MAX_LINE {
+                too_long = true;
+                self.line.clear();
+            } else {
+                self.line.extend_from_slice(chunk);
+            }
+            let at_end = used == 0;
+            self.reader.consume(used);
+            if ended {
+                return Ok(match (too_long, at_end && self.line.is_empty()) {
+                    (true, _) => Line::TooLong,
+                    (false, true) => Line::End,
+                    (false, false) => Line::Text(&self.line),
+                });
+            }
+        }
+    }
+}
+
+/// Why a line was not shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Skip {
+    TooLong,
+    /// Not UTF-8, or not a record.
+    Unreadable,
+    /// A record of this rank, which is not one of this node's.
+    Foreign(u32),
+}
+
+/// Lines one pipe's reader skipped, by reason.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Skipped {
+    too_long: u64,
+    unreadable: u64,
+    foreign: u64,
+    /// The first rank that is not this node's, for the warning.
+    first_foreign: Option<u32>,
+}
+
+impl Skipped {
+    /// `1 line over 64 KiB, 2 unreadable lines, 20000 records of ranks not on this node (the
+    /// first: rank 20000)`.
+    fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if self.too_long > 0 {
+            parts.push(format!(
+                "{} line(s) over {} KiB",
+                self.too_long,
+                MAX_LINE >> 10
+            ));
+        }
+        if self.unreadable > 0 {
+            parts.push(format!(
+                "{} line(s) that are not a progress record (not UTF-8 or not JSON)",
+                self.unreadable
+            ));
+        }
+        if let Some(first) = self.first_foreign {
+            parts.push(format!(
+                "{} record(s) of ranks not started on this node (the first: rank {first})",
+                self.foreign
+            ));
+        }
+        parts.join(", ")
+    }
+}
+
+/// One pipe's skip counts and when they were last told.
+#[derive(Default)]
+struct Warnings {
+    counts: Skipped,
+    told: Skipped,
+    last: Option<Instant>,
+}
+
+impl Warnings {
+    /// Counts `skip`; warns at the first skip of each kind, and then at most once every
+    /// [`WARN_EVERY`].
+    fn count(&mut self, skip: Skip, rank: u32) {
+        let counts = &mut self.counts;
+        match skip {
+            Skip::TooLong => counts.too_long += 1,
+            Skip::Unreadable => counts.unreadable += 1,
+            Skip::Foreign(claimed) => {
+                counts.foreign += 1;
+                counts.first_foreign.get_or_insert(claimed);
+            }
+        }
+        let (now, told) = (self.counts, self.told);
+        let new_kind = (now.too_long > 0 && told.too_long == 0)
+            || (now.unreadable > 0 && told.unreadable == 0)
+            || (now.foreign > 0 && told.foreign == 0);
+        if new_kind || self.last.is_some_and(|at| at.elapsed() >= WARN_EVERY) {
+            warn!(
+                "rank {rank}'s progress pipe: skipped {} so far (the display goes on; at most one such warning every {} s)",
+                now.describe(),
+                WARN_EVERY.as_secs()
+            );
+            self.told = now;
+            self.last = Some(Instant::now());
+        }
+    }
+
+    /// The totals, when some were not told yet.
+    fn finish(&self, rank: u32) {
+        if self.counts != self.told {
+            warn!(
+                "rank {rank}'s progress pipe: skipped {} in all",
+                self.counts.describe()
+            );
+        }
     }
 }
 
@@ -358,6 +556,51 @@ mod tests {
         assert!(!job_message(&[&a, &d]).contains("evaluating"));
         assert_eq!(thousands(999.4), "999");
         assert_eq!(thousands(1000.0), "1,000");
+    }
+
+    /// A line over the cap is discarded up to its newline, the lines after it are whole, and
+    /// a last line without a newline still counts.
+    #[test]
+    fn lines_are_capped_and_the_rest_of_a_long_one_is_discarded() {
+        let mut input = vec![b'x'; 3 * MAX_LINE + 5];
+        input.extend_from_slice(b"\nnext\n\n\xff\xfe\n");
+        input.extend_from_slice(&vec![b'y'; MAX_LINE]);
+        input.extend_from_slice(b"\nlast");
+        let mut lines = Lines::new(std::io::Cursor::new(input));
+        assert_eq!(lines.next_line().unwrap(), Line::TooLong);
+        assert_eq!(lines.next_line().unwrap(), Line::Text(b"next"));
+        assert_eq!(lines.next_line().unwrap(), Line::Text(b""));
+        assert_eq!(lines.next_line().unwrap(), Line::Text(b"\xff\xfe"));
+        assert_eq!(lines.next_line().unwrap(), Line::Text(&[b'y'; MAX_LINE]));
+        assert_eq!(lines.next_line().unwrap(), Line::Text(b"last"));
+        assert_eq!(lines.next_line().unwrap(), Line::End);
+        assert!(lines.line.capacity() <= 2 * MAX_LINE);
+    }
+
+    /// Junk, bad UTF-8 and records of ranks that are not this node's are counted and the
+    /// records after them still reach the display; foreign ranks are never drawn.
+    #[test]
+    fn the_reader_skips_junk_and_foreign_ranks_and_goes_on() {
+        let display = Display::start([4, 5]);
+        let mut input = vec![b'z'; MAX_LINE + 1];
+        input.extend_from_slice(b"\n\xff\n{\"rank\":4}\nnot json\n");
+        for rank in [20_000, 3, 4, 9] {
+            input.extend_from_slice(report(rank, 7, Phase::Train).to_line().as_bytes());
+        }
+        let skipped = follow(&display, 4, std::io::Cursor::new(input));
+        assert_eq!(
+            (skipped.too_long, skipped.unreadable, skipped.foreign),
+            (1, 3, 3)
+        );
+        assert_eq!(skipped.first_foreign, Some(20_000));
+        let text = skipped.describe();
+        assert!(text.contains("1 line(s) over 64 KiB"), "{text}");
+        assert!(text.contains("(the first: rank 20000)"), "{text}");
+        let state = lock(&display.state);
+        assert_eq!(state.ranks.keys().copied().collect::<Vec<_>>(), [4, 5]);
+        assert_eq!(state.ranks[&4].as_ref().map(|(r, _)| r.step), Some(7));
+        drop(state);
+        display.stop();
     }
 
     /// In step (reports a few steps apart but fresh) is not drift; a missing rank, another

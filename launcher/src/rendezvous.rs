@@ -16,19 +16,29 @@
 //!   writes `elastic/r<r>/failed`; a newcomer waiting in round
 //!   `r + 1` makes the coordinator write `elastic/r<r>/regroup`; either way every member tears
 //!   its group down and joins round `r + 1`;
-//! - `elastic/done` ends the job for everyone still waiting ([`Done`]).
+//! - `elastic/done` ends the job for everyone still waiting ([`Done`]);
+//! - before it joins, a launcher writes its job terms (`common::job_terms`: the config but
+//!   for per-node paths, the data and the worker build) under `elastic/terms/<id>`, and their
+//!   digest in its [`NodeInfo`]; the coordinator admits only nodes whose digest is the host's
+//!   and writes `elastic/refused/<id>` (the differing keys, both values) for any other, which
+//!   that node reports and leaves on: the running group never sees it;
+//! - a node that dies before its round starts is not in it (only live nodes are formed), and
+//!   every round's end is kept in `elastic/history` for the summaries.
 //!
 //! This module owns the keys and the protocol; it must not start or stop processes (the
 //! elastic supervisor does, on its [`Event`]s).
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+mod coordinator;
+
+use std::time::Duration;
 
 use crossbeam_channel::Sender;
 use serde::{Deserialize, Serialize};
 use store::{StoreClient, StoreError};
 
 use crate::supervisor::Event;
+
+pub use coordinator::Coordinator;
 
 /// How often waiting loops look at the store.
 const POLL: Duration = Duration::from_millis(100);
@@ -39,6 +49,7 @@ const DEAD_AFTER: Duration = Duration::from_secs(3);
 
 const NEXT_ID: &str = "elastic/next_id";
 const DONE: &str = "elastic/done";
+const HISTORY: &str = "elastic/history";
 
 fn key(round: u64, what: &str) -> String {
     format!("elastic/r{round}/{what}")
@@ -52,6 +63,14 @@ fn alive_key(id: u64) -> String {
     format!("elastic/alive/{id}")
 }
 
+fn terms_key(id: u64) -> String {
+    format!("elastic/terms/{id}")
+}
+
+fn refused_key(id: u64) -> String {
+    format!("elastic/refused/{id}")
+}
+
 /// What a node says about itself when it joins a round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeInfo {
@@ -63,6 +82,10 @@ pub struct NodeInfo {
     pub port: u16,
     /// Whether it hosts the rendezvous store (it then always comes first).
     pub host: bool,
+    /// Digest of its job terms (`common::job_terms::digest`); the full terms are under
+    /// `elastic/terms/<id>`.
+    #[serde(default)]
+    pub terms: String,
 }
 
 /// A closed round: the nodes of the worker group in node-rank order.
@@ -82,6 +105,16 @@ impl Round {
     /// This node's rank in the round, if it is a member.
     pub fn node_rank_of(&self, id: u64) -> Option<u32> {
         self.nodes.iter().position(|n| n.id == id).map(|r| r as u32)
+    }
+
+    /// Global rank of local rank 0 on node rank `node_rank`: nodes may run different numbers
+    /// of processes, so it is the sum over the nodes before it.
+    pub fn first_rank_of(&self, node_rank: u32) -> u32 {
+        self.nodes
+            .iter()
+            .take(node_rank as usize)
+            .map(|n| n.nproc)
+            .sum()
     }
 
     /// The workers' store: node rank 0's address and port.
@@ -109,8 +142,59 @@ pub struct Terms {
     pub last_call: Duration,
     pub join_timeout: Duration,
     pub max_restarts: u32,
-    /// `Ok` when `n` nodes give a world that keeps the global batch, else why not.
+    /// `Ok` when a world of this many processes keeps the global batch, else why not.
     pub feasible: Box<dyn Fn(u32) -> Result<(), String> + Send>,
+    /// The host's job terms: a node with others is refused.
+    pub job: common::job_terms::Terms,
+}
+
+/// How one round ended, for the summaries (`elastic/history`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoundEnd {
+    pub round: u64,
+    pub ids: Vec<u64>,
+    pub world: u32,
+    pub ended: String,
+}
+
+/// The rounds of the job so far and how each ended, one line each.
+pub fn history(store: &mut StoreClient) -> Vec<String> {
+    let rounds: Vec<RoundEnd> = store.get(HISTORY).ok().and_then(parse).unwrap_or_default();
+    rounds
+        .iter()
+        .map(|r| {
+            let ids: Vec<String> = r.ids.iter().map(u64::to_string).collect();
+            format!(
+                "round {} (node ids {}; world {}): {}",
+                r.round,
+                ids.join(", "),
+                r.world,
+                r.ended
+            )
+        })
+        .collect()
+}
+
+/// Publishes this node's job terms; call before [`join`].
+pub fn publish_terms(
+    store: &mut StoreClient,
+    id: u64,
+    terms: &common::job_terms::Terms,
+) -> Result<(), StoreError> {
+    store.set(&terms_key(id), &json(terms))
+}
+
+/// How many launchers other than `id` still hold their connection to the store (alive or
+/// stopped, but not exited).
+pub fn others_connected(store: &mut StoreClient, id: u64) -> Result<usize, StoreError> {
+    let next = counter(store.get(NEXT_ID)?).max(0) as u64;
+    let mut n = 0;
+    for other in (0..next).filter(|&o| o != id) {
+        if store.get(&alive_key(other))?.is_some() {
+            n += 1;
+        }
+    }
+    Ok(n)
 }
 
 fn json<T: Serialize>(value: &T) -> Vec<u8> {
@@ -166,6 +250,8 @@ pub enum NotJoined {
     Signal(i32),
     /// The store failed (the host is gone).
     Store(StoreError),
+    /// The job refused this node: its terms differ from the job's (the line says how).
+    Refused(String),
 }
 
 impl From<StoreError> for NotJoined {
@@ -195,6 +281,11 @@ pub fn join(
         }
         if let Some(done) = parse::<Done>(store.get(DONE)?) {
             return Err(NotJoined::Done(done));
+        }
+        if let Some(why) = store.get(&refused_key(info.id))? {
+            return Err(NotJoined::Refused(
+                String::from_utf8_lossy(&why).into_owned(),
+            ));
         }
         if let Some(closed) = parse::<Round>(store.get(&key(round, "members"))?) {
             if closed.node_rank_of(info.id).is_some() {
@@ -279,263 +370,4 @@ pub fn start_monitor(
             }
         })
         .map(|_| ())
-}
-
-/// The host's coordinator: forms every round, watches it, ends the job.
-pub struct Coordinator {
-    store: StoreClient,
-    terms: Terms,
-    /// Heartbeat counter of each node id and when it last moved.
-    beats: HashMap<u64, (i64, Instant)>,
-}
-
-/// How a running round ended, as the coordinator sees it.
-enum Outcome {
-    Finished,
-    Failed,
-    Regroup,
-}
-
-impl Coordinator {
-    pub fn new(store: StoreClient, terms: Terms) -> Coordinator {
-        Coordinator {
-            store,
-            terms,
-            beats: HashMap::new(),
-        }
-    }
-
-    /// Runs on its own thread until the job is done (or the store fails).
-    pub fn start(mut self) -> std::io::Result<std::thread::JoinHandle<()>> {
-        std::thread::Builder::new()
-            .name("rendezvous-coordinator".into())
-            .spawn(move || {
-                if let Err(e) = self.run() {
-                    tracing::warn!("elastic rendezvous coordinator stopped: {e}");
-                }
-            })
-    }
-
-    fn run(&mut self) -> Result<(), StoreError> {
-        let mut failures = 0u32;
-        let mut previous: Vec<u64> = Vec::new();
-        for round in 0u64.. {
-            self.store
-                .set("elastic/open", round.to_string().as_bytes())?;
-            let Some(formed) = self.form(round, &previous, failures)? else {
-                return Ok(());
-            };
-            self.store.set(&key(round, "members"), &json(&formed))?;
-            previous = formed.ids();
-            match self.watch(&formed)? {
-                Outcome::Finished => {
-                    self.store.set(DONE, &json(&Done::Finished))?;
-                    return Ok(());
-                }
-                Outcome::Failed => {
-                    failures += 1;
-                    if failures > self.terms.max_restarts {
-                        let why = format!(
-                            "the worker group failed {failures} time(s), more than --max-restarts {}",
-                            self.terms.max_restarts
-                        );
-                        self.store.set(DONE, &json(&Done::Failed(why)))?;
-                        return Ok(());
-                    }
-                }
-                Outcome::Regroup => {}
-            }
-        }
-        Ok(())
-    }
-
-    /// Known node ids.
-    fn ids(&mut self) -> Result<Vec<u64>, StoreError> {
-        let next = counter(self.store.get(NEXT_ID)?).max(0) as u64;
-        Ok((0..next).collect())
-    }
-
-    /// Reads every heartbeat; returns the ids that are alive: the connection that holds their
-    /// ephemeral key is open (a process that died has closed it), and their heartbeat moved
-    /// within [`DEAD_AFTER`] (a machine that vanished without closing it).
-    fn alive(&mut self) -> Result<Vec<u64>, StoreError> {
-        let now = Instant::now();
-        let mut alive = Vec::new();
-        for id in self.ids()? {
-            if self.store.get(&alive_key(id))?.is_none() {
-                continue;
-            }
-            let beat = counter(self.store.get(&heartbeat_key(id))?);
-            let entry = self.beats.entry(id).or_insert((beat, now));
-            if entry.0 != beat {
-                *entry = (beat, now);
-            }
-            if now.duration_since(entry.1) < DEAD_AFTER {
-                alive.push(id);
-            }
-        }
-        Ok(alive)
-    }
-
-    fn joined(&mut self, round: u64) -> Result<Vec<NodeInfo>, StoreError> {
-        let mut joined = Vec::new();
-        for id in self.ids()? {
-            if let Some(info) =
-                parse::<NodeInfo>(self.store.get(&key(round, &format!("join/{id}")))?)
-            {
-                joined.push(info);
-            }
-        }
-        // The host first, then by id: node ranks stay put across rounds where they can.
-        joined.sort_by_key(|n| (!n.host, n.id));
-        Ok(joined)
-    }
-
-    /// Waits for the nodes of `round` and closes it; `None` when the job ended instead.
-    ///
-    /// The first round closes when MAX nodes joined, or a last call after MIN did. A re-formed
-    /// round closes once every live node joined (a member still running its group until the
-    /// next checkpoint is waited for, and the timeouts start only after it), or a last call
-    /// after that. Without a node count that keeps the global batch it waits, saying why,
-    /// up to the join timeout.
-    fn form(
-        &mut self,
-        round: u64,
-        previous: &[u64],
-        failures: u32,
-    ) -> Result<Option<Round>, StoreError> {
-        let mut opened = Instant::now();
-        let mut enough_since: Option<Instant> = None;
-        let mut told = String::new();
-        loop {
-            let alive = self.alive()?;
-            let joined = self.joined(round)?;
-            let has_joined = |id: &u64| joined.iter().any(|j| j.id == *id);
-            let still_running = previous
-                .iter()
-                .any(|id| alive.contains(id) && !has_joined(id));
-            if still_running {
-                opened = Instant::now();
-                enough_since = None;
-            }
-            let choice = self.largest_feasible(&joined);
-            if let (Ok(n), false) = (&choice, still_running) {
-                let since = *enough_since.get_or_insert_with(Instant::now);
-                let all_in = !previous.is_empty() && alive.iter().all(has_joined);
-                let full = joined.len() as u32 >= self.terms.max;
-                if all_in || full || since.elapsed() >= self.terms.last_call {
-                    let nodes = joined.into_iter().take(*n as usize).collect();
-                    return Ok(Some(Round {
-                        round,
-                        nodes,
-                        failures,
-                    }));
-                }
-            }
-            if choice.is_err() {
-                enough_since = None;
-            }
-            if let Err(why) = &choice {
-                if *why != told && !still_running && !joined.is_empty() {
-                    self.store.set(&key(round, "waiting"), why.as_bytes())?;
-                    told = why.clone();
-                }
-            }
-            if opened.elapsed() >= self.terms.join_timeout {
-                let why = format!(
-                    "no worker group formed within {:.0} s of rendezvous: {}",
-                    self.terms.join_timeout.as_secs_f64(),
-                    choice.err().unwrap_or_default()
-                );
-                self.store.set(DONE, &json(&Done::Failed(why)))?;
-                return Ok(None);
-            }
-            std::thread::sleep(POLL);
-        }
-    }
-
-    /// The most of `joined` (in order, at most MAX, at least MIN) whose world keeps the global
-    /// batch, or why none.
-    fn largest_feasible(&self, joined: &[NodeInfo]) -> Result<u32, String> {
-        let (min, max) = (self.terms.min, self.terms.max);
-        let have = (joined.len() as u32).min(max);
-        if have < min {
-            return Err(format!(
-                "waiting for nodes: {} of at least {min} have joined",
-                joined.len()
-            ));
-        }
-        let mut reasons = Vec::new();
-        for n in (min..=have).rev() {
-            match (self.terms.feasible)(n) {
-                Ok(()) => return Ok(n),
-                Err(why) => reasons.push(format!("{n} node(s): {why}")),
-            }
-        }
-        let works: Vec<String> = (min..=max)
-            .filter(|&n| (self.terms.feasible)(n).is_ok())
-            .map(|n| n.to_string())
-            .collect();
-        Err(format!(
-            "{} node(s) joined, but no group of them keeps the global batch ({}); waiting for a node count that does: {}",
-            joined.len(),
-            reasons.join("; "),
-            if works.is_empty() { "none in range".to_string() } else { works.join(", ") }
-        ))
-    }
-
-    /// Until the round's group finishes, fails, or must re-form for a waiting node.
-    fn watch(&mut self, formed: &Round) -> Result<Outcome, StoreError> {
-        let round = formed.round;
-        let members = formed.ids();
-        loop {
-            if self.store.get(&key(round, "failed"))?.is_some() {
-                return Ok(Outcome::Failed);
-            }
-            let mut finished = Vec::new();
-            for id in &members {
-                if self
-                    .store
-                    .get(&key(round, &format!("finished/{id}")))?
-                    .is_some()
-                {
-                    finished.push(*id);
-                }
-            }
-            if finished.len() == members.len() {
-                return Ok(Outcome::Finished);
-            }
-            let alive = self.alive()?;
-            let dead = members
-                .iter()
-                .find(|id| !alive.contains(id) && !finished.contains(id));
-            if let Some(dead) = dead {
-                let what = format!(
-                    "node id {dead} is gone (its launcher ended, or sent no heartbeat for {} s)",
-                    DEAD_AFTER.as_secs()
-                );
-                report_failure(&mut self.store, round, &what)?;
-                return Ok(Outcome::Failed);
-            }
-            let waiting: Vec<NodeInfo> = self
-                .joined(round + 1)?
-                .into_iter()
-                .filter(|n| alive.contains(&n.id) && !members.contains(&n.id))
-                .collect();
-            let bigger = (members.len() + waiting.len()).min(self.terms.max as usize) as u32;
-            if !waiting.is_empty()
-                && bigger > members.len() as u32
-                && (self.terms.feasible)(bigger).is_ok()
-            {
-                let ids: Vec<String> = waiting.iter().map(|n| n.id.to_string()).collect();
-                let why = format!(
-                    "node(s) {} waiting to join: re-forming with {bigger} nodes",
-                    ids.join(", ")
-                );
-                self.store.set(&key(round, "regroup"), why.as_bytes())?;
-                return Ok(Outcome::Regroup);
-            }
-            std::thread::sleep(POLL);
-        }
-    }
 }

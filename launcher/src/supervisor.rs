@@ -165,7 +165,7 @@ pub fn interrupted(signal: i32) -> i32 {
 
 /// Prints the failure summary of a group that failed `runs` time(s); the launcher's exit code.
 pub fn report_failure(plan: &Plan, records: &[WorkerRecord], root: usize, runs: u32) -> i32 {
-    let first = plan.node_rank * plan.nproc;
+    let first = plan.first_rank;
     let summary = report::failure_summary(records, root, runs, first..first + plan.nproc);
     // A closed console must not turn a failure report into a panic.
     let _ = writeln!(std::io::stderr().lock(), "{summary}");

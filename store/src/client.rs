@@ -1,5 +1,5 @@
-//! The store's client: connect with retries and the run-id handshake, then one request at a
-//! time, each bounded by a timeout.
+//! The store's client: connect with retries and the run-id handshake (mutual proofs, the id never
+//! sent), then one request at a time, each bounded by a timeout.
 
 use std::fmt;
 use std::io::{self, Write};
@@ -31,7 +31,7 @@ impl fmt::Debug for StoreClient {
 enum Attempt {
     /// Worth another try (nobody listening yet, connection dropped during the handshake).
     Retry(String),
-    /// Final (wrong run, not a store).
+    /// Final (cannot prove the run id, silent, not a store).
     Fatal(StoreError),
 }
 
@@ -39,7 +39,9 @@ impl StoreClient {
     /// Connects to the store at `addr` (`"host:port"`, `"[v6]:port"`) and presents `run_id`,
     /// retrying with backoff for up to `deadline` while nobody answers. Fails with
     /// [`StoreError::Unreachable`] naming the address and the time spent, or at once with
-    /// [`StoreError::WrongRun`] when the store serves another run.
+    /// [`StoreError::WrongRun`] when what answers cannot prove that it knows `run_id` (a store of
+    /// another run, an impostor), or [`StoreError::Silent`] when it never answers the handshake.
+    /// `run_id` itself is never sent.
     pub fn connect(
         addr: &str,
         run_id: &str,
@@ -105,28 +107,77 @@ impl StoreClient {
         Ok(client)
     }
 
-    /// Says hello with the run id; only a welcome lets the connection be used.
+    /// The handshake (see the crate's documentation): the server proves that it knows the run id
+    /// before the client proves it; only a welcome lets the connection be used.
     fn handshake(&mut self, run_id: &str) -> Result<(), Attempt> {
-        let addr = self.addr.as_str();
-        let hello = Request::Hello {
+        let key = auth::Key::new(run_id);
+        let client_nonce = auth::nonce().map_err(|reason| {
+            Attempt::Fatal(StoreError::Protocol {
+                addr: self.addr.clone(),
+                detail: format!("cannot start the handshake: {reason}"),
+            })
+        })?;
+        self.send_handshake(&Request::Hello {
             protocol: PROTOCOL,
-            run_id: run_id.to_string(),
+            nonce: client_nonce,
+        })?;
+        let server_nonce = match self.read_handshake()? {
+            Response::Challenge { nonce, proof, .. }
+                if key.server_proved(&client_nonce, &nonce, &proof) =>
+            {
+                nonce
+            }
+            Response::Challenge { fingerprint, .. } => {
+                return Err(Attempt::Fatal(StoreError::WrongRun {
+                    addr: self.addr.clone(),
+                    found: shown_fingerprint(&fingerprint),
+                    expected: run_fingerprint(run_id),
+                }))
+            }
+            other => return Err(self.not_a_store(other)),
         };
-        let frame = encode_frame(&hello).map_err(|len| {
+        self.send_handshake(&Request::Proof {
+            proof: key.client_proof(&client_nonce, &server_nonce),
+        })?;
+        match self.read_handshake()? {
+            Response::Welcome => Ok(()),
+            other => Err(self.not_a_store(other)),
+        }
+    }
+
+    /// Sends one frame of the handshake; a failure is worth another connection.
+    fn send_handshake(&mut self, request: &Request) -> Result<(), Attempt> {
+        let frame = encode_frame(request).map_err(|len| {
             Attempt::Fatal(StoreError::FrameTooLarge {
-                addr: addr.to_string(),
+                addr: self.addr.clone(),
                 len,
                 limit: MAX_FRAME_BYTES,
             })
         })?;
-        if let Err(err) = self.stream.write_all(&frame) {
-            return Err(Attempt::Retry(format!(
-                "{} during the handshake",
-                describe_io(&err)
-            )));
-        }
+        self.stream
+            .write_all(&frame)
+            .map_err(|err| Attempt::Retry(format!("{} during the handshake", describe_io(&err))))
+    }
+
+    /// Reads one answer of the handshake. A closed connection is worth another try (a store
+    /// that is full closes new connections); silence or garbage means something else holds
+    /// the port, which no retry will change.
+    fn read_handshake(&mut self) -> Result<Response, Attempt> {
+        let addr = self.addr.clone();
         let body = match read_frame(&mut self.stream) {
             Ok(body) => body,
+            Err(FrameReadError::Io(err))
+                if matches!(
+                    err.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                let waited = self.stream.read_timeout().ok().flatten();
+                return Err(Attempt::Fatal(StoreError::Silent {
+                    addr,
+                    waited: waited.unwrap_or(HANDSHAKE_TIMEOUT),
+                }));
+            }
             Err(FrameReadError::Io(err)) => {
                 return Err(Attempt::Retry(format!(
                     "{} during the handshake",
@@ -135,7 +186,7 @@ impl StoreClient {
             }
             Err(FrameReadError::TooLarge(len)) => {
                 return Err(Attempt::Fatal(StoreError::Protocol {
-                    addr: addr.to_string(),
+                    addr,
                     detail: format!(
                         "a {len}-byte frame in answer to the handshake; is something other than \
                          the store listening there?"
@@ -143,30 +194,31 @@ impl StoreClient {
                 }))
             }
         };
-        match decode_body::<Response>(&body) {
-            Ok(Response::Welcome) => Ok(()),
-            Ok(Response::WrongRun { fingerprint }) => Err(Attempt::Fatal(StoreError::WrongRun {
-                addr: addr.to_string(),
-                found: fingerprint,
-                expected: run_fingerprint(run_id),
-            })),
-            Ok(Response::Refused { reason }) => Err(Attempt::Fatal(StoreError::Refused {
-                addr: addr.to_string(),
-                op: "the handshake".into(),
-                reason,
-            })),
-            Ok(other) => Err(Attempt::Fatal(StoreError::Protocol {
-                addr: addr.to_string(),
-                detail: format!("{} in answer to the handshake", other.kind()),
-            })),
-            Err(detail) => Err(Attempt::Fatal(StoreError::Protocol {
-                addr: addr.to_string(),
+        decode_body::<Response>(&body).map_err(|detail| {
+            Attempt::Fatal(StoreError::Protocol {
+                addr,
                 detail: format!(
                     "{detail} in answer to the handshake; is something other than the store \
                      listening there?"
                 ),
-            })),
-        }
+            })
+        })
+    }
+
+    /// The final error for an answer that has no place at this step of the handshake.
+    fn not_a_store(&self, response: Response) -> Attempt {
+        let addr = self.addr.clone();
+        Attempt::Fatal(match response {
+            Response::Refused { reason } => StoreError::Refused {
+                addr,
+                op: "the handshake".into(),
+                reason,
+            },
+            other => StoreError::Protocol {
+                addr,
+                detail: format!("{} in answer to the handshake", other.kind()),
+            },
+        })
     }
 
     /// Stores `value` under `key`, replacing any previous value, and wakes the ranks waiting on it.
@@ -354,4 +406,17 @@ fn connect_any(addr: &str, remaining: impl Fn() -> Duration) -> Result<TcpStream
         }
     }
     Err(Attempt::Retry(reason))
+}
+
+/// A fingerprint a peer claims, fit for a one-line message whatever it sent.
+fn shown_fingerprint(claimed: &str) -> String {
+    let looks_right = claimed.len() <= 32
+        && claimed
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == ':');
+    if looks_right {
+        claimed.to_string()
+    } else {
+        "(malformed)".into()
+    }
 }

@@ -14,12 +14,34 @@
 //!
 //! Wire format: every message is a frame, a `u32` little-endian body length (at most
 //! [`MAX_FRAME_BYTES`]) followed by the bincode 2 (`standard()` config, serde) encoding of a
-//! `Request` or a `Response`. The first request of a connection must be a `Hello` carrying the
-//! protocol tag and the run id (`TORCHELASTIC_RUN_ID`); the server answers a mismatch with the
-//! fingerprint of the run id it serves (never the id) and closes the connection. Counters written by `add` are stored as decimal text,
-//! as PyTorch does.
+//! `Request` or a `Response`. Counters written by `add` are stored as decimal text, as PyTorch
+//! does.
+//!
+//! Handshake: the run id (`TORCHELASTIC_RUN_ID`) is the secret that admits a connection, and it
+//! never goes on the wire. Both sides derive `key = HMAC-SHA256(run id, "gptrec-store-v2")` and
+//! prove that they know it over a fresh 32-byte nonce from each side:
+//!
+//! 1. client: `Hello { protocol, nonce: cn }` (the protocol tag tells a stranger apart);
+//! 2. server: `Challenge { nonce: sn, proof: HMAC(key, "server" || cn || sn), fingerprint }`;
+//! 3. the client checks the server's proof (in constant time). A server that cannot prove the id
+//!    is another job or an impostor: the client fails at once, in one line naming the address,
+//!    without sending anything more and without retrying;
+//! 4. client: `Proof { proof: HMAC(key, "client" || sn || cn) }`;
+//! 5. server: `Welcome`, or `Refused` (and it closes) for a wrong proof.
+//!
+//! The labels keep one side's proof from being reflected as the other's; the server's fresh
+//! nonce keeps a recorded client proof from being replayed on another connection. The
+//! `fingerprint` is [`run_fingerprint`] of the server's id, shown next to ours when the proof
+//! fails, so that two nodes given different ids can be told apart from an impostor. Neither it nor
+//! the proofs let an observer or a fake server recover an id with the entropy of the ones `launch`
+//! generates (a guessable id can be tested offline against any proof; choose ids that are not).
+//! Until its proof is accepted a connection may send only small frames (4 KiB) and must finish
+//! the whole handshake within 10 s; the server's warnings about connections it refuses are
+//! gathered into one line per 5 s with a count.
 
+mod auth;
 mod client;
+mod guard;
 mod server;
 
 use std::io::{self, Read};
@@ -36,11 +58,13 @@ pub use server::StoreServer;
 /// The largest frame body either side sends or accepts (64 MiB); a longer frame is an error.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
-/// Tag in the `Hello` request, so that a stranger speaking another protocol is told apart.
-const PROTOCOL: u32 = 0x6770_7331;
+/// Tag in the `Hello` request, so that a stranger speaking another protocol (or an older version
+/// of this one) is told apart.
+const PROTOCOL: u32 = 0x6770_7332;
 /// How long a client waits for the answer to `set`, `get` and `add`.
 const IO_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a client waits for the answer to its `Hello`.
+/// How long a client waits for each answer of the handshake; a peer that accepts the connection
+/// and stays silent this long is not a store (the client does not retry it).
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Extra time a client gives the server beyond a `wait`'s own timeout before giving up on it.
 const WAIT_SLACK: Duration = Duration::from_secs(10);
@@ -54,22 +78,33 @@ const STALL_LIMIT: Duration = Duration::from_secs(30);
 const SERVER_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often the (non-blocking) listener is polled for new connections.
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
-/// A connection must present the run id within this long, or it is closed.
+/// A connection must finish the handshake (prove the run id) within this long, or it is closed.
 const HELLO_DEADLINE: Duration = Duration::from_secs(10);
-/// The largest frame accepted before the `Hello` (which is a few dozen bytes): a stranger
-/// cannot make the server allocate more.
+/// The largest frame accepted before the run id is proven (the handshake's frames are about a
+/// hundred bytes): a stranger cannot make the server allocate more.
 const PRE_HELLO_MAX_FRAME: usize = 4 << 10;
-/// Connections that have not yet presented the run id, at most; more are closed at once (each
-/// costs a thread and two file descriptors until its deadline).
+/// Connections that have not yet proven the run id, at most (each costs a thread and two file
+/// descriptors until its deadline). A new connection beyond this closes one of them, of the
+/// address that holds the most, silent ones and the oldest first: a flood of idle sockets delays
+/// nobody, since a real peer finishes its handshake within milliseconds.
 const MAX_UNGREETED: usize = 32;
+/// Connections from one IP address that have not yet proven the run id, at most (so that one
+/// address cannot take every slot); a new one beyond this closes that address's own.
+const MAX_UNGREETED_PER_IP: usize = 16;
+/// Warnings about refused connections are gathered into one line per this long, with a count.
+const WARN_INTERVAL: Duration = Duration::from_secs(5);
 
 /// What a client asks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 enum Request {
-    /// First message of every connection.
+    /// First message of every connection: the client's nonce (the run id is never sent).
     Hello {
         protocol: u32,
-        run_id: String,
+        nonce: auth::Nonce,
+    },
+    /// Second message: the client's proof that it knows the run id, over both nonces.
+    Proof {
+        proof: auth::Proof,
     },
     Set {
         key: String,
@@ -98,19 +133,20 @@ enum Request {
 /// What the server answers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 enum Response {
-    /// The `Hello` was accepted.
+    /// The answer to `Hello`: the server's nonce and its proof that it knows the run id, with the
+    /// [`run_fingerprint`] of its id (never the id) for telling a mismatch apart.
+    Challenge {
+        nonce: auth::Nonce,
+        proof: auth::Proof,
+        fingerprint: String,
+    },
+    /// The client's proof was accepted.
     Welcome,
     /// `Set` done.
     Done,
     Value(Option<Vec<u8>>),
     Values(Vec<Vec<u8>>),
     Counter(i64),
-    /// The `Hello` named another run. The store answers with its own run id's
-    /// [`run_fingerprint`], never the id itself (the id is the secret that admits a connection).
-    /// The connection closes.
-    WrongRun {
-        fingerprint: String,
-    },
     WaitTimedOut {
         missing: Vec<String>,
     },
@@ -124,12 +160,12 @@ impl Response {
     /// The variant's name, for error messages (never the payload, which may be large).
     fn kind(&self) -> &'static str {
         match self {
+            Response::Challenge { .. } => "Challenge",
             Response::Welcome => "Welcome",
             Response::Done => "Done",
             Response::Value(_) => "Value",
             Response::Values(_) => "Values",
             Response::Counter(_) => "Counter",
-            Response::WrongRun { .. } => "WrongRun",
             Response::WaitTimedOut { .. } => "WaitTimedOut",
             Response::Refused { .. } => "Refused",
         }
@@ -155,13 +191,21 @@ pub enum StoreError {
         waited: Duration,
         reason: String,
     },
-    /// The store at the address serves another run (both named by [`run_fingerprint`]).
-    #[error("rendezvous store at {addr} belongs to another run (run id fingerprint {found}; ours is {expected}): check that every node has the same run id (--run-id / LAUNCH_RUN_ID)")]
+    /// What answers at the address could not prove that it knows our run id: a store of another
+    /// run, or an impostor. `found` is the [`run_fingerprint`] it claims (unverified), `expected`
+    /// ours.
+    #[error("{addr} does not know this job's run id (it could not prove it): another job or an impostor holds that port (it claims run id fingerprint {found}; ours is {expected}; every node needs the same run id: --run-id / LAUNCH_RUN_ID)")]
     WrongRun {
         addr: String,
         found: String,
         expected: String,
     },
+    /// Something accepted the connection but never answered the handshake.
+    #[error(
+        "{addr} accepted the connection but did not answer the rendezvous store's handshake within {:.1} s: another program holds that port, or the store is stuck",
+        .waited.as_secs_f64()
+    )]
+    Silent { addr: String, waited: Duration },
     /// `wait` gave up; `missing` are the keys that still did not exist.
     #[error(
         "timed out after {:.1} s waiting for store keys {missing:?} at {addr}",
@@ -398,6 +442,8 @@ mod tests {
     use std::thread;
     use std::time::Instant;
 
+    mod handshake;
+
     fn server(run_id: &str) -> StoreServer {
         StoreServer::start("127.0.0.1:0".parse().unwrap(), run_id).unwrap()
     }
@@ -444,12 +490,47 @@ mod tests {
         }
     }
 
-    fn hello(run_id: &str) -> Vec<u8> {
-        encode_frame(&Request::Hello {
-            protocol: PROTOCOL,
-            run_id: run_id.into(),
-        })
-        .unwrap()
+    fn send(stream: &mut TcpStream, request: &Request) {
+        stream.write_all(&encode_frame(request).unwrap()).unwrap();
+    }
+
+    fn receive(stream: &mut TcpStream) -> Response {
+        let body = read_frame(stream).ok().expect("a frame from the server");
+        decode_body(&body).unwrap()
+    }
+
+    /// Says hello on a raw socket: the client nonce, and the server's nonce from its challenge
+    /// (whose proof is checked).
+    fn hello(stream: &mut TcpStream, run_id: &str) -> (auth::Nonce, auth::Nonce) {
+        let client_nonce = auth::nonce().unwrap();
+        send(
+            stream,
+            &Request::Hello {
+                protocol: PROTOCOL,
+                nonce: client_nonce,
+            },
+        );
+        match receive(stream) {
+            Response::Challenge {
+                nonce,
+                proof,
+                fingerprint,
+            } => {
+                let key = auth::Key::new(run_id);
+                assert!(key.server_proved(&client_nonce, &nonce, &proof));
+                assert_eq!(fingerprint, run_fingerprint(run_id));
+                (client_nonce, nonce)
+            }
+            other => panic!("{other:?} in answer to a hello"),
+        }
+    }
+
+    /// The whole handshake on a raw socket, as a client of `run_id`.
+    fn prove(stream: &mut TcpStream, run_id: &str) {
+        let (client_nonce, server_nonce) = hello(stream, run_id);
+        let proof = auth::Key::new(run_id).client_proof(&client_nonce, &server_nonce);
+        send(stream, &Request::Proof { proof });
+        assert_eq!(receive(stream), Response::Welcome);
     }
 
     #[test]
@@ -565,33 +646,6 @@ mod tests {
     }
 
     #[test]
-    fn wrong_run_id_is_refused_with_fingerprints_never_the_id() {
-        let server = server("job-a");
-        let addr = server.local_addr().to_string();
-        let started = Instant::now();
-        let err = StoreClient::connect(&addr, "job-b", Duration::from_secs(5)).unwrap_err();
-        // Refused at once, not retried until the deadline.
-        assert!(started.elapsed() < Duration::from_secs(1));
-        let text = err.to_string();
-        assert!(
-            text.starts_with(&format!(
-                "rendezvous store at {addr} belongs to another run (run id fingerprint {}; ours is {})",
-                run_fingerprint("job-a"),
-                run_fingerprint("job-b")
-            )),
-            "{text}"
-        );
-        // The refusal never carries the store's run id: it is the secret that admits.
-        assert!(!text.contains("job-a"), "{text}");
-        assert_ne!(run_fingerprint("job-a"), run_fingerprint("job-b"));
-        assert_eq!(run_fingerprint("job-a").len(), "sha256:".len() + 12);
-        // The server keeps serving its own run.
-        let mut store = client(&server, "job-a");
-        store.set("k", b"v").unwrap();
-        assert_eq!(store.get("k").unwrap(), Some(b"v".to_vec()));
-    }
-
-    #[test]
     fn wait_for_a_key_nobody_sets_times_out_naming_it() {
         let server = server("run");
         let mut store = client(&server, "run");
@@ -688,11 +742,9 @@ mod tests {
         stream.write_all(&frame).unwrap();
         assert_closed_by_server(stream);
 
-        // Garbage after a good hello.
+        // Garbage after a good handshake.
         let mut stream = raw(&server);
-        stream.write_all(&hello("run")).unwrap();
-        let body = read_frame(&mut stream).ok().unwrap();
-        assert_eq!(decode_body::<Response>(&body).unwrap(), Response::Welcome);
+        prove(&mut stream, "run");
         stream.write_all(&[3, 0, 0, 0, 0xee, 0xee, 0xee]).unwrap();
         assert_closed_by_server(stream);
 
@@ -724,8 +776,7 @@ mod tests {
 
         // The server drops a connection that announces more than the limit.
         let mut stream = raw(&server);
-        stream.write_all(&hello("run")).unwrap();
-        assert!(read_frame(&mut stream).is_ok());
+        prove(&mut stream, "run");
         let too_long = (MAX_FRAME_BYTES as u32 + 1).to_le_bytes();
         stream.write_all(&too_long).unwrap();
         assert_closed_by_server(stream);
@@ -775,7 +826,7 @@ mod tests {
             StoreServer::start_with("127.0.0.1:0".parse().unwrap(), "run", deadline).unwrap();
         let silent: Vec<TcpStream> = (0..100).map(|_| raw(&server)).collect();
         thread::sleep(Duration::from_millis(300));
-        // Beyond the cap, connections are closed at once (EOF without waiting).
+        // Beyond the cap of one address, the oldest are closed at once (EOF without waiting).
         let closed_now = silent
             .iter()
             .filter(|s| {
@@ -783,8 +834,11 @@ mod tests {
                 matches!((&**s).read(&mut [0u8; 1]), Ok(0))
             })
             .count();
-        assert!(closed_now >= 100 - MAX_UNGREETED, "{closed_now} closed");
-        assert!(server.ungreeted() <= MAX_UNGREETED);
+        assert!(
+            closed_now >= 100 - MAX_UNGREETED_PER_IP,
+            "{closed_now} closed"
+        );
+        assert!(server.ungreeted() <= MAX_UNGREETED_PER_IP);
         // The rest are closed when their deadline passes; then the run's own ranks get in.
         thread::sleep(deadline + Duration::from_millis(500));
         assert_eq!(server.ungreeted(), 0);
@@ -902,7 +956,8 @@ mod tests {
             timeout_ms in any::<u64>(),
         ) {
             for request in [
-                Request::Hello { protocol: PROTOCOL, run_id: key.clone() },
+                Request::Hello { protocol: PROTOCOL, nonce: [delta as u8; 32] },
+                Request::Proof { proof: [timeout_ms as u8; 32] },
                 Request::Set { key: key.clone(), value: value.clone() },
                 Request::Get { key: key.clone() },
                 Request::Wait { keys: vec![key.clone(), String::new()], timeout_ms },

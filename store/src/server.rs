@@ -1,5 +1,5 @@
 //! The store's server: the key space, the acceptor (with its limits on connections that have
-//! not presented the run id) and one thread per connection.
+//! not proven the run id, see [`guard`](super::guard)) and one thread per connection.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -10,34 +10,62 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use super::guard::{Gate, Throttle};
 use super::*;
 
 /// State shared by the acceptor and the connection threads.
 struct Shared {
-    run_id: String,
+    /// Derived from the run id, which the server does not keep.
+    key: auth::Key,
+    /// [`run_fingerprint`] of the run id, sent in the challenge.
+    fingerprint: String,
     keys: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
     stopping: AtomicBool,
-    /// Connections that have not presented the run id yet.
-    ungreeted: std::sync::atomic::AtomicUsize,
-    /// How long a new connection has to present the run id ([`HELLO_DEADLINE`]).
+    /// Connections that have not proven the run id yet.
+    gate: Gate,
+    /// Warnings about connections refused before they proved the run id.
+    refused: Throttle,
+    /// Warnings about failed `accept`s (e.g. out of file descriptors).
+    accept_failures: Throttle,
+    /// How long a new connection has to prove the run id ([`HELLO_DEADLINE`]).
     hello_deadline: Duration,
 }
 
-/// Counts a connection as ungreeted until it presents the run id or ends.
-struct Ungreeted<'a>(Option<&'a Shared>);
-
-impl Ungreeted<'_> {
-    fn greeted(&mut self) {
-        if let Some(shared) = self.0.take() {
-            shared.ungreeted.fetch_sub(1, Ordering::SeqCst);
-        }
+fn refused_head(count: u64) -> String {
+    if count == 1 {
+        "refused a connection that did not prove the run id".into()
+    } else {
+        format!("refused {count} connections that did not prove the run id")
     }
 }
 
-impl Drop for Ungreeted<'_> {
+fn accept_failure_head(count: u64) -> String {
+    if count == 1 {
+        "could not accept a connection".into()
+    } else {
+        format!("could not accept {count} connections")
+    }
+}
+
+/// Holds a connection's place in the [`Gate`] until it proves the run id or ends.
+struct Ticket<'a> {
+    shared: &'a Shared,
+    ticket: Option<u64>,
+}
+
+impl Ticket<'_> {
+    /// Gives the place up; false when the connection had already lost it to a newer one.
+    fn leave(&mut self) -> bool {
+        self.ticket
+            .take()
+            .is_some_and(|ticket| self.shared.gate.leave(ticket))
+    }
+}
+
+impl Drop for Ticket<'_> {
     fn drop(&mut self) {
-        self.greeted();
+        self.leave();
     }
 }
 
@@ -61,8 +89,8 @@ impl Shared {
     /// Executes one request of a greeted connection.
     fn answer(&self, request: Request) -> Response {
         match request {
-            Request::Hello { .. } => Response::Refused {
-                reason: "this connection has already presented its run id".into(),
+            Request::Hello { .. } | Request::Proof { .. } => Response::Refused {
+                reason: "this connection has already proven the run id".into(),
             },
             Request::Set { key, value } | Request::SetEphemeral { key, value } => {
                 self.lock().insert(key, value);
@@ -158,14 +186,14 @@ impl fmt::Debug for StoreServer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StoreServer")
             .field("addr", &self.addr)
-            .field("run", &run_fingerprint(&self.shared.run_id))
+            .field("run", &self.shared.fingerprint)
             .finish()
     }
 }
 
 impl StoreServer {
     /// Listens on exactly `addr` (port 0 picks a free port; see [`StoreServer::local_addr`]) and
-    /// serves connections that present `run_id`, on background threads.
+    /// serves connections that prove they know `run_id`, on background threads.
     pub fn start(addr: SocketAddr, run_id: &str) -> Result<StoreServer, StoreError> {
         Self::start_with(addr, run_id, HELLO_DEADLINE)
     }
@@ -182,11 +210,14 @@ impl StoreServer {
         let local = listener.local_addr().map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
         let shared = Arc::new(Shared {
-            run_id: run_id.to_string(),
+            key: auth::Key::new(run_id),
+            fingerprint: run_fingerprint(run_id),
             keys: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
-            ungreeted: std::sync::atomic::AtomicUsize::new(0),
+            gate: Gate::new(MAX_UNGREETED, MAX_UNGREETED_PER_IP),
+            refused: Throttle::new(refused_head, WARN_INTERVAL),
+            accept_failures: Throttle::new(accept_failure_head, WARN_INTERVAL),
             hello_deadline,
         });
         let for_acceptor = Arc::clone(&shared);
@@ -202,10 +233,10 @@ impl StoreServer {
         })
     }
 
-    /// Connections that have not presented the run id yet (tests).
+    /// Connections that have not proven the run id yet (tests).
     #[cfg(test)]
     pub(super) fn ungreeted(&self) -> usize {
-        self.shared.ungreeted.load(Ordering::SeqCst)
+        self.shared.gate.len()
     }
 
     /// The address the server actually listens on (with the real port when started on port 0).
@@ -224,49 +255,65 @@ impl Drop for StoreServer {
     }
 }
 
+/// A connection's thread, with the connection's socket to unblock it at shutdown.
+type Connection = (JoinHandle<()>, Arc<TcpStream>);
+
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    // Each connection's thread, with a second handle on its socket to unblock it at shutdown.
-    let mut connections: Vec<(JoinHandle<()>, Option<TcpStream>)> = Vec::new();
+    let mut connections: Vec<Connection> = Vec::new();
     while !shared.stopping() {
+        shared.refused.tick();
+        shared.accept_failures.tick();
         match listener.accept() {
             Ok((stream, peer)) => {
                 connections.retain(|(thread, _)| !thread.is_finished());
-                if shared.ungreeted.load(Ordering::SeqCst) >= MAX_UNGREETED {
-                    // Dropped unanswered: a flood of silent sockets costs nothing more.
-                    tracing::warn!(%peer, "rendezvous store: {MAX_UNGREETED} connections have not presented the run id yet; closing this one");
-                    drop(stream);
-                    continue;
-                }
-                shared.ungreeted.fetch_add(1, Ordering::SeqCst);
-                let closer = stream.try_clone().ok();
-                let for_connection = Arc::clone(&shared);
-                let spawned = thread::Builder::new()
-                    .name(format!("store-conn-{peer}"))
-                    .spawn(move || serve_connection(stream, peer, &for_connection));
-                match spawned {
-                    Ok(thread) => connections.push((thread, closer)),
-                    Err(err) => {
-                        shared.ungreeted.fetch_sub(1, Ordering::SeqCst);
-                        tracing::warn!(%peer, "rendezvous store cannot start a thread: {err}")
-                    }
-                }
+                connections.extend(admit(stream, peer, &shared));
             }
             Err(err) if err.kind() == io::ErrorKind::WouldBlock => thread::sleep(ACCEPT_POLL),
             Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
             Err(err) => {
                 // E.g. out of file descriptors: keep serving the connections we have.
-                tracing::warn!("rendezvous store accept failed: {err}");
+                shared.accept_failures.note(err.to_string());
                 thread::sleep(Duration::from_millis(50));
             }
         }
     }
-    for (_, closer) in &connections {
-        if let Some(stream) = closer {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
+    for (_, stream) in &connections {
+        let _ = stream.shutdown(Shutdown::Both);
     }
     for (thread, _) in connections {
         let _ = thread.join();
+    }
+    shared.refused.flush();
+    shared.accept_failures.flush();
+}
+
+/// Starts serving a new connection. It counts as waiting in the gate until it proves the run id;
+/// when the gate is full, it takes the place of another waiting connection (never sleeping or
+/// logging per connection, so that a flood costs a real peer nothing).
+fn admit(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) -> Option<Connection> {
+    let stream = Arc::new(stream);
+    let (ticket, evicted) = shared.gate.admit(peer, Arc::clone(&stream));
+    if let Some(evicted) = evicted {
+        shared.refused.note(format!(
+            "from {}, closed to make room for a newer connection ({} from its address had not \
+             proven the run id yet)",
+            evicted.peer, evicted.held_by_its_address
+        ));
+    }
+    let for_connection = Arc::clone(shared);
+    let conn_stream = Arc::clone(&stream);
+    let spawned = thread::Builder::new()
+        .name(format!("store-conn-{peer}"))
+        .spawn(move || serve_connection(conn_stream, peer, ticket, &for_connection));
+    match spawned {
+        Ok(thread) => Some((thread, stream)),
+        Err(err) => {
+            shared.gate.leave(ticket);
+            shared
+                .refused
+                .note(format!("from {peer}, no thread to serve it: {err}"));
+            None
+        }
     }
 }
 
@@ -279,16 +326,17 @@ enum ConnEnd {
 }
 
 struct ServerConn<'a> {
-    stream: TcpStream,
+    /// Shared with the acceptor (and the gate, until the run id is proven), which shut it down.
+    stream: Arc<TcpStream>,
     peer: SocketAddr,
     shared: &'a Shared,
-    /// Until the run id is presented: when the connection must have done so.
+    /// Until the run id is proven: when the connection must have done so.
     hello_by: Option<Instant>,
 }
 
 impl Drop for ServerConn<'_> {
     fn drop(&mut self) {
-        // The acceptor holds a duplicate of this socket, so dropping ours would not close it.
+        // The acceptor holds the socket too, so dropping ours would not close it.
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 }
@@ -296,7 +344,7 @@ impl Drop for ServerConn<'_> {
 impl ServerConn<'_> {
     /// Fills `buf`, polling the shutdown flag on every read timeout. Between frames
     /// (`between_frames` and nothing read yet) the peer may stay silent forever; inside a frame it
-    /// may not pause longer than [`STALL_LIMIT`].
+    /// may not pause longer than [`STALL_LIMIT`]; until it proves the run id, not past `hello_by`.
     fn fill(&mut self, buf: &mut [u8], between_frames: bool) -> Result<(), ConnEnd> {
         let mut filled = 0;
         let mut last_progress = Instant::now();
@@ -304,7 +352,14 @@ impl ServerConn<'_> {
             if self.shared.stopping() {
                 return Err(ConnEnd::Quiet);
             }
-            match self.stream.read(&mut buf[filled..]) {
+            // Checked before every read, so that a peer trickling bytes cannot outstay it.
+            if self.hello_by.is_some_and(|by| Instant::now() > by) {
+                return Err(ConnEnd::Bad(format!(
+                    "the run id was not proven within {:.1} s",
+                    self.shared.hello_deadline.as_secs_f64()
+                )));
+            }
+            match (&*self.stream).read(&mut buf[filled..]) {
                 Ok(0) if filled == 0 && between_frames => return Err(ConnEnd::Quiet),
                 Ok(0) => {
                     return Err(ConnEnd::Bad(format!(
@@ -323,12 +378,6 @@ impl ServerConn<'_> {
                     ) =>
                 {
                     let idle = between_frames && filled == 0;
-                    if self.hello_by.is_some_and(|by| Instant::now() > by) {
-                        return Err(ConnEnd::Bad(format!(
-                            "no run id presented within {:.1} s",
-                            self.shared.hello_deadline.as_secs_f64()
-                        )));
-                    }
                     if !idle && last_progress.elapsed() > STALL_LIMIT {
                         return Err(ConnEnd::Bad(format!(
                             "peer stalled for {} s in the middle of a frame",
@@ -356,7 +405,7 @@ impl ServerConn<'_> {
             return Err(ConnEnd::Bad(format!(
                 "frame of {len} bytes exceeds the {limit}-byte limit{}",
                 if self.hello_by.is_some() {
-                    " before the run id"
+                    " before the run id is proven"
                 } else {
                     ""
                 }
@@ -373,16 +422,78 @@ impl ServerConn<'_> {
                 "answer of {len} bytes exceeds the {MAX_FRAME_BYTES}-byte limit"
             ))
         })?;
-        self.stream
+        (&*self.stream)
             .write_all(&frame)
             .map_err(|err| ConnEnd::Bad(describe_io(&err)))
     }
 
-    /// Logs why the connection ends and, for a misbehaving peer, tells it (best effort).
+    /// Logs why the connection of a peer that proved the run id ends and, for a misbehaving
+    /// peer, tells it (best effort).
     fn end(mut self, end: ConnEnd) {
         if let ConnEnd::Bad(reason) = end {
             tracing::warn!(peer = %self.peer, "dropping a rendezvous store connection: {reason}");
             let _ = self.send(&Response::Refused { reason });
+        }
+    }
+
+    /// Ends a connection that did not prove the run id: tells the peer why (best effort) and
+    /// counts it in the server's gathered warnings, unless `reported` already (closed to make
+    /// room). A peer that hangs up before saying anything is not reported (a port probe).
+    fn refuse(mut self, end: ConnEnd, reported: bool) {
+        if let ConnEnd::Bad(reason) = end {
+            if !reported {
+                self.shared
+                    .refused
+                    .note(format!("from {}, {reason}", self.peer));
+            }
+            let _ = self.send(&Response::Refused { reason });
+        }
+    }
+
+    /// The server's side of the handshake (see the crate's documentation), up to a proof of the
+    /// run id; a wrong proof gets a refusal that says nothing more.
+    fn authenticate(&mut self, ticket: u64) -> Result<(), ConnEnd> {
+        let client_nonce = match self.read_request()? {
+            Request::Hello { protocol, nonce } if protocol == PROTOCOL => nonce,
+            Request::Hello { protocol, .. } => {
+                return Err(ConnEnd::Bad(format!(
+                    "unknown protocol tag {protocol:#x} (expected {PROTOCOL:#x})"
+                )))
+            }
+            _ => {
+                return Err(ConnEnd::Bad(
+                    "the first message must be the handshake's hello".into(),
+                ))
+            }
+        };
+        self.shared.gate.greeting(ticket);
+        let server_nonce = auth::nonce().map_err(ConnEnd::Bad)?;
+        self.send(&Response::Challenge {
+            nonce: server_nonce,
+            proof: self.shared.key.server_proof(&client_nonce, &server_nonce),
+            fingerprint: self.shared.fingerprint.clone(),
+        })?;
+        let request = self.read_request().map_err(|end| match end {
+            ConnEnd::Quiet if !self.shared.stopping() => ConnEnd::Bad(
+                "closed during the handshake (a node of another run, which this store could not \
+                 prove its run id to?)"
+                    .into(),
+            ),
+            end => end,
+        })?;
+        match request {
+            Request::Proof { proof }
+                if self
+                    .shared
+                    .key
+                    .client_proved(&client_nonce, &server_nonce, &proof) =>
+            {
+                Ok(())
+            }
+            Request::Proof { .. } => Err(ConnEnd::Bad("the run id was not proven".into())),
+            _ => Err(ConnEnd::Bad(
+                "the second message must be the handshake's proof".into(),
+            )),
         }
     }
 }
@@ -407,16 +518,21 @@ impl Drop for EphemeralKeys<'_> {
     }
 }
 
-fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
-    // Counted by the acceptor before this thread started; uncounted however this ends.
-    let mut ungreeted = Ungreeted(Some(shared));
+fn serve_connection(stream: Arc<TcpStream>, peer: SocketAddr, ticket_id: u64, shared: &Shared) {
+    // Counted in the gate by the acceptor before this thread started; out of it however this ends.
+    let mut ticket = Ticket {
+        shared,
+        ticket: Some(ticket_id),
+    };
     let configured = stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_nodelay(true))
         .and_then(|()| stream.set_read_timeout(Some(SERVER_TICK)))
         .and_then(|()| stream.set_write_timeout(Some(SERVER_WRITE_TIMEOUT)));
     if let Err(err) = configured {
-        tracing::warn!(%peer, "cannot configure a rendezvous store connection: {err}");
+        shared
+            .refused
+            .note(format!("from {peer}, cannot configure its socket: {err}"));
         return;
     }
     let mut conn = ServerConn {
@@ -425,38 +541,24 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Shared) {
         shared,
         hello_by: Some(Instant::now() + shared.hello_deadline),
     };
-    match conn.read_request() {
-        Ok(Request::Hello { protocol, run_id }) if protocol == PROTOCOL => {
-            if run_id != shared.run_id {
-                tracing::warn!(
-                    %peer,
-                    "refusing a rendezvous connection for another run (run id fingerprint {}; this store serves {})",
-                    run_fingerprint(&run_id),
-                    run_fingerprint(&shared.run_id)
-                );
-                let _ = conn.send(&Response::WrongRun {
-                    fingerprint: run_fingerprint(&shared.run_id),
-                });
-                return;
-            }
-            conn.hello_by = None;
-            ungreeted.greeted();
-            if let Err(end) = conn.send(&Response::Welcome) {
-                return conn.end(end);
-            }
-        }
-        Ok(Request::Hello { protocol, .. }) => {
-            return conn.end(ConnEnd::Bad(format!(
-                "unknown protocol tag {protocol:#x} (expected {PROTOCOL:#x})"
-            )))
-        }
-        Ok(_) => {
-            return conn.end(ConnEnd::Bad(
-                "the first message must present the run id".into(),
-            ))
-        }
-        Err(end) => return conn.end(end),
+    let proven = conn.authenticate(ticket_id);
+    let kept_its_place = ticket.leave();
+    if let Err(end) = proven {
+        return conn.refuse(end, !kept_its_place);
     }
+    if !kept_its_place {
+        // Closed to make room for a newer connection just as it proved the run id.
+        return;
+    }
+    conn.hello_by = None;
+    if let Err(end) = conn.send(&Response::Welcome) {
+        return conn.end(end);
+    }
+    serve_requests(conn, shared);
+}
+
+/// Answers the requests of a connection that proved the run id, until it ends.
+fn serve_requests(mut conn: ServerConn<'_>, shared: &Shared) {
     let mut ephemeral = EphemeralKeys {
         shared,
         keys: Vec::new(),

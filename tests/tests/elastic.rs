@@ -341,3 +341,122 @@ fn failures_beyond_max_restarts_end_the_job() {
     let _ = other.finish(T);
     assert_no_processes(&run_id, Duration::from_secs(10));
 }
+
+/// Stops (or continues) a launcher and the workers it started.
+fn signal_node(live: &Live, signal: Signal) {
+    for pid in children(live.pid()) {
+        let _ = kill(Pid::from_raw(pid), signal);
+    }
+    kill(live.pid(), signal).unwrap();
+}
+
+#[test]
+fn a_node_with_other_settings_is_refused_before_it_joins_and_the_job_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, run_id) = (free_port(), unique_run_id("elastic-terms"));
+    let no_restart = ["--max-restarts", "0"];
+    let host = node_with(dir.path(), port, &run_id, "1:2", 6, 12, &no_restart);
+    wait_for(&host, "collective tcp ready", T);
+    let other_lr = ["--max-restarts", "0", "--set", "train.lr=0.002"];
+    let stranger = node_with(dir.path(), port, &run_id, "1:2", 6, 12, &other_lr);
+    let out = stranger.finish(T);
+    out.assert_code(2);
+    out.assert_stderr(
+        "its settings differ from the job's: train.lr: 0.002 here vs 0.005 in the job",
+    );
+    assert!(!out.stderr.contains("round 0:"), "{}", out.stderr);
+    let out = host.finish(T);
+    out.assert_code(0);
+    out.assert_stderr("is not admitted: its settings differ from the job's: train.lr");
+    assert!(!out.stderr.contains("re-form"), "{}", out.stderr);
+    assert_no_processes(&run_id, Duration::from_secs(10));
+}
+
+#[test]
+fn nodes_with_different_process_counts_form_one_world_with_their_own_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, run_id) = (free_port(), unique_run_id("elastic-nproc"));
+    let host = node_with(dir.path(), port, &run_id, "2:3", 1, 12, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    let two = ["--num-processes", "2"];
+    let second = node_with(dir.path(), port, &run_id, "2:3", 1, 12, &two);
+    let (host, second) = (host.finish(T), second.finish(T));
+    host.assert_code(0);
+    second.assert_code(0);
+    host.assert_stderr("this node is node rank 0 (ranks 0..0)");
+    second.assert_stderr("this node is node rank 1 (ranks 1..2)");
+    host.assert_stderr("micro 2 x grad_accum 2 x world 3 = global 12");
+    assert_eq!(summary(dir.path())["world_size"], 3);
+    assert_no_processes(&run_id, Duration::from_secs(10));
+}
+
+#[test]
+fn a_joiner_that_dies_before_it_is_admitted_is_not_in_the_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, run_id) = (free_port(), unique_run_id("elastic-dead-joiner"));
+    let no_restart = ["--max-restarts", "0"];
+    let host = node_with(dir.path(), port, &run_id, "2:3", 6, 12, &no_restart);
+    std::thread::sleep(Duration::from_millis(300));
+    let second = node_with(dir.path(), port, &run_id, "2:3", 6, 12, &no_restart);
+    wait_for(&host, "collective tcp ready", T);
+    let late = node_with(dir.path(), port, &run_id, "2:3", 6, 12, &no_restart);
+    wait_for(&host, "waiting to join: re-forming with 3 nodes", T);
+    kill(late.pid(), Signal::SIGKILL).unwrap();
+    let _ = late.finish(T);
+    for live in [host, second] {
+        let out = live.finish(T);
+        out.assert_code(0);
+        out.assert_stderr("round 1: 2 node(s)");
+        assert!(!out.stderr.contains("round 1: 3 node(s)"), "{}", out.stderr);
+    }
+    assert_no_processes(&run_id, Duration::from_secs(10));
+}
+
+#[test]
+fn a_member_lost_while_the_group_re_forms_counts_against_max_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, run_id) = (free_port(), unique_run_id("elastic-count"));
+    let no_restart = ["--max-restarts", "0"];
+    let host = node_with(dir.path(), port, &run_id, "1:3", 20, 12, &no_restart);
+    std::thread::sleep(Duration::from_millis(300));
+    let second = node_with(dir.path(), port, &run_id, "1:3", 20, 12, &no_restart);
+    wait_for(&host, "round 0: 2 node(s)", T);
+    wait_for(&host, "collective tcp ready", T);
+    let late = node_with(dir.path(), port, &run_id, "1:3", 20, 12, &no_restart);
+    wait_for(&host, "waiting to join: re-forming with 3 nodes", T);
+    signal_node(&second, Signal::SIGKILL);
+    let out = host.finish(T);
+    assert_ne!(out.code(), Some(0), "{}", out.stderr);
+    out.assert_stderr("the worker group failed 1 time(s), more than --max-restarts 0");
+    out.assert_stderr("the job's rounds: round 0 (node ids 0, 1; world 2)");
+    let _ = second.finish(T);
+    let _ = late.finish(T);
+    assert_no_processes(&run_id, Duration::from_secs(10));
+}
+
+#[test]
+fn a_node_dropped_while_stopped_exits_0_when_the_job_finished_without_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, run_id) = (free_port(), unique_run_id("elastic-dropped"));
+    let host = node(dir.path(), port, &run_id, "1:2", 4);
+    std::thread::sleep(Duration::from_millis(300));
+    let second = node(dir.path(), port, &run_id, "1:2", 4);
+    wait_for(&second, "collective tcp ready", T);
+    signal_node(&second, Signal::SIGSTOP);
+    // Dropped (no heartbeat), the host re-forms alone and finishes; it then waits for the
+    // stopped node to hear that before it closes the store.
+    wait_for(&host, "round 1: 1 node(s)", T);
+    wait_for(&host, "vs popularity", T);
+    std::thread::sleep(Duration::from_secs(2));
+    signal_node(&second, Signal::SIGCONT);
+    let out = second.finish(T);
+    out.assert_code(0);
+    out.assert_stderr("the job finished without this node");
+    assert!(
+        !out.stderr.contains("lost the rendezvous store"),
+        "{}",
+        out.stderr
+    );
+    host.finish(T).assert_code(0);
+    assert_no_processes(&run_id, Duration::from_secs(10));
+}

@@ -813,3 +813,93 @@ fn rendezvous_gives_up_after_the_configured_time_naming_its_key() {
         assert!(started.elapsed() < std::time::Duration::from_secs(30));
     }
 }
+
+/// `launch ARGS...` with `env`, run by `sh -c 'ulimit -v 2000000; exec launch ...'`: with 2 GB
+/// of address space a count that allocates per node aborts (exit 134) instead of eating the
+/// machine. The environment is cleaned as [`launch_cmd`] cleans it.
+fn launch_under_memory_cap(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let base = launch_cmd(args);
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", "ulimit -v 2000000 && exec \"$0\" \"$@\""])
+        .arg(base.get_program())
+        .args(base.get_args())
+        .current_dir(repo_root())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (key, value) in base.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    cmd.envs(env.iter().copied());
+    wait_output(cmd.spawn().expect("start sh"), T)
+}
+
+/// Issue 35 item 7: a huge node or process count, from a flag, a `PET_*` variable or Slurm, is
+/// one line naming where it came from, its value and the limit, exit 2, dry run or not, in
+/// bounded memory (nothing is allocated per possible node).
+#[test]
+fn huge_counts_from_flags_pet_and_slurm_are_one_line_in_bounded_memory() {
+    let elastic = ["--rdzv-endpoint", "127.0.0.1:29999", "configs/default.toml"];
+    let slurm = [("SLURM_JOB_ID", "4242"), ("SLURM_STEP_ID", "0")];
+    /// Arguments before the common tail, the environment, the one line expected.
+    type Case<'a> = (&'a [&'a str], Vec<(&'a str, &'a str)>, &'a str);
+    let cases: [Case; 5] = [
+        (
+            &["--nnodes", "1:4000000000", "--num-processes", "1"],
+            vec![],
+            "invalid value '1:4000000000' for '--nnodes <N|MIN:MAX>': 4000000000 nodes is more than launch supports (at most 65536)",
+        ),
+        (
+            &["--num-processes", "1"],
+            vec![("PET_NNODES", "1:4000000000")],
+            "environment variable PET_NNODES=\"1:4000000000\": 4000000000 nodes is more than launch supports (at most 65536)",
+        ),
+        (
+            &[],
+            vec![("PET_NPROC_PER_NODE", "99999999999")],
+            "environment variable PET_NPROC_PER_NODE=\"99999999999\": 99999999999 processes on one node is more than launch supports (at most 1024)",
+        ),
+        (
+            &[],
+            [&slurm[..], &[("SLURM_NNODES", "4000000000")]].concat(),
+            "environment variable SLURM_NNODES=\"4000000000\" (set by Slurm): 4000000000 nodes is more than launch supports (at most 65536)",
+        ),
+        (
+            &[],
+            [&slurm[..], &[("SLURM_GPUS_ON_NODE", "4000000000")]].concat(),
+            "environment variable SLURM_GPUS_ON_NODE=\"4000000000\" (set by Slurm): 4000000000 processes on one node is more than launch supports (at most 1024)",
+        ),
+    ];
+    for (head, env, line) in &cases {
+        for dry_run in [true, false] {
+            let mut all: Vec<&str> = dry_run.then_some("--dry-run").into_iter().collect();
+            all.extend(head.iter().chain(&elastic));
+            let out = launch_under_memory_cap(&all, env);
+            let what = format!("{all:?} {env:?}");
+            assert_eq!(out.code(), Some(2), "{what}: {}", out.stderr);
+            assert_eq!(out.stderr, format!("launch: error: {line}\n"), "{what}");
+            out.assert_ended_within(20);
+        }
+    }
+    // The world is bounded too, naming both counts and where they came from.
+    let out = launch_under_memory_cap(
+        &[
+            "--dry-run",
+            "--nnodes",
+            "65536",
+            "--run-id",
+            "x",
+            "--",
+            "true",
+        ],
+        &[("PET_NPROC_PER_NODE", "1024")],
+    );
+    assert_eq!(out.code(), Some(2), "{}", out.stderr);
+    assert_eq!(
+        out.stderr,
+        "launch: error: 65536 node(s) (flag --nnodes) x 1024 process(es) per node (Kubernetes/TorchX PET_NPROC_PER_NODE=1024): 67108864 processes in the job is more than launch supports (at most 1048576)\n"
+    );
+}

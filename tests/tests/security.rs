@@ -1,11 +1,11 @@
 //! No strangers in the job, end to end: several nodes need a shared secret (a run id file that
-//! node 0 writes), and a flood of silent or oversized connections to a running job's store
-//! costs it nothing it needs. (A stranger on the ring is refused in the ring's own tests, which
-//! can reach its listening port.)
+//! node 0 writes), and a flood of silent or oversized connections to a running job's store (or to
+//! an elastic job's rendezvous endpoint) costs it nothing it needs and fills no log. (A stranger on
+//! the ring is refused in the ring's own tests, which can reach its listening port.)
 
 mod support;
 
-use std::io::Write as _;
+use std::io::{Read as _, Write as _};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt as _;
 use std::time::{Duration, Instant};
@@ -134,8 +134,8 @@ fn a_flood_of_strangers_does_not_starve_the_job() {
     assert!(dir.path().join("default/checkpoints/latest").is_file());
 }
 
-/// A process that claims a rank of a running job with the wrong run id is refused at the store
-/// and learns only a fingerprint, never the id; the job goes on.
+/// A process that claims a rank of a running job with the wrong run id gives up at the store (which
+/// cannot prove the stranger's id) and learns only a fingerprint, never the id; the job goes on.
 #[test]
 fn a_worker_with_the_wrong_run_id_is_refused_without_learning_the_id() {
     let dir = tempfile::tempdir().unwrap();
@@ -187,7 +187,10 @@ fn a_worker_with_the_wrong_run_id_is_refused_without_learning_the_id() {
         String::from_utf8_lossy(&stranger.stderr)
     );
     assert_ne!(stranger.status.code(), Some(0), "{text}");
-    assert!(text.contains("belongs to another run"), "{text}");
+    assert!(
+        text.contains("does not know this job's run id (it could not prove it)"),
+        "{text}"
+    );
     assert!(
         !text.contains(&secret),
         "the stranger learned the run id:\n{text}"
@@ -195,4 +198,120 @@ fn a_worker_with_the_wrong_run_id_is_refused_without_learning_the_id() {
     let out = job.finish(Duration::from_secs(300));
     out.assert_code(0);
     assert!(!out.stdout.contains(&secret) && !out.stderr.contains(&secret));
+}
+
+/// Holds `count` idle connections to `port` until `stop`: each one the server closes is replaced
+/// at once, as a stubborn flooder would. Returns how many it opened.
+fn hold_idle_sockets(
+    port: u16,
+    count: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<usize> {
+    std::thread::spawn(move || {
+        let mut opened = 0;
+        let mut held: Vec<TcpStream> = Vec::new();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            held.retain(|s| {
+                let _ = s.set_nonblocking(true);
+                matches!((&*s).read(&mut [0u8; 64]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            });
+            while held.len() < count {
+                match TcpStream::connect(("127.0.0.1", port)) {
+                    Ok(s) => held.push(s),
+                    Err(_) => break,
+                }
+                opened += 1;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        opened
+    })
+}
+
+/// An elastic job of two nodes whose rendezvous endpoint is flooded with 40 idle sockets (each
+/// one the store closes is reopened) from before the second node joins until the job ends: the
+/// second node joins, the job finishes, the host's warnings about the flood are a few gathered
+/// lines, and no ANSI escape reaches either node's (non-terminal) stderr.
+#[test]
+fn idle_sockets_on_the_rendezvous_endpoint_delay_no_joiner_and_fill_no_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let run_id = unique_run_id("rdzv-flood");
+    let endpoint = format!("127.0.0.1:{port}");
+    let node = |out: &str| {
+        let mut args: Vec<String> = [
+            "--nnodes",
+            "2:3",
+            "--num-processes",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            &run_id,
+            "--rdzv-conf",
+            "last_call_timeout=1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(tiny_args(
+            &dir.path().join(out),
+            &["train.epochs=10", "eval.patience=0"],
+        ));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut cmd = launch_cmd(&args);
+        // The store's debug lines carry fields, which a terminal would show in italics.
+        cmd.env("OMP_NUM_THREADS", "1")
+            .env("RUST_LOG", "info,store=debug");
+        Live::new(cmd.spawn().expect("start launch"))
+    };
+    let host = node("host");
+    let started = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60) && !host.stderr_now().contains("error:"),
+            "the rendezvous store never came up:\n{}",
+            host.stderr_now()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = hold_idle_sockets(port, 40, stop.clone());
+    std::thread::sleep(Duration::from_millis(500));
+    let joiner = node("joiner");
+    let joined = Instant::now();
+    host.wait_stderr("round 0: 2 node(s)", Duration::from_secs(120));
+    let join_took = joined.elapsed();
+    let out = host.finish(Duration::from_secs(300));
+    let other = joiner.finish(Duration::from_secs(60));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let opened = flood.join().unwrap();
+    out.assert_code(0);
+    other.assert_code(0);
+    assert!(opened >= 40, "the flood opened {opened} sockets");
+    for (name, text) in [("host", &out.stderr), ("joiner", &other.stderr)] {
+        assert!(
+            !text.contains('\x1b'),
+            "an ANSI escape in the {name}'s stderr:\n{text}"
+        );
+    }
+    // One line per 5 s at most (and the first at once), however many sockets were refused.
+    let warnings = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("rendezvous store:"))
+        .count();
+    let bound = 2 + (out.elapsed.as_secs() / 5) as usize;
+    assert!(
+        warnings <= bound,
+        "{warnings} warning lines in {:?} (at most {bound}), {opened} sockets:\n{}",
+        out.elapsed,
+        out.stderr
+    );
+    assert!(
+        join_took < Duration::from_secs(20),
+        "the joiner took {join_took:?} to form round 0"
+    );
 }

@@ -332,8 +332,17 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
     let (env, config, device) = (&start.env, &start.plan.config, start.device);
     let (setup_timeout, limit_key) = config.dist.rendezvous_timeout();
     let within = || format!("(within {limit_key} = {} s)", setup_timeout.as_secs());
-    let (store_server, store) = dist::store::rendezvous(env, setup_timeout)
+    let (store_server, mut store) = dist::store::rendezvous(env, setup_timeout)
         .with_context(|| format!("rendezvous with the other ranks {}", within()))?;
+    if env.group_world_size > 1 {
+        // Several nodes: each was started on its own; check they run the same job first.
+        dist::agreement::agree(&mut store, env, &job_terms(config, env), setup_timeout).map_err(
+            |e| match e {
+                dist::agreement::AgreementError::Disagree(_) => usage(e.into()),
+                _ => e.into(),
+            },
+        )?;
+    }
     let mut comm = dist::collective::connect(&config.dist, device, env, store, setup_timeout)
         .with_context(|| format!("connecting the collective {}", within()))?;
     let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
@@ -358,6 +367,20 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
         env.world_size
     );
     Ok((store_server, comm, ctx))
+}
+
+/// What every rank of a multi-node job must agree on: the config (but for per-node paths),
+/// the data and weights behind them, this worker's build, and the world size.
+fn job_terms(config: &Config, env: &WorkerEnv) -> common::job_terms::Terms {
+    let mut terms = common::job_terms::of_config(config);
+    if let Ok(exe) = std::env::current_exe() {
+        terms.insert(
+            "program".into(),
+            common::job_terms::program_fingerprint(&exe),
+        );
+    }
+    terms.insert("WORLD_SIZE".into(), env.world_size.to_string());
+    terms
 }
 
 fn log_data(config: &Config, data: &recommender::RecData) {

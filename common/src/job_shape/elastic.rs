@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::{parse_host, parse_port, Flags, Pet, ShapeError, Source, Sourced};
+use super::{parse_host, parse_port, Count, CountError, Flags, Pet, ShapeError, Source, Sourced};
 
 /// torchrun's default port of the c10d rendezvous endpoint.
 pub const DEFAULT_RDZV_PORT: u16 = 29400;
@@ -27,13 +27,14 @@ impl NodeRange {
     }
 }
 
-/// Parses `N` or `MIN:MAX` (1 <= MIN <= MAX).
+/// Parses `N` or `MIN:MAX` (1 <= MIN <= MAX <= [`super::MAX_NODES`]).
 pub fn parse_node_range(text: &str) -> Result<NodeRange, String> {
     let text = text.trim();
-    let count = |part: &str| match part.trim().parse::<u32>() {
+    let count = |part: &str| match Count::Nodes.parse(part) {
         Ok(0) => Err("must be at least 1".to_string()),
         Ok(n) => Ok(n),
-        Err(_) => Err(format!(
+        Err(CountError::TooMany(why)) => Err(why),
+        Err(CountError::NotANumber) => Err(format!(
             "expected a positive number or MIN:MAX (e.g. 2:4), got {text:?}"
         )),
     };

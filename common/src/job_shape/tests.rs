@@ -483,3 +483,74 @@ fn an_elastic_range_gives_an_elastic_shape_with_its_endpoint_and_timeouts() {
     };
     assert!(error(&standalone, &[]).contains("--standalone"));
 }
+
+/// Every source of a node or process count is bounded, in one line naming the variable, the
+/// value and the limit; the limits themselves are accepted.
+#[test]
+fn counts_from_every_source_are_bounded() {
+    let step = [("SLURM_JOB_ID", "7"), ("SLURM_STEP_ID", "0")];
+    for (pair, needle) in [
+        (
+            ("PET_NNODES", "1:4000000000"),
+            "PET_NNODES=\"1:4000000000\": 4000000000 nodes is more than launch supports (at most 65536)",
+        ),
+        (
+            ("PET_NNODES", "99999999999999999999999"),
+            "99999999999999999999999 nodes is more than launch supports (at most 65536)",
+        ),
+        (
+            ("PET_NPROC_PER_NODE", "1025"),
+            "PET_NPROC_PER_NODE=\"1025\": 1025 processes on one node is more than launch supports (at most 1024)",
+        ),
+        (
+            ("SLURM_NNODES", "65537"),
+            "SLURM_NNODES=\"65537\" (set by Slurm): 65537 nodes is more than launch supports (at most 65536)",
+        ),
+        (
+            ("SLURM_STEP_NUM_TASKS", "4000000000"),
+            "SLURM_STEP_NUM_TASKS=\"4000000000\" (set by Slurm): 4000000000 processes in the job is more than launch supports (at most 1048576)",
+        ),
+        (
+            ("SLURM_GPUS_ON_NODE", "4000000000"),
+            "SLURM_GPUS_ON_NODE=\"4000000000\" (set by Slurm): 4000000000 processes on one node is more than launch supports (at most 1024)",
+        ),
+    ] {
+        let mut pairs = step.to_vec();
+        if pair.0.starts_with("PET_") {
+            pairs.clear();
+        }
+        pairs.push(pair);
+        let err = error(&Flags::default(), &pairs);
+        assert!(err.contains(needle), "{pair:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    let list = (0..1025)
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let err = error(
+        &Flags::default(),
+        &[step[0], step[1], ("SLURM_STEP_GPUS", &list)],
+    );
+    assert!(
+        err.contains("SLURM_STEP_GPUS (set by Slurm) lists 1025 GPUs: 1025 processes on one node"),
+        "{err}"
+    );
+    let s = shape(
+        &Flags::default(),
+        &[("PET_NNODES", "65536"), ("PET_NPROC_PER_NODE", "1024")],
+    );
+    assert_eq!(s.nnodes.value, MAX_NODES);
+    assert_eq!(s.num_processes.value, NumProcesses::Count(MAX_PROCESSES));
+    let world = check_world(&s.nnodes, 1024, &s.num_processes.source).unwrap_err();
+    assert!(
+        world.0.starts_with("65536 node(s) (Kubernetes/TorchX PET_NNODES=65536) x 1024 process(es) per node (Kubernetes/TorchX PET_NPROC_PER_NODE=1024): 67108864 processes in the job is more than launch supports (at most 1048576)"),
+        "{world}"
+    );
+    assert_eq!(
+        check_world(&s.nnodes, 16, &s.num_processes.source),
+        Ok(MAX_WORLD)
+    );
+    assert_eq!(Count::Nodes.parse("+12"), Ok(12));
+    assert_eq!(Count::Nodes.parse("1e3"), Err(CountError::NotANumber));
+}

@@ -2,16 +2,20 @@
 //! batch, the plan of each round the rendezvous forms (ranks, world, the workers' store, the
 //! batch re-derived for the new world) and the line that shows what changed. Starts nothing.
 
-use std::ffi::OsString;
-use std::path::Path;
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
 
 use common::batch::{BatchPlan, BatchSpec};
 use common::config::Config;
 use common::job_shape::Elastic;
+use common::job_terms;
 use common::train_plan::TrainPlan;
 
 use super::{Plan, PlanError};
 use crate::rendezvous::Round;
+
+/// How many node counts an error line explains before "and N more".
+const NAMED_REASONS: usize = 3;
 
 /// The plan of the largest node count in MIN..=MAX that keeps `config`'s global batch; an
 /// error naming each count's reason when none does.
@@ -22,6 +26,7 @@ pub(super) fn largest_plan(
     nproc: u32,
 ) -> Result<TrainPlan, PlanError> {
     let mut reasons = Vec::new();
+    let mut more = 0u32;
     for n in (shape.min..=shape.max).rev() {
         match config.batch.resolve_elastic(u64::from(n * nproc)) {
             Ok(batch) => {
@@ -31,8 +36,14 @@ pub(super) fn largest_plan(
                     batch,
                 })
             }
-            Err(e) => reasons.push(format!("{n} node(s) (world {}): {e}", n * nproc)),
+            Err(e) if reasons.len() < NAMED_REASONS => {
+                reasons.push(format!("{n} node(s) (world {}): {e}", n * nproc))
+            }
+            Err(_) => more += 1,
         }
+    }
+    if more > 0 {
+        reasons.push(format!("and {more} more node count(s)"));
     }
     Err(PlanError::Usage(format!(
         "{}: no node count in {}..{} keeps the global batch with {nproc} process(es) per node: {}",
@@ -43,12 +54,36 @@ pub(super) fn largest_plan(
     )))
 }
 
+/// The node counts in `counts`, at most 8 of them, then how many in all (a range of 65,536
+/// counts stays one short line).
+pub fn list_counts(counts: impl Iterator<Item = u32>) -> String {
+    let mut shown = Vec::new();
+    let mut all = 0usize;
+    for n in counts {
+        if shown.len() < 8 {
+            shown.push(n.to_string());
+        }
+        all += 1;
+    }
+    match all {
+        0 => "none in range".to_string(),
+        n if n > shown.len() => format!("{}, ... ({n} in all)", shown.join(", ")),
+        _ => shown.join(", "),
+    }
+}
+
 /// `Ok` when `nodes` nodes of `nproc` processes keep the global batch of `spec` (always, for a
 /// program without a config).
 pub fn feasible(spec: Option<&BatchSpec>, nproc: u32, nodes: u32) -> Result<(), String> {
+    feasible_world(spec, nodes.saturating_mul(nproc))
+}
+
+/// `Ok` when a world of `world` processes keeps the global batch of `spec` (nodes may run
+/// different numbers of processes: the rendezvous sums theirs).
+pub fn feasible_world(spec: Option<&BatchSpec>, world: u32) -> Result<(), String> {
     match spec {
         Some(spec) => spec
-            .resolve_elastic(u64::from(nodes * nproc))
+            .resolve_elastic(u64::from(world))
             .map(|_| ())
             .map_err(|e| e.to_string()),
         None => Ok(()),
@@ -66,6 +101,8 @@ impl Plan {
         let (addr, port) = round.master();
         plan.nnodes = round.nodes.len() as u32;
         plan.node_rank = node_rank;
+        plan.first_rank = round.first_rank_of(node_rank);
+        plan.nproc = round.nodes[node_rank as usize].nproc;
         plan.world_size = round.world_size();
         plan.master_addr = addr.to_string();
         plan.master_port = port;
@@ -90,6 +127,28 @@ impl Plan {
             }
         }
         Ok(plan)
+    }
+
+    /// What every node of this job must agree on (`common::job_terms`): the config but for
+    /// per-node paths, the data, the program's build, and for a program without a config its
+    /// arguments. Processes per node may differ: each round plans the nodes as they are.
+    pub fn job_terms(&self) -> job_terms::Terms {
+        let mut terms = match &self.config {
+            Some(train) => job_terms::of_config(&train.config),
+            None => job_terms::Terms::new(),
+        };
+        if let Some(program) = self.command.first() {
+            let path = program_path(program);
+            terms.insert("program".into(), job_terms::program_fingerprint(&path));
+        }
+        if self.config.is_none() {
+            let args: Vec<String> = self.command[1..]
+                .iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect();
+            terms.insert("program.args".into(), args.join(" "));
+        }
+        terms
     }
 
     /// What changed from the previous round's world, e.g. `world 6 -> 4: grad_accum 2 -> 3,
@@ -119,6 +178,20 @@ impl Plan {
     }
 }
 
+/// `program` as run: a path as given, a bare name looked up on `PATH`.
+fn program_path(program: &OsStr) -> PathBuf {
+    let path = Path::new(program);
+    if path.components().count() > 1 {
+        return path.to_path_buf();
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(program))
+        .find(|candidate| candidate.is_file())
+        .unwrap_or_else(|| path.to_path_buf())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +204,7 @@ mod tests {
             nproc,
             port: 4000 + id as u16,
             host: id == 0,
+            terms: String::new(),
         }
     }
 
