@@ -19,6 +19,10 @@ use store::{StoreClient, StoreError};
 const VERDICT: &str = "agree/verdict";
 const VERDICT_CLAIM: &str = "agree/verdict-claim";
 const OK: &[u8] = b"ok";
+const VERDICT_READ: &str = "agree/verdict-read";
+const ALL_READ: &str = "agree/verdict-read-by-all";
+/// How long rank 0 keeps the store up for the others to read a disagreement.
+const READ_GRACE: Duration = Duration::from_secs(5);
 /// How often rank 0, waiting for every rank's answer, looks for a verdict published meanwhile.
 const VERDICT_POLL: Duration = Duration::from_millis(200);
 /// How many differing keys the line names before "and N more".
@@ -72,12 +76,18 @@ pub fn agree(
     }
     let verdict = store.wait(&[VERDICT], timeout)?.remove(0);
     if verdict == OK {
-        Ok(())
-    } else {
-        Err(AgreementError::Disagree(
-            String::from_utf8_lossy(&verdict).into_owned(),
-        ))
+        return Ok(());
     }
+    // Every rank must read the verdict before rank 0, which serves the store, exits with it.
+    if store.add(VERDICT_READ, 1)? >= i64::from(env.world_size) {
+        store.set(ALL_READ, b"1")?;
+    }
+    if env.rank == 0 {
+        let _ = store.wait(&[ALL_READ], timeout.min(READ_GRACE));
+    }
+    Err(AgreementError::Disagree(
+        String::from_utf8_lossy(&verdict).into_owned(),
+    ))
 }
 
 /// `ok`, or the line that says how this rank's terms differ from rank 0's.
