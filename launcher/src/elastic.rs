@@ -89,6 +89,9 @@ impl Rendezvous {
             port: 0,
             host: server.is_some(),
             terms: common::job_terms::digest(&job),
+            hostname: nix::unistd::gethostname()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_default(),
         };
         let rdzv = Rendezvous {
             addr,

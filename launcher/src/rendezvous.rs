@@ -86,6 +86,9 @@ pub struct NodeInfo {
     /// `elastic/terms/<id>`.
     #[serde(default)]
     pub terms: String,
+    /// Its host name, for messages.
+    #[serde(default)]
+    pub hostname: String,
 }
 
 /// A closed round: the nodes of the worker group in node-rank order.
@@ -115,6 +118,24 @@ impl Round {
             .take(node_rank as usize)
             .map(|n| n.nproc)
             .sum()
+    }
+
+    /// Node `id` for messages: `node id 2 (host h2 at 10.0.0.3, ranks 4..5)`.
+    pub fn describe(&self, id: u64) -> String {
+        let Some(rank) = self.node_rank_of(id) else {
+            return format!("node id {id}");
+        };
+        let node = &self.nodes[rank as usize];
+        let first = self.first_rank_of(rank);
+        let ranks = match node.nproc {
+            1 => format!("rank {first}"),
+            n => format!("ranks {first}..{}", first + n - 1),
+        };
+        let host = match node.hostname.as_str() {
+            "" => String::new(),
+            name => format!("host {name} at "),
+        };
+        format!("node id {id} ({host}{}, {ranks})", node.addr)
     }
 
     /// The workers' store: node rank 0's address and port.
@@ -370,4 +391,42 @@ pub fn start_monitor(
             }
         })
         .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: u64, nproc: u32, hostname: &str) -> NodeInfo {
+        NodeInfo {
+            id,
+            addr: format!("10.0.0.{id}"),
+            nproc,
+            port: 0,
+            host: id == 0,
+            terms: String::new(),
+            hostname: hostname.into(),
+        }
+    }
+
+    #[test]
+    fn nodes_with_different_process_counts_take_consecutive_ranks_and_are_named_by_them() {
+        let round = Round {
+            round: 3,
+            nodes: vec![node(0, 1, "h0"), node(4, 3, "h4"), node(2, 2, "")],
+            failures: 0,
+        };
+        assert_eq!(round.world_size(), 6);
+        assert_eq!(
+            (0..3).map(|r| round.first_rank_of(r)).collect::<Vec<_>>(),
+            [0, 1, 4]
+        );
+        assert_eq!(round.describe(0), "node id 0 (host h0 at 10.0.0.0, rank 0)");
+        assert_eq!(
+            round.describe(4),
+            "node id 4 (host h4 at 10.0.0.4, ranks 1..3)"
+        );
+        assert_eq!(round.describe(2), "node id 2 (10.0.0.2, ranks 4..5)");
+        assert_eq!(round.describe(9), "node id 9");
+    }
 }

@@ -205,6 +205,7 @@ mod tests {
             port: 4000 + id as u16,
             host: id == 0,
             terms: String::new(),
+            hostname: String::new(),
         }
     }
 

@@ -282,7 +282,8 @@ impl Coordinator {
         });
         if let (None, Some(gone)) = (&why, gone) {
             let what = format!(
-                "node id {gone} is gone (its launcher ended, or sent no heartbeat for {} s) while the group re-formed",
+                "{} is gone (its launcher ended, or sent no heartbeat for {} s) while the group re-formed",
+                previous.describe(gone),
                 DEAD_AFTER.as_secs()
             );
             report_failure(&mut self.store, previous.round, &what)?;
@@ -348,7 +349,8 @@ impl Coordinator {
                 .find(|id| !alive.contains(id) && !finished.contains(id));
             if let Some(dead) = dead {
                 let what = format!(
-                    "node id {dead} is gone (its launcher ended, or sent no heartbeat for {} s)",
+                    "{} is gone (its launcher ended, or sent no heartbeat for {} s)",
+                    formed.describe(*dead),
                     DEAD_AFTER.as_secs()
                 );
                 report_failure(&mut self.store, round, &what)?;
