@@ -119,15 +119,74 @@ impl Rendezvous {
 
 /// Runs an elastic job on this node; returns the launcher's exit code.
 pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver<Event>)) -> i32 {
-    let code = match Rendezvous::open(plan, &events.0) {
-        Ok((mut rdzv, node)) => run_rounds(plan, &mut rdzv, node, &mut watchdog, &events),
-        Err(e) => {
+    let code = match open_interruptibly(plan, &events) {
+        Ok(Ok((mut rdzv, node))) => run_rounds(plan, &mut rdzv, node, &mut watchdog, &events),
+        Ok(Err(e)) => {
             warn!("elastic rendezvous: {e}");
             1
+        }
+        Err(signal) => {
+            let endpoint = plan
+                .shape
+                .elastic
+                .as_ref()
+                .map(|e| e.endpoint.value.clone());
+            let (host, port) = endpoint.unwrap_or_default();
+            warn!(
+                "stopped by {} while reaching the rendezvous store at {}: nothing was started; exit code {}",
+                crate::report::signal_name(signal),
+                join_host_port(&host, port),
+                128 + signal
+            );
+            128 + signal
         }
     };
     watchdog.disarm();
     code
+}
+
+/// [`Rendezvous::open`], ended at once by a signal (`Err(signal)`) however long the store
+/// takes to connect or answer (a listener that accepts and stays silent, a store still
+/// starting).
+fn open_interruptibly(
+    plan: &Plan,
+    events: &(Sender<Event>, Receiver<Event>),
+) -> Result<Result<(Rendezvous, NodeInfo), String>, i32> {
+    let (plan_copy, tx) = (plan.clone(), events.0.clone());
+    let mut lost = None;
+    until_signal(events, &mut lost, move || Rendezvous::open(&plan_copy, &tx))
+        .map(|opened| opened.unwrap_or_else(|e| Err(e.to_string())))
+}
+
+/// Runs `work` on its own thread and waits for it, or for a signal (`Err(signal)`: the
+/// thread is left to end with the process). Meanwhile a lost store is noted in `lost`; other
+/// events (stale ones of the last group run) are dropped.
+fn until_signal<T: Send + 'static>(
+    events: &(Sender<Event>, Receiver<Event>),
+    lost: &mut Option<String>,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<std::io::Result<T>, i32> {
+    let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+    let spawned = std::thread::Builder::new()
+        .name("rendezvous-wait".into())
+        .spawn(move || {
+            let _ = done_tx.send(work());
+        });
+    if let Err(e) = spawned {
+        return Ok(Err(e));
+    }
+    loop {
+        crossbeam_channel::select! {
+            recv(done_rx) -> done => {
+                return Ok(done.map_err(|_| std::io::Error::other("the rendezvous thread ended")));
+            }
+            recv(events.1) -> event => match event {
+                Ok(Event::Signal(signal)) => return Err(signal),
+                Ok(Event::StoreLost(why)) => *lost = Some(why),
+                _ => {}
+            },
+        }
+    }
 }
 
 fn run_rounds(
@@ -209,26 +268,36 @@ fn run_rounds(
     }
 }
 
-/// Joins the next round; the exit code when the job ended for this node instead.
+/// Joins the next round on a connection of its own, so that a signal ends the wait at once
+/// even while a store that stopped answering holds a request; the exit code when the job
+/// ended for this node instead.
 fn join(
     rdzv: &mut Rendezvous,
     node: &NodeInfo,
     after: Option<u64>,
     events: &(Sender<Event>, Receiver<Event>),
 ) -> Result<Round, Result<i32, String>> {
-    let mut say = |line: String| info!("{line}");
     let mut lost = None;
-    let mut signalled = || {
-        for event in events.1.try_iter() {
-            match event {
-                Event::Signal(sig) => return Some(sig),
-                Event::StoreLost(why) => lost = Some(why),
-                _ => {} // stale events of the last group run
-            }
+    let (addr, run_id, timeout, info) = (
+        rdzv.addr.clone(),
+        rdzv.run_id.clone(),
+        rdzv.timeout,
+        node.clone(),
+    );
+    let joined = until_signal(events, &mut lost, move || {
+        let mut store = StoreClient::connect(&addr, &run_id, timeout).map_err(NotJoined::Store)?;
+        let mut say = |line: String| info!("{line}");
+        rendezvous::join(&mut store, &info, after, &mut say, &mut || None)
+    });
+    let joined = match joined {
+        Ok(Ok(joined)) => joined,
+        Ok(Err(e)) => {
+            warn!("cannot wait for the rendezvous: {e}");
+            return Err(Ok(1));
         }
-        None
+        Err(sig) => return Err(Ok(supervisor::interrupted(sig))),
     };
-    match rendezvous::join(&mut rdzv.store, node, after, &mut say, &mut signalled) {
+    match joined {
         Ok(round) => Ok(round),
         Err(NotJoined::Signal(sig)) => Err(Ok(supervisor::interrupted(sig))),
         Err(NotJoined::Done(Done::Finished)) => {

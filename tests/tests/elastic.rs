@@ -460,3 +460,53 @@ fn a_node_dropped_while_stopped_exits_0_when_the_job_finished_without_it() {
     host.finish(T).assert_code(0);
     assert_no_processes(&run_id, Duration::from_secs(10));
 }
+
+/// Sends `signal` to `live` after `after`; asserts it ends with `code` within 3 s of it, with
+/// `line` on stderr.
+fn assert_signal_ends_the_wait(live: Live, signal: Signal, code: i32, line: &str) {
+    std::thread::sleep(Duration::from_millis(1500));
+    let sent = Instant::now();
+    kill(live.pid(), signal).unwrap();
+    let out = live.finish(Duration::from_secs(30));
+    out.assert_code(code);
+    out.assert_stderr(line);
+    assert!(
+        sent.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        sent.elapsed()
+    );
+}
+
+#[test]
+fn a_signal_ends_the_wait_for_a_store_that_accepts_and_stays_silent() {
+    for (signal, code) in [(Signal::SIGTERM, 143), (Signal::SIGINT, 130)] {
+        let dir = tempfile::tempdir().unwrap();
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let accepted = std::thread::spawn(move || silent.accept().map(|(s, _)| s));
+        let live = node(dir.path(), port, &unique_run_id("elastic-silent"), "1:2", 1);
+        assert_signal_ends_the_wait(
+            live,
+            signal,
+            code,
+            "while reaching the rendezvous store at 127.0.0.1:",
+        );
+        drop(accepted);
+    }
+}
+
+#[test]
+fn a_signal_ends_the_wait_for_a_round_while_the_store_host_is_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, run_id) = (free_port(), unique_run_id("elastic-stopped-host"));
+    let host = node(dir.path(), port, &run_id, "3:4", 1);
+    std::thread::sleep(Duration::from_millis(300));
+    let joiner = node(dir.path(), port, &run_id, "3:4", 1);
+    wait_for(&joiner, "waiting for nodes: 2 of at least 3 have joined", T);
+    kill(host.pid(), Signal::SIGSTOP).unwrap();
+    assert_signal_ends_the_wait(joiner, Signal::SIGTERM, 143, "stopped by SIGTERM");
+    kill(host.pid(), Signal::SIGCONT).unwrap();
+    kill(host.pid(), Signal::SIGTERM).unwrap();
+    host.finish(T).assert_code(143);
+    assert_no_processes(&run_id, Duration::from_secs(10));
+}
