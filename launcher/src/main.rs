@@ -6,6 +6,7 @@
 mod adopted;
 mod cli;
 mod elastic;
+mod event;
 mod gpu;
 mod output;
 mod plan;
@@ -13,6 +14,7 @@ mod preflight;
 mod progress;
 mod rendezvous;
 mod report;
+mod round;
 mod secret;
 mod shm_sweep;
 mod supervisor;

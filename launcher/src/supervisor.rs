@@ -35,30 +35,7 @@ const POLL: Duration = Duration::from_millis(5);
 /// How often a running group's adopted orphans that exited are reaped (no zombie piles up).
 const REAP_EVERY: Duration = Duration::from_millis(500);
 
-/// What the supervisor reacts to.
-#[derive(Debug)]
-pub enum Event {
-    /// A signal delivered to the launcher.
-    Signal(i32),
-    /// Worker `local_rank` of group run `round` exited.
-    Exited {
-        round: u32,
-        local_rank: u32,
-        status: ExitStatus,
-        at: Instant,
-    },
-    /// One output stream of group run `round` has been forwarded completely.
-    OutputClosed { round: u32 },
-    /// Elastic jobs: the group of `round` must re-form: at once when a member failed, at the
-    /// workers' next checkpoint (`at_checkpoint`) when a node waits to join.
-    Regroup {
-        round: u32,
-        reason: String,
-        at_checkpoint: bool,
-    },
-    /// Elastic jobs: the rendezvous store (the host node) is gone.
-    StoreLost(String),
-}
+pub use crate::event::Event;
 
 /// How a group run ended.
 pub enum GroupEnd {

@@ -12,7 +12,7 @@ use common::job_terms;
 use common::train_plan::TrainPlan;
 
 use super::{Plan, PlanError};
-use crate::rendezvous::Round;
+use crate::round::Round;
 
 /// How many node counts an error line explains before "and N more".
 const NAMED_REASONS: usize = 3;
@@ -195,7 +195,7 @@ fn program_path(program: &OsStr) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rendezvous::NodeInfo;
+    use crate::round::NodeInfo;
 
     fn node(id: u64, nproc: u32) -> NodeInfo {
         NodeInfo {
