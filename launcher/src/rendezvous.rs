@@ -47,6 +47,9 @@ const POLL: Duration = Duration::from_millis(100);
 const BEAT: Duration = Duration::from_millis(500);
 /// A node whose heartbeat did not move for this long is taken for dead.
 const DEAD_AFTER: Duration = Duration::from_secs(3);
+/// A store host that does not answer a heartbeat within this long is taken for lost (a cut
+/// link, a machine gone): every node hears it in seconds, not after the 30 s request timeout.
+const HOST_SILENT_AFTER: Duration = Duration::from_secs(5);
 
 const NEXT_ID: &str = "elastic/next_id";
 const DONE: &str = "elastic/done";
@@ -172,7 +175,10 @@ pub fn start_heartbeat(mut store: StoreClient, id: u64, tx: Sender<Event>) -> st
             let lost = |e: StoreError| {
                 let _ = tx.send(Event::StoreLost(e.to_string()));
             };
-            if let Err(e) = store.set_ephemeral(&alive_key(id), b"1") {
+            if let Err(e) = store
+                .set_io_timeout(HOST_SILENT_AFTER)
+                .and_then(|()| store.set_ephemeral(&alive_key(id), b"1"))
+            {
                 return lost(e);
             }
             loop {

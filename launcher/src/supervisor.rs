@@ -407,10 +407,16 @@ impl Group<'_> {
         if self.cause.is_some() {
             return;
         }
-        warn!(
+        let line = format!(
             "{reason}: stopping this node's workers (SIGTERM, SIGKILL after {:.1} s)",
             self.plan.grace_period.as_secs_f64()
         );
+        // A lost store is said once, as a warning, by the elastic supervisor.
+        if matches!(cause, Cause::StoreLost) {
+            tracing::info!("{line}");
+        } else {
+            warn!("{line}");
+        }
         self.cause = Some((cause, Instant::now()));
         self.elastic_reason = reason;
         self.signal_running(Signal::SIGTERM);

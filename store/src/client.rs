@@ -16,6 +16,8 @@ pub struct StoreClient {
     stream: TcpStream,
     addr: String,
     broken: Option<String>,
+    /// How long `set`, `get` and `add` wait for their answer (default 30 s).
+    io_timeout: Duration,
 }
 
 impl fmt::Debug for StoreClient {
@@ -101,6 +103,7 @@ impl StoreClient {
             stream,
             addr: addr.to_string(),
             broken: None,
+            io_timeout: IO_TIMEOUT,
         };
         client.handshake(run_id)?;
         tracing::debug!(addr, "connected to the rendezvous store");
@@ -221,6 +224,19 @@ impl StoreClient {
         })
     }
 
+    /// How long `set`, `get` and `add` wait for their answer before failing (default 30 s): a
+    /// heartbeat sets a short one, so that a store host that vanished is noticed in seconds.
+    pub fn set_io_timeout(&mut self, timeout: Duration) -> Result<(), StoreError> {
+        self.io_timeout = timeout.max(Duration::from_millis(1));
+        self.stream
+            .set_write_timeout(Some(self.io_timeout))
+            .map_err(|cause| StoreError::Connection {
+                addr: self.addr.clone(),
+                op: "setting the request timeout".into(),
+                cause,
+            })
+    }
+
     /// Stores `value` under `key`, replacing any previous value, and wakes the ranks waiting on it.
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let request = Request::Set {
@@ -228,7 +244,7 @@ impl StoreClient {
             value: value.to_vec(),
         };
         let op = || format!("set {key:?}");
-        match self.exchange(&op, &request, IO_TIMEOUT)? {
+        match self.exchange(&op, &request, self.io_timeout)? {
             Response::Done => Ok(()),
             other => Err(self.unexpected(op(), other)),
         }
@@ -242,7 +258,7 @@ impl StoreClient {
             value: value.to_vec(),
         };
         let op = || format!("set {key:?} (ephemeral)");
-        match self.exchange(&op, &request, IO_TIMEOUT)? {
+        match self.exchange(&op, &request, self.io_timeout)? {
             Response::Done => Ok(()),
             other => Err(self.unexpected(op(), other)),
         }
@@ -254,7 +270,7 @@ impl StoreClient {
             key: key.to_string(),
         };
         let op = || format!("get {key:?}");
-        match self.exchange(&op, &request, IO_TIMEOUT)? {
+        match self.exchange(&op, &request, self.io_timeout)? {
             Response::Value(value) => Ok(value),
             other => Err(self.unexpected(op(), other)),
         }
@@ -294,7 +310,7 @@ impl StoreClient {
             delta,
         };
         let op = || format!("add {key:?}");
-        match self.exchange(&op, &request, IO_TIMEOUT)? {
+        match self.exchange(&op, &request, self.io_timeout)? {
             Response::Counter(value) => Ok(value),
             other => Err(self.unexpected(op(), other)),
         }

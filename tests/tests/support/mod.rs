@@ -2,6 +2,7 @@
 //! deadline, and finding processes that belong to a run (by the run id in their environment).
 #![allow(dead_code)]
 
+pub mod netns;
 pub mod slurm;
 
 use std::io::Read;
