@@ -48,8 +48,7 @@ impl Rendezvous {
             local_endpoint(&host, port).and_then(|at| StoreServer::start(at, &plan.run_id).ok());
         let timeout = elastic.join_timeout.value;
         let job = plan.job_terms();
-        let connect =
-            || StoreClient::connect(&addr, &plan.run_id, timeout).map_err(|e| e.to_string());
+        let connect = || connect_to_store(&addr, &plan.run_id, timeout).map_err(|e| e.to_string());
         let mut store = connect()?;
         let coordinator = match &server {
             Some(server) => {
@@ -105,7 +104,7 @@ impl Rendezvous {
     }
 
     fn connect(&self) -> Result<StoreClient, String> {
-        StoreClient::connect(&self.addr, &self.run_id, self.timeout).map_err(|e| e.to_string())
+        connect_to_store(&self.addr, &self.run_id, self.timeout).map_err(|e| e.to_string())
     }
 
     /// The message for a lost store: which node it was on, and that the job cannot go on.
@@ -153,19 +152,28 @@ fn open_interruptibly(
     events: &(Sender<Event>, Receiver<Event>),
 ) -> Result<Result<(Rendezvous, NodeInfo), String>, i32> {
     let (plan_copy, tx) = (plan.clone(), events.0.clone());
-    let mut lost = None;
-    until_signal(events, &mut lost, move || Rendezvous::open(&plan_copy, &tx))
-        .map(|opened| opened.unwrap_or_else(|e| Err(e.to_string())))
+    match until_signal(events, move || Rendezvous::open(&plan_copy, &tx)) {
+        Waited::Done(opened) => Ok(opened.unwrap_or_else(|e| Err(e.to_string()))),
+        Waited::Signal(signal) => Err(signal),
+        Waited::StoreLost(why) => Ok(Err(why)),
+    }
 }
 
-/// Runs `work` on its own thread and waits for it, or for a signal (`Err(signal)`: the
-/// thread is left to end with the process). Meanwhile a lost store is noted in `lost`; other
-/// events (stale ones of the last group run) are dropped.
+/// How [`until_signal`] ended.
+enum Waited<T> {
+    Done(std::io::Result<T>),
+    Signal(i32),
+    /// The heartbeat found the store gone: waiting on is pointless.
+    StoreLost(String),
+}
+
+/// Runs `work` on its own thread and waits for it, for a signal, or for the heartbeat to find
+/// the store gone (the thread is then left to end with the process). Other events (stale ones
+/// of the last group run) are dropped.
 fn until_signal<T: Send + 'static>(
     events: &(Sender<Event>, Receiver<Event>),
-    lost: &mut Option<String>,
     work: impl FnOnce() -> T + Send + 'static,
-) -> Result<std::io::Result<T>, i32> {
+) -> Waited<T> {
     let (done_tx, done_rx) = crossbeam_channel::bounded(1);
     let spawned = std::thread::Builder::new()
         .name("rendezvous-wait".into())
@@ -173,16 +181,17 @@ fn until_signal<T: Send + 'static>(
             let _ = done_tx.send(work());
         });
     if let Err(e) = spawned {
-        return Ok(Err(e));
+        return Waited::Done(Err(e));
     }
     loop {
         crossbeam_channel::select! {
             recv(done_rx) -> done => {
-                return Ok(done.map_err(|_| std::io::Error::other("the rendezvous thread ended")));
+                let done = done.map_err(|_| std::io::Error::other("the rendezvous thread ended"));
+                return Waited::Done(done);
             }
             recv(events.1) -> event => match event {
-                Ok(Event::Signal(signal)) => return Err(signal),
-                Ok(Event::StoreLost(why)) => *lost = Some(why),
+                Ok(Event::Signal(signal)) => return Waited::Signal(signal),
+                Ok(Event::StoreLost(why)) => return Waited::StoreLost(why),
                 _ => {}
             },
         }
@@ -277,25 +286,28 @@ fn join(
     after: Option<u64>,
     events: &(Sender<Event>, Receiver<Event>),
 ) -> Result<Round, Result<i32, String>> {
-    let mut lost = None;
     let (addr, run_id, timeout, info) = (
         rdzv.addr.clone(),
         rdzv.run_id.clone(),
         rdzv.timeout,
         node.clone(),
     );
-    let joined = until_signal(events, &mut lost, move || {
-        let mut store = StoreClient::connect(&addr, &run_id, timeout).map_err(NotJoined::Store)?;
+    let joined = until_signal(events, move || {
+        let mut store = connect_to_store(&addr, &run_id, timeout).map_err(NotJoined::Store)?;
         let mut say = |line: String| info!("{line}");
         rendezvous::join(&mut store, &info, after, &mut say, &mut || None)
     });
     let joined = match joined {
-        Ok(Ok(joined)) => joined,
-        Ok(Err(e)) => {
+        Waited::Done(Ok(joined)) => joined,
+        Waited::Done(Err(e)) => {
             warn!("cannot wait for the rendezvous: {e}");
             return Err(Ok(1));
         }
-        Err(sig) => return Err(Ok(supervisor::interrupted(sig))),
+        Waited::Signal(sig) => return Err(Ok(supervisor::interrupted(sig))),
+        Waited::StoreLost(why) => {
+            warn!("{}", rdzv.lost(&why));
+            return Err(Ok(1));
+        }
     };
     match joined {
         Ok(round) => Ok(round),
@@ -318,7 +330,7 @@ fn join(
             Err(Ok(2))
         }
         Err(NotJoined::Store(e)) => {
-            warn!("{}", rdzv.lost(&lost.unwrap_or_else(|| e.to_string())));
+            warn!("{}", rdzv.lost(&e.to_string()));
             Err(Ok(1))
         }
     }
@@ -410,6 +422,19 @@ fn announce(round: &Round, plan: &Plan, previous: Option<(u32, Option<BatchPlan>
         first,
         first + plan.nproc - 1
     );
+}
+
+/// A connection to the rendezvous store whose requests give up after
+/// [`rendezvous::HOST_SILENT_AFTER`]: a store host that stops answering (a cut link) is taken
+/// for lost in seconds, wherever this node is waiting on it.
+fn connect_to_store(
+    addr: &str,
+    run_id: &str,
+    timeout: Duration,
+) -> Result<StoreClient, store::StoreError> {
+    let mut store = StoreClient::connect(addr, run_id, timeout)?;
+    store.set_io_timeout(rendezvous::HOST_SILENT_AFTER)?;
+    Ok(store)
 }
 
 /// The endpoint's socket address when `host` is an address of this machine (binding tells).

@@ -49,7 +49,7 @@ const BEAT: Duration = Duration::from_millis(500);
 const DEAD_AFTER: Duration = Duration::from_secs(3);
 /// A store host that does not answer a heartbeat within this long is taken for lost (a cut
 /// link, a machine gone): every node hears it in seconds, not after the 30 s request timeout.
-const HOST_SILENT_AFTER: Duration = Duration::from_secs(5);
+pub const HOST_SILENT_AFTER: Duration = Duration::from_secs(5);
 
 const NEXT_ID: &str = "elastic/next_id";
 const DONE: &str = "elastic/done";
