@@ -240,8 +240,11 @@ fn remedies(f: &RunFacts) -> Vec<String> {
         lines.push(format!("  other levers: {}", levers.join("; ")));
     }
     lines.push(match &f.last_checkpoint {
+        Some(path) if config.checkpoint.resume == "never" => format!(
+            "  the last checkpoint {path} is intact, but checkpoint.resume = \"never\": a rerun starts over (set it to \"auto\" to continue from that checkpoint)"
+        ),
         Some(path) => format!(
-            "  nothing was lost: the last checkpoint {path} is intact; the run resumes from it"
+            "  nothing was lost: the last checkpoint {path} is intact; a rerun or restart resumes from it"
         ),
         None => "  no checkpoint had been written yet".to_string(),
     });
@@ -309,9 +312,17 @@ mod tests {
         );
         assert!(lines[2].contains(&derivation), "{report}");
         assert!(
-            report.contains("the last checkpoint runs/x/checkpoint is intact"),
+            report.contains("the last checkpoint runs/x/checkpoint is intact; a rerun or restart resumes from it"),
             "{report}"
         );
+        // With resume = "never" it does not promise a resume that will not happen.
+        t.update(|f| f.plan.config.checkpoint.resume = "never".into());
+        let report = t.report("CUDA out of memory.");
+        assert!(
+            report.contains("but checkpoint.resume = \"never\": a rerun starts over"),
+            "{report}"
+        );
+        assert!(!report.contains("resumes from it"), "{report}");
     }
 
     #[test]
