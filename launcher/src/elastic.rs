@@ -207,7 +207,6 @@ fn run_rounds(
 ) -> i32 {
     let sinks = Sinks::new(plan.world_size.max(plan.nnodes * plan.nproc));
     let mut after = None;
-    let mut previous: Option<(u32, Option<BatchPlan>)> = None;
     let mut last_failure: Option<(Plan, Vec<supervisor::WorkerRecord>, usize)> = None;
     loop {
         node.port = match free_port(&node.addr) {
@@ -228,11 +227,14 @@ fn run_rounds(
                 return 1;
             }
         };
+        let previous = round.previous_world.map(|world| {
+            let batch = plan
+                .config
+                .as_ref()
+                .and_then(|t| t.config.batch.resolve_elastic(u64::from(world)).ok());
+            (world, batch)
+        });
         announce(&round, &round_plan, previous);
-        previous = Some((
-            round_plan.world_size,
-            round_plan.config.as_ref().map(|t| t.batch),
-        ));
         let stop = Arc::new(AtomicBool::new(false));
         let monitor = rdzv.connect().and_then(|store| {
             rendezvous::start_monitor(store, round.round, events.0.clone(), stop.clone())

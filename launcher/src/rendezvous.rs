@@ -344,6 +344,7 @@ mod tests {
             round: 3,
             nodes: vec![node(0, 1, "h0"), node(4, 3, "h4"), node(2, 2, "")],
             failures: 0,
+            previous_world: None,
         };
         assert_eq!(round.world_size(), 6);
         assert_eq!(

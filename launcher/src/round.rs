@@ -32,6 +32,10 @@ pub struct Round {
     pub nodes: Vec<NodeInfo>,
     /// Rounds that ended in a failure before this one.
     pub failures: u32,
+    /// The world of the round before this one, if any (a node that missed it compares with
+    /// that, not with the last round it ran in).
+    #[serde(default)]
+    pub previous_world: Option<u32>,
 }
 
 impl Round {

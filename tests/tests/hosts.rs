@@ -420,7 +420,11 @@ fn a_cut_link_is_detected_in_time_the_job_re_forms_and_takes_the_host_back_at_a_
         ]);
     }
     outs[2].assert_code(0);
-    outs[2].assert_stderr_all(&["formed without this node", "round 2: 3 node(s)"]);
+    outs[2].assert_stderr_all(&[
+        "formed without this node",
+        "round 2: 3 node(s)",
+        "world 4 -> 6: grad_accum 3 -> 2, global 24 kept",
+    ]);
     assert_eq!(summary(dir)["world_size"], 6);
     let first = first_step_ms(dir, 1).expect("round 1's steps");
     eprintln!(

@@ -244,6 +244,7 @@ mod tests {
             round: 0,
             nodes: vec![node(0, 2), node(1, 2), node(2, 2)],
             failures: 0,
+            previous_world: None,
         };
         let first = plan.for_round(&three, 2).unwrap();
         assert_eq!((first.node_rank, first.world_size, first.nnodes), (2, 6, 3));
@@ -255,6 +256,7 @@ mod tests {
             round: 1,
             nodes: vec![node(0, 2), node(2, 2)],
             failures: 1,
+            previous_world: Some(6),
         };
         let second = plan.for_round(&two, 2).unwrap();
         assert_eq!((second.node_rank, second.world_size), (1, 4));

@@ -235,6 +235,7 @@ impl Coordinator {
                         round,
                         nodes,
                         failures: self.failures,
+                        previous_world: previous.map(Round::world_size),
                     }));
                 }
             }
