@@ -69,9 +69,14 @@ pub fn digest(terms: &Terms) -> String {
 }
 
 /// The keys whose values differ between `ours` and `theirs` (a key only one side has counts,
-/// its missing value shown as `(unset)`), as `key: OURS here vs THEIRS in the job`, at most
-/// `limit` of them and then how many more.
-pub fn describe_difference(ours: &Terms, theirs: &Terms, limit: usize) -> String {
+/// its missing value shown as `(unset)`), as `key: OURS <ours label> vs THEIRS <their label>`
+/// (e.g. labels `("here", "in the job")`), at most `limit` of them and then how many more.
+pub fn describe_difference(
+    ours: &Terms,
+    theirs: &Terms,
+    limit: usize,
+    (our_label, their_label): (&str, &str),
+) -> String {
     let unset = "(unset)".to_string();
     let mut keys: Vec<&String> = ours.keys().chain(theirs.keys()).collect();
     keys.sort();
@@ -81,7 +86,7 @@ pub fn describe_difference(ours: &Terms, theirs: &Terms, limit: usize) -> String
         .filter(|k| ours.get(*k) != theirs.get(*k))
         .map(|k| {
             format!(
-                "{k}: {} here vs {} in the job",
+                "{k}: {} {our_label} vs {} {their_label}",
                 ours.get(k).unwrap_or(&unset),
                 theirs.get(k).unwrap_or(&unset)
             )
@@ -214,7 +219,7 @@ mod tests {
             digest(&of_config(&config("[train]\nlr = 0.001\n")))
         );
         assert_ne!(digest(&a), digest(&b));
-        let line = describe_difference(&b, &a, 8);
+        let line = describe_difference(&b, &a, 8, ("here", "in the job"));
         assert_eq!(line, "train.lr: 0.002 here vs 0.001 in the job");
     }
 
@@ -236,7 +241,7 @@ mod tests {
         };
         assert_eq!(at(&one, "runs"), at(&two, "elsewhere"));
         std::fs::write(two.join("u.data"), "1\t2\t5\t4\n").unwrap();
-        let line = describe_difference(&at(&two, "runs"), &at(&one, "runs"), 8);
+        let line = describe_difference(&at(&two, "runs"), &at(&one, "runs"), 8, ("a", "b"));
         assert!(
             line.starts_with("data.files: MovieLens-100k u.data="),
             "{line}"
@@ -251,7 +256,7 @@ mod tests {
         let b: Terms = (0..20)
             .map(|i| (format!("k{i:02}"), "b".to_string()))
             .collect();
-        let line = describe_difference(&a, &b, 3);
+        let line = describe_difference(&a, &b, 3, ("here", "in the job"));
         assert!(line.ends_with("; and 17 more"), "{line}");
         assert_eq!(line.matches(" here vs ").count(), 3);
     }

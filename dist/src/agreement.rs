@@ -104,9 +104,8 @@ fn compare_with_rank0(
     if job_terms::digest(&theirs) == digest {
         return Ok(OK.to_vec());
     }
-    let diff = job_terms::describe_difference(terms, &theirs, NAMED_KEYS)
-        .replace(" here vs ", &format!(" on rank {rank} vs "))
-        .replace(" in the job", " on rank 0");
+    let on_rank = format!("on rank {rank}");
+    let diff = job_terms::describe_difference(terms, &theirs, NAMED_KEYS, (&on_rank, "on rank 0"));
     Ok(format!("rank {rank} ({here}) differs from rank 0: {diff}").into_bytes())
 }
 

@@ -143,16 +143,7 @@ fn lrs(dir: &Path) -> Vec<(u64, f64)> {
 
 /// Waits until stdout or stderr of `live` contains `needle`.
 fn wait_for(live: &Live, needle: &str, timeout: Duration) {
-    let start = Instant::now();
-    while !(live.stderr_now().contains(needle) || live.stdout_now().contains(needle)) {
-        assert!(
-            start.elapsed() < timeout,
-            "never saw {needle:?}:\n{}\n{}",
-            live.stdout_now(),
-            live.stderr_now()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    live.wait_output(needle, timeout);
 }
 
 /// The worker processes `launch` (pid) started.

@@ -110,17 +110,7 @@ fn elastic_job(hosts: &Hosts, dir: &Path, epochs: u32) -> Vec<Live> {
 
 /// Waits until stdout or stderr of `live` contains `needle`; returns when it was seen.
 fn wait_for(live: &Live, needle: &str, timeout: Duration) -> Instant {
-    let start = Instant::now();
-    while !(live.stderr_now().contains(needle) || live.stdout_now().contains(needle)) {
-        assert!(
-            start.elapsed() < timeout,
-            "never saw {needle:?}:\n--- stdout\n{}\n--- stderr\n{}",
-            live.stdout_now(),
-            live.stderr_now()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Instant::now()
+    live.wait_output(needle, timeout)
 }
 
 /// Waits for the line of `live`'s stderr that says a node is gone; returns when it was seen and

@@ -176,7 +176,12 @@ impl Coordinator {
     fn refuse(&mut self, node: &NodeInfo) -> Result<(), StoreError> {
         let theirs: Option<job_terms::Terms> = parse(self.store.get(&terms_key(node.id))?);
         let why = match theirs {
-            Some(theirs) => job_terms::describe_difference(&theirs, &self.terms.job, NAMED_KEYS),
+            Some(theirs) => job_terms::describe_difference(
+                &theirs,
+                &self.terms.job,
+                NAMED_KEYS,
+                ("here", "in the job"),
+            ),
             None => "its job terms could not be read".to_string(),
         };
         let line = format!(

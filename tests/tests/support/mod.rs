@@ -276,6 +276,22 @@ impl Live {
         }
     }
 
+    /// Waits until stdout or stderr contains `needle`; returns when it was seen, and panics
+    /// with both after `timeout`.
+    pub fn wait_output(&self, needle: &str, timeout: Duration) -> Instant {
+        let start = Instant::now();
+        while !(self.stderr_now().contains(needle) || self.stdout_now().contains(needle)) {
+            assert!(
+                start.elapsed() < timeout,
+                "never saw {needle:?}:\n--- stdout\n{}\n--- stderr\n{}",
+                self.stdout_now(),
+                self.stderr_now()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Instant::now()
+    }
+
     /// Waits for exit (killing it after `timeout`) and returns everything it printed.
     pub fn finish(mut self, timeout: Duration) -> Output {
         let status = loop {
