@@ -244,7 +244,7 @@ pub struct RawData {
 // PRNG
 // ---------------------------------------------------------------------------------------------
 
-use dist::rng::splitmix64;
+use runtime::rng::splitmix64;
 
 /// Uniform-ish integer in `0..n` (multiply-shift; bias < n / 2^64). `n` must be > 0.
 fn below(state: &mut u64, n: u64) -> u64 {

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use common::config::{Config, ModelKind};
 use common::memory::DataShape;
-use dist::collective::{Collective, OpContext};
+use runtime::collective::{Collective, OpContext};
 use tracing::info;
 
 use crate::data::{self, ColdShares, Dataset, RawData};

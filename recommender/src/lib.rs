@@ -14,7 +14,7 @@
 //!
 //! It must not drive a training loop, write checkpoints, resolve batch plans or talk to the
 //! launcher: that is the `worker`'s trainer, which calls [`task::RecTask`]. It uses the
-//! distributed runtime (`dist`) only through a `Collective` handed in, for the work that is
+//! distributed runtime (`runtime`) only through a `Collective` handed in, for the work that is
 //! split across ranks (caching text features, evaluation).
 
 pub mod data;
@@ -27,9 +27,9 @@ pub mod task;
 pub mod text;
 
 use data::DataError;
-use dist::collective::CollectiveError;
 use eval::EvalError;
 use model::gpt2::Gpt2Error;
+use runtime::collective::CollectiveError;
 
 pub use input::{data_shape, load_data, RecData};
 pub use sharded_eval::{evaluate_popularity, evaluate_sharded, EVAL_TIMEOUT_MIN};

@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use dist::collective::{Collective, OpContext};
+use runtime::collective::{Collective, OpContext};
 use tch::{Device, Kind, Tensor};
 
 use crate::data::Dataset;
@@ -149,7 +149,7 @@ pub const EVAL_TIMEOUT_MIN: Duration = Duration::from_secs(600);
 mod tests {
     use super::*;
     use crate::eval::evaluate_all;
-    use dist::collective::tcp::test_ring::with_ring;
+    use runtime::collective::tcp::test_ring::with_ring;
 
     const CTX: OpContext = OpContext {
         step: 0,
@@ -169,9 +169,9 @@ mod tests {
         let mut lists = |max: u64| -> Vec<Vec<u32>> {
             (0..n_users)
                 .map(|_| {
-                    let k = dist::rng::splitmix64(&mut state) % max;
+                    let k = runtime::rng::splitmix64(&mut state) % max;
                     let mut v: Vec<u32> = (0..k)
-                        .map(|_| (dist::rng::splitmix64(&mut state) % n_items as u64) as u32)
+                        .map(|_| (runtime::rng::splitmix64(&mut state) % n_items as u64) as u32)
                         .collect();
                     v.sort_unstable();
                     v.dedup();

@@ -8,7 +8,7 @@
 
 use common::config::{Config, ModelKind, ScorerKind, TextMode, TextProjInit};
 use common::memory::PhaseSink;
-use dist::collective::{Collective, OpContext};
+use runtime::collective::{Collective, OpContext};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::data::{self, Dataset};
@@ -398,8 +398,8 @@ mod tests {
     use super::*;
     use crate::input::tests::tiny_data;
     use common::env_contract::WorkerEnv;
-    use dist::collective::tcp::TcpCollective;
-    use dist::store::{StoreClient, StoreServer};
+    use runtime::collective::tcp::TcpCollective;
+    use runtime::store::{StoreClient, StoreServer};
     use rusty_fork::rusty_fork_test;
 
     const CTX: OpContext = OpContext {

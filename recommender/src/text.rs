@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use common::config::{Config, Gpt2Preset, TOKENIZER_VOCAB};
 use common::memory::{Phase, PhaseSink};
-use dist::collective::{Collective, OpContext};
+use runtime::collective::{Collective, OpContext};
 use tch::{nn, Device, Kind, Tensor};
 use tracing::info;
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 use support::*;
 
 /// The two tests run one at a time: under torchrun our store takes `MASTER_PORT + 1` (see
-/// `dist::store::store_port`), and the kernel hands out neighbouring ephemeral ports, so the
+/// `runtime::store::store_port`), and the kernel hands out neighbouring ephemeral ports, so the
 /// other test's `launch` picking exactly that port while both run is a real, if rare, collision.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 

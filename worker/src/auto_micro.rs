@@ -12,8 +12,8 @@ use tracing::info;
 
 use crate::memory::{self, PhaseTracker, ProbeOutcome};
 use crate::trainer::gather_u64;
-use dist::collective::{Collective, OpContext};
 use recommender::RecTask;
+use runtime::collective::{Collective, OpContext};
 
 /// Why no plan came out; each maps to the worker's exit code.
 #[derive(Debug, thiserror::Error)]
@@ -159,7 +159,7 @@ fn probe_step(
     let outcome = tracker.probing(|| {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             // As in training: dense gradients that the embeddings' sparse backward adds into.
-            dist::ddp::give_dense_grads(&params)?;
+            runtime::ddp::give_dense_grads(&params)?;
             let loss = task.loss(&indices)?;
             loss.f_backward()?;
             task.finish_backward()?;

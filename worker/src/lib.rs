@@ -1,5 +1,5 @@
 //! The worker library: what wires the recommender (the `recommender` crate) to the distributed
-//! runtime (the `dist` crate) and runs it as one rank of a job — `trainer` (the loop, over any
+//! runtime (the `runtime` crate) and runs it as one rank of a job — `trainer` (the loop, over any
 //! [`trainer::Task`]), `rec_task` (the recommender as such a task), `auto_micro`, `curves` (the run's pictures), `error_line` (the one line a binary prints for an error), `memory`
 //! (measured memory and the out-of-memory tracker), `progress_channel` (live progress for
 //! `launch`), `regroup` (an elastic `launch`'s request to stop at the next checkpoint),

@@ -14,7 +14,7 @@ use common::config::{Config, ModelKind};
 use common::env_contract::WorkerEnv;
 use common::memory::{Phase, PhaseSink as _};
 use common::train_plan::TrainPlan;
-use dist::collective::{OpContext, ReduceOp};
+use runtime::collective::{OpContext, ReduceOp};
 use tch::{nn, Kind, Tensor};
 use tracing::info;
 use worker::memory::{self, PhaseTracker, RunFacts};
@@ -257,7 +257,7 @@ fn start(cli: &Cli, tracker: &PhaseTracker) -> Result<Start, Failure> {
     let device = pick_device(&env).map_err(usage)?;
     let run_dir = config.run.output_dir.join(&config.run.name);
     let run_lock = if env.rank == 0 {
-        let fingerprint = dist::store::run_fingerprint(&env.run_id);
+        let fingerprint = runtime::store::run_fingerprint(&env.run_id);
         Some(worker::run_dir::lock(&run_dir, &fingerprint).map_err(|e| usage(e.into()))?)
     } else {
         None
@@ -295,7 +295,7 @@ fn print_banner(cli: &Cli, start: &Start, alloc_conf_set: bool) {
         env.master_addr,
         env.master_port,
         // The run id admits connections to the store: logs get its fingerprint only.
-        dist::store::run_fingerprint(&env.run_id),
+        runtime::store::run_fingerprint(&env.run_id),
         env.restart_count,
         env.max_restarts
     );
@@ -322,8 +322,8 @@ fn print_banner(cli: &Cli, start: &Start, alloc_conf_set: bool) {
 /// What `connect` brings up: rank 0's store (served while it lives), this rank's collective,
 /// and the context of set-up operations.
 type Runtime = (
-    Option<dist::store::StoreServer>,
-    Box<dyn dist::collective::Collective>,
+    Option<runtime::store::StoreServer>,
+    Box<dyn runtime::collective::Collective>,
     OpContext,
 );
 
@@ -332,18 +332,17 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
     let (env, config, device) = (&start.env, &start.plan.config, start.device);
     let (setup_timeout, limit_key) = config.dist.rendezvous_timeout();
     let within = || format!("(within {limit_key} = {} s)", setup_timeout.as_secs());
-    let (store_server, mut store) = dist::store::rendezvous(env, setup_timeout)
+    let (store_server, mut store) = runtime::store::rendezvous(env, setup_timeout)
         .with_context(|| format!("rendezvous with the other ranks {}", within()))?;
     if env.group_world_size > 1 {
         // Several nodes: each was started on its own; check they run the same job first.
-        dist::agreement::agree(&mut store, env, &job_terms(config, env), setup_timeout).map_err(
-            |e| match e {
-                dist::agreement::AgreementError::Disagree(_) => usage(e.into()),
+        runtime::agreement::agree(&mut store, env, &job_terms(config, env), setup_timeout)
+            .map_err(|e| match e {
+                runtime::agreement::AgreementError::Disagree(_) => usage(e.into()),
                 _ => e.into(),
-            },
-        )?;
+            })?;
     }
-    let mut comm = dist::collective::connect(&config.dist, device, env, store, setup_timeout)
+    let mut comm = runtime::collective::connect(&config.dist, device, env, store, setup_timeout)
         .with_context(|| format!("connecting the collective {}", within()))?;
     let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
     let ctx = OpContext {
@@ -404,7 +403,7 @@ fn plan_micro_batch(
     shape: &common::memory::DataShape,
     task: &mut recommender::RecTask,
     vs: &nn::VarStore,
-    comm: &mut dyn dist::collective::Collective,
+    comm: &mut dyn runtime::collective::Collective,
     ctx: OpContext,
 ) -> Result<(), Failure> {
     use worker::auto_micro::{auto_micro, AutoMicroError, Probe};

@@ -154,7 +154,7 @@ fn nvml_memory(index: usize) -> Option<GpuMemory> {
 
 /// The CUDA runtime's own figures for `cuda:index` (any device CUDA sees, MIG included).
 fn cuda_memory(index: usize) -> Option<GpuMemory> {
-    let runtime = dist::cuda_runtime::CudaRuntime::load().ok()?;
+    let runtime = runtime::cuda_runtime::CudaRuntime::load().ok()?;
     let (free, total) = runtime.memory(index).ok()?;
     Some(GpuMemory {
         free,

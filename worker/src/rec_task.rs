@@ -6,7 +6,7 @@ use recommender::{RecError, RecTask, Split};
 use tch::Tensor;
 
 use crate::trainer::{Task, TrainError};
-use dist::collective::{Collective, OpContext};
+use runtime::collective::{Collective, OpContext};
 
 impl Task for RecTask {
     fn train_len(&self) -> usize {

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use common::env_contract::WorkerEnv;
-use dist::collective::tcp::TcpCollective;
-use dist::collective::Collective;
-use dist::store::{StoreClient, StoreServer};
+use runtime::collective::tcp::TcpCollective;
+use runtime::collective::Collective;
+use runtime::store::{StoreClient, StoreServer};
 
 /// The store (keep it alive while the collective is used) and a world-size-1 collective;
 /// `tag` names the tool in the run id.

@@ -546,7 +546,7 @@ fn block_seeds(n: usize, train: bool) -> Vec<i64> {
     // A SplitMix64 stream from the base: unrelated seeds for neighbouring blocks.
     let mut state = base as u64;
     (0..n)
-        .map(|_| (dist::rng::splitmix64(&mut state) >> 1) as i64)
+        .map(|_| (runtime::rng::splitmix64(&mut state) >> 1) as i64)
         .collect()
 }
 

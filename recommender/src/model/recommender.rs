@@ -103,7 +103,7 @@ impl Recommender {
     /// Variables under `p`: `user_id.weight`, `item_id.weight`, and when text is given
     /// `user_text_proj.*`, `item_text_proj.*`; `mlp.0.*`, `mlp.1.*` for the MLP scorer.
     /// The ID tables' backward is sparse: give them dense gradients to add into before the
-    /// first one (`dist::ddp::give_dense_grads`; the DDP engine does).
+    /// first one (`runtime::ddp::give_dense_grads`; the DDP engine does).
     pub fn new(p: &nn::Path, config: RecConfig, text: Text) -> Recommender {
         // Xavier-normal, as RecBole's BPR: std sqrt(2 / (rows + dim)), about 0.035 for
         // ML-100k's items at dim 64. A fixed 0.1 cost BPR 8% of test NDCG@10 on ML-100k
@@ -630,7 +630,7 @@ mod tests {
             // sparse ones), as the DDP engine gives them and keeps them (zeroed, not unset as
             // `Optimizer::zero_grad` does).
             let mut params = vs.trainable_variables();
-            dist::ddp::give_dense_grads(&params).unwrap();
+            runtime::ddp::give_dense_grads(&params).unwrap();
             let (u, p, n) = (
                 ids(&[0, 1, 2, 3, 4]),
                 ids(&[1, 2, 3, 4, 5]),

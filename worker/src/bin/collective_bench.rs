@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use common::env_contract::WorkerEnv;
-use dist::collective::tcp::{TcpCollective, TcpOptions};
-use dist::collective::{Collective, OpContext, ReduceOp};
+use runtime::collective::tcp::{TcpCollective, TcpOptions};
+use runtime::collective::{Collective, OpContext, ReduceOp};
 use tch::{Kind, Tensor};
 
 /// A size argument: `64K` (KiB) or `16` (MiB), in bytes.
@@ -65,7 +65,7 @@ fn main() -> Result<()> {
     };
     let env = WorkerEnv::from_env().context("reading the launch environment")?;
     let timeout = Duration::from_secs(120);
-    let (_server, store) = dist::store::rendezvous(&env, timeout)?;
+    let (_server, store) = runtime::store::rendezvous(&env, timeout)?;
     let options = TcpOptions {
         shared_memory: !sockets,
     };

@@ -92,9 +92,9 @@ fn run() -> Result<()> {
     tch::set_num_threads(1);
     let (setup_timeout, limit_key) = config.dist.rendezvous_timeout();
     let within = || format!("(within {limit_key} = {} s)", setup_timeout.as_secs());
-    let (_server, store) = dist::store::rendezvous(&env, setup_timeout)
+    let (_server, store) = runtime::store::rendezvous(&env, setup_timeout)
         .with_context(|| format!("rendezvous with the other ranks {}", within()))?;
-    let comm = dist::collective::connect(&config.dist, Device::Cpu, &env, store, setup_timeout)
+    let comm = runtime::collective::connect(&config.dist, Device::Cpu, &env, store, setup_timeout)
         .with_context(|| format!("connecting the collective {}", within()))?;
 
     // The same seed everywhere: same data on every rank; a different init would be overwritten

@@ -27,8 +27,8 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::Parser;
 use common::config::Config;
-use dist::collective::OpContext;
 use recommender::data::Dataset;
+use runtime::collective::OpContext;
 
 #[derive(Debug, Parser)]
 #[command(

@@ -20,10 +20,10 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::Parser;
 use common::config::Config;
-use dist::collective::OpContext;
 use recommender::data::user_text;
 use recommender::serve::{export_vectors, parse_new_user, top_items};
 use recommender::{RecData, RecTask};
+use runtime::collective::OpContext;
 use tch::{nn, Device, Tensor};
 
 #[derive(Debug, Parser)]

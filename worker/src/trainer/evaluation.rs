@@ -5,8 +5,8 @@
 use std::time::Instant;
 
 use common::memory::{Phase, PhaseSink as _};
-use dist::checkpoint::TrainState;
 use recommender::eval::Metrics;
+use runtime::checkpoint::TrainState;
 
 use super::{
     broadcast_json, eval_record, resume, save_checkpoint, BestRecord, Split, TrainError, Trainer,

@@ -5,7 +5,7 @@
 use common::progress::{Phase, ProgressRecord};
 use tracing::info;
 
-use dist::ddp::StepStats;
+use runtime::ddp::StepStats;
 
 use super::{StepRecord, TrainError, Trainer};
 

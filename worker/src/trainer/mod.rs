@@ -24,12 +24,12 @@ use tracing::{info, warn};
 
 use crate::memory::{self, PhaseTracker};
 use crate::run_dir::MetricsLog;
-use dist::checkpoint::{self, TrainState};
-use dist::collective::{Collective, CollectiveError, OpContext};
-use dist::ddp::{Ddp, DdpConfig, DdpError};
-use dist::optim::{AdamW, LrSchedule};
-use dist::sampler::DistributedSampler;
 use recommender::eval::Metrics;
+use runtime::checkpoint::{self, TrainState};
+use runtime::collective::{Collective, CollectiveError, OpContext};
+use runtime::ddp::{Ddp, DdpConfig, DdpError};
+use runtime::optim::{AdamW, LrSchedule};
+use runtime::sampler::DistributedSampler;
 
 pub use recommender::Split;
 pub use records::{baseline_record, eval_record, StepRecord};
@@ -154,7 +154,7 @@ struct Progress {
     full_epoch_secs: f64,
     started: Instant,
     /// This rank's time in the parts of its steps, summed, and the data part of it.
-    time: dist::ddp::StepTime,
+    time: runtime::ddp::StepTime,
     data: Duration,
 }
 
@@ -164,7 +164,7 @@ const PEAK_SAMPLE_EVERY: Duration = Duration::from_millis(500);
 
 /// The step probe of this rank's peak memory (MiB), measured at most every
 /// [`PEAK_SAMPLE_EVERY`] and the last figure repeated in between.
-fn peak_memory_probe(memory: PhaseTracker, device: Device) -> dist::ddp::StepProbe {
+fn peak_memory_probe(memory: PhaseTracker, device: Device) -> runtime::ddp::StepProbe {
     let mut last: Option<(Instant, f64)> = None;
     Box::new(move || match last {
         Some((at, mib)) if at.elapsed() < PEAK_SAMPLE_EVERY => mib,
@@ -536,7 +536,7 @@ impl<'t> Trainer<'t> {
         let ctx = self.ctx(step);
         self.ddp
             .comm()
-            .all_reduce(&mut flag, dist::collective::ReduceOp::Sum, ctx)?;
+            .all_reduce(&mut flag, runtime::collective::ReduceOp::Sum, ctx)?;
         if flag[0].f_double_value(&[0])? > 0.0 {
             return Err(TrainError::Regroup { step });
         }
@@ -614,9 +614,9 @@ fn lr_schedule(config: &Config, world: usize, total_steps: u64) -> LrSchedule {
 fn step_seed(seed: u64, step: u64, rank: usize) -> i64 {
     // SplitMix64's mix of the three, so nearby steps and ranks get unrelated streams.
     let x = seed
-        ^ step.wrapping_mul(dist::rng::GOLDEN)
+        ^ step.wrapping_mul(runtime::rng::GOLDEN)
         ^ (rank as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
-    (dist::rng::mix(x) >> 1) as i64
+    (runtime::rng::mix(x) >> 1) as i64
 }
 
 fn io(path: &Path, source: std::io::Error) -> TrainError {

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use dist::collective::{Collective, OpContext};
-use dist::ddp::StepTime;
+use runtime::collective::{Collective, OpContext};
+use runtime::ddp::StepTime;
 use tch::Tensor;
 
 use super::TrainError;

@@ -4,14 +4,14 @@
 
 use std::path::{Path, PathBuf};
 
-use dist::checkpoint::NamedTensors;
+use runtime::checkpoint::NamedTensors;
 
 use common::train_plan::TrainPlan;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 use tracing::{info, warn};
 
-use dist::checkpoint::{self, TrainState};
+use runtime::checkpoint::{self, TrainState};
 
 use super::{broadcast_json, TrainError, Trainer};
 

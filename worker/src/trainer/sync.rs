@@ -9,9 +9,9 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 use tracing::info;
 
-use dist::checkpoint::{self, TrainState};
-use dist::collective::{Collective, OpContext};
-use dist::ddp::Ddp;
+use runtime::checkpoint::{self, TrainState};
+use runtime::collective::{Collective, OpContext};
+use runtime::ddp::Ddp;
 
 use super::TrainError;
 
@@ -58,7 +58,7 @@ pub(super) fn save_checkpoint(
         0.0
     }])];
     ddp.comm()
-        .all_reduce(&mut flag, dist::collective::ReduceOp::Sum, ctx)?;
+        .all_reduce(&mut flag, runtime::collective::ReduceOp::Sum, ctx)?;
     match failure {
         Some(e) => Err(e),
         None if flag[0].f_double_value(&[0])? > 0.0 => {

@@ -4,10 +4,10 @@
 use tch::Tensor;
 
 use common::memory::{Phase, PhaseSink};
-use dist::collective::{Collective, OpContext};
-use dist::ddp::{MicroBatchLoss, StepPhase};
 use recommender::eval::Metrics;
 use recommender::Split;
+use runtime::collective::{Collective, OpContext};
+use runtime::ddp::{MicroBatchLoss, StepPhase};
 
 use super::TrainError;
 

@@ -24,6 +24,8 @@ const ALIGN: usize = 16;
 struct SharedTable {
     /// Index into the engine's `params`.
     index: usize,
+    /// The table's values, in the shared memory.
+    value: Tensor,
     /// Its moments' tensors, in the shared memory.
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
@@ -88,6 +90,7 @@ impl SharedTables {
             let height = size[0];
             tables.push(SharedTable {
                 index,
+                value: value.shallow_clone(),
                 exp_avg,
                 exp_avg_sq,
                 rows: height * rank / world..height * (rank + 1) / world,
@@ -111,6 +114,15 @@ impl SharedTables {
     /// Whether `index` (into the engine's `params`) is one of the shared tables.
     pub(super) fn holds(&self, index: usize) -> bool {
         self.tables.iter().any(|t| t.index == index)
+    }
+
+    /// Whether `param` (the engine's `params[index]`) reads and writes the shared copy of table
+    /// `index`, as every rank's must: one that does not trains alone, unseen by the others.
+    pub(super) fn is_shared_copy(&self, index: usize, param: &Tensor) -> bool {
+        self.tables
+            .iter()
+            .find(|t| t.index == index)
+            .is_some_and(|t| t.value.data_ptr() == param.data_ptr())
     }
 
     /// Makes `optimizer` update only this rank's rows of each table, with the moments in the

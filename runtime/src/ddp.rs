@@ -47,8 +47,8 @@ pub enum DdpError {
     Collective(#[from] CollectiveError),
     #[error("step {step}: {detail}")]
     Loss { step: u64, detail: String },
-    #[error("parameters differ across ranks at step {step}: checksums {checksums:?} (rank order); the ranks are no longer training the same model")]
-    Diverged { step: u64, checksums: Vec<i64> },
+    #[error("parameters differ across ranks at step {step}: {detail}; the ranks are no longer training the same model")]
+    Diverged { step: u64, detail: String },
     #[error(transparent)]
     Torch(#[from] tch::TchError),
     #[error("the optimizer: {0}")]
@@ -549,38 +549,115 @@ impl Ddp {
             }))
     }
 
-    /// A checksum of this rank's variables (bit patterns, so any difference shows).
-    pub fn param_checksum(&self) -> Result<i64, DdpError> {
-        let mut hash: u64 = 0xcbf2_9ce4_8422_2325; // FNV-1a
-        for (_, p) in &self.variables {
-            let p = p
-                .f_detach()?
-                .f_to_device(tch::Device::Cpu)?
-                .f_contiguous()?;
-            let n = p.numel();
-            let mut bytes = vec![0u8; n * p.f_kind()?.elt_size_in_bytes()];
-            p.f_copy_data_u8(&mut bytes, n)?;
-            for b in bytes {
-                hash ^= u64::from(b);
-                hash = hash.wrapping_mul(0x0100_0000_01b3);
+    /// What the parameter check compares across ranks, by name: each variable's checksum; and
+    /// for each table kept once per host, which every rank sees alike by construction, what can
+    /// still go wrong: the averaged gradient each rank updated its rows from (the same on every
+    /// rank after a correct exchange) and whether the rank's parameter is the host's copy.
+    fn agreement_entries(&self) -> Result<Vec<(String, Entry)>, DdpError> {
+        let mut entries = Vec::with_capacity(self.variables.len());
+        for (name, p) in &self.variables {
+            entries.push((name.clone(), Entry::Same(checksum(p)?)));
+        }
+        if let Some(shared) = &self.shared {
+            for table in self.sparse.iter().filter(|t| shared.holds(t.index)) {
+                let param = &self.params[table.index];
+                let grad = param.grad();
+                let sum = if grad.defined() { checksum(&grad)? } else { 0 };
+                entries.push((format!("{} (its gradient)", table.name), Entry::Same(sum)));
+                let here = shared.is_shared_copy(table.index, param);
+                entries.push((table.name.clone(), Entry::SharedCopy(here)));
             }
         }
-        Ok(hash as i64)
+        Ok(entries)
     }
 
-    /// Fails loudly if any rank's parameters differ from the others'.
+    /// Fails loudly if any rank's parameters differ from the others' (see
+    /// [`Ddp::agreement_entries`] for what is compared), naming what differs and where.
     pub fn check_params(&mut self, step: u64) -> Result<(), DdpError> {
-        let mine = Tensor::from_slice(&[self.param_checksum()?]);
-        let all = self.comm.all_gather(&mine, self.ctx(step))?;
-        let checksums: Vec<i64> = all
+        let entries = self.agreement_entries()?;
+        let values: Vec<i64> = entries.iter().map(|(_, e)| e.value()).collect();
+        let all = self
+            .comm
+            .all_gather(&Tensor::from_slice(&values), self.ctx(step))?;
+        let ranks: Vec<Vec<i64>> = all
             .iter()
-            .map(|t| t.f_int64_value(&[0]))
+            .map(Vec::<i64>::try_from)
             .collect::<Result<_, _>>()?;
-        if checksums.iter().any(|c| *c != checksums[0]) {
-            return Err(DdpError::Diverged { step, checksums });
+        match disagreement(&entries, &ranks) {
+            Some(detail) => Err(DdpError::Diverged { step, detail }),
+            None => Ok(()),
         }
-        Ok(())
     }
+}
+
+/// One value the parameter check compares across ranks.
+#[derive(Debug, Clone, Copy)]
+enum Entry {
+    /// Must be the same on every rank.
+    Same(i64),
+    /// Whether this rank's parameter is the host's one copy of a shared table: must hold on every rank.
+    SharedCopy(bool),
+}
+
+impl Entry {
+    fn value(self) -> i64 {
+        match self {
+            Entry::Same(v) => v,
+            Entry::SharedCopy(here) => i64::from(here),
+        }
+    }
+}
+
+/// What differs between the ranks' `values` (rank order; each in the order of `entries`), in
+/// words: at most three entries, then a count. `None` when they agree.
+fn disagreement(entries: &[(String, Entry)], values: &[Vec<i64>]) -> Option<String> {
+    let mut found = Vec::new();
+    for (i, (name, entry)) in entries.iter().enumerate() {
+        let of = |r: usize| values[r].get(i).copied();
+        let odd: Vec<String> = (0..values.len())
+            .filter(|&r| match entry {
+                Entry::Same(_) => of(r) != of(0),
+                Entry::SharedCopy(_) => of(r) != Some(1),
+            })
+            .map(|r| r.to_string())
+            .collect();
+        if odd.is_empty() {
+            continue;
+        }
+        found.push(match entry {
+            Entry::Same(_) => format!(
+                "`{name}` differs from rank 0's on rank(s) {}",
+                odd.join(", ")
+            ),
+            Entry::SharedCopy(_) => format!(
+                "`{name}` is not the host's shared copy on rank(s) {}",
+                odd.join(", ")
+            ),
+        });
+    }
+    let more = found.len().saturating_sub(3);
+    found.truncate(3);
+    (!found.is_empty()).then(|| match more {
+        0 => found.join("; "),
+        n => format!("{} (and {n} more)", found.join("; ")),
+    })
+}
+
+/// A checksum of a tensor's bits (FNV-1a over its bytes, so any difference shows).
+fn checksum(t: &Tensor) -> Result<i64, DdpError> {
+    let t = t
+        .f_detach()?
+        .f_to_device(tch::Device::Cpu)?
+        .f_contiguous()?;
+    let n = t.numel();
+    let mut bytes = vec![0u8; n * t.f_kind()?.elt_size_in_bytes()];
+    t.f_copy_data_u8(&mut bytes, n)?;
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    Ok(hash as i64)
 }
 
 /// Gives each of `params` that has no gradient yet a dense zero one. An embedding whose
@@ -593,7 +670,7 @@ pub fn give_dense_grads(params: &[Tensor]) -> Result<(), tch::TchError> {
         let grad = p.grad();
         if grad.defined() && grad.is_sparse() {
             return Err(tch::TchError::Torch(format!(
-                "a parameter of shape {:?} has a sparse gradient: give it a dense one (dist::ddp::give_dense_grads) before its first backward",
+                "a parameter of shape {:?} has a sparse gradient: give it a dense one (runtime::ddp::give_dense_grads) before its first backward",
                 p.size()
             )));
         }
@@ -872,7 +949,10 @@ mod tests {
                         Ok(stats) => stats,
                         // Rows left out are not exchanged: the ranks drift apart, and the
                         // parameter check must say so.
-                        Err(DdpError::Diverged { .. }) if hint == Hint::Short => break 'train,
+                        Err(DdpError::Diverged { detail, .. }) if hint == Hint::Short => {
+                            assert!(detail.contains("`items.weight"), "{detail}");
+                            break 'train;
+                        }
                         Err(e) => panic!("step {step}: {e}"),
                     };
                     losses.push(stats.loss);
@@ -921,6 +1001,14 @@ mod tests {
         // is used), which the parameter check (every 25 steps) catches.
         let (short_loss, _) = hinted(Hint::Short, false);
         assert_eq!(short_loss.len(), 24, "stopped at the first check");
+        // Kept once per host, the table is the same for every rank however wrong: the check
+        // compares the averaged gradient each rank updated its rows from instead.
+        let (short_loss, _) = hinted(Hint::Short, true);
+        assert_eq!(
+            short_loss.len(),
+            24,
+            "a shared table stopped at the first check too"
+        );
         // Three ranks split the tables' rows unevenly (200 and 300 rows): still the same bits.
         let (dense3, dense3_params) = train_embeddings(3, shm, false, 30);
         assert_eq!(train_embeddings(3, shm, true, 30), (dense3, dense3_params));
@@ -941,6 +1029,69 @@ mod tests {
                 "step {step}: {d} vs {s}"
             );
         }
+    }
+
+    /// A rank whose parameter no longer is the host's copy of a shared table (it would train
+    /// its own, unseen) fails the check at once, even while the values still agree.
+    #[test]
+    fn the_check_sees_a_rank_off_the_shared_table() {
+        use crate::collective::tcp::test_ring::with_ring_owned_opts;
+        let options = crate::collective::tcp::TcpOptions::default();
+        let results = with_ring_owned_opts(2, options, |rank, ring| {
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let table = vs.root().randn_standard("items", &[6, 4]);
+            let config = DdpConfig {
+                grad_accum: 1,
+                bucket_bytes: 1 << 20,
+                max_grad_norm: 1.0,
+                check_params_every: 0,
+                timeout: Duration::from_secs(20),
+                sparse: vec!["items".into()],
+                shared_tables: true,
+            };
+            let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
+            assert_eq!(ddp.shared_tables(), vec!["items"]);
+            ddp.check_params(1).unwrap();
+            if rank == 1 {
+                let private = tch::no_grad(|| table.copy());
+                ddp.params[0].shallow_clone().set_data(&private);
+            }
+            ddp.check_params(2).map_err(|e| e.to_string())
+        });
+        for result in results {
+            let message = result.unwrap_err();
+            assert!(
+                message.contains("at step 2: `items` is not the host's shared copy on rank(s) 1;"),
+                "{message}"
+            );
+        }
+    }
+
+    #[test]
+    fn disagreement_names_what_differs_and_where() {
+        let entries: Vec<(String, Entry)> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|n| (n.to_string(), Entry::Same(0)))
+            .chain([("t".to_string(), Entry::SharedCopy(true))])
+            .collect();
+        let same = vec![vec![1, 2, 3, 4, 1]; 3];
+        assert_eq!(disagreement(&entries, &same), None);
+        let mut odd = same.clone();
+        odd[2][1] = 9;
+        assert_eq!(
+            disagreement(&entries, &odd).unwrap(),
+            "`b` differs from rank 0's on rank(s) 2"
+        );
+        let all_off = vec![vec![1, 2, 3, 4, 0]; 2];
+        assert_eq!(
+            disagreement(&entries, &all_off).unwrap(),
+            "`t` is not the host's shared copy on rank(s) 0, 1"
+        );
+        let many = vec![vec![0; 5], vec![5, 5, 5, 5, 1]];
+        assert_eq!(
+            disagreement(&entries, &many).unwrap(),
+            "`a` differs from rank 0's on rank(s) 1; `b` differs from rank 0's on rank(s) 1; `c` differs from rank 0's on rank(s) 1 (and 2 more)"
+        );
     }
 
     /// The one-pass mask and the tensor-op one (for a transposed, non-contiguous view) agree:

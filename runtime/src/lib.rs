@@ -1,4 +1,4 @@
-//! `dist`: the distributed runtime — what any data-parallel `tch` training needs, and nothing
+//! `runtime`: the distributed runtime — what any data-parallel `tch` training needs, and nothing
 //! about what is trained. It uses the rendezvous store (`store`, its own crate), owns the collectives
 //! (`collective`: a TCP ring on CPUs, NCCL on GPUs), the DDP engine (`ddp`: gradient
 //! accumulation, bucketed all-reduce), gradient clipping (`clip`), listed rows of tables (`rows`), the sharded sampler (`sampler`), AdamW and the
