@@ -454,9 +454,16 @@ pub struct CheckpointConfig {
     /// Checkpoints kept on disk, newest first (>= 1). Default: `3`.
     pub keep: u32,
     /// `"auto"` (continue from `<run dir>/checkpoints/latest` when present), `"never"`, or the
-    /// path of a checkpoint directory (`.../step-000123`) or of a `checkpoints` directory.
-    /// Default: `"auto"`.
+    /// path of a checkpoint directory (`.../step-000123`), of a `checkpoints` directory or of a
+    /// run directory (its newest checkpoint). A path in this run's own `checkpoints` continues the run from there. A path in another
+    /// run's starts this run from that checkpoint's weights at step 0 (fine-tuning: the model
+    /// must be the same, the data, batch and seed may differ), unless this run has a checkpoint
+    /// of its own, which it then continues from. Default: `"auto"`.
     pub resume: String,
+    /// When `resume` starts this run from another run's checkpoint: also take that run's AdamW
+    /// moments (`false`: a fresh optimizer, as fine-tuning usually wants). A run continuing from
+    /// its own checkpoint always takes them. Default: `false`.
+    pub load_optimizer: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -465,6 +472,7 @@ impl Default for CheckpointConfig {
             every_n_steps: 0,
             keep: 3,
             resume: "auto".to_string(),
+            load_optimizer: false,
         }
     }
 }
@@ -1329,7 +1337,7 @@ timeout_s = 60
             rendezvous_timeout_s in prop::option::of(1u64..=u64::MAX),
             (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
             (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>()),
-            (every_n_steps, keep, resume) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"]),
+            (every_n_steps, keep, resume, load_optimizer) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"], any::<bool>()),
             (scorer, l2, max_text_tokens, trainable_layers) in (prop_oneof![Just(ScorerKind::Dot), Just(ScorerKind::Mlp)], prop_oneof![Just(0.0f64), 0.0f64..1.0], 1usize..=1024, prop::option::of(0u32..=48)),
             (topk, every_n_epochs, patience, batch_users, cold_items, cold_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096, prop_oneof![Just(0.0f64), 0.0f64..=0.5], prop_oneof![Just(0.0f64), 0.0f64..=0.5]),
         ) -> Config {
@@ -1354,7 +1362,7 @@ timeout_s = 60
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
                 dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables },
-                checkpoint: CheckpointConfig { every_n_steps, keep, resume },
+                checkpoint: CheckpointConfig { every_n_steps, keep, resume, load_optimizer },
                 eval: EvalConfig { topk, every_n_epochs, metric, patience, batch_users },
             }
         }

@@ -27,6 +27,32 @@ const MIB: f64 = 1024.0 * 1024.0;
 pub const NCCL_TERM: &str = "NCCL buffers";
 const F32: u64 = 4;
 
+/// Where a worker runs, as far as its memory goes: the kind of device its tensors live on, and
+/// how many of the job's ranks share its host. Ranks that are the whole job on one CPU host keep
+/// row-sparse tables once in shared memory (`dist.shared_tables`): each counts its share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub device: DeviceKind,
+    /// Ranks of the job on this worker's host (>= 1).
+    pub host_ranks: u64,
+}
+
+impl Placement {
+    pub fn new(device: DeviceKind, host_ranks: u64) -> Placement {
+        Placement {
+            device,
+            host_ranks: host_ranks.max(1),
+        }
+    }
+}
+
+/// A worker alone on its host.
+impl From<DeviceKind> for Placement {
+    fn from(device: DeviceKind) -> Placement {
+        Placement::new(device, 1)
+    }
+}
+
 /// Where the worker's tensors live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceKind {
@@ -338,8 +364,10 @@ pub fn estimate(
     config: &Config,
     plan: &BatchPlan,
     data: &DataShape,
-    device: DeviceKind,
+    at: impl Into<Placement>,
 ) -> MemoryEstimate {
+    let at: Placement = at.into();
+    let device = at.device;
     let m = &config.model;
     // Validation has read a model directory's config.json already; a directory gone since
     // then fails in the worker, which says so.
@@ -356,6 +384,7 @@ pub fn estimate(
         gpt2,
         d: gpt2.n_embd,
         dim: m.embedding_dim as u64,
+        host_ranks: at.host_ranks,
     };
     use terms::*;
     let mut terms = runtime_terms(&x);
@@ -428,12 +457,13 @@ pub fn largest_fitting_plan(
     config: &Config,
     plan: &BatchPlan,
     data: &DataShape,
-    device: DeviceKind,
+    at: impl Into<Placement>,
     budget: u64,
 ) -> Option<BatchPlan> {
+    let at: Placement = at.into();
     std::iter::once(*plan)
         .chain(smaller_micro_plans(plan))
-        .find(|p| estimate(config, p, data, device).peak_bytes() <= usable(budget))
+        .find(|p| estimate(config, p, data, at).peak_bytes() <= usable(budget))
 }
 
 /// `micro 32 -> 16, grad_accum 2 -> 4 keeps global 192`.
@@ -451,16 +481,17 @@ pub fn other_levers(
     config: &Config,
     plan: &BatchPlan,
     data: &DataShape,
-    device: DeviceKind,
+    at: impl Into<Placement>,
 ) -> Vec<String> {
+    let at: Placement = at.into();
     let mut out = Vec::new();
     let m = &config.model;
-    let now = estimate(config, plan, data, device).peak_bytes();
+    let now = estimate(config, plan, data, at).peak_bytes();
     // Only levers that lower the estimate are named.
     let mut try_lever = |text: &str, change: &dyn Fn(&mut Config)| {
         let mut c = config.clone();
         change(&mut c);
-        let e = estimate(&c, plan, data, device).peak_bytes();
+        let e = estimate(&c, plan, data, at).peak_bytes();
         if e < now {
             out.push(format!("{text} (estimate {})", mib_text(e)));
         }
@@ -497,7 +528,7 @@ pub fn other_levers(
                 c.model.activation_checkpointing = false;
             });
         }
-        if device == DeviceKind::Cuda && !config.train.bf16 {
+        if at.device == DeviceKind::Cuda && !config.train.bf16 {
             try_lever("train.bf16 = true", &|c| c.train.bf16 = true);
         }
         if !m.freeze_gpt2 && m.trainable_layers != Some(0) && !m.activation_checkpointing {
@@ -576,6 +607,48 @@ mod tests {
             DeviceKind::Cpu,
         );
         assert_eq!(e1.term("all-reduce buffers"), 0);
+    }
+
+    /// Ranks that are the whole job on one CPU host keep the ID tables and their moments once
+    /// (`dist.shared_tables`): each counts its share, so the host's ranks together count them
+    /// once. Ranks on several hosts, or with the sharing off, each count a whole copy.
+    #[test]
+    fn shared_tables_count_once_per_host() {
+        let mut c = Config::default();
+        c.model.kind = ModelKind::Bpr;
+        c.model.embedding_dim = 64;
+        let (data, two) = (shape(6040, 3629), plan(256, 64, 2, 2));
+        let tables = (6040 + 3629) * 64 * 4;
+        let shared = estimate(&c, &two, &data, Placement::new(DeviceKind::Cpu, 2));
+        assert_eq!(shared.term("parameters"), 0, "BPR is its two tables");
+        assert_eq!(shared.term("optimizer (AdamW)"), 0);
+        assert_eq!(shared.term("shared tables"), 3 * tables / 2);
+        assert_eq!(shared.term("gradients"), tables, "every rank has its own");
+        let private = estimate(&c, &two, &data, Placement::new(DeviceKind::Cpu, 1));
+        assert_eq!(private.term("shared tables"), 0);
+        assert_eq!(
+            private.term("parameters") + private.term("optimizer (AdamW)"),
+            3 * tables
+        );
+        assert_eq!(
+            private.peak_bytes() - shared.peak_bytes(),
+            3 * tables / 2,
+            "each of the two ranks saves half of one copy"
+        );
+        c.dist.shared_tables = false;
+        assert_eq!(
+            estimate(&c, &two, &data, Placement::new(DeviceKind::Cpu, 2)),
+            private
+        );
+        c.dist.shared_tables = true;
+        let gpu = estimate(&c, &two, &data, Placement::new(DeviceKind::Cuda, 2));
+        assert_eq!(gpu.term("shared tables"), 0, "GPUs keep their own");
+        // GPT-2's token table is shared too when every GPT-2 weight trains.
+        c.model.kind = ModelKind::Gpt2rec;
+        c.model.text_mode = TextMode::Dynamic;
+        let g = estimate(&c, &two, &data, Placement::new(DeviceKind::Cpu, 2));
+        let wte = Gpt2Dims::of(c.model.preset).vocab_size * Gpt2Dims::of(c.model.preset).n_embd;
+        assert_eq!(g.term("shared tables"), 3 * (tables + wte * 4) / 2);
     }
 
     #[test]

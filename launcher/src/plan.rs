@@ -20,7 +20,7 @@ use common::config::Config;
 use common::env_contract::WorkerEnv;
 use common::memory::{
     change_text, estimate, largest_fitting_plan, mib_text, other_levers, usable, DataShape,
-    DeviceKind, SAFETY_MARGIN,
+    DeviceKind, Placement, SAFETY_MARGIN,
 };
 
 use common::job_shape::{self, Flags, JobShape, NumProcesses, Source, RUN_ID_VAR};
@@ -240,7 +240,7 @@ impl Plan {
         let est = Estimating {
             config: &wc.config,
             data: DataShape::assumed(&wc.config),
-            kind,
+            at: Placement::new(kind, self.nproc as u64),
         };
         let budgets = self.local_budgets(kind, gpus);
         let mut plan = wc.batch;
@@ -250,7 +250,7 @@ impl Plan {
             plan = chosen.unwrap_or(plan);
             lines.push(line);
         }
-        let estimate = estimate(est.config, &plan, &est.data, kind);
+        let estimate = estimate(est.config, &plan, &est.data, est.at);
         let peak = estimate.peak_bytes();
         lines.push(format!(
             "estimate per worker ({}, {}; {}):",
@@ -569,7 +569,7 @@ pub struct MemoryCheck {
 struct Estimating<'a> {
     config: &'a Config,
     data: DataShape,
-    kind: DeviceKind,
+    at: Placement,
 }
 
 impl Estimating<'_> {
@@ -584,7 +584,7 @@ impl Estimating<'_> {
             .iter()
             .filter_map(|(_, b)| b.map(|(free, _)| free))
             .filter_map(|free| {
-                largest_fitting_plan(self.config, configured, &self.data, self.kind, free)
+                largest_fitting_plan(self.config, configured, &self.data, self.at, free)
             })
             .min_by_key(|p| p.micro);
         let line = match chosen {
@@ -601,35 +601,31 @@ impl Estimating<'_> {
     /// The warning for `rank`, whose `free` bytes do not hold `peak` with the margin: the
     /// largest micro batch that fits and keeps the global batch, and other levers.
     fn does_not_fit(&self, rank: &str, plan: &BatchPlan, peak: u64, free: u64) -> String {
-        let (config, data, kind) = (self.config, &self.data, self.kind);
+        let (config, data, at) = (self.config, &self.data, self.at);
         let mut w = format!(
             "{rank}: the estimate {} leaves less than {:.0}% of {} free",
             mib_text(peak),
             SAFETY_MARGIN * 100.0,
             mib_text(free)
         );
-        match largest_fitting_plan(config, plan, data, kind, free) {
+        match largest_fitting_plan(config, plan, data, at, free) {
             Some(p) => w.push_str(&format!(
                 "; set batch.micro = {} ({}, estimate {})",
                 p.micro,
                 change_text(plan, &p),
-                mib_text(estimate_peak(config, &p, data, kind))
+                mib_text(estimate(config, &p, data, at).peak_bytes())
             )),
             None => w.push_str(&format!(
                 "; no micro batch keeping global {} fits",
                 plan.global
             )),
         }
-        let levers = other_levers(config, plan, data, kind);
+        let levers = other_levers(config, plan, data, at);
         if !levers.is_empty() {
             w.push_str(&format!("; or {}", levers.join("; ")));
         }
         w
     }
-}
-
-fn estimate_peak(config: &Config, plan: &BatchPlan, data: &DataShape, kind: DeviceKind) -> u64 {
-    estimate(config, plan, data, kind).peak_bytes()
 }
 
 /// (MemAvailable, MemTotal) in bytes from `/proc/meminfo`.

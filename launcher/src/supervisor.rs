@@ -282,6 +282,17 @@ impl Group<'_> {
         pids
     }
 
+    /// The signal the teardown sent the workers: the one `launch` received and forwarded
+    /// (SIGINT on Ctrl-C), else SIGTERM.
+    fn stop_signal(&self) -> &'static str {
+        match self.cause {
+            Some((Cause::Signal(sig), _)) => {
+                Signal::try_from(sig).map_or("SIGTERM", |s| s.as_str())
+            }
+            _ => "SIGTERM",
+        }
+    }
+
     /// Until every worker has exited: react to exits and signals, enforce the grace period.
     fn wait_for_workers(&mut self) {
         while self.running() > 0 {
@@ -292,9 +303,10 @@ impl Group<'_> {
                     Err(RecvTimeoutError::Timeout) => {
                         if self.kill_at.is_some() {
                             warn!(
-                                "{} worker(s) still running {:.1} s after SIGTERM: sending SIGKILL",
+                                "{} worker(s) still running {:.1} s after {}: sending SIGKILL",
                                 self.running(),
-                                self.plan.grace_period.as_secs_f64()
+                                self.plan.grace_period.as_secs_f64(),
+                                self.stop_signal()
                             );
                             self.kill_now();
                         } else {

@@ -208,17 +208,40 @@ fn sighup_to_launch_is_forwarded() {
     signal_test(Signal::SIGHUP);
 }
 
-#[test]
-fn second_sigint_kills_at_once() {
-    let id = unique_run_id("int2");
-    let script = sh("trap '' INT TERM; echo ready; while true; do sleep 0.05; done");
-    let child = run_cmd("2", &["--grace-period", "30"], &id, &script)
+/// Two workers that ignore `traps` (`INT`, `INT TERM`) under `launch --grace-period GRACE`,
+/// running and with their traps set: the child and `launch`'s pid.
+fn deaf_workers(id: &str, traps: &str, grace: &str) -> (std::process::Child, Pid) {
+    let script = sh(&format!(
+        "trap '' {traps}; echo ready; while true; do sleep 0.05; done"
+    ));
+    let child = run_cmd("2", &["--grace-period", grace], id, &script)
         .spawn()
         .unwrap();
     let pid = Pid::from_raw(child.id() as i32);
     // 2 workers (and, now and then, their `sleep`s).
-    assert!(wait_processes(&id, 2, T).len() >= 2);
-    std::thread::sleep(Duration::from_millis(200));
+    assert!(wait_processes(id, 2, T).len() >= 2);
+    std::thread::sleep(Duration::from_millis(200)); // let the traps be installed
+    (child, pid)
+}
+
+/// After Ctrl-C the grace-period line names the signal the workers were sent (SIGINT), not
+/// SIGTERM.
+#[test]
+fn grace_period_after_sigint_names_sigint() {
+    let id = unique_run_id("int-grace");
+    let (child, pid) = deaf_workers(&id, "INT", "1");
+    kill(pid, Signal::SIGINT).unwrap();
+    let out = wait_output(child, T);
+    out.assert_code(130);
+    out.assert_stderr("2 worker(s) still running 1.0 s after SIGINT: sending SIGKILL");
+    assert!(!out.stderr.contains("after SIGTERM"), "{}", out.stderr);
+    assert_no_processes(&id, Duration::from_secs(3));
+}
+
+#[test]
+fn second_sigint_kills_at_once() {
+    let id = unique_run_id("int2");
+    let (child, pid) = deaf_workers(&id, "INT TERM", "30");
     kill(pid, Signal::SIGINT).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     kill(pid, Signal::SIGINT).unwrap();

@@ -361,3 +361,84 @@ fn shared_tables_give_the_results_of_private_ones_through_a_resume() {
         assert_eq!(last_loss(name), last_loss("private"), "{name}");
     }
 }
+
+/// The model of a run's newest checkpoint, by name.
+fn latest_model(run_dir: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let checkpoints = run_dir.join("checkpoints");
+    let latest = std::fs::read_to_string(checkpoints.join("latest")).expect("checkpoints/latest");
+    read_f32_tensors(&checkpoints.join(latest.trim()).join("model.safetensors"))
+}
+
+/// `checkpoint.resume` naming another run starts a new run from its weights (fine-tuning): step
+/// 0 of this run's own schedule, on other data and with another learning rate, a fresh optimizer
+/// unless `checkpoint.load_optimizer`; run again, it continues its own checkpoint; another model
+/// is refused in one line.
+#[test]
+fn a_run_starts_from_another_runs_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path();
+    run_ok(2, out, "base", &["train.epochs=2"], &[]);
+    let from = format!(
+        "checkpoint.resume={:?}",
+        out.join("base").display().to_string()
+    );
+    // A learning rate so small that the weights stay where they started, to see where that was.
+    let tune = [from.as_str(), "train.lr=1e-10", "data.min_rating=4"];
+    let scratch = run_ok(2, out, "scratch", &tune[1..], &[]);
+    let tuned = run_ok(2, out, "tuned", &tune, &[]);
+    tuned.assert_stderr_all(&[
+        format!(
+            "starting from the weights of {}",
+            out.join("base/checkpoints/step-").display()
+        ),
+        "at step 0 of this run, with a fresh optimizer".to_string(),
+    ]);
+    assert!(
+        !scratch.stderr.contains("starting from"),
+        "{}",
+        scratch.stderr
+    );
+    let base = latest_model(&out.join("base"));
+    let from_base = max_abs_diff(&latest_model(&out.join("tuned")), &base);
+    let from_scratch = max_abs_diff(&latest_model(&out.join("scratch")), &base);
+    assert!(
+        from_base < 1e-6,
+        "the tuned run moved {from_base} from the base weights"
+    );
+    assert!(
+        from_scratch > 1e-2,
+        "a fresh model is {from_scratch} from the base weights"
+    );
+    assert_eq!(
+        steps_in(&out.join("tuned/checkpoints")),
+        steps_in(&out.join("scratch/checkpoints"))
+    );
+    // Run again, the fine-tuning run continues from its own checkpoint.
+    let again = run_ok(
+        2,
+        out,
+        "tuned",
+        &[tune[0], tune[1], tune[2], "train.epochs=2"],
+        &[],
+    );
+    again.assert_stderr_all(&[
+        "is another run's, but this run has a checkpoint of its own".to_string(),
+        format!(
+            "resuming from {}",
+            out.join("tuned/checkpoints/step-").display()
+        ),
+    ]);
+    let moments = run_ok(
+        2,
+        out,
+        "moments",
+        &[tune[0], "checkpoint.load_optimizer=true"],
+        &[],
+    );
+    moments.assert_stderr("with its optimizer state (checkpoint.load_optimizer = true)");
+    let other = run(2, out, "other", &[tune[0], "model.embedding_dim=16"], &[]);
+    assert_ne!(other.code(), Some(0), "{}", other.stderr);
+    other.assert_stderr(
+        "a run can start from another run's weights only when the model is the same",
+    );
+}

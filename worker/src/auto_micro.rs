@@ -66,7 +66,7 @@ pub fn auto_micro(
         .batch
         .auto_candidates(u64::from(env.world_size))
         .map_err(|e| AutoMicroError::Usage(format!("batch.micro = \"auto\": {e}")))?;
-    let kind = memory::device_kind(device);
+    let at = memory::placement(device, env.local_world_size);
     let name = tracker.sample(device).1;
     let Some(memory::Budget {
         bytes: budget,
@@ -80,7 +80,7 @@ pub fn auto_micro(
     let mut mine = None;
     let mut tried = Vec::new();
     for plan in &candidates {
-        let need = estimate(config, plan, shape, kind).peak_bytes();
+        let need = estimate(config, plan, shape, at).peak_bytes();
         if need > usable(budget) {
             tried.push(format!("micro {} needs {}", plan.micro, mib_text(need)));
             continue;
@@ -120,7 +120,7 @@ pub fn auto_micro(
             .map(|(r, _)| r.to_string())
             .collect();
         let levers =
-            common::memory::other_levers(config, &candidates[candidates.len() - 1], shape, kind);
+            common::memory::other_levers(config, &candidates[candidates.len() - 1], shape, at);
         return Err(AutoMicroError::NoFit(format!(
                 "batch.micro = \"auto\": no micro batch that keeps global {} fits on rank(s) {} ({name}, budget {} with a {:.0}% margin){}{}; lower batch.global{}",
                 config.batch.global.unwrap_or(0),

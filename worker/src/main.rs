@@ -204,9 +204,9 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
             ctx,
         )?;
     }
-    let device_kind = memory::device_kind(start.device);
+    let at = memory::placement(start.device, start.env.local_world_size);
     let plan = &start.plan;
-    let estimate = common::memory::estimate(&plan.config, &plan.batch, &shape, device_kind);
+    let estimate = common::memory::estimate(&plan.config, &plan.batch, &shape, at);
     if start.leader() {
         log_plan(&start, tracker, &estimate, &vs, &task);
     }
@@ -268,6 +268,7 @@ fn start(cli: &Cli, tracker: &PhaseTracker) -> Result<Start, Failure> {
     tracker.record(RunFacts {
         plan: plan.clone(),
         device,
+        host_ranks: env.local_world_size,
         data: None,
         last_checkpoint: None,
     });

@@ -275,6 +275,12 @@ pub fn device_kind(device: Device) -> DeviceKind {
     }
 }
 
+/// Where this worker runs, for the memory estimate: its device's kind and the ranks on its host
+/// (`LOCAL_WORLD_SIZE`).
+pub fn placement(device: Device, local_world_size: u32) -> common::memory::Placement {
+    common::memory::Placement::new(device_kind(device), u64::from(local_world_size))
+}
+
 /// Bytes as MiB (for records and JSON).
 pub fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)

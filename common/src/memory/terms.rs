@@ -18,6 +18,8 @@ pub(super) struct Inputs<'a> {
     /// GPT-2's width and the ID embedding size.
     pub(super) d: u64,
     pub(super) dim: u64,
+    /// Ranks of the job on this worker's host.
+    pub(super) host_ranks: u64,
 }
 
 /// Parameter counts of the model (f32 values).
@@ -31,6 +33,9 @@ pub(super) struct Sizes {
     pub(super) trained_blocks: u64,
     pub(super) params: u64,
     pub(super) trainable: u64,
+    /// Trainable values in row-sparse tables that the host's ranks keep once, in shared memory
+    /// (0 unless they do: see [`shared_table_values`]).
+    pub(super) shared: u64,
 }
 
 /// The process itself: the CUDA context, or libtorch's RSS, the host data and the tokenizer.
@@ -110,6 +115,12 @@ pub(super) fn model_sizes(x: &Inputs<'_>) -> Sizes {
         }
         _ => (0, 0, 0),
     };
+    // The token table is row-sparse (and so shared) when it trains: when every GPT-2 weight does.
+    let wte = if gpt2_trainable > 0 && gpt2_trainable == gpt2_params {
+        gpt2.vocab_size * d
+    } else {
+        0
+    };
     Sizes {
         proj,
         mlp,
@@ -118,6 +129,27 @@ pub(super) fn model_sizes(x: &Inputs<'_>) -> Sizes {
         trained_blocks,
         params: ids + proj + mlp + gpt2_params,
         trainable: ids + proj + mlp + gpt2_trainable,
+        shared: shared_table_values(x, ids + wte),
+    }
+}
+
+/// Of `tables` (the trainable values of the row-sparse tables: the ID embeddings, and GPT-2's
+/// token table when it trains), those the ranks keep once per host (`runtime::ddp`'s shared
+/// tables): when every rank of the job is on this host, on the CPU, with shared memory and
+/// row-sparse exchanges on. Otherwise every rank holds its own copy: 0.
+fn shared_table_values(x: &Inputs<'_>, tables: u64) -> u64 {
+    let dist = &x.config.dist;
+    let shared = !x.cuda
+        && x.plan.world_size > 1
+        && x.host_ranks >= x.plan.world_size
+        && dist.backend != crate::config::Backend::Nccl
+        && dist.shared_memory
+        && dist.sparse_embeddings
+        && dist.shared_tables;
+    if shared {
+        tables
+    } else {
+        0
     }
 }
 
@@ -143,12 +175,19 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         .chain((s.gpt2_trainable > 0).then_some(x.gpt2.vocab_size * d))
         .max()
         .unwrap_or(0);
+    let shared = s.shared;
     let mut terms = vec![
         MemoryTerm {
             name: "parameters",
-            bytes: params * F32,
+            bytes: (params - shared) * F32,
             held: Held::Always,
-            detail: format!("{params} f32: {}", parts.join(" + ")),
+            detail: match shared {
+                0 => format!("{params} f32: {}", parts.join(" + ")),
+                _ => format!(
+                    "{params} f32: {}, less {shared} in shared tables",
+                    parts.join(" + ")
+                ),
+            },
         },
         MemoryTerm {
             name: "gradients",
@@ -158,10 +197,26 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         },
         MemoryTerm {
             name: "optimizer (AdamW)",
-            bytes: 2 * trainable * F32,
+            bytes: 2 * (trainable - shared) * F32,
             held: Held::Always,
-            detail: "2 moments per trainable value".into(),
+            detail: match shared {
+                0 => "2 moments per trainable value".into(),
+                _ => "2 moments per trainable value outside the shared tables".into(),
+            },
         },
+    ];
+    if shared > 0 {
+        let ranks = x.host_ranks;
+        terms.push(MemoryTerm {
+            name: "shared tables",
+            bytes: (3 * shared * F32).div_ceil(ranks),
+            held: Held::Always,
+            detail: format!(
+                "1/{ranks} of {shared} f32 + 2 moments, kept once by the host's {ranks} ranks (dist.shared_tables)"
+            ),
+        });
+    }
+    terms.extend([
         MemoryTerm {
             name: "optimizer temporaries",
             bytes: 3 * largest * F32,
@@ -175,7 +230,7 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
             held: Held::Checkpoint,
             detail: "optimizer snapshot + the larger file's bytes".into(),
         },
-    ];
+    ]);
     if x.plan.world_size > 1 {
         let bucket_mb = x.config.dist.bucket_mb;
         let bucket = (bucket_mb * MIB) as u64;

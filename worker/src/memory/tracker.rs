@@ -15,7 +15,7 @@ use common::memory::{self as estimate, DataShape, Fault, Phase, PhaseSink, SIMUL
 use common::train_plan::TrainPlan;
 use tch::Device;
 
-use super::{device_kind, first_line, is_oom, peak_rss_bytes, usage, Usage};
+use super::{first_line, is_oom, peak_rss_bytes, usage, Usage};
 
 /// Exit code of a worker that ran out of memory.
 pub const EXIT_OUT_OF_MEMORY: i32 = 3;
@@ -25,6 +25,8 @@ pub const EXIT_OUT_OF_MEMORY: i32 = 3;
 pub struct RunFacts {
     pub plan: TrainPlan,
     pub device: Device,
+    /// Ranks on this worker's host (`LOCAL_WORLD_SIZE`), for the estimate.
+    pub host_ranks: u32,
     pub data: Option<DataShape>,
     pub last_checkpoint: Option<String>,
 }
@@ -202,9 +204,9 @@ impl PhaseSink for PhaseTracker {
 fn remedies(f: &RunFacts) -> Vec<String> {
     let (config, plan) = (&f.plan.config, &f.plan.batch);
     let shape = f.data.clone().unwrap_or_else(|| DataShape::assumed(config));
-    let kind = device_kind(f.device);
+    let at = crate::memory::placement(f.device, f.host_ranks);
     let peak = |plan: &BatchPlan| {
-        estimate::mib_text(estimate::estimate(config, plan, &shape, kind).peak_bytes())
+        estimate::mib_text(estimate::estimate(config, plan, &shape, at).peak_bytes())
     };
     let mut lines = vec![format!(
         "  batch plan: {} (estimated peak {} per worker)",
@@ -228,7 +230,7 @@ fn remedies(f: &RunFacts) -> Vec<String> {
             smaller.join("; ")
         )
     });
-    let mut levers = estimate::other_levers(config, plan, &shape, kind);
+    let mut levers = estimate::other_levers(config, plan, &shape, at);
     let expandable = ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"]
         .iter()
         .filter_map(|n| std::env::var(n).ok())
@@ -295,6 +297,7 @@ mod tests {
         t.record(RunFacts {
             plan,
             device: Device::Cpu,
+            host_ranks: 2,
             data: None,
             last_checkpoint: None,
         });

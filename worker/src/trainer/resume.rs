@@ -136,6 +136,9 @@ pub(super) struct ResumeDecision {
     pub(super) path: Option<String>,
     pub(super) state: Option<TrainState>,
     pub(super) error: Option<String>,
+    /// The checkpoint is another run's: this run starts from its weights at step 0.
+    #[serde(default)]
+    pub(super) from_other_run: bool,
 }
 
 pub(super) fn resume_decision(
@@ -144,19 +147,100 @@ pub(super) fn resume_decision(
     model_hash: String,
     world: usize,
 ) -> ResumeDecision {
-    let (config, batch) = (&plan.config, plan.batch);
-    let setting = config.checkpoint.resume.trim();
+    let setting = plan.config.checkpoint.resume.trim();
     let (dir, explicit) = match setting {
         "never" => return ResumeDecision::default(),
         "auto" => (default_dir.to_path_buf(), false),
         path => (PathBuf::from(path), true),
     };
+    if !explicit || is_within(&dir, default_dir) {
+        return continue_decision(plan, &dir, explicit, model_hash, world);
+    }
+    // Another run's checkpoint. A run that already has one of its own (restarted after a
+    // failure, or run again) continues it rather than starting over from the other run.
     let mut skipped = Vec::new();
-    let found = if dir.join("state.json").is_file() {
-        checkpoint::verify(&dir).map(|state| Some((dir.clone(), state)))
+    if let Ok(Some((own, _))) = checkpoint::find_latest(default_dir, &mut skipped) {
+        info!(
+            "checkpoint.resume = {setting:?} is another run's, but this run has a checkpoint of its own ({}): continuing this run",
+            own.display()
+        );
+        return continue_decision(plan, default_dir, false, model_hash, world);
+    }
+    other_run_decision(&dir, &model_hash)
+}
+
+/// Whether `path` lies in `dir` (both resolved; `false` when either does not exist).
+fn is_within(path: &Path, dir: &Path) -> bool {
+    match (std::fs::canonicalize(path), std::fs::canonicalize(dir)) {
+        (Ok(path), Ok(dir)) => path.starts_with(dir),
+        _ => false,
+    }
+}
+
+/// The checkpoint in `dir` (a checkpoint, or the newest of a `checkpoints` directory or of a
+/// run directory's), if any.
+fn find_checkpoint(
+    dir: &Path,
+    skipped: &mut Vec<String>,
+) -> Result<Option<(PathBuf, TrainState)>, checkpoint::CheckpointError> {
+    if dir.join("state.json").is_file() {
+        checkpoint::verify(dir).map(|state| Some((dir.to_path_buf(), state)))
+    } else if dir.join("checkpoints").is_dir() {
+        checkpoint::find_latest(&dir.join("checkpoints"), skipped)
     } else {
-        checkpoint::find_latest(&dir, &mut skipped)
+        checkpoint::find_latest(dir, skipped)
+    }
+}
+
+/// Starting this run from another run's checkpoint `dir` (fine-tuning): its weights must fit
+/// this model; its data, batch, seed and world may differ, since this run starts at step 0.
+fn other_run_decision(dir: &Path, model_hash: &str) -> ResumeDecision {
+    let fail = |error: String| ResumeDecision {
+        error: Some(error),
+        ..Default::default()
     };
+    let mut skipped = Vec::new();
+    let found = find_checkpoint(dir, &mut skipped);
+    for why in &skipped {
+        warn!("skipping checkpoint: {why}");
+    }
+    match found {
+        Err(e) => fail(e.to_string()),
+        Ok(None) => fail(format!(
+            "checkpoint.resume = {:?}: no complete checkpoint there",
+            dir.display().to_string()
+        )),
+        Ok(Some((path, state))) => {
+            if Fingerprint::compare(&state.model_hash, model_hash) == Fingerprint::OtherModel {
+                return fail(format!(
+                    "{} was written for a different model config (fingerprint {} vs {model_hash} now): a run can start from another run's weights only when the model is the same",
+                    path.display(),
+                    state.model_hash
+                ));
+            }
+            ResumeDecision {
+                path: Some(path.display().to_string()),
+                state: Some(state),
+                error: None,
+                from_other_run: true,
+            }
+        }
+    }
+}
+
+/// Continuing a run from its checkpoint in `dir` (`explicit`: named by `checkpoint.resume`, so
+/// finding none there is an error): the model, data, batch and seed must be the run's.
+fn continue_decision(
+    plan: &TrainPlan,
+    dir: &Path,
+    explicit: bool,
+    model_hash: String,
+    world: usize,
+) -> ResumeDecision {
+    let (config, batch) = (&plan.config, plan.batch);
+    let setting = config.checkpoint.resume.trim();
+    let mut skipped = Vec::new();
+    let found = find_checkpoint(dir, &mut skipped);
     for why in &skipped {
         warn!("skipping checkpoint: {why}");
     }
@@ -224,6 +308,7 @@ pub(super) fn resume_decision(
                 path: Some(path.display().to_string()),
                 state: Some(state),
                 error: None,
+                from_other_run: false,
             }
         }
     }
@@ -312,10 +397,52 @@ impl Trainer<'_> {
         if let Some(error) = decision.error {
             return Err(TrainError::Resume(error));
         }
-        if let (Some(path), Some(state)) = (decision.path, decision.state) {
-            self.continue_from(PathBuf::from(path), state)?;
+        match (decision.path, decision.state) {
+            (Some(path), Some(state)) if decision.from_other_run => {
+                self.start_from_other_run(Path::new(&path), &state)
+            }
+            (Some(path), Some(state)) => self.continue_from(PathBuf::from(path), state),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every rank takes rank 0's weights (and, with `checkpoint.load_optimizer`, its optimizer
+    /// state) from another run's checkpoint; this run starts at step 0 with its own schedule,
+    /// data order and early stopping.
+    fn start_from_other_run(&mut self, path: &Path, state: &TrainState) -> Result<(), TrainError> {
+        self.ddp.broadcast_params(0)?;
+        let with_optimizer = self.setup.plan.config.checkpoint.load_optimizer;
+        if with_optimizer {
+            self.share_optimizer_state(0)?;
+        }
+        if self.leader() {
+            info!(
+                "starting from the weights of {} (step {}, epoch {} of its run) at step 0 of this run, with {}",
+                path.display(),
+                state.step,
+                state.epoch,
+                if with_optimizer {
+                    "its optimizer state (checkpoint.load_optimizer = true)"
+                } else {
+                    "a fresh optimizer (checkpoint.load_optimizer = true takes its moments too)"
+                }
+            );
         }
         Ok(())
+    }
+
+    /// Every rank receives rank 0's optimizer state into tensors of the right shapes.
+    fn share_optimizer_state(&mut self, step: u64) -> Result<(), TrainError> {
+        let mut shaped = self.optimizer.state_tensors();
+        let mut values: Vec<tch::Tensor> = shaped.iter().map(|(_, t)| t.shallow_clone()).collect();
+        let ctx = self.ctx(step);
+        self.ddp.comm().broadcast(&mut values, 0, ctx)?;
+        for ((_, t), v) in shaped.iter_mut().zip(values) {
+            *t = v;
+        }
+        self.optimizer
+            .load_state_tensors(&shaped)
+            .map_err(|e| TrainError::Resume(e.to_string()))
     }
 
     /// Rank 0's decision, with the checkpoint already loaded into its model and optimizer.
@@ -327,12 +454,15 @@ impl Trainer<'_> {
         let world = self.ddp.world_size();
         let mut decision =
             resume_decision(self.setup.plan, &checkpoints, self.task.model_hash(), world);
+        // Another run's moments are taken only when asked for.
+        let with_optimizer =
+            !decision.from_other_run || self.setup.plan.config.checkpoint.load_optimizer;
         if let (Some(path), None) = (&decision.path, &decision.error) {
             let applied = checkpoint::load(Path::new(path))
                 .map_err(|e| e.to_string())
                 .and_then(|(model, optim, _)| {
-                    self.load(&model, &optim)
-                        .map_err(|e| format!("{path}: {e}"))
+                    let optim = if with_optimizer { &optim[..] } else { &[] };
+                    self.load(&model, optim).map_err(|e| format!("{path}: {e}"))
                 });
             if let Err(e) = applied {
                 decision.error = Some(e);
@@ -341,12 +471,16 @@ impl Trainer<'_> {
         decision
     }
 
+    /// Loads `model` into the variables and, unless it is empty, `optim` into the optimizer.
     pub(super) fn load(
         &mut self,
         model: &NamedTensors,
-        optim: &NamedTensors,
+        optim: &[(String, Tensor)],
     ) -> Result<(), TrainError> {
         load_params(&self.ddp.named_variables(), model)?;
+        if optim.is_empty() {
+            return Ok(());
+        }
         self.optimizer
             .load_state_tensors(optim)
             .map_err(|e| TrainError::Resume(e.to_string()))
@@ -360,17 +494,7 @@ impl Trainer<'_> {
         state: TrainState,
     ) -> Result<(), TrainError> {
         self.ddp.broadcast_params(0)?;
-        // Everyone receives rank 0's optimizer state into tensors of the right shapes.
-        let mut shaped = self.optimizer.state_tensors();
-        let mut values: Vec<tch::Tensor> = shaped.iter().map(|(_, t)| t.shallow_clone()).collect();
-        let ctx = self.ctx(state.step);
-        self.ddp.comm().broadcast(&mut values, 0, ctx)?;
-        for ((_, t), v) in shaped.iter_mut().zip(values) {
-            *t = v;
-        }
-        self.optimizer
-            .load_state_tensors(&shaped)
-            .map_err(|e| TrainError::Resume(e.to_string()))?;
+        self.share_optimizer_state(state.step)?;
         // The schedule spans the run as configured now: more epochs lengthen it (a run
         // extended under its old length would train on at its final, often zero, rate).
         let total = self.total_steps;
