@@ -18,8 +18,25 @@ pub const PROGRESS_FD: i32 = 3;
 pub const PLAIN_VAR: &str = "GPTREC_PROGRESS";
 
 /// The bar both displays draw (`launch`'s for the job, a lone worker's for itself): indicatif's
-/// template, the message carrying epoch, loss and samples/s.
-pub const BAR_TEMPLATE: &str = "{msg} [{bar:30}] step {pos}/{len} ETA {eta}";
+/// template, the message carrying epoch, loss and samples/s, the prefix the ETA
+/// ([`eta_prefix`]). Not indicatif's own `{eta}`: it guesses from how often the bar was moved,
+/// and a bar drawn before the first step, or moved in jumps, gets minutes for a run of seconds.
+pub const BAR_TEMPLATE: &str = "{msg} [{bar:30}] step {pos}/{len}{prefix}";
+
+/// The bar's prefix for `eta_s`: ` ETA 12s`, or nothing before the first step.
+pub fn eta_prefix(eta_s: Option<f64>) -> String {
+    eta_s.map_or_else(String::new, |s| format!(" ETA {}", duration_text(s)))
+}
+
+/// `1h02m`, `3m05s`, `12s`.
+pub fn duration_text(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    match (s / 3600, (s % 3600) / 60, s % 60) {
+        (0, 0, s) => format!("{s}s"),
+        (0, m, s) => format!("{m}m{s:02}s"),
+        (h, m, _) => format!("{h}h{m:02}m"),
+    }
+}
 
 /// Whether to draw a live display: a person watches (`stderr_is_terminal`) and
 /// [`PLAIN_VAR`] is not `plain`.
@@ -58,6 +75,9 @@ pub struct ProgressRecord {
     /// Samples per second of this run's steps so far (global batch), when a step has run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub samples_per_s: Option<f64>,
+    /// Seconds left at this run's pace so far, when a step has run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta_s: Option<f64>,
 }
 
 impl ProgressRecord {
@@ -80,6 +100,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_eta_reads_in_the_largest_useful_units() {
+        assert_eq!(eta_prefix(None), "");
+        assert_eq!(eta_prefix(Some(1.6)), " ETA 2s");
+        assert_eq!(eta_prefix(Some(185.0)), " ETA 3m05s");
+        assert_eq!(eta_prefix(Some(3720.0)), " ETA 1h02m");
+    }
+
+    #[test]
     fn a_record_survives_its_line_and_junk_is_skipped() {
         let record = ProgressRecord {
             rank: 2,
@@ -90,6 +118,7 @@ mod tests {
             total_steps: 90,
             loss: Some(0.5),
             samples_per_s: None,
+            eta_s: Some(1.5),
         };
         let line = record.to_line();
         assert!(

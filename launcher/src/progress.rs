@@ -382,10 +382,19 @@ impl State {
         if bar.length() != Some(slowest.total_steps) {
             bar.set_length(slowest.total_steps);
         }
-        if bar.position() != slowest.step {
-            bar.set_position(slowest.step);
+        // A rank that has not reported yet is at step 0: the bar never moves back.
+        let position = if reports.len() < self.ranks.len() {
+            0
+        } else {
+            slowest.step
+        };
+        if bar.position() != position {
+            bar.set_position(position);
         }
         bar.set_message(job_message(&reports));
+        // The job ends with its slowest rank.
+        let eta = reports.iter().filter_map(|(r, _)| r.eta_s).reduce(f64::max);
+        bar.set_prefix(common::progress::eta_prefix(eta));
         let now = Instant::now();
         if !self.disagree(now) {
             self.drift_since = None;
@@ -524,6 +533,7 @@ mod tests {
             total_steps: 30,
             loss: Some(0.25),
             samples_per_s: Some(1234567.8),
+            eta_s: Some(step as f64),
         }
     }
 
@@ -554,6 +564,13 @@ mod tests {
         );
         assert!(job_message(&[&c, &d]).starts_with("epoch 2/3 evaluating"));
         assert!(!job_message(&[&a, &d]).contains("evaluating"));
+        // The bar stands at the slowest rank's step, with the longest ETA of the ranks'.
+        let mut drawn = state(&[(0, Some(a.clone())), (1, Some(b.clone()))]);
+        drawn.redraw(&MultiProgress::with_draw_target(
+            ProgressDrawTarget::hidden(),
+        ));
+        assert_eq!(drawn.bar.position(), 11);
+        assert_eq!(drawn.bar.prefix(), " ETA 12s");
         assert_eq!(thousands(999.4), "999");
         assert_eq!(thousands(1000.0), "1,000");
     }

@@ -81,6 +81,31 @@ fn bar_steps(screen: &str) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Every `ETA ...` the bar drew, in seconds (`12s`, `3m05s`, `1h02m`).
+fn bar_etas(screen: &str) -> Vec<u64> {
+    screen
+        .split("ETA ")
+        .skip(1)
+        .filter_map(|rest| {
+            let text: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect();
+            let (mut secs, mut number) = (0, 0);
+            for c in text.chars() {
+                match c {
+                    '0'..='9' => number = number * 10 + c.to_digit(10)? as u64,
+                    'h' => (secs, number) = (secs + number * 3600, 0),
+                    'm' => (secs, number) = (secs + number * 60, 0),
+                    's' => (secs, number) = (secs + number, 0),
+                    _ => return None,
+                }
+            }
+            Some(secs)
+        })
+        .collect()
+}
+
 #[test]
 fn a_terminal_gets_one_live_bar_for_the_job_with_worker_lines_above_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -97,6 +122,12 @@ fn a_terminal_gets_one_live_bar_for_the_job_with_worker_lines_above_it() {
     for want in ["epoch 3/3", "samples/s", "ETA", "loss 0."] {
         assert!(screen.contains(want), "{want} missing: {screen}");
     }
+    // The ETA is the run's pace, not indicatif's guess (minutes for a run of seconds).
+    let etas = bar_etas(&screen);
+    assert!(
+        !etas.is_empty() && etas.iter().all(|&s| s <= 60),
+        "{etas:?}"
+    );
     // The workers' and the launcher's lines are all there, whole.
     for want in [
         "[rank 0]  INFO epoch 3/3 done in",

@@ -115,6 +115,7 @@ mod tests {
             total_steps: 10,
             loss: None,
             samples_per_s: None,
+            eta_s: None,
         }
     }
 

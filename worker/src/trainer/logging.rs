@@ -26,7 +26,8 @@ impl Trainer<'_> {
         // step.
         let peak = stats.probed_max;
         let epoch_end = step % self.steps_per_epoch.max(1) == 0 || step == self.total_steps;
-        self.report_progress_in(epoch + 1, Phase::Train, epoch_end);
+        // Sent at every logged step too, so that `launch`'s bar is never behind the log lines.
+        self.report_progress_in(epoch + 1, Phase::Train, epoch_end || log_now);
         let global = self.setup.plan.batch.global;
         let Some(file) = self.metrics.as_mut() else {
             return Ok(());
@@ -47,6 +48,7 @@ impl Trainer<'_> {
         let rate = p.samples_per_s(global);
         if let Some(bar) = self.bar.as_mut() {
             bar.set_position(step);
+            bar.set_prefix(common::progress::eta_prefix(p.eta_s(self.total_steps)));
             bar.set_message(format!(
                 "epoch {}/{} loss {:.4} {rate:.0} samples/s",
                 epoch + 1,
@@ -54,7 +56,7 @@ impl Trainer<'_> {
                 stats.loss
             ));
         } else if log_now {
-            let eta = elapsed / p.steps_run as f64 * self.total_steps.saturating_sub(step) as f64;
+            let eta = p.eta_s(self.total_steps).unwrap_or(0.0);
             let (peak_rank, peak_mib) = peak.unwrap_or_default();
             info!(
                 "epoch {}/{} step {step}/{} loss {:.6} lr {lr:.3e} grad_norm {:.4} {rate:.0} samples/s {:.1} ms/step, peak mem {:.0} MiB (rank {peak_rank}) ETA {}",
@@ -65,7 +67,7 @@ impl Trainer<'_> {
                 stats.grad_norm,
                 elapsed * 1000.0 / p.steps_run as f64,
                 peak_mib,
-                format_duration(eta)
+                common::progress::duration_text(eta)
             );
         }
         Ok(())
@@ -103,6 +105,7 @@ impl Trainer<'_> {
             total_steps: self.total_steps,
             loss: p.last_loss,
             samples_per_s: (p.steps_run > 0).then(|| p.samples_per_s(self.setup.plan.batch.global)),
+            eta_s: p.eta_s(self.total_steps),
         };
         if !sender.send(&record, force) {
             self.reports = None;
@@ -124,14 +127,4 @@ pub(super) fn new_bar(total_steps: u64, position: u64) -> indicatif::ProgressBar
     );
     bar.set_position(position);
     bar
-}
-
-/// `1h02m`, `3m05s`, `12s`.
-fn format_duration(secs: f64) -> String {
-    let s = secs.max(0.0).round() as u64;
-    match (s / 3600, (s % 3600) / 60, s % 60) {
-        (0, 0, s) => format!("{s}s"),
-        (0, m, s) => format!("{m}m{s:02}s"),
-        (h, m, _) => format!("{h}h{m:02}m"),
-    }
 }

@@ -181,6 +181,14 @@ impl Progress {
     fn samples_per_s(&self, global: u64) -> f64 {
         (self.steps_run * global) as f64 / self.started.elapsed().as_secs_f64().max(1e-9)
     }
+
+    /// Seconds left until `total_steps` at this process's pace so far; `None` before a step.
+    fn eta_s(&self, total_steps: u64) -> Option<f64> {
+        (self.steps_run > 0).then(|| {
+            let per_step = self.started.elapsed().as_secs_f64() / self.steps_run as f64;
+            per_step * total_steps.saturating_sub(self.step) as f64
+        })
+    }
 }
 
 /// One run of training: the engine, the optimizer and schedule, the sampler, what the run
