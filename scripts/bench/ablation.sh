@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What makes the GPT-2 recommender earn its place on real data: the ablation of the README.
+# What makes the GPT-2 recommender earn its place on real data: the ablation in docs/figures.md.
 # Trains, on real MovieLens-100k with configs/ml-100k.toml (10% cold items, 10% cold users),
 # plain BPR and gpt2rec with each fusion choice, over several seeds (each seed is also another
 # split), and prints the mean of test NDCG@10 on warm items, on cold items and for cold users.

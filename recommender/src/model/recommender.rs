@@ -8,7 +8,7 @@
 //! text projections start at zero, and the text part of every representation in a batch pays
 //! its own L2 (`text_l2`). Added at full strength from the first step (as a default-initialised
 //! projection does), the text part of users (a few demographic words shared by many) learns
-//! faster than each user's ID and costs warm-item quality (see the README's ablation). A cold
+//! faster than each user's ID and costs warm-item quality (see the ablation in docs/figures.md). A cold
 //! user, whom no ID embedding describes, starts from the average warm user, so their text
 //! adjusts the average taste rather than replacing it. It does not read data, encode text or train:
 //! text features arrive as tensors; the DDP engine trains the variables.
