@@ -3,7 +3,32 @@
 //!
 //! Must not: read or parse the files (the recommender's readers do).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use crate::config::Config;
+
+/// Version of the synthetic generator's output (`recommender::data::synthetic`): bumped
+/// whenever the same seed would give other files, so cached copies (named with it) are never
+/// stale.
+pub const SYNTHETIC_VERSION: u32 = 2;
+
+/// The directory `config`'s data is read from: `data.dir`, or [`synthetic_dir`].
+pub fn data_dir(config: &Config) -> PathBuf {
+    match &config.data.dir {
+        Some(dir) => dir.clone(),
+        None => synthetic_dir(config),
+    }
+}
+
+/// Where the synthetic data of `config` is generated:
+/// `<output_dir>/data/synthetic-<size>-seed<seed>-v<generator version>/`.
+pub fn synthetic_dir(config: &Config) -> PathBuf {
+    let size = format!("{:?}", config.data.synthetic).to_lowercase();
+    config.run.output_dir.join("data").join(format!(
+        "synthetic-{size}-seed{}-v{SYNTHETIC_VERSION}",
+        config.run.seed
+    ))
+}
 
 /// A data directory's layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

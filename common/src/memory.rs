@@ -14,6 +14,7 @@
 
 use std::fmt::Write as _;
 
+mod measured;
 mod phase;
 mod terms;
 
@@ -113,7 +114,7 @@ impl Gpt2Dims {
 }
 
 /// The data's shape as far as memory goes.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DataShape {
     pub users: u64,
     pub items: u64,
@@ -143,7 +144,8 @@ impl DataShape {
                 6040,
                 3629,
                 836_478,
-                "MovieLens-1M's counts at ratings >= 3".to_string(),
+                "assumed: MovieLens-1M's counts at ratings >= 3 until a run measures the data"
+                    .to_string(),
             ),
             None => {
                 let spec = config.data.synthetic.spec();
@@ -154,7 +156,11 @@ impl DataShape {
                     users,
                     spec.movies as u64,
                     (all * 0.84) as u64,
-                    format!("synthetic {:?} data", config.data.synthetic).to_lowercase(),
+                    format!(
+                        "assumed: the generator's synthetic {:?} data until a run measures it",
+                        config.data.synthetic
+                    )
+                    .to_lowercase(),
                 )
             }
         };

@@ -239,7 +239,7 @@ impl Plan {
         };
         let est = Estimating {
             config: &wc.config,
-            data: DataShape::assumed(&wc.config),
+            data: DataShape::best_known(&wc.config),
             at: Placement::new(kind, self.nproc as u64),
         };
         let budgets = self.local_budgets(kind, gpus);

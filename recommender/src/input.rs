@@ -119,12 +119,7 @@ fn rated_items(raw: &RawData, ds: &Dataset) -> Vec<Vec<u32>> {
 /// Where the synthetic data of `config` (`data.dir` unset) is generated:
 /// `<output_dir>/data/synthetic-<size>-seed<seed>-v<generator version>/`.
 pub fn synthetic_dir(config: &Config) -> PathBuf {
-    let size = format!("{:?}", config.data.synthetic).to_lowercase();
-    config.run.output_dir.join("data").join(format!(
-        "synthetic-{size}-seed{}-v{}",
-        config.run.seed,
-        data::GENERATOR_VERSION
-    ))
+    common::data_layout::synthetic_dir(config)
 }
 
 /// Reads `data.dir`, or — when it is unset — synthetic data generated once into

@@ -16,9 +16,13 @@ use support::*;
 const PINNED_SETS: [&str; 2] = ["batch.global=256", "batch.micro=64"];
 const PINNED_BATCH: [&str; 4] = ["--set", PINNED_SETS[0], "--set", PINNED_SETS[1]];
 
-/// The dry run of the default config with 2 workers on [`PINNED_BATCH`], `extra` as arguments.
+/// The dry run of the default config with 2 workers on [`PINNED_BATCH`], `extra` as arguments,
+/// with output in a fresh directory (no data measured by an earlier run: the assumed shape).
 fn dry_run(env: &[(&str, &str)], extra: &[&str]) -> Output {
+    let out = tempfile::tempdir().unwrap();
+    let out_dir = format!("run.output_dir={:?}", out.path().display().to_string());
     let mut args = vec!["--dry-run", "--num-processes", "2", "configs/default.toml"];
+    args.extend(["--set", &out_dir]);
     args.extend(PINNED_BATCH);
     args.extend(extra);
     let mut cmd = launch_cmd(&args);
@@ -89,6 +93,62 @@ fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch
         warning.contains("model.text_mode = \"cached\""),
         "{warning}"
     );
+}
+
+/// The peak a table or a log line gives after `marker` (`estimated peak `, `peak `), in MiB.
+fn peak_after(text: &str, marker: &str) -> f64 {
+    let rest = text
+        .split(marker)
+        .nth(1)
+        .unwrap_or_else(|| panic!("no {marker:?}: {text}"));
+    let number = rest.trim_start().split(' ').next().unwrap_or_default();
+    number
+        .parse()
+        .unwrap_or_else(|_| panic!("{marker:?} {number:?}: {text}"))
+}
+
+/// Before any run has read the data the dry run says its shape is assumed; once a run has
+/// measured it, the dry run gives exactly the estimate the workers gave, and the assumed one
+/// again when a key that changes the data's shape does.
+#[test]
+fn the_dry_run_gives_the_workers_estimate_once_a_run_measured_the_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = format!("run.output_dir={:?}", dir.path().display().to_string());
+    let dry = |extra: &[&str]| {
+        let mut args = vec!["--dry-run", "--num-processes", "2", "configs/default.toml"];
+        for set in [
+            out_dir.as_str(),
+            "data.synthetic=\"tiny\"",
+            PINNED_SETS[0],
+            PINNED_SETS[1],
+        ]
+        .iter()
+        .chain(extra)
+        {
+            args.extend(["--set", set]);
+        }
+        let out = wait_output(launch_cmd(&args).spawn().unwrap(), Duration::from_secs(60));
+        out.assert_code(0);
+        out
+    };
+    let before = dry(&[]);
+    before.assert_stdout_all(&[
+        "assumed: the generator's synthetic tiny data until a run measures it",
+    ]);
+    let (ran, _) = run(dir.path(), "measured", "shape", &[], &[]);
+    ran.assert_code(0);
+    let worker = peak_after(&ran.stderr, "memory estimate per worker on cpu: peak ");
+    let after = dry(&[]);
+    after.assert_stdout_all(&[", by an earlier run):"]);
+    assert_eq!(
+        peak_after(&after.stdout, "estimated peak "),
+        worker,
+        "{}",
+        after.stdout
+    );
+    assert_ne!(peak_after(&before.stdout, "estimated peak "), worker);
+    dry(&["data.min_rating=4"])
+        .assert_stdout_all(&["assumed: the generator's synthetic tiny data"]);
 }
 
 #[test]

@@ -152,6 +152,10 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
     tracker.update(|f| f.data = Some(shape.clone()));
     if start.leader() {
         log_data(config, &data);
+        // Later dry runs estimate with it (a record that cannot be written costs only that).
+        if let Err(e) = shape.remember(config) {
+            tracing::debug!("keeping the data's shape for later estimates: {e}");
+        }
     }
     let (ks, users_at_once) = (&config.eval.topk, config.eval.batch_users);
     let pop_valid = recommender::evaluate_popularity(

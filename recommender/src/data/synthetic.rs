@@ -59,9 +59,9 @@ const GENRE_BASE_WEIGHT: [f64; 18] = [
     5.0, 3.0, 1.0, 1.5, 9.0, 2.5, 1.0, 12.0, 0.8, 0.4, 2.5, 1.0, 1.0, 3.5, 2.0, 4.0, 1.0, 0.5,
 ];
 
-/// Version of the synthetic generator's output: bumped whenever the same seed would give other
-/// files, so cached copies (named with it) are never stale.
-pub const GENERATOR_VERSION: u32 = 2;
+/// Version of the generator's output: bump it (it lives in `common`, where the launcher reads
+/// it too) whenever the same seed would give other files, so cached copies are never stale.
+pub use common::data_layout::SYNTHETIC_VERSION as GENERATOR_VERSION;
 
 /// How much a user's choice of movies follows popularity, the demographic genre preference
 /// (which the metadata text reveals) and a hidden taste (which only the interactions reveal),
