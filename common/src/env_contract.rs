@@ -53,6 +53,15 @@ pub const ROLE_NAME: &str = "default";
 /// not a failure (EX_TEMPFAIL, "try again").
 pub const EXIT_REGROUP: i32 = 75;
 
+/// The variable naming the descriptor of the rendezvous port's listening socket, which `launch`
+/// binds before it starts anything and holds for the whole job, and hands to rank 0 of our
+/// worker as its store's listener: no other process can take the port in between (two jobs
+/// started at once on one box no longer race for it). Absent: rank 0 binds `MASTER_PORT` itself.
+pub const STORE_FD_VAR: &str = "GPTREC_STORE_FD";
+
+/// The descriptor number `launch` gives that socket in rank 0 (3 is the progress pipe's).
+pub const STORE_FD: i32 = 4;
+
 /// The variables a worker cannot do without (the others have defaults).
 const REQUIRED: [&str; 5] = [
     "RANK",

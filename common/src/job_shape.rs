@@ -312,14 +312,17 @@ fn resolve_master(
         Sourced::new(0, Source::Flag("--standalone"))
     } else if let Some(p) = flags.master_port {
         Sourced::new(p, Source::Flag("--master-port"))
-    } else if let Some(s) = slurm {
+    } else if let (Some(s), true) = (slurm, multi) {
         s.master_port.clone()
     } else if let Some(p) = pet.get("MASTER_PORT", parse_port)? {
         p
     } else if let Some(p) = endpoint_port {
         p
-    } else {
+    } else if multi {
         Sourced::new(DEFAULT_MASTER_PORT, Source::Default(""))
+    } else {
+        // No other node dials it: a free port from the OS, so jobs side by side never clash.
+        Sourced::new(0, Source::Default("single node: a free port"))
     };
     if multi && master_port.value == 0 {
         return Err(ShapeError(format!(

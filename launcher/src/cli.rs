@@ -82,9 +82,10 @@ pub struct Cli {
     #[arg(long = "master-addr", alias = "master_addr")]
     pub master_addr: Option<String>,
 
-    /// Port of the rendezvous store on the master node; 0 picks a free one. On a single-node run
-    /// a port that is taken is replaced by a free one, with a notice. Default: derived from the
-    /// Slurm job id, `PET_MASTER_PORT`, or 29500.
+    /// Port of the rendezvous store on the master node; 0 picks a free one. A port that is
+    /// taken is refused, naming the process that holds it. Default: on a single node a free
+    /// port (held by `launch` from before the workers start); on several, `PET_MASTER_PORT`, a
+    /// port derived from the Slurm job id, or 29500.
     #[arg(long = "master-port", alias = "master_port")]
     pub master_port: Option<u16>,
 

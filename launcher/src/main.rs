@@ -8,8 +8,10 @@ mod cli;
 mod elastic;
 mod event;
 mod gpu;
+mod hand_down;
 mod output;
 mod plan;
+mod port;
 mod preflight;
 mod progress;
 mod rendezvous;
@@ -72,13 +74,9 @@ fn launch(cli: &Cli) -> i32 {
             return bad_input(&e);
         }
     };
-    match plan.resolve_port() {
-        Ok(Some(notice)) => warn!("{notice}"),
-        Ok(None) => {}
-        Err(e) => {
-            watchdog.disarm();
-            return bad_input(&e);
-        }
+    if let Err(e) = plan.resolve_port() {
+        watchdog.disarm();
+        return bad_input(&e);
     }
     for notice in &plan.notices {
         info!("{notice}");

@@ -7,6 +7,7 @@ use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 mod command;
@@ -71,6 +72,10 @@ pub struct Plan {
     pub notices: Vec<String>,
     /// Elastic jobs: the address other nodes reach this one at (`--local-addr`).
     pub local_addr: String,
+    /// The rendezvous port's listening socket ([`Plan::resolve_port`]), held from before anything
+    /// starts until the job ends and handed to rank 0 of our worker as its store's listener,
+    /// so that no other job can take the port in between.
+    pub store_listener: Option<Arc<TcpListener>>,
 }
 
 impl Plan {
@@ -175,6 +180,7 @@ impl Plan {
             gpus,
             cuda_visible_devices: selection.map(|s| s.cuda_visible_devices),
             local_addr: local_addr(cli, &shape),
+            store_listener: None,
             shape,
             notices,
         })
@@ -317,37 +323,39 @@ impl Plan {
             .collect()
     }
 
-    /// Makes sure the rendezvous port can be used, on the node that hosts it. On a single-node
-    /// run a taken port is replaced by a free one (returned as a notice); port 0 always picks one.
-    pub fn resolve_port(&mut self) -> Result<Option<String>, PlanError> {
+    /// Binds the rendezvous port on the node that hosts the store: port 0 (a single node's
+    /// default) takes a free one from the OS. For our worker the socket is kept
+    /// ([`Plan::store_listener`]); any other program binds the port itself, so it is released.
+    /// A port that is taken is refused, naming the process that holds it: it is never swapped
+    /// for another that the user did not name (other nodes, or the user's scripts, dial it).
+    pub fn resolve_port(&mut self) -> Result<(), PlanError> {
         if self.node_rank != 0 || self.shape.elastic.is_some() {
-            return Ok(None); // the store lives on node 0; nothing here to check
+            return Ok(()); // the store lives on node 0; nothing here to bind
         }
         let ip = resolve_ip(&self.master_addr)?;
         let requested = self.master_port;
         match TcpListener::bind(SocketAddr::new(ip, requested)) {
-            Ok(listener) if requested != 0 => {
-                drop(listener);
-                Ok(None)
-            }
             Ok(listener) => {
                 self.master_port = bound_port(&listener)?;
-                Ok(Some(format!("using free port {} for the rendezvous", self.master_port)))
+                if self.config.is_some() {
+                    self.store_listener = Some(Arc::new(above_handed_down(listener)?));
+                }
+                Ok(())
             }
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && self.nnodes == 1 => {
-                let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
-                    PlanError::Usage(format!("cannot find a free port on {ip}: {e}"))
-                })?;
-                self.master_port = bound_port(&listener)?;
-                Ok(Some(format!(
-                    "port {requested} on {} is in use; using free port {} instead",
-                    self.master_addr, self.master_port
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                let held = crate::port::holder(requested)
+                    .map(|h| format!(" by {h}"))
+                    .unwrap_or_default();
+                let advice = if self.nnodes > 1 {
+                    "the other nodes expect it, so pick a free port for all of them (or stop what holds it)"
+                } else {
+                    "pick another, or leave --master-port out for a free one"
+                };
+                Err(PlanError::Usage(format!(
+                    "master port {requested} ({}) on {} is in use{held}; {advice}",
+                    self.shape.master_port.source, self.master_addr
                 )))
             }
-            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(PlanError::Usage(format!(
-                "--master-port {requested} on {} is in use; the other nodes expect it, so pick a free port for all of them (or stop what holds it)",
-                self.master_addr
-            ))),
             Err(e) => Err(PlanError::Usage(format!(
                 "cannot listen on --master-addr {}:{requested} from this node ({e}); node 0 must own that address",
                 self.master_addr
@@ -469,6 +477,7 @@ impl Plan {
                 .chain(self.extra_env())
                 .map(|(k, v)| match k {
                     "TORCHELASTIC_RUN_ID" => format!("{k}={}", self.shown_run_id()),
+                    "MASTER_PORT" if self.master_port == 0 => format!("{k}=<free port>"),
                     _ => format!("{k}={v}"),
                 })
                 .collect();
@@ -626,6 +635,23 @@ impl Estimating<'_> {
         }
         w
     }
+}
+
+/// `listener` moved to a descriptor number above those a worker is handed (0 to 4: the standard
+/// streams, the progress pipe, the store's socket), so that setting those up in a child can
+/// never overwrite it before it is copied to its own number.
+fn above_handed_down(listener: TcpListener) -> Result<TcpListener, PlanError> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: duplicating an open descriptor we own; the copy is owned by the new listener.
+    let fd = unsafe { libc::fcntl(listener.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 10) };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(PlanError::Usage(format!(
+            "cannot keep the rendezvous port open: {e}"
+        )));
+    }
+    // SAFETY: `fd` is a fresh descriptor of the listening socket, owned by nothing else.
+    Ok(unsafe { TcpListener::from_raw_fd(fd) })
 }
 
 /// (MemAvailable, MemTotal) in bytes from `/proc/meminfo`.
@@ -852,14 +878,30 @@ mod tests {
         }
     }
 
+    /// A port the user named that is taken is refused, naming who holds it, never swapped for
+    /// another; a single node's default is a free port, held for our worker only.
     #[test]
-    fn taken_port_is_replaced_on_a_single_node() {
+    fn a_taken_port_is_refused_naming_its_holder() {
         let holder = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = holder.local_addr().unwrap().port().to_string();
         let mut p = plan(&["--master-port", &port, "--", "true"]).unwrap();
-        let notice = p.resolve_port().unwrap().expect("a notice");
-        assert!(notice.contains("in use"), "{notice}");
-        assert_ne!(p.master_port.to_string(), port);
+        let err = p.resolve_port().unwrap_err().to_string();
+        let by = format!(
+            "(flag --master-port) on 127.0.0.1 is in use by pid {} (",
+            std::process::id()
+        );
+        assert!(
+            err.contains(&by) && err.contains("leave --master-port out"),
+            "{err}"
+        );
+        let mut p = plan(&["--", "true"]).unwrap();
+        assert_eq!(p.master_port, 0);
+        p.resolve_port().unwrap();
+        assert_ne!(p.master_port, 0);
+        assert!(
+            p.store_listener.is_none(),
+            "a program of the user's binds the port itself"
+        );
         // Multi-node, node 0: the others expect that port, so it is an error.
         let mut p = plan(&[
             "--master-port",

@@ -18,7 +18,6 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -123,20 +122,7 @@ impl Display {
         let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let fd: RawFd = writer.as_raw_fd();
         command.env(PROGRESS_FD_VAR, PROGRESS_FD.to_string());
-        // SAFETY: only async-signal-safe calls (dup2, fcntl) between fork and exec.
-        unsafe {
-            command.pre_exec(move || {
-                if fd == PROGRESS_FD {
-                    // Already in place: only the close-on-exec flag must go.
-                    if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                } else if libc::dup2(fd, PROGRESS_FD) == -1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        crate::hand_down::hand_down(command, fd, PROGRESS_FD);
         Ok(Follow {
             display: self.clone(),
             reader,

@@ -415,6 +415,45 @@ fn listen_addr(env: &WorkerEnv) -> Result<SocketAddr, StoreError> {
         .ok_or_else(|| bad("MASTER_ADDR resolves to no address".into()))
 }
 
+/// The listening socket `launch` handed rank 0 ([`common::env_contract::STORE_FD_VAR`]), checked
+/// to be a TCP listener on [`store_port`]; `None` when there is none.
+fn inherited_listener(env: &WorkerEnv) -> Result<Option<std::net::TcpListener>, StoreError> {
+    use std::os::fd::{FromRawFd, RawFd};
+    let var = common::env_contract::STORE_FD_VAR;
+    let Ok(text) = std::env::var(var) else {
+        return Ok(None);
+    };
+    let bad = |reason: String| StoreError::BadAddress {
+        addr: format!("{var}={text}"),
+        reason,
+    };
+    let fd: RawFd = text
+        .trim()
+        .parse()
+        .map_err(|_| bad("not a descriptor number".into()))?;
+    // SAFETY: fstat only reads the descriptor's metadata; an invalid one is an error.
+    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+    if fd < 3
+        || unsafe { libc::fstat(fd, &mut stat) } != 0
+        || stat.st_mode & libc::S_IFMT != libc::S_IFSOCK
+    {
+        return Err(bad("not an open socket".into()));
+    }
+    // SAFETY: an open socket handed to this process for the store alone; nothing else owns it.
+    let listener = unsafe { std::net::TcpListener::from_raw_fd(fd) };
+    let port = listener.local_addr().map(|a| a.port());
+    if port.as_ref().ok() != Some(&store_port(env)) {
+        std::mem::forget(listener); // not ours to close
+        return Err(bad(format!(
+            "the socket is not listening on the store's port {} ({port:?})",
+            store_port(env)
+        )));
+    }
+    // Not passed on to anything this process starts.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    Ok(Some(listener))
+}
+
 /// Rank 0 starts the server on env.master_addr:[`store_port`], then every rank (rank 0 included)
 /// connects a client, all within `timeout`. Rank 0 gets the server back and must keep it alive
 /// for as long as any rank may use the store.
@@ -423,7 +462,10 @@ pub fn rendezvous(
     timeout: Duration,
 ) -> Result<(Option<StoreServer>, StoreClient), StoreError> {
     if env.rank == 0 {
-        let server = StoreServer::start(listen_addr(env)?, &env.run_id)?;
+        let server = match inherited_listener(env)? {
+            Some(listener) => StoreServer::from_listener(listener, &env.run_id)?,
+            None => StoreServer::start(listen_addr(env)?, &env.run_id)?,
+        };
         let client = StoreClient::connect(&server.local_addr().to_string(), &env.run_id, timeout)?;
         Ok((Some(server), client))
     } else {

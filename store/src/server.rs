@@ -204,10 +204,29 @@ impl StoreServer {
         run_id: &str,
         hello_deadline: Duration,
     ) -> Result<StoreServer, StoreError> {
-        let bind_err = |cause| StoreError::Bind { addr, cause };
         // std sets SO_REUSEADDR on Unix listeners, so a restart does not trip over TIME_WAIT.
-        let listener = TcpListener::bind(addr).map_err(bind_err)?;
-        let local = listener.local_addr().map_err(bind_err)?;
+        let listener = TcpListener::bind(addr).map_err(|cause| StoreError::Bind { addr, cause })?;
+        Self::serve(listener, run_id, hello_deadline)
+    }
+
+    /// Serves on `listener`, a socket already listening: the one `launch` binds and holds for the
+    /// whole job and hands to rank 0, so that no other process can take the port in between.
+    /// The listener is shared with whoever passed it: it is never shut down, only left.
+    pub fn from_listener(listener: TcpListener, run_id: &str) -> Result<StoreServer, StoreError> {
+        Self::serve(listener, run_id, HELLO_DEADLINE)
+    }
+
+    fn serve(
+        listener: TcpListener,
+        run_id: &str,
+        hello_deadline: Duration,
+    ) -> Result<StoreServer, StoreError> {
+        let unknown = SocketAddr::from(([0, 0, 0, 0], 0));
+        let local = listener.local_addr().map_err(|cause| StoreError::Bind {
+            addr: unknown,
+            cause,
+        })?;
+        let bind_err = |cause| StoreError::Bind { addr: local, cause };
         listener.set_nonblocking(true).map_err(bind_err)?;
         let shared = Arc::new(Shared {
             key: auth::Key::new(run_id),

@@ -5,8 +5,8 @@
 //!   parser itself) and no other, with the default `Config::default()` has (`unset` for none);
 //! - every ```console block is run: each `$ command` (with `bash -c`, `target/release` first on
 //!   PATH, in a scratch directory holding `configs/` and an empty cache, so nothing is left in
-//!   the repository; one document after the other, as two runs started at the same moment
-//!   would meet on port 29500) must print what the block shows below it, where a line `...`
+//!   the repository; a document's blocks in order, in one scratch directory of its own) must
+//!   print what the block shows below it, where a line `...`
 //!   stands for any lines and `[..]` for any text within a line;
 //! - every ```sh / ```bash block is preceded by `<!-- run by: FILE[, FILE] -->` naming files
 //!   (a test, or a script CI runs) that exist and hold each of its command lines verbatim;

@@ -369,26 +369,50 @@ fn max_restarts_exhausted_reports_the_last_failure() {
     out.assert_stderr("started 3 times");
 }
 
+/// A port the user named that is taken is refused in one line naming the process that holds
+/// it, never swapped for another.
 #[test]
-fn taken_port_is_replaced_with_a_notice() {
+fn a_taken_port_is_refused_naming_its_holder() {
     let holder = TcpListener::bind("127.0.0.1:0").unwrap();
     let taken = holder.local_addr().unwrap().port().to_string();
-    let script = sh("echo port=$MASTER_PORT");
     let out = launch(
-        &args(&["--num-processes", "2", "--master-port", &taken], &script),
+        &args(
+            &["--num-processes", "2", "--master-port", &taken],
+            &sh("true"),
+        ),
         T,
     );
-    out.assert_code(0);
+    out.assert_code(2);
     out.assert_stderr(format!(
-        "port {taken} on 127.0.0.1 is in use; using free port"
+        "launch: error: master port {taken} (flag --master-port) on 127.0.0.1 is in use by pid {} (",
+        std::process::id()
     ));
-    let ports: Vec<String> = rank_lines(&out.stdout)
-        .into_iter()
-        .map(|(_, t)| t)
+    out.assert_stderr("pick another, or leave --master-port out for a free one");
+    assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+}
+
+/// Without --master-port, single-node jobs take a free port that `launch` binds before
+/// anything starts and hands to rank 0's store: jobs started together on one box all succeed
+/// (each was refused or crossed into another's store when they all took 29500).
+#[test]
+fn single_node_jobs_started_together_all_succeed() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = tiny_bpr_sets(dir.path());
+    let children: Vec<_> = (0..3)
+        .map(|i| {
+            let name = format!("run.name=\"job{i}\"");
+            let mut args = vec!["--num-processes", "2", "configs/default.toml"];
+            args.extend(sets.iter().map(String::as_str));
+            args.extend(["--set", &name]);
+            launch_cmd(&args).spawn().unwrap()
+        })
         .collect();
-    assert_eq!(ports.len(), 2);
-    assert_eq!(ports[0], ports[1]);
-    assert_ne!(ports[0], format!("port={taken}"));
+    for child in children {
+        let out = wait_output(child, T);
+        out.assert_code(0);
+        // Rank 0 bound no port itself: the launcher holds it, so a bind would have failed.
+        out.assert_stdout_all(&["[rank 0]   test ndcg@10"]);
+    }
 }
 
 #[test]
@@ -411,7 +435,8 @@ fn taken_port_on_a_multi_node_master_is_an_error() {
         T,
     );
     out.assert_code(2);
-    out.assert_stderr("is in use; the other nodes expect it");
+    out.assert_stderr(format!("is in use by pid {} (", std::process::id()));
+    out.assert_stderr("; the other nodes expect it");
 }
 
 #[test]

@@ -52,7 +52,21 @@ fn defaults_without_flags_or_environment() {
     assert_eq!(s.nnodes.value, 1);
     assert_eq!(s.node_rank.value, 0);
     assert_eq!(s.master_addr.value, "127.0.0.1");
-    assert_eq!(s.master_port.value, DEFAULT_MASTER_PORT);
+    // One node: a free port from the OS (0), so that jobs side by side never clash.
+    assert_eq!(s.master_port.value, 0);
+    assert_eq!(
+        s.master_port.source.to_string(),
+        "default (single node: a free port)"
+    );
+    // Several nodes all dial node 0: a fixed port they can agree on.
+    let two = Flags {
+        nnodes: Some(2),
+        node_rank: Some(1),
+        master_addr: Some("h0".into()),
+        run_id: Some("r".into()),
+        ..Flags::default()
+    };
+    assert_eq!(shape(&two, &[]).master_port.value, DEFAULT_MASTER_PORT);
     assert_eq!(s.run_id.value, None);
     assert_eq!(s.num_processes.value, NumProcesses::Count(1));
     assert_eq!(s.max_restarts.value, 0);
@@ -245,9 +259,10 @@ fn batch_script_of_a_multi_node_job_is_refused_but_one_node_is_fine() {
     ];
     let s = shape(&Flags::default(), &single);
     assert_eq!(s.nnodes.value, 1);
-    // One node: the store stays on loopback, not on the node's name.
+    // One node: the store stays on loopback, not on the node's name, on a free port (no
+    // other node needs to know it; two jobs on one node never share one).
     assert_eq!(s.master_addr.value, "127.0.0.1");
-    assert_eq!(s.master_port.value, slurm_port(77, None));
+    assert_eq!(s.master_port.value, 0);
     assert_eq!(s.run_id.value.as_deref(), Some("slurm-77"));
 }
 

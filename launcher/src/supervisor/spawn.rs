@@ -29,6 +29,9 @@ pub(super) fn spawn_worker(
     let follow = display
         .map(|d| d.connect(&mut command, env.rank))
         .transpose()?;
+    // After the progress pipe's descriptor is in place (a pipe end that happens to be number 4
+    // has then been copied to 3 already).
+    pass_store_listener(&mut command, plan, env);
     let mut child = command.spawn()?;
     if let Some(follow) = follow {
         follow.start()?;
@@ -110,6 +113,20 @@ fn worker_command(plan: &Plan, env: &common::env_contract::WorkerEnv) -> Command
         });
     }
     command
+}
+
+/// Rank 0 of our worker gets the rendezvous port's listening socket as descriptor
+/// [`STORE_FD`](common::env_contract::STORE_FD), named in its environment; nobody else gets
+/// the variable, whatever the launcher's own environment says.
+fn pass_store_listener(command: &mut Command, plan: &Plan, env: &common::env_contract::WorkerEnv) {
+    use common::env_contract::{STORE_FD, STORE_FD_VAR};
+    use std::os::fd::AsRawFd;
+    command.env_remove(STORE_FD_VAR);
+    let Some(listener) = plan.store_listener.as_ref().filter(|_| env.rank == 0) else {
+        return;
+    };
+    command.env(STORE_FD_VAR, STORE_FD.to_string());
+    crate::hand_down::hand_down(command, listener.as_raw_fd(), STORE_FD);
 }
 
 /// `--log-dir`'s file for `rank` (a warning, and no file, when it cannot be opened).
