@@ -171,7 +171,9 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
     let node_rank = resolve_node_rank(flags, &slurm, &pet, &nnodes)?;
     let multi = nnodes.value > 1;
     let (master_addr, master_port) = resolve_master(flags, &slurm, &pet, &nnodes)?;
-    let elastic = elastic::resolve(flags, &pet, range, (&master_addr, &master_port))?;
+    let by_rendezvous = rendezvous_assigns_ranks(flags, &pet, &range, &node_rank)?;
+    let master = (&master_addr, &master_port);
+    let elastic = elastic::resolve(flags, &pet, range, master, by_rendezvous)?;
     let run_id = resolve_run_id(flags, env, &slurm, &pet, multi)?;
     if multi && matches!(run_id.source, Source::Slurm(_)) {
         notices.push(format!(
@@ -279,6 +281,32 @@ fn resolve_node_rank(
         )));
     }
     Ok(node_rank)
+}
+
+/// Whether the node ranks of a fixed multi-node job come from the rendezvous, as torchrun's
+/// `--nnodes N --rdzv-endpoint HOST:PORT --rdzv-id J` (no node rank anywhere) has them: the job
+/// is then formed like an elastic one of exactly N nodes. A multi-node job with neither a node
+/// rank nor an endpoint is refused: every node would believe it is node 0.
+fn rendezvous_assigns_ranks(
+    flags: &Flags,
+    pet: &Pet<'_>,
+    range: &Sourced<NodeRange>,
+    node_rank: &Sourced<u32>,
+) -> Result<bool, ShapeError> {
+    let Some(n) = range.value.fixed().filter(|&n| n > 1) else {
+        return Ok(false);
+    };
+    if !matches!(node_rank.source, Source::Default(_)) {
+        return Ok(false);
+    }
+    if flags.rdzv_endpoint.is_some() || pet.rdzv_endpoint()?.is_some() {
+        return Ok(true);
+    }
+    Err(ShapeError(format!(
+        "{n} nodes ({}) but no node rank: give each node its own --node-rank (0..{}), or the same --rdzv-endpoint HOST:PORT and --rdzv-id on every node to have the ranks assigned there",
+        range.source,
+        n - 1
+    )))
 }
 
 /// The rendezvous address and port: flags, the Slurm step, `PET_MASTER_*`, then

@@ -2,7 +2,7 @@
 //! their syntactic checks; it must not resolve anything (ports, GPUs, configs): that is the plan's.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
@@ -106,6 +106,28 @@ pub struct Cli {
     #[arg(long = "log-dir", alias = "log_dir", value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
 
+    /// Show only these local ranks' output on the console, e.g. `0` or `0,3` (torchrun's
+    /// spelling); every rank still goes to --log-dir. A hidden rank that fails is shown again,
+    /// with the last lines it wrote.
+    #[arg(
+        long = "local-ranks-filter",
+        alias = "local_ranks_filter",
+        value_name = "RANKS",
+        value_parser = crate::console::parse_ranks
+    )]
+    pub local_ranks_filter: Option<crate::console::LocalRanks>,
+
+    /// torchrun's `--tee`: these streams go to the console and to --log-dir (0 none, 1 stdout,
+    /// 2 stderr, 3 both; or per local rank, `0:3,1:2`). With --log-dir every stream does
+    /// already; needs --log-dir.
+    #[arg(long, short = 't', value_name = "STREAMS", value_parser = crate::console::parse_streams)]
+    pub tee: Option<crate::console::Streams>,
+
+    /// torchrun's `--redirects`: these streams go to --log-dir only, not to the console (same
+    /// values as --tee); needs --log-dir.
+    #[arg(long, short = 'r', value_name = "STREAMS", value_parser = crate::console::parse_streams)]
+    pub redirects: Option<crate::console::Streams>,
+
     /// Validate the config and print the plan (world, batch derivation, each rank's environment);
     /// start nothing.
     #[arg(long = "dry-run")]
@@ -136,13 +158,27 @@ pub struct Cli {
     #[arg(long, value_name = "PATH")]
     pub worker: Option<PathBuf>,
 
-    /// Training config (TOML) given to each worker.
-    #[arg(value_name = "CONFIG")]
+    /// torchrun's `-m`: run the script as a Python module (`python3 -m SCRIPT ARGS...`).
+    #[arg(short = 'm', long = "module")]
+    pub module: bool,
+
+    /// torchrun's `--no-python`: run the script directly, not with `python3`.
+    #[arg(long = "no-python", alias = "no_python")]
+    pub no_python: bool,
+
+    /// Training config (TOML) given to each worker; or, torchrun's way, a script and its
+    /// arguments (`train.py --lr 3e-4`: run with `python3` unless --no-python; with -m a module).
+    #[arg(value_name = "CONFIG|SCRIPT")]
     pub config: Option<PathBuf>,
 
     /// Run this program instead of the worker (everything after `--`).
     #[arg(last = true, value_name = "PROGRAM ARGS")]
     pub program: Vec<OsString>,
+
+    /// The script given torchrun's way and its arguments (the first word that is not an option
+    /// and not a `.toml` config, and every word after it).
+    #[arg(skip)]
+    pub script: Vec<OsString>,
 }
 
 use common::job_shape::{
@@ -153,7 +189,7 @@ pub use common::job_shape::{NumProcesses, MAX_PROCESSES};
 /// The command line, or the process's end: a bad value is one line, `launch: error: ...`,
 /// exit 2; `--help`, `--version` and other usage errors print as clap prints them.
 pub fn parse() -> Cli {
-    let error = match Cli::try_parse() {
+    let error = match parse_from(std::env::args_os().collect()) {
         Ok(cli) => return cli,
         Err(error) => error,
     };
@@ -162,6 +198,59 @@ pub fn parse() -> Cli {
     }
     eprintln!("launch: {}", one_line(&error.render().to_string()));
     std::process::exit(2);
+}
+
+/// The command line `args` (program name first), a script given torchrun's way included.
+pub fn parse_from(args: Vec<OsString>) -> Result<Cli, clap::Error> {
+    let (options, script) = split_script(args);
+    let mut cli = Cli::try_parse_from(options)?;
+    cli.script = script;
+    Ok(cli)
+}
+
+/// Splits `args` at the script given torchrun's way (`launch --nproc-per-node 2 train.py --lr
+/// 3e-4`): the first word that is neither an option, an option's value, nor a `.toml` config.
+/// It and every word after it are the script's (torchrun's `training_script_args`), so its own
+/// options are never read as `launch`'s. Nothing is split before `--` or without such a word.
+fn split_script(args: Vec<OsString>) -> (Vec<OsString>, Vec<OsString>) {
+    use clap::CommandFactory;
+    let command = Cli::command();
+    let takes_value = |word: &str| -> bool {
+        let found = if let Some(long) = word.strip_prefix("--") {
+            (command.get_arguments()).find(|a| {
+                a.get_long() == Some(long)
+                    || a.get_all_aliases().is_some_and(|al| al.contains(&long))
+            })
+        } else {
+            let short = word.chars().nth(1);
+            (command.get_arguments()).find(|a| word.len() == 2 && a.get_short() == short)
+        };
+        found.is_some_and(|a| a.get_action().takes_values())
+    };
+    let mut i = 1;
+    while let Some(word) = args.get(i).and_then(|w| w.to_str()) {
+        if word == "--" {
+            break;
+        }
+        if word.starts_with('-') && word.len() > 1 {
+            i += if !word.contains('=') && takes_value(word) {
+                2
+            } else {
+                1
+            };
+            continue;
+        }
+        let toml = Path::new(word)
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("toml"));
+        if toml {
+            break;
+        }
+        let mut options = args;
+        let script = options.split_off(i);
+        return (options, script);
+    }
+    (args, Vec::new())
 }
 
 /// clap's rendering of a bad value without its hint, on one line (a value may hold newlines).
@@ -225,7 +314,12 @@ mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
-        Cli::try_parse_from(std::iter::once("launch").chain(args.iter().copied()))
+        parse_from(
+            std::iter::once("launch")
+                .chain(args.iter().copied())
+                .map(OsString::from)
+                .collect(),
+        )
     }
 
     #[test]

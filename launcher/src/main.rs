@@ -5,6 +5,7 @@
 
 mod adopted;
 mod cli;
+mod console;
 mod elastic;
 mod event;
 mod gpu;

@@ -10,6 +10,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use crate::console::Muting;
+
 /// Lines longer than this are cut into pieces so one runaway line cannot exhaust memory.
 const MAX_LINE: usize = 1 << 20;
 /// Stderr lines kept per rank for the failure summary.
@@ -78,17 +80,32 @@ pub fn open_log(dir: &Path, rank: u32) -> std::io::Result<Arc<Mutex<File>>> {
     Ok(Arc::new(Mutex::new(file)))
 }
 
-/// Starts a thread that copies `source` line by line to the console (and log file) until EOF,
-/// then calls `done` (after the last line has been written and recorded).
+/// Where one stream of one worker goes.
+pub struct Route {
+    pub stream: Stream,
+    pub rank: u32,
+    /// The console, unless the stream goes to the log file only (`--redirects`); while the
+    /// worker is hidden (`--local-ranks-filter`) its lines are held instead.
+    pub console: Option<(Arc<Sinks>, Muting)>,
+    pub log: Option<Arc<Mutex<File>>>,
+    /// The last lines kept for the failure summary (stderr).
+    pub tail: Option<Tail>,
+}
+
+/// Starts a thread that copies `source` line by line along `route` until EOF, then calls
+/// `done` (after the last line has been written and recorded).
 pub fn forward(
     source: impl Read + Send + 'static,
-    stream: Stream,
-    rank: u32,
-    sinks: Arc<Sinks>,
-    log: Option<Arc<Mutex<File>>>,
-    tail: Option<Tail>,
+    route: Route,
     done: impl FnOnce() + Send + 'static,
 ) -> std::io::Result<JoinHandle<()>> {
+    let Route {
+        stream,
+        rank,
+        console,
+        log,
+        tail,
+    } = route;
     std::thread::Builder::new()
         .name(format!("rank{rank}-{stream:?}"))
         .spawn(move || {
@@ -106,7 +123,13 @@ pub fn forward(
                 if line.last() == Some(&b'\r') {
                     line.pop();
                 }
-                sinks.write_line(stream, rank, &line);
+                match &console {
+                    Some((sinks, muting)) if muting.is_shown() => {
+                        sinks.write_line(stream, rank, &line)
+                    }
+                    Some((_, muting)) => muting.hold(stream, tail_entry(&line)),
+                    None => {}
+                }
                 if let Some(log) = &log {
                     if let Ok(mut file) = log.lock() {
                         let _ = file.write_all(&line);

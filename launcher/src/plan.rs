@@ -56,6 +56,8 @@ pub struct Plan {
     pub max_restarts: u32,
     pub grace_period: Duration,
     pub log_dir: Option<PathBuf>,
+    /// Which workers' output reaches the console (`--local-ranks-filter`, `--redirects`).
+    pub console: crate::console::Policy,
     /// Program and arguments every worker runs.
     pub command: Vec<OsString>,
     /// `OMP_NUM_THREADS` we set because the user did not (value, cores it was derived from).
@@ -129,6 +131,9 @@ impl Plan {
             NumProcesses::Cpu => (cores as u32).min(crate::cli::MAX_PROCESSES),
             NumProcesses::Auto => {
                 let n = gpus.as_ref().map_or(0, Vec::len) as u32;
+                if n == 0 && matches!(cli.gpu_ids, Some(GpuIds::All)) {
+                    return Err(no_gpu_visible("all", gpu_error.as_deref()));
+                }
                 if n == 0 {
                     if let Some(why) = &gpu_error {
                         notices.push(format!("no GPU found ({why})"));
@@ -174,6 +179,7 @@ impl Plan {
             max_restarts: shape.max_restarts.value,
             grace_period: cli.grace_period,
             log_dir: cli.log_dir.clone(),
+            console: console_policy(cli, nproc)?,
             command,
             omp_threads,
             config,
@@ -637,6 +643,29 @@ impl Estimating<'_> {
     }
 }
 
+/// `--local-ranks-filter`, `--tee` and `--redirects`, checked against this node's local ranks
+/// and the log directory the last two write to.
+fn console_policy(cli: &Cli, nproc: u32) -> Result<crate::console::Policy, PlanError> {
+    for (flag, given) in [("--tee", &cli.tee), ("--redirects", &cli.redirects)] {
+        if given.is_some() && cli.log_dir.is_none() {
+            return Err(PlanError::Usage(format!(
+                "{flag} writes streams to --log-dir: give one (e.g. --log-dir logs)"
+            )));
+        }
+    }
+    let filter = cli.local_ranks_filter.as_ref().map(|r| r.0.clone());
+    if let Some(rank) = filter.iter().flatten().find(|&&r| r >= nproc) {
+        return Err(PlanError::Usage(format!(
+            "--local-ranks-filter {rank}: this node runs local ranks 0..{}",
+            nproc - 1
+        )));
+    }
+    Ok(crate::console::Policy {
+        shown_ranks: filter,
+        redirects: cli.redirects.clone().unwrap_or_default(),
+    })
+}
+
 /// `listener` moved to a descriptor number above those a worker is handed (0 to 4: the standard
 /// streams, the progress pipe, the store's socket), so that setting those up in a child can
 /// never overwrite it before it is copied to its own number.
@@ -700,6 +729,14 @@ struct GpuSelection {
     cuda_visible_devices: String,
 }
 
+/// `--gpu-ids LISTED` on a node where no GPU is visible, and why when it is known.
+fn no_gpu_visible(listed: &str, why_none: Option<&str>) -> PlanError {
+    PlanError::Usage(format!(
+        "--gpu-ids {listed}: no GPU is visible on this node ({})",
+        why_none.unwrap_or("NVML found none, or CUDA_VISIBLE_DEVICES hides them all")
+    ))
+}
+
 /// Checks every id against the visible GPUs. The ids index CUDA's visible devices (the
 /// physical numbering when `CUDA_VISIBLE_DEVICES` is unset), so an inherited
 /// `CUDA_VISIBLE_DEVICES` (e.g. Slurm's) is narrowed, never escaped.
@@ -710,10 +747,7 @@ fn select_gpus(
 ) -> Result<GpuSelection, PlanError> {
     let listed = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
     if visible.is_empty() {
-        return Err(PlanError::Usage(format!(
-            "--gpu-ids {listed}: no GPU is visible on this node ({})",
-            why_none.unwrap_or("NVML found none, or CUDA_VISIBLE_DEVICES hides them all")
-        )));
+        return Err(no_gpu_visible(&listed, why_none));
     }
     if let Some(missing) = ids.iter().find(|&&id| id as usize >= visible.len()) {
         let scope = if std::env::var_os("CUDA_VISIBLE_DEVICES").is_some() {
@@ -818,11 +852,10 @@ pub fn shell_words(words: &[OsString]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
 
     fn plan(args: &[&str]) -> Result<Plan, PlanError> {
-        let cli = Cli::try_parse_from(std::iter::once("launch").chain(args.iter().copied()))
-            .expect("valid CLI");
+        let args = std::iter::once("launch").chain(args.iter().copied());
+        let cli = crate::cli::parse_from(args.map(OsString::from).collect()).expect("valid CLI");
         Plan::from_cli_and_env(&cli, &Default::default())
     }
 
@@ -861,7 +894,16 @@ mod tests {
             (&["c.toml", "--", "true"], "not both"),
             (&["--run-id", " ", "--", "true"], "must not be empty"),
             (
-                &["--nnodes", "2", "--master-addr", "10.0.0.1", "--", "true"],
+                &[
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    "0",
+                    "--master-addr",
+                    "10.0.0.1",
+                    "--",
+                    "true",
+                ],
                 "needs a secret run id shared by every node",
             ),
             (
@@ -908,6 +950,8 @@ mod tests {
             &port,
             "--nnodes",
             "2",
+            "--node-rank",
+            "0",
             "--run-id",
             "s",
             "--",

@@ -14,6 +14,7 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tracing::{info, warn};
 
+use crate::console::Muting;
 use crate::output::{Sinks, Tail};
 use crate::plan::{shell_words, Plan};
 use crate::progress::Display;
@@ -22,7 +23,7 @@ use crate::report::{self, Ending};
 use crate::watchdog::Watchdog;
 
 mod spawn;
-use spawn::spawn_worker;
+use spawn::{spawn_worker, Spawned};
 
 /// How long to wait for workers' output to drain after they exit (their children may hold the
 /// pipes; those are killed, so this is only a safety net).
@@ -168,6 +169,8 @@ struct Worker {
     ending: Option<(Ending, Instant)>,
     sent: Option<Signal>,
     tail: Tail,
+    /// Whether its output reaches the console (`--local-ranks-filter`).
+    muting: Muting,
 }
 
 /// Why the group is being torn down.
@@ -234,7 +237,7 @@ fn run_group(
     for local_rank in 0..plan.nproc {
         let env = plan.worker_env(local_rank, round);
         match spawn_worker(plan, &env, sinks, display, tx, round, watchdog) {
-            Ok((pid, tail)) => {
+            Ok(Spawned { pid, tail, muting }) => {
                 group.open_streams += 2;
                 group.workers.push(Worker {
                     rank: env.rank,
@@ -243,6 +246,7 @@ fn run_group(
                     ending: None,
                     sent: None,
                     tail,
+                    muting,
                 });
             }
             Err(e) => {
@@ -357,6 +361,10 @@ impl Group<'_> {
                 // Stopping at a checkpoint when asked to is not a failure.
                 let regrouping = self.regroup_asked.is_some()
                     && ending == Ending::Code(common::env_contract::EXIT_REGROUP);
+                // Not one that ended because the teardown signalled it.
+                if !ending.is_success() && !regrouping && w.sent.is_none() {
+                    show_hidden(w, &ending);
+                }
                 if !ending.is_success() && !regrouping && self.cause.is_none() {
                     self.cause = Some((Cause::Failure, Instant::now()));
                     warn!(
@@ -637,6 +645,30 @@ impl Group<'_> {
             interrupted: self.interrupted,
         }
     }
+}
+
+/// A worker hidden by `--local-ranks-filter` that failed is shown from now on, after the last
+/// lines it wrote while hidden (its own failure is what the user must see).
+fn show_hidden(w: &Worker, ending: &Ending) {
+    if w.muting.is_shown() {
+        return;
+    }
+    w.muting.wait_drained(Duration::from_millis(500));
+    let held = w.muting.show();
+    if held.is_empty() {
+        return;
+    }
+    warn!(
+        "rank {} (local rank {}, hidden by --local-ranks-filter) failed: {ending}; its last lines:",
+        w.rank, w.local_rank
+    );
+    let mut text = String::new();
+    for (_, line) in held {
+        text.push_str(&format!("[rank {}] {line}\n", w.rank));
+    }
+    crate::progress::on_console(|| {
+        let _ = std::io::stderr().lock().write_all(text.as_bytes());
+    });
 }
 
 fn ending_of(status: ExitStatus) -> Ending {

@@ -381,6 +381,33 @@ fn nodes_with_different_process_counts_form_one_world_with_their_own_ranks() {
     assert_no_processes(&run_id, Duration::from_secs(10));
 }
 
+/// torchrun's fixed multi-node line, `--nnodes 2 --rdzv-backend c10d --rdzv-endpoint H:P
+/// --rdzv-id J` with no node rank, forms the job at the endpoint: each node gets its own rank
+/// there (not node 0 for both, with the endpoint ignored).
+#[test]
+fn a_fixed_node_count_without_node_ranks_gets_them_at_the_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, run_id) = (free_port(), unique_run_id("fixed-rdzv"));
+    let nodes: Vec<Live> = (0..2)
+        .map(|_| node(dir.path(), port, &run_id, "2", 1))
+        .collect();
+    let outs: Vec<Output> = nodes.into_iter().map(|n| n.finish(T)).collect();
+    let mut ranks = Vec::new();
+    for out in &outs {
+        out.assert_code(0);
+        out.assert_stderr("round 0: 2 node(s)");
+        let rank = (0..2).find(|r| {
+            out.stderr
+                .contains(&format!("this node is node rank {r} (ranks {r}..{r})"))
+        });
+        ranks.push(rank.unwrap_or_else(|| panic!("no node rank: {}", out.stderr)));
+    }
+    ranks.sort();
+    assert_eq!(ranks, vec![0, 1]);
+    assert_eq!(summary(dir.path())["world_size"], 2);
+    assert_no_processes(&run_id, Duration::from_secs(10));
+}
+
 #[test]
 fn a_joiner_that_dies_before_it_is_admitted_is_not_in_the_round() {
     let dir = tempfile::tempdir().unwrap();

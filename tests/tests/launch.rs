@@ -544,6 +544,8 @@ fn dry_run_shows_the_batch_derivation_of_the_config() {
             "2",
             "--nnodes",
             "2",
+            "--node-rank",
+            "0",
             "--master-addr",
             "10.9.9.9",
             "configs/default.toml",
@@ -645,6 +647,10 @@ fn bad_cli_input_is_rejected_without_panic() {
         ),
         (&["--nnodes", "3:1", "--", "true"], "above the maximum"),
         (&["--nnodes", "1:3", "--", "true"], "secret run id"),
+        (
+            &["--nnodes", "2", "--", "true"],
+            "2 nodes (flag --nnodes) but no node rank: give each node its own --node-rank (0..1)",
+        ),
         (&["--frobnicate", "--", "true"], "--frobnicate"),
         (&[][..], "nothing to run"),
         (
@@ -673,18 +679,53 @@ fn bad_cli_input_is_rejected_without_panic() {
 }
 
 /// A program given where the config goes (torchrun's habit) is told to go after `--`.
+/// torchrun's own command lines run unchanged: a script and its arguments (`python3` unless
+/// `--no-python`), a module with `-m`, a program named where the script goes; the script's own
+/// options are its own, not `launch`'s.
 #[test]
-fn a_program_in_place_of_the_config_is_sent_after_the_double_dash() {
+fn torchrun_command_lines_run_scripts_and_modules() {
     let dir = tempfile::tempdir().unwrap();
-    let script = dir.path().join("dist.py");
-    std::fs::write(&script, "import torch.distributed as dist\nprint(1)\n").unwrap();
-    let script = script.display().to_string();
-    let out = launch(&["--nproc-per-node", "2", &script], T);
-    assert_eq!(out.code(), Some(2), "{}", out.stderr);
-    out.assert_stderr(format!(
-        "put it after `--`: launch [OPTIONS] -- python {script}"
-    ));
-    assert_eq!(out.stderr.trim_end().lines().count(), 1, "{}", out.stderr);
+    let show = "import os, sys\nprint('rank', os.environ['RANK'], sys.argv[1:])\n";
+    std::fs::write(dir.path().join("train.py"), show).unwrap();
+    std::fs::create_dir(dir.path().join("pkg")).unwrap();
+    std::fs::write(dir.path().join("pkg/__init__.py"), "").unwrap();
+    std::fs::write(dir.path().join("pkg/train.py"), show).unwrap();
+    let script = dir.path().join("train.py").display().to_string();
+    let run = |args: &[&str]| {
+        let mut all = vec!["--nproc-per-node", "2", "--master-port", "0"];
+        all.extend(args);
+        let mut cmd = launch_cmd(&all);
+        cmd.current_dir(dir.path());
+        wait_output(cmd.spawn().unwrap(), T)
+    };
+    let want = |out: &Output, args: &str| {
+        out.assert_code(0);
+        for rank in 0..2 {
+            let line = format!("[rank {rank}] rank {rank} {args}");
+            assert!(
+                out.stdout.contains(&line),
+                "{line}: {}{}",
+                out.stdout,
+                out.stderr
+            );
+        }
+    };
+    want(
+        &run(&[&script, "--lr", "3e-4", "--set", "x"]),
+        "['--lr', '3e-4', '--set', 'x']",
+    );
+    want(
+        &run(&["-m", "pkg.train", "--epochs", "2"]),
+        "['--epochs', '2']",
+    );
+    want(&run(&["python3", &script, "-v"]), "['-v']");
+    want(&run(&["--no-python", "python3", &script]), "[]");
+    let missing = run(&["missing.py"]);
+    missing.assert_code(2);
+    missing.assert_stderr("launch: error: missing.py: no such file (launch runs it as `python3 missing.py` on every worker)");
+    let out = launch(&["--gpu-ids", "all", "--", "true"], T);
+    out.assert_code(2);
+    out.assert_stderr("launch: error: --gpu-ids all: no GPU is visible on this node");
 }
 
 #[test]
@@ -938,6 +979,8 @@ fn huge_counts_from_flags_pet_and_slurm_are_one_line_in_bounded_memory() {
             "--dry-run",
             "--nnodes",
             "65536",
+            "--node-rank",
+            "0",
             "--run-id",
             "x",
             "--",

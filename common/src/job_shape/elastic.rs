@@ -130,8 +130,9 @@ pub(super) fn resolve(
     pet: &Pet<'_>,
     range: Sourced<NodeRange>,
     master: (&Sourced<String>, &Sourced<u16>),
+    by_rendezvous: bool,
 ) -> Result<Option<Elastic>, ShapeError> {
-    if range.value.fixed().is_some() {
+    if range.value.fixed().is_some() && !by_rendezvous {
         return Ok(None);
     }
     let endpoint = if let Some(text) = &flags.rdzv_endpoint {

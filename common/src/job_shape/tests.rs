@@ -46,6 +46,48 @@ fn error(flags: &Flags, pairs: &[(&str, &str)]) -> String {
         .to_string()
 }
 
+/// torchrun's fixed multi-node line without a node rank (`--nnodes 2 --rdzv-endpoint H:P`)
+/// forms the job at the endpoint, as an elastic one of exactly 2 nodes; with neither a node rank
+/// nor an endpoint it is refused, naming both ways out.
+#[test]
+fn a_fixed_node_count_without_node_ranks_meets_at_the_endpoint() {
+    let flags = Flags {
+        nnodes: Some(2),
+        rdzv_endpoint: Some("h0:29400".into()),
+        run_id: Some("J".into()),
+        ..Flags::default()
+    };
+    let e = shape(&flags, &[])
+        .elastic
+        .expect("formed by the rendezvous");
+    assert_eq!((e.min, e.max), (2, 2));
+    assert_eq!(e.endpoint.value, ("h0".to_string(), 29400));
+    let k8s = shape(
+        &Flags::default(),
+        &[
+            ("PET_NNODES", "3"),
+            ("PET_RDZV_ENDPOINT", "master:29400"),
+            ("PET_RDZV_ID", "j"),
+        ],
+    );
+    assert_eq!(k8s.elastic.map(|e| (e.min, e.max)), Some((3, 3)));
+    // A node rank given: the static job as before.
+    let ranked = Flags {
+        node_rank: Some(1),
+        ..flags.clone()
+    };
+    assert!(shape(&ranked, &[]).elastic.is_none());
+    let neither = Flags {
+        rdzv_endpoint: None,
+        ..flags
+    };
+    let err = error(&neither, &[]);
+    assert!(
+        err.contains("2 nodes (flag --nnodes) but no node rank: give each node its own --node-rank (0..1), or the same --rdzv-endpoint"),
+        "{err}"
+    );
+}
+
 #[test]
 fn defaults_without_flags_or_environment() {
     let s = shape(&Flags::default(), &[]);
@@ -194,6 +236,7 @@ fn pet_rendezvous_endpoint_and_fixed_elastic_ranges() {
 fn multi_node_without_an_id_derives_none_and_says_how_to_share_one() {
     let flags = Flags {
         nnodes: Some(2),
+        node_rank: Some(0),
         master_addr: Some("10.1.1.1".into()),
         ..Flags::default()
     };
@@ -553,7 +596,11 @@ fn counts_from_every_source_are_bounded() {
     );
     let s = shape(
         &Flags::default(),
-        &[("PET_NNODES", "65536"), ("PET_NPROC_PER_NODE", "1024")],
+        &[
+            ("PET_NNODES", "65536"),
+            ("PET_NODE_RANK", "0"),
+            ("PET_NPROC_PER_NODE", "1024"),
+        ],
     );
     assert_eq!(s.nnodes.value, MAX_NODES);
     assert_eq!(s.num_processes.value, NumProcesses::Count(MAX_PROCESSES));

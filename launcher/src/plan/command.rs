@@ -19,6 +19,9 @@ pub(super) fn command_and_config(
     world_size: u32,
     elastic: Option<(&Elastic, u32)>,
 ) -> Result<(Vec<OsString>, Option<TrainPlan>), PlanError> {
+    if !cli.script.is_empty() || cli.module || cli.no_python {
+        return Ok((script_command(cli)?, None));
+    }
     match (&cli.config, cli.program.is_empty()) {
         (Some(_), false) => Err(PlanError::Usage(
             "give either CONFIG (runs the worker) or `-- PROGRAM ARGS...`, not both".into(),
@@ -63,6 +66,42 @@ pub(super) fn command_and_config(
             Ok((command, Some(train)))
         }
     }
+}
+
+/// The command of a script given torchrun's way: `python3 SCRIPT ARGS...`, `python3 -m MODULE
+/// ARGS...` with -m, `SCRIPT ARGS...` with --no-python or for a program that is not a `.py` file
+/// (`launch python train.py` runs `python train.py`). A `.py` file that is not there is refused
+/// here rather than by every worker.
+fn script_command(cli: &Cli) -> Result<Vec<OsString>, PlanError> {
+    let usage = |why: &str| Err(PlanError::Usage(why.to_string()));
+    let Some(script) = cli.script.first() else {
+        return usage("-m and --no-python apply to a script given torchrun's way: launch [OPTIONS] [-m|--no-python] SCRIPT ARGS...");
+    };
+    if !cli.program.is_empty() {
+        return usage("give either SCRIPT ARGS... or `-- PROGRAM ARGS...`, not both");
+    }
+    if cli.module && cli.no_python {
+        return usage("-m runs a Python module with python3; --no-python runs the script itself: give one of them");
+    }
+    if !cli.overrides.is_empty() {
+        return usage("--set overrides a CONFIG value; a script gets no config (give it its own arguments after its name)");
+    }
+    let python_file = Path::new(script).extension().is_some_and(|e| e == "py");
+    let mut command: Vec<OsString> = Vec::new();
+    if cli.module {
+        command.extend(["python3".into(), "-m".into()]);
+    } else if python_file && !cli.no_python {
+        if !Path::new(script).is_file() {
+            return Err(PlanError::Usage(format!(
+                "{}: no such file (launch runs it as `python3 {}` on every worker)",
+                Path::new(script).display(),
+                Path::new(script).display()
+            )));
+        }
+        command.push("python3".into());
+    }
+    command.extend(cli.script.iter().cloned());
+    Ok(command)
 }
 
 /// A CONFIG that does not load: when it is not a `.toml` file, it is most likely a program given

@@ -11,6 +11,7 @@ use crossbeam_channel::Sender;
 use tracing::warn;
 
 use super::Event;
+use crate::console::Muting;
 use crate::output::{self, Sinks, Stream, Tail};
 use crate::plan::Plan;
 use crate::progress::Display;
@@ -24,7 +25,7 @@ pub(super) fn spawn_worker(
     tx: &Sender<Event>,
     round: u32,
     watchdog: &mut Watchdog,
-) -> std::io::Result<(i32, Tail)> {
+) -> std::io::Result<Spawned> {
     let mut command = worker_command(plan, env);
     let follow = display
         .map(|d| d.connect(&mut command, env.rank))
@@ -40,6 +41,7 @@ pub(super) fn spawn_worker(
     watchdog.watch(pid);
     let log = rank_log(plan, env.rank);
     let tail: Tail = Default::default();
+    let muting = Muting::new(plan.console.shows(env.local_rank));
     let streams: [(Option<Box<dyn std::io::Read + Send>>, Stream); 2] = [
         (
             child.stdout.take().map(|s| Box::new(s) as _),
@@ -51,27 +53,36 @@ pub(super) fn spawn_worker(
         ),
     ];
     for (source, stream) in streams {
-        let tx = tx.clone();
+        let (tx, closing) = (tx.clone(), muting.clone());
         let done = move || {
+            closing.stream_closed();
             let _ = tx.send(Event::OutputClosed { round });
         };
         match source {
             Some(source) => {
-                output::forward(
-                    source,
+                let route = output::Route {
                     stream,
-                    env.rank,
-                    sinks.clone(),
-                    log.clone(),
-                    (stream == Stream::Stderr).then(|| tail.clone()),
-                    done,
-                )?;
+                    rank: env.rank,
+                    console: (plan.console.route(env.local_rank, stream, &muting))
+                        .map(|m| (sinks.clone(), m)),
+                    log: log.clone(),
+                    tail: (stream == Stream::Stderr).then(|| tail.clone()),
+                };
+                output::forward(source, route, done)?;
             }
             None => done(),
         }
     }
     report_exit(child, tx.clone(), round, env)?;
-    Ok((pid, tail))
+    Ok(Spawned { pid, tail, muting })
+}
+
+/// A started worker: its pid, the stderr lines kept for the failure summary, and whether its
+/// output is shown.
+pub(super) struct Spawned {
+    pub(super) pid: i32,
+    pub(super) tail: Tail,
+    pub(super) muting: Muting,
 }
 
 /// The worker's command: the plan's program with the rank's environment, its output piped, in

@@ -1,0 +1,119 @@
+//! Whose output reaches the console: `--local-ranks-filter` (torchrun's spelling) shows only the
+//! listed local ranks while every rank still goes to `--log-dir`, a hidden rank that fails is
+//! shown with the last lines it wrote, and `--redirects` / `--tee` as torchrun spells them.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+const T: Duration = Duration::from_secs(60);
+
+/// `launch --num-processes N --master-port 0 EXTRA... -- sh -c SCRIPT`.
+fn run(n: &str, extra: &[&str], script: &str) -> Output {
+    let mut args = vec!["--num-processes", n, "--master-port", "0"];
+    args.extend(extra);
+    args.extend(["--", "sh", "-c", script]);
+    launch(&args, T)
+}
+
+fn ranks_on_console(out: &Output) -> Vec<u32> {
+    let text = format!("{}{}", out.stdout, out.stderr);
+    let mut ranks: Vec<u32> = rank_lines(&text).into_iter().map(|(r, _)| r).collect();
+    ranks.sort();
+    ranks.dedup();
+    ranks
+}
+
+#[test]
+fn only_the_filtered_ranks_reach_the_console_and_every_rank_its_log() {
+    let logs = tempfile::tempdir().unwrap();
+    let dir = logs.path().to_str().unwrap();
+    let out = run(
+        "4",
+        &["--local-ranks-filter", "0,3", "--log-dir", dir],
+        "echo out $RANK; echo err $RANK >&2",
+    );
+    out.assert_code(0);
+    assert_eq!(
+        ranks_on_console(&out),
+        vec![0, 3],
+        "{}{}",
+        out.stdout,
+        out.stderr
+    );
+    for rank in 0..4 {
+        let log = std::fs::read_to_string(logs.path().join(format!("rank-{rank}.log"))).unwrap();
+        assert!(
+            log.contains(&format!("out {rank}")) && log.contains(&format!("err {rank}")),
+            "{log}"
+        );
+    }
+}
+
+/// A hidden rank that fails is shown, with the last lines it wrote while hidden; the ranks the
+/// teardown stopped stay hidden.
+#[test]
+fn a_hidden_rank_that_fails_is_shown_with_its_last_lines() {
+    let out = run(
+        "3",
+        &["--local-ranks-filter", "0"],
+        "echo hello $RANK >&2; if [ $RANK = 2 ]; then echo 'the real error' >&2; exit 4; fi; sleep 30",
+    );
+    out.assert_code(4);
+    out.assert_stderr_all(&[
+        "rank 2 (local rank 2, hidden by --local-ranks-filter) failed: exit code 4; its last lines:\n[rank 2] hello 2\n[rank 2] the real error\n",
+        "root cause: rank 2",
+    ]);
+    assert!(!out.stderr.contains("[rank 1]"), "{}", out.stderr);
+    out.assert_ended_within(10);
+}
+
+/// `--redirects 1:2`: local rank 1's stderr goes to its log file only; its stdout and every
+/// other stream still reach the console. `--tee` is accepted as torchrun spells it.
+#[test]
+fn redirected_streams_go_to_the_log_only() {
+    let logs = tempfile::tempdir().unwrap();
+    let dir = logs.path().to_str().unwrap();
+    let script = "echo out $RANK; echo err $RANK >&2";
+    let out = run("2", &["--redirects", "1:2", "--log-dir", dir], script);
+    out.assert_code(0);
+    assert!(out.stdout.contains("[rank 1] out 1"), "{}", out.stdout);
+    assert!(out.stderr.contains("[rank 0] err 0"), "{}", out.stderr);
+    assert!(!out.stderr.contains("err 1"), "{}", out.stderr);
+    let log = std::fs::read_to_string(logs.path().join("rank-1.log")).unwrap();
+    assert!(log.contains("err 1"), "{log}");
+    run("2", &["-t", "3", "-r", "0", "--log-dir", dir], script).assert_code(0);
+}
+
+#[test]
+fn bad_console_flags_are_one_line_errors() {
+    for (extra, want) in [
+        (
+            &["--tee", "3"][..],
+            "launch: error: --tee writes streams to --log-dir: give one",
+        ),
+        (
+            &["--redirects", "2"][..],
+            "launch: error: --redirects writes streams to --log-dir",
+        ),
+        (
+            &["--local-ranks-filter", "2"][..],
+            "--local-ranks-filter 2: this node runs local ranks 0..1",
+        ),
+        (
+            &["--local-ranks-filter", "0,x"][..],
+            "expected local ranks separated by commas",
+        ),
+        (
+            &["--tee", "5", "--log-dir", "x"][..],
+            "expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)",
+        ),
+    ] {
+        let out = run("2", extra, "true");
+        out.assert_code(2);
+        out.assert_stderr(want);
+        assert_eq!(out.stderr.trim_end().lines().count(), 1, "{}", out.stderr);
+    }
+}
