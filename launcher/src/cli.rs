@@ -158,6 +158,16 @@ pub struct Cli {
     #[arg(long, value_name = "PATH")]
     pub worker: Option<PathBuf>,
 
+    /// Start even when a GPU's free memory, taken by other processes, does not hold the memory
+    /// estimate (by default `launch` refuses, naming those processes).
+    #[arg(long)]
+    pub force: bool,
+
+    /// Do not pin workers to CPUs. By default each worker runs on its own disjoint set of the
+    /// CPUs `launch` may use (a NUMA node's kept together), with OMP_NUM_THREADS to match.
+    #[arg(long = "no-pin")]
+    pub no_pin: bool,
+
     /// torchrun's `-m`: run the script as a Python module (`python3 -m SCRIPT ARGS...`).
     #[arg(short = 'm', long = "module")]
     pub module: bool,

@@ -2,8 +2,11 @@
 //! and runs on machines without NVIDIA drivers) filtered by `CUDA_VISIBLE_DEVICES`. It only
 //! reports; choosing how many workers to start, and on which GPUs, is the plan's job.
 
+pub mod holders;
+
 use common::cuda_visible::{select_visible, Visible};
 use common::job_shape::{Count, CountError};
+pub use holders::Holder;
 use nvml_wrapper::Nvml;
 
 /// `GPTREC_SIMULATE_GPUS=N`: pretend N GPUs of [`SIMULATED_BYTES`] each are present (tests and
@@ -24,6 +27,8 @@ pub struct Gpu {
     pub name: String,
     pub total_bytes: u64,
     pub free_bytes: u64,
+    /// The processes holding memory on it (NVML; none known for a MIG instance).
+    pub holders: Vec<Holder>,
 }
 
 /// Why the visible GPUs are not known.
@@ -32,7 +37,8 @@ pub enum GpuError {
     /// None could be looked up (no NVML, ...): the plan goes on without GPUs, with a notice.
     #[error("{0}")]
     Unavailable(String),
-    /// More GPUs than one node may run workers on ([`Count::Processes`]): a usage error.
+    /// More GPUs than one node may run workers on ([`Count::Processes`]), or a simulation
+    /// variable that cannot be read: a usage error.
     #[error("{0}")]
     TooMany(String),
 }
@@ -100,6 +106,7 @@ fn mig_instance(id: &str, simulated: bool) -> Gpu {
         name,
         total_bytes,
         free_bytes,
+        holders: Vec::new(),
     }
 }
 
@@ -123,6 +130,7 @@ fn nvml_gpus() -> Result<Vec<(Gpu, String)>, String> {
                 name: device.name().unwrap_or_else(|_| "unknown GPU".into()),
                 total_bytes: memory.as_ref().map_or(0, |m| m.total),
                 free_bytes: memory.as_ref().map_or(0, |m| m.free),
+                holders: holders::of_device(&device),
             },
             device.uuid().unwrap_or_default(),
         ));
@@ -139,19 +147,22 @@ fn simulated(text: &str) -> Result<Vec<(Gpu, String)>, GpuError> {
             "environment variable {SIMULATE_VAR}={text:?}: {why}"
         )),
     })?;
-    Ok((0..count)
+    (0..count)
         .map(|index| {
-            (
+            let holders = holders::simulated(index).map_err(GpuError::TooMany)?;
+            let held: u64 = holders.iter().filter_map(|h| h.bytes).sum();
+            Ok((
                 Gpu {
                     cuda_index: 0,
                     nvml_index: index,
                     mig: None,
                     name: format!("simulated GPU ({SIMULATE_VAR})"),
                     total_bytes: SIMULATED_BYTES,
-                    free_bytes: SIMULATED_BYTES,
+                    free_bytes: SIMULATED_BYTES.saturating_sub(held),
+                    holders,
                 },
                 format!("GPU-simulated-{index:04}"),
-            )
+            ))
         })
-        .collect())
+        .collect()
 }

@@ -6,6 +6,7 @@
 mod adopted;
 mod cli;
 mod console;
+mod cpus;
 mod elastic;
 mod event;
 mod gpu;
@@ -97,6 +98,11 @@ fn launch(cli: &Cli) -> i32 {
     if let Some(check) = plan.gpus.is_some().then(|| plan.memory_check()).flatten() {
         for w in &check.warnings {
             warn!("{w}");
+        }
+        if let (Some(refusal), false) = (&check.refusal, cli.force) {
+            watchdog.disarm();
+            eprintln!("launch: error: {refusal}");
+            return 2;
         }
     }
 

@@ -62,6 +62,8 @@ pub struct Plan {
     pub command: Vec<OsString>,
     /// `OMP_NUM_THREADS` we set because the user did not (value, cores it was derived from).
     pub omp_threads: Option<(usize, usize)>,
+    /// The CPUs each local rank is pinned to (`None`: not pinned, `--no-pin` or too few CPUs).
+    pub cpu_map: Option<crate::cpus::CpuMap>,
     /// The config and its batch derivation, when running the worker on a config.
     pub config: Option<TrainPlan>,
     /// Visible GPUs, when they were looked up (`auto` or a dry run).
@@ -182,6 +184,7 @@ impl Plan {
             console: console_policy(cli, nproc)?,
             command,
             omp_threads,
+            cpu_map: (!cli.no_pin).then(|| crate::cpus::plan(nproc)).flatten(),
             config,
             gpus,
             cuda_visible_devices: selection.map(|s| s.cuda_visible_devices),
@@ -274,7 +277,7 @@ impl Plan {
             est.data.source
         ));
         lines.extend(estimate.table("  ").lines().map(str::to_string));
-        let mut warnings = Vec::new();
+        let (mut warnings, mut refusals) = (Vec::new(), Vec::new());
         for (local_rank, (device, budget)) in budgets.iter().enumerate() {
             let Some((free, total)) = *budget else {
                 lines.push(format!("local rank {local_rank}: {device}: memory unknown"));
@@ -302,9 +305,20 @@ impl Plan {
             if !fits {
                 let rank = format!("local rank {local_rank} ({device})");
                 warnings.push(est.does_not_fit(&rank, &plan, peak, free));
+                refusals.extend(self.held_by_others(local_rank, peak, free));
             }
         }
-        Some(MemoryCheck { lines, warnings })
+        let refusal = (!refusals.is_empty()).then(|| {
+            format!(
+                "{}; stop them, choose other GPUs (--gpu-ids), or --force to start anyway",
+                refusals.join("; ")
+            )
+        });
+        Some(MemoryCheck {
+            lines,
+            warnings,
+            refusal,
+        })
     }
 
     /// What each local rank may use and where the figure comes from: the simulated limit
@@ -456,6 +470,9 @@ impl Plan {
             for w in &check.warnings {
                 let _ = writeln!(out, "  warning:      {w}");
             }
+            if let Some(refusal) = &check.refusal {
+                let _ = writeln!(out, "  refused:      launch would not start: {refusal}");
+            }
         }
         if let Some((threads, cores)) = self.omp_threads {
             let _ = writeln!(
@@ -464,6 +481,14 @@ impl Plan {
                 self.nproc
             );
         }
+        let _ = match &self.cpu_map {
+            Some(map) => writeln!(
+                out,
+                "  cpus:         {}  [--no-pin: not pinned]",
+                map.describe()
+            ),
+            None => writeln!(out, "  cpus:         not pinned"),
+        };
         if let Some(dir) = &self.log_dir {
             let _ = writeln!(out, "  logs:         {}/rank-N.log", dir.display());
         }
@@ -477,6 +502,9 @@ impl Plan {
                 "  local rank {local_rank}: device {}",
                 self.device_of(local_rank)
             );
+            if let Some(line) = self.holders_line(local_rank) {
+                let _ = writeln!(out, "{line}");
+            }
             let vars: Vec<String> = env
                 .to_vars()
                 .into_iter()
@@ -573,9 +601,37 @@ impl Plan {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// The memory section of a plan: table lines and warnings (each one line).
+impl Plan {
+    /// `local rank 0's GPU 0 has 1.2 GiB free, less than the estimate 1994.2 MiB: other
+    /// processes hold it: pid ... (...)`, when other processes hold memory on its GPU.
+    fn held_by_others(&self, local_rank: usize, peak: u64, free: u64) -> Option<String> {
+        let gpu = self.gpus.as_ref()?.get(local_rank)?;
+        if gpu.holders.is_empty() {
+            return None;
+        }
+        let holders: Vec<String> = gpu.holders.iter().map(|h| h.to_string()).collect();
+        Some(format!(
+            "local rank {local_rank}'s GPU {} has {} free, less than the estimate {} with the 10% margin: other processes hold it: {}",
+            gpu.nvml_index,
+            mib_text(free),
+            mib_text(peak),
+            holders.join(", ")
+        ))
+    }
+
+    /// Under each local rank of the dry run: the processes holding memory on its GPU.
+    fn holders_line(&self, local_rank: u32) -> Option<String> {
+        let gpu = self.gpus.as_ref()?.get(local_rank as usize)?;
+        let holders: Vec<String> = gpu.holders.iter().map(|h| h.to_string()).collect();
+        (!holders.is_empty()).then(|| format!("    held by: {}", holders.join(", ")))
+    }
+}
+
+/// The memory section of a plan: table lines and warnings (each one line), and why the job
+/// must not start: GPUs whose free memory, taken by other processes, does not hold the estimate.
 #[derive(Debug, Clone)]
 pub struct MemoryCheck {
+    pub refusal: Option<String>,
     pub lines: Vec<String>,
     pub warnings: Vec<String>,
 }

@@ -51,7 +51,7 @@ const MAX_COMMAND: usize = 120;
 
 /// `pid`'s command line on one line: arguments joined by spaces, control characters as spaces,
 /// cut at [`MAX_COMMAND`] characters (its name when it has no arguments).
-fn command_line(pid: u32) -> String {
+pub fn command_line(pid: u32) -> String {
     let text = full_command_line(pid);
     let one_line: String = text
         .split(char::is_control)

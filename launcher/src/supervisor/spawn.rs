@@ -33,6 +33,7 @@ pub(super) fn spawn_worker(
     // After the progress pipe's descriptor is in place (a pipe end that happens to be number 4
     // has then been copied to 3 already).
     pass_store_listener(&mut command, plan, env);
+    pin_to_cpus(&mut command, plan, env.local_rank);
     let mut child = command.spawn()?;
     if let Some(follow) = follow {
         follow.start()?;
@@ -91,6 +92,9 @@ fn worker_command(plan: &Plan, env: &common::env_contract::WorkerEnv) -> Command
     let mut command = Command::new(&plan.command[0]);
     command
         .args(&plan.command[1..])
+        // Our workers rendezvous through our store: a torchrun setting inherited from where
+        // `launch` runs (inside a torchrun job) must not send them to torchrun's.
+        .env_remove("TORCHELASTIC_USE_AGENT_STORE")
         .envs(env.to_vars())
         .envs(plan.extra_env())
         .stdin(Stdio::null())
@@ -138,6 +142,37 @@ fn pass_store_listener(command: &mut Command, plan: &Plan, env: &common::env_con
     };
     command.env(STORE_FD_VAR, STORE_FD.to_string());
     crate::hand_down::hand_down(command, listener.as_raw_fd(), STORE_FD);
+}
+
+/// Pins the worker to its CPUs of the plan's map (from before it execs, so its threads all
+/// start there), with `OMP_NUM_THREADS` set to their number unless the user set it.
+fn pin_to_cpus(command: &mut Command, plan: &Plan, local_rank: u32) {
+    let Some(cpus) = plan
+        .cpu_map
+        .as_ref()
+        .and_then(|m| m.sets.get(local_rank as usize))
+    else {
+        return;
+    };
+    if plan.omp_threads.is_some() {
+        command.env("OMP_NUM_THREADS", cpus.len().to_string());
+    }
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it (CPU ids come
+    // from the kernel's own set of the same size).
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &cpu in cpus {
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+    }
+    // SAFETY: only sched_setaffinity, a system call, between fork and exec.
+    unsafe {
+        command.pre_exec(move || {
+            let size = std::mem::size_of::<libc::cpu_set_t>();
+            if libc::sched_setaffinity(0, size, &set) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// `--log-dir`'s file for `rank` (a warning, and no file, when it cannot be opened).

@@ -1,0 +1,170 @@
+//! Which CPUs each worker of this node runs on: the CPUs `launch` itself may use (its affinity,
+//! so Slurm's or a container's limits hold) split into disjoint sets, one per local rank, in the
+//! order of their NUMA nodes so that a set stays on one node where the counts allow.
+//!
+//! Owns: reading the affinity and the NUMA layout, and the split. Must not: pin anything (the
+//! spawn does, between fork and exec) or decide whether to pin (`--no-pin` is the plan's).
+
+use std::fmt::Write as _;
+
+/// The CPUs of each local rank, and the NUMA node(s) each set lies on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuMap {
+    pub sets: Vec<Vec<usize>>,
+    pub nodes: Vec<Vec<usize>>,
+}
+
+impl CpuMap {
+    /// `local rank 0: 0-3 (NUMA 0); local rank 1: 4-7 (NUMA 1)`.
+    pub fn describe(&self) -> String {
+        let mut out = String::new();
+        for (rank, (set, nodes)) in self.sets.iter().zip(&self.nodes).enumerate() {
+            let sep = if rank == 0 { "" } else { "; " };
+            let nodes: Vec<String> = nodes.iter().map(usize::to_string).collect();
+            let _ = write!(
+                out,
+                "{sep}local rank {rank}: {} (NUMA {})",
+                ranges(set),
+                nodes.join(",")
+            );
+        }
+        out
+    }
+}
+
+/// The map for `nproc` workers on this machine; `None` when there are fewer usable CPUs than
+/// workers (nothing to split) or the affinity cannot be read.
+pub fn plan(nproc: u32) -> Option<CpuMap> {
+    let allowed = allowed_cpus()?;
+    split(&allowed, &numa_nodes(), nproc as usize)
+}
+
+/// Splits `allowed` into `nproc` disjoint sets of consecutive CPUs in NUMA order (`numa`:
+/// node -> its CPUs), the first sets one CPU larger when they do not divide evenly.
+fn split(allowed: &[usize], numa: &[(usize, Vec<usize>)], nproc: usize) -> Option<CpuMap> {
+    if nproc == 0 || allowed.len() < nproc {
+        return None;
+    }
+    let node_of = |cpu: usize| {
+        numa.iter()
+            .find(|(_, cpus)| cpus.contains(&cpu))
+            .map(|(n, _)| *n)
+    };
+    let mut ordered = allowed.to_vec();
+    ordered.sort_by_key(|&c| (node_of(c).unwrap_or(0), c));
+    let (each, extra) = (ordered.len() / nproc, ordered.len() % nproc);
+    let mut sets = Vec::with_capacity(nproc);
+    let mut rest = ordered.as_slice();
+    for rank in 0..nproc {
+        let (set, after) = rest.split_at(each + usize::from(rank < extra));
+        sets.push(set.to_vec());
+        rest = after;
+    }
+    let nodes = sets
+        .iter()
+        .map(|set| {
+            let mut n: Vec<usize> = set.iter().map(|&c| node_of(c).unwrap_or(0)).collect();
+            n.dedup();
+            n
+        })
+        .collect();
+    Some(CpuMap { sets, nodes })
+}
+
+/// The CPUs this process may run on.
+fn allowed_cpus() -> Option<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
+        return None;
+    }
+    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
+    (!cpus.is_empty()).then_some(cpus)
+}
+
+/// Each NUMA node and its CPUs, from `/sys/devices/system/node` (empty where it is not there).
+fn numa_nodes() -> Vec<(usize, Vec<usize>)> {
+    let Ok(dir) = std::fs::read_dir("/sys/devices/system/node") else {
+        return Vec::new();
+    };
+    let mut nodes: Vec<(usize, Vec<usize>)> = dir
+        .flatten()
+        .filter_map(|e| {
+            let id = e.file_name().to_str()?.strip_prefix("node")?.parse().ok()?;
+            let list = std::fs::read_to_string(e.path().join("cpulist")).ok()?;
+            Some((id, parse_cpulist(&list)?))
+        })
+        .collect();
+    nodes.sort();
+    nodes
+}
+
+/// The kernel's CPU list form, `0-3,8,10-11`.
+fn parse_cpulist(text: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<usize>().ok()?..=b.parse::<usize>().ok()?),
+            None => cpus.push(part.parse().ok()?),
+        }
+    }
+    Some(cpus)
+}
+
+/// `[0, 1, 2, 5]` as `0-2,5`.
+fn ranges(cpus: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let start = i;
+        while i + 1 < cpus.len() && cpus[i + 1] == cpus[i] + 1 {
+            i += 1;
+        }
+        out.push(match i - start {
+            0 => cpus[start].to_string(),
+            _ => format!("{}-{}", cpus[start], cpus[i]),
+        });
+        i += 1;
+    }
+    out.join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpus_split_into_disjoint_sets_in_numa_order() {
+        let numa = vec![(0, vec![0, 1, 2, 3, 8, 9]), (1, vec![4, 5, 6, 7, 10, 11])];
+        let all: Vec<usize> = (0..12).collect();
+        let map = split(&all, &numa, 2).unwrap();
+        assert_eq!(
+            map.sets,
+            vec![vec![0, 1, 2, 3, 8, 9], vec![4, 5, 6, 7, 10, 11]]
+        );
+        assert_eq!(map.nodes, vec![vec![0], vec![1]]);
+        assert_eq!(
+            map.describe(),
+            "local rank 0: 0-3,8-9 (NUMA 0); local rank 1: 4-7,10-11 (NUMA 1)"
+        );
+        // Uneven: the first sets get one more; every CPU is used once.
+        let map = split(&all[..8], &[], 3).unwrap();
+        assert_eq!(map.sets, vec![vec![0, 1, 2], vec![3, 4, 5], vec![6, 7]]);
+        assert!(split(&[0, 1], &[], 3).is_none(), "fewer CPUs than workers");
+        assert_eq!(parse_cpulist("0-2,5,7-8\n"), Some(vec![0, 1, 2, 5, 7, 8]));
+        assert_eq!(parse_cpulist("x"), None);
+    }
+
+    #[test]
+    fn this_process_has_an_affinity() {
+        let cpus = allowed_cpus().expect("sched_getaffinity");
+        assert!(!cpus.is_empty());
+        assert_eq!(
+            plan(cpus.len() as u32).map(|m| m.sets.len()),
+            Some(cpus.len())
+        );
+    }
+}
