@@ -33,10 +33,17 @@ fn mac(key: &[u8], parts: &[&[u8]]) -> Hmac<Sha256> {
     mac
 }
 
+/// A 32-byte key for one purpose (`label`), derived from the run id: `HMAC-SHA256(id, label)`.
+pub(crate) fn derive(run_id: &str, label: &[u8]) -> [u8; 32] {
+    mac(run_id.as_bytes(), &[label])
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
 impl Key {
     pub(crate) fn new(run_id: &str) -> Key {
-        let tag = mac(run_id.as_bytes(), &[b"gptrec-store-v2"]).finalize();
-        Key(tag.into_bytes().into())
+        Key(derive(run_id, b"gptrec-store-v2"))
     }
 
     /// What the server sends to prove that it knows the run id.

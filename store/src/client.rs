@@ -1,5 +1,6 @@
-//! The store's client: connect with retries and the run-id handshake (mutual proofs, the id never
-//! sent), then one request at a time, each bounded by a timeout.
+//! The store's client: one rank's connection, in our protocol (connect with retries and the
+//! run-id handshake: mutual proofs, the id never sent) or, under torchrun's agent store, in
+//! PyTorch's ([`c10d`](super::c10d)); then one request at a time, each bounded by a timeout.
 
 use std::fmt;
 use std::io::{self, Write};
@@ -7,34 +8,34 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::c10d::C10dClient;
 use super::*;
 
 /// One rank's connection to the store. Requests are answered in order, one at a time. After a
 /// transport error (timeout, closed connection, bad reply) the connection is given up and every
 /// later call fails with [`StoreError::Broken`].
+///
+/// It speaks one of two protocols, chosen when it connects and the same for every method: ours
+/// (a [`StoreServer`], authenticated with the run id), or PyTorch's c10d `TCPStore` protocol
+/// when [`rendezvous`] found torchrun's agent store (`TORCHELASTIC_USE_AGENT_STORE`), where
+/// values are sealed with the run id instead (see `store/src/c10d.rs`).
 pub struct StoreClient {
-    stream: TcpStream,
-    addr: String,
-    broken: Option<String>,
-    /// How long `set`, `get` and `add` wait for their answer (default 30 s).
-    io_timeout: Duration,
+    link: Link,
+}
+
+/// The protocol a [`StoreClient`] speaks.
+enum Link {
+    Own(OwnClient),
+    C10d(Box<C10dClient>),
 }
 
 impl fmt::Debug for StoreClient {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoreClient")
-            .field("addr", &self.addr)
-            .field("broken", &self.broken)
-            .finish()
+        match &self.link {
+            Link::Own(client) => client.fmt(f),
+            Link::C10d(client) => client.fmt(f),
+        }
     }
-}
-
-/// Outcome of one connection attempt.
-enum Attempt {
-    /// Worth another try (nobody listening yet, connection dropped during the handshake).
-    Retry(String),
-    /// Final (cannot prove the run id, silent, not a store).
-    Fatal(StoreError),
 }
 
 impl StoreClient {
@@ -44,46 +45,174 @@ impl StoreClient {
     /// [`StoreError::WrongRun`] when what answers cannot prove that it knows `run_id` (a store of
     /// another run, an impostor), or [`StoreError::Silent`] when it never answers the handshake.
     /// `run_id` itself is never sent.
+    ///
+    /// An address that [`rendezvous`] connected to as torchrun's agent store in this process is
+    /// spoken to in PyTorch's protocol again (a second connection of the same rank).
     pub fn connect(
         addr: &str,
         run_id: &str,
         deadline: Duration,
     ) -> Result<StoreClient, StoreError> {
-        check_host_port(addr)?;
-        let start = Instant::now();
-        let end = start.checked_add(deadline);
-        let mut backoff = Duration::from_millis(10);
-        loop {
-            let reason = match Self::attempt(addr, run_id, end) {
-                Ok(client) => return Ok(client),
-                Err(Attempt::Fatal(err)) => return Err(err),
-                Err(Attempt::Retry(reason)) => reason,
-            };
-            let remaining = end.map_or(MAX_BACKOFF, |end| {
-                end.saturating_duration_since(Instant::now())
-            });
-            if remaining.is_zero() {
-                return Err(StoreError::Unreachable {
-                    addr: addr.to_string(),
-                    waited: start.elapsed(),
-                    reason,
-                });
-            }
-            tracing::debug!(
-                addr,
-                "rendezvous store not reachable yet ({reason}); retrying"
-            );
-            thread::sleep(backoff.min(remaining));
-            backoff = (backoff * 2).min(MAX_BACKOFF);
-        }
+        let link = match c10d::agent_store_prefix(addr) {
+            Some(prefix) => Link::C10d(Box::new(C10dClient::connect(
+                addr, run_id, &prefix, deadline,
+            )?)),
+            None => Link::Own(OwnClient::connect(addr, run_id, deadline)?),
+        };
+        Ok(StoreClient { link })
+    }
+
+    /// Connects to torchrun's agent store at `addr` in PyTorch's protocol, every key under
+    /// `prefix`, every value sealed with `run_id`.
+    pub(crate) fn connect_agent_store(
+        addr: &str,
+        run_id: &str,
+        prefix: &str,
+        deadline: Duration,
+    ) -> Result<StoreClient, StoreError> {
+        let client = C10dClient::connect(addr, run_id, prefix, deadline)?;
+        Ok(StoreClient {
+            link: Link::C10d(Box::new(client)),
+        })
+    }
+
+    /// Whether this connection speaks PyTorch's protocol to torchrun's agent store.
+    pub fn is_agent_store(&self) -> bool {
+        matches!(self.link, Link::C10d(_))
     }
 
     /// The store's address, as given to [`StoreClient::connect`].
     pub fn addr(&self) -> &str {
-        &self.addr
+        match &self.link {
+            Link::Own(client) => &client.addr,
+            Link::C10d(client) => client.addr(),
+        }
     }
 
-    fn attempt(addr: &str, run_id: &str, end: Option<Instant>) -> Result<StoreClient, Attempt> {
+    /// How long `set`, `get` and `add` wait for their answer before failing (default 30 s): a
+    /// heartbeat sets a short one, so that a store host that vanished is noticed in seconds.
+    pub fn set_io_timeout(&mut self, timeout: Duration) -> Result<(), StoreError> {
+        match &mut self.link {
+            Link::Own(client) => client.set_io_timeout(timeout),
+            Link::C10d(client) => client.set_io_timeout(timeout),
+        }
+    }
+
+    /// Stores `value` under `key`, replacing any previous value, and wakes the ranks waiting on it.
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        match &mut self.link {
+            Link::Own(client) => client.set(key, value),
+            Link::C10d(client) => client.set(key, value),
+        }
+    }
+
+    /// Stores `value` under `key` for as long as this connection lives: the server removes the
+    /// key when the connection closes (this client is dropped, or its process dies). PyTorch's
+    /// protocol has no such keys: there this client deletes them when it is dropped, and a
+    /// process that dies leaves them behind.
+    pub fn set_ephemeral(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        match &mut self.link {
+            Link::Own(client) => client.set_ephemeral(key, value),
+            Link::C10d(client) => client.set_ephemeral(key, value),
+        }
+    }
+
+    /// The value under `key`, or `None` if nobody has set it yet (does not block).
+    pub fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        match &mut self.link {
+            Link::Own(client) => client.get(key),
+            Link::C10d(client) => client.get(key),
+        }
+    }
+
+    /// Blocks until every key exists and returns their values in the order of `keys`. After
+    /// `timeout` it fails with [`StoreError::WaitTimeout`] naming the keys still missing.
+    pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>, StoreError> {
+        match &mut self.link {
+            Link::Own(client) => client.wait(keys, timeout),
+            Link::C10d(client) => client.wait(keys, timeout),
+        }
+    }
+
+    /// Atomically adds `delta` to the counter under `key` (a missing key counts as 0; the value
+    /// is stored as decimal text) and returns the new value.
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        match &mut self.link {
+            Link::Own(client) => client.add(key, delta),
+            Link::C10d(client) => client.add(key, delta),
+        }
+    }
+}
+
+/// A connection in our own protocol (see the crate's documentation).
+struct OwnClient {
+    stream: TcpStream,
+    addr: String,
+    broken: Option<String>,
+    /// How long `set`, `get` and `add` wait for their answer (default 30 s).
+    io_timeout: Duration,
+}
+
+impl fmt::Debug for OwnClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreClient")
+            .field("addr", &self.addr)
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+/// Outcome of one connection attempt.
+pub(crate) enum Attempt {
+    /// Worth another try (nobody listening yet, connection dropped during the handshake).
+    Retry(String),
+    /// Final (cannot prove the run id, silent, not a store).
+    Fatal(StoreError),
+}
+
+/// Calls `attempt` with the deadline's instant (`None`: no end) until it succeeds, fails for
+/// good, or the `deadline` passes (then [`StoreError::Unreachable`] with the last reason),
+/// sleeping with an exponential backoff between tries.
+pub(crate) fn connect_with_retries<T>(
+    addr: &str,
+    deadline: Duration,
+    mut attempt: impl FnMut(Option<Instant>) -> Result<T, Attempt>,
+) -> Result<T, StoreError> {
+    check_host_port(addr)?;
+    let start = Instant::now();
+    let end = start.checked_add(deadline);
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let reason = match attempt(end) {
+            Ok(client) => return Ok(client),
+            Err(Attempt::Fatal(err)) => return Err(err),
+            Err(Attempt::Retry(reason)) => reason,
+        };
+        let remaining = end.map_or(MAX_BACKOFF, |end| {
+            end.saturating_duration_since(Instant::now())
+        });
+        if remaining.is_zero() {
+            return Err(StoreError::Unreachable {
+                addr: addr.to_string(),
+                waited: start.elapsed(),
+                reason,
+            });
+        }
+        tracing::debug!(
+            addr,
+            "rendezvous store not reachable yet ({reason}); retrying"
+        );
+        thread::sleep(backoff.min(remaining));
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+impl OwnClient {
+    fn connect(addr: &str, run_id: &str, deadline: Duration) -> Result<OwnClient, StoreError> {
+        connect_with_retries(addr, deadline, |end| Self::attempt(addr, run_id, end))
+    }
+
+    fn attempt(addr: &str, run_id: &str, end: Option<Instant>) -> Result<OwnClient, Attempt> {
         let remaining = || {
             end.map_or(Duration::MAX, |e| {
                 e.saturating_duration_since(Instant::now())
@@ -99,7 +228,7 @@ impl StoreClient {
         stream
             .set_read_timeout(Some(handshake_limit))
             .map_err(retry_io)?;
-        let mut client = StoreClient {
+        let mut client = OwnClient {
             stream,
             addr: addr.to_string(),
             broken: None,
@@ -224,9 +353,7 @@ impl StoreClient {
         })
     }
 
-    /// How long `set`, `get` and `add` wait for their answer before failing (default 30 s): a
-    /// heartbeat sets a short one, so that a store host that vanished is noticed in seconds.
-    pub fn set_io_timeout(&mut self, timeout: Duration) -> Result<(), StoreError> {
+    fn set_io_timeout(&mut self, timeout: Duration) -> Result<(), StoreError> {
         self.io_timeout = timeout.max(Duration::from_millis(1));
         self.stream
             .set_write_timeout(Some(self.io_timeout))
@@ -238,7 +365,7 @@ impl StoreClient {
     }
 
     /// Stores `value` under `key`, replacing any previous value, and wakes the ranks waiting on it.
-    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let request = Request::Set {
             key: key.to_string(),
             value: value.to_vec(),
@@ -252,7 +379,7 @@ impl StoreClient {
 
     /// Stores `value` under `key` for as long as this connection lives: the server removes the
     /// key when the connection closes (this client is dropped, or its process dies).
-    pub fn set_ephemeral(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+    fn set_ephemeral(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let request = Request::SetEphemeral {
             key: key.to_string(),
             value: value.to_vec(),
@@ -265,7 +392,7 @@ impl StoreClient {
     }
 
     /// The value under `key`, or `None` if nobody has set it yet (does not block).
-    pub fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+    fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let request = Request::Get {
             key: key.to_string(),
         };
@@ -278,7 +405,7 @@ impl StoreClient {
 
     /// Blocks until every key exists and returns their values in the order of `keys`. After
     /// `timeout` it fails with [`StoreError::WaitTimeout`] naming the keys still missing.
-    pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>, StoreError> {
+    fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>, StoreError> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
@@ -304,7 +431,7 @@ impl StoreClient {
 
     /// Atomically adds `delta` to the counter under `key` (a missing key counts as 0; the value
     /// is stored as decimal text) and returns the new value.
-    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
+    fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
         let request = Request::Add {
             key: key.to_string(),
             delta,
@@ -408,7 +535,10 @@ impl StoreClient {
 
 /// A TCP connection to the first address of `addr` that answers, each tried for at most 2 s
 /// (and what is left of the deadline); why none did, to retry.
-fn connect_any(addr: &str, remaining: impl Fn() -> Duration) -> Result<TcpStream, Attempt> {
+pub(crate) fn connect_any(
+    addr: &str,
+    remaining: impl Fn() -> Duration,
+) -> Result<TcpStream, Attempt> {
     let targets: Vec<SocketAddr> = match addr.to_socket_addrs() {
         Ok(targets) => targets.collect(),
         Err(err) => return Err(Attempt::Retry(format!("cannot resolve it: {err}"))),

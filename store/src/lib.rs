@@ -38,10 +38,19 @@
 //! Until its proof is accepted a connection may send only small frames (4 KiB) and must finish
 //! the whole handshake within 10 s; the server's warnings about connections it refuses are
 //! gathered into one line per 5 s with a count.
+//!
+//! Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`), [`rendezvous`] starts no store: every
+//! rank speaks PyTorch's c10d `TCPStore` protocol to the agent's store on `MASTER_PORT` (see
+//! `c10d.rs`), which authenticates nobody. There every value is sealed with a key derived from
+//! the run id (see `seal.rs`), so that reading or writing that store is not enough to learn the
+//! ring's secret or to slip a value into the run; counters (`add`) stay in the clear, and the
+//! guarantee is only as good as the run id is secret (torchrun's default id is "none").
 
 mod auth;
+mod c10d;
 mod client;
 mod guard;
+mod seal;
 mod server;
 
 use std::io::{self, Read};
@@ -252,6 +261,11 @@ pub enum StoreError {
         op: String,
         reason: String,
     },
+    /// A value read from torchrun's agent store did not open with this run's key: written by
+    /// someone who does not know the run id (that store lets anyone who reaches it write), or a
+    /// counter (`add`), which is read back with `add(key, 0)`.
+    #[error("the value under store key {key:?} at {addr} is not sealed with this run's id: someone outside the run wrote it (torchrun's store admits anyone who can reach it), or it is a counter")]
+    Unsealed { addr: String, key: String },
     /// An earlier error left the connection in an unknown state; `reason` is that error.
     #[error("the rendezvous store connection is unusable after an earlier error: {reason}")]
     Broken { addr: String, reason: String },
@@ -375,22 +389,24 @@ pub fn run_fingerprint(run_id: &str) -> String {
     format!("sha256:{hex}")
 }
 
-/// The port of our store. Under `launch` it is `MASTER_PORT`. Under torchrun, whose agent hosts
-/// its own (PyTorch-protocol) store on `MASTER_PORT` and says so with
-/// `TORCHELASTIC_USE_AGENT_STORE=True`, ours takes the next port, so the worker runs unchanged.
-pub fn store_port(env: &WorkerEnv) -> u16 {
-    let agent_store =
-        std::env::var("TORCHELASTIC_USE_AGENT_STORE").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
-    if agent_store {
-        env.master_port.wrapping_add(1)
-    } else {
-        env.master_port
-    }
+/// Whether torchrun's agent serves the store this worker is to use: the value of
+/// `TORCHELASTIC_USE_AGENT_STORE` is `True` (as torchrun writes it) or `1`, in any case.
+pub fn agent_store_requested(value: Option<&str>) -> bool {
+    value.is_some_and(|v| {
+        let v = v.trim();
+        v.eq_ignore_ascii_case("true") || v == "1"
+    })
 }
 
-/// The address rank 0 listens on: `MASTER_ADDR` resolved (IPv4 preferred), [`store_port`].
+/// The prefix of every key this worker writes in torchrun's agent store, which outlives a
+/// restart of the worker group: one per attempt, so that nobody reads a predecessor's keys.
+fn agent_store_prefix(env: &WorkerEnv) -> String {
+    format!("gptrec/attempt-{}/", env.restart_count)
+}
+
+/// The address rank 0 listens on: `MASTER_ADDR` resolved (IPv4 preferred), `MASTER_PORT`.
 fn listen_addr(env: &WorkerEnv) -> Result<SocketAddr, StoreError> {
-    let port = store_port(env);
+    let port = env.master_port;
     let shown = join_host_port(&env.master_addr, port);
     let host = env
         .master_addr
@@ -416,7 +432,7 @@ fn listen_addr(env: &WorkerEnv) -> Result<SocketAddr, StoreError> {
 }
 
 /// The listening socket `launch` handed rank 0 ([`common::env_contract::STORE_FD_VAR`]), checked
-/// to be a TCP listener on [`store_port`]; `None` when there is none.
+/// to be a TCP listener on `MASTER_PORT`; `None` when there is none.
 fn inherited_listener(env: &WorkerEnv) -> Result<Option<std::net::TcpListener>, StoreError> {
     use std::os::fd::{FromRawFd, RawFd};
     let var = common::env_contract::STORE_FD_VAR;
@@ -442,11 +458,11 @@ fn inherited_listener(env: &WorkerEnv) -> Result<Option<std::net::TcpListener>, 
     // SAFETY: an open socket handed to this process for the store alone; nothing else owns it.
     let listener = unsafe { std::net::TcpListener::from_raw_fd(fd) };
     let port = listener.local_addr().map(|a| a.port());
-    if port.as_ref().ok() != Some(&store_port(env)) {
+    if port.as_ref().ok() != Some(&env.master_port) {
         std::mem::forget(listener); // not ours to close
         return Err(bad(format!(
             "the socket is not listening on the store's port {} ({port:?})",
-            store_port(env)
+            env.master_port
         )));
     }
     // Not passed on to anything this process starts.
@@ -454,13 +470,38 @@ fn inherited_listener(env: &WorkerEnv) -> Result<Option<std::net::TcpListener>, 
     Ok(Some(listener))
 }
 
-/// Rank 0 starts the server on env.master_addr:[`store_port`], then every rank (rank 0 included)
+/// Rank 0 starts the server on `MASTER_ADDR:MASTER_PORT`, then every rank (rank 0 included)
 /// connects a client, all within `timeout`. Rank 0 gets the server back and must keep it alive
 /// for as long as any rank may use the store.
+///
+/// Under torchrun, when `TORCHELASTIC_USE_AGENT_STORE` says so ([`agent_store_requested`]),
+/// no store is started: every rank connects to the agent's on `MASTER_ADDR:MASTER_PORT` in
+/// PyTorch's protocol, its keys under one prefix per restart attempt.
 pub fn rendezvous(
     env: &WorkerEnv,
     timeout: Duration,
 ) -> Result<(Option<StoreServer>, StoreClient), StoreError> {
+    let agent_store = std::env::var("TORCHELASTIC_USE_AGENT_STORE").ok();
+    rendezvous_with(env, agent_store_requested(agent_store.as_deref()), timeout)
+}
+
+/// [`rendezvous`], with whether torchrun's agent serves the store decided by the caller.
+fn rendezvous_with(
+    env: &WorkerEnv,
+    agent_store: bool,
+    timeout: Duration,
+) -> Result<(Option<StoreServer>, StoreClient), StoreError> {
+    let addr = join_host_port(&env.master_addr, env.master_port);
+    if agent_store {
+        let prefix = agent_store_prefix(env);
+        let client = StoreClient::connect_agent_store(&addr, &env.run_id, &prefix, timeout)?;
+        // A second connection of this rank (`StoreClient::connect`) speaks PyTorch's protocol too.
+        c10d::remember_agent_store(&addr, &prefix);
+        if env.rank == 0 {
+            say_agent_store(&addr, &env.run_id);
+        }
+        return Ok((None, client));
+    }
     if env.rank == 0 {
         let server = match inherited_listener(env)? {
             Some(listener) => StoreServer::from_listener(listener, &env.run_id)?,
@@ -469,9 +510,24 @@ pub fn rendezvous(
         let client = StoreClient::connect(&server.local_addr().to_string(), &env.run_id, timeout)?;
         Ok((Some(server), client))
     } else {
-        let addr = join_host_port(&env.master_addr, store_port(env));
         let client = StoreClient::connect(&addr, &env.run_id, timeout)?;
         Ok((None, client))
+    }
+}
+
+/// Rank 0's line about torchrun's agent store, and a warning when the run id that seals the
+/// values is torchrun's public default.
+fn say_agent_store(addr: &str, run_id: &str) {
+    tracing::info!(
+        "rendezvous through torchrun's agent store at {addr} (TORCHELASTIC_USE_AGENT_STORE): \
+         PyTorch's TCPStore protocol, values sealed with the run id"
+    );
+    if run_id.is_empty() || run_id == "none" {
+        tracing::warn!(
+            "the run id is torchrun's default {run_id:?}, so anyone who can reach {addr} can read \
+             and forge what the ranks exchange there and join their collectives; give torchrun a \
+             secret id (--standalone draws one; PET_RDZV_ID=... is not shown by ps)"
+        );
     }
 }
 
@@ -484,6 +540,7 @@ mod tests {
     use std::thread;
     use std::time::Instant;
 
+    mod agent_store;
     mod handshake;
 
     fn server(run_id: &str) -> StoreServer {
