@@ -12,6 +12,8 @@
 //!   batch plan, and the plans that keep the global batch with less memory;
 //! - the job terms ([`job_terms`]): what every node of a job must agree on, and how two
 //!   nodes' terms differ, by key;
+//! - the flight recorder's record ([`flight`]): each rank's last collectives, in a ring file the
+//!   worker maps and `launch` reads after a failure, and as JSON;
 //! - the training plan ([`train_plan`]): a config and its batch plan, resolved once;
 //! - the progress reports workers send `launch` for its live display ([`progress`]);
 //! - the names of the shared-memory segments ([`shm_segments`]) that workers create and the
@@ -31,6 +33,7 @@ pub mod cuda_visible;
 pub mod data_layout;
 pub mod env_contract;
 pub mod files;
+pub mod flight;
 pub mod hostlist;
 pub mod job_shape;
 pub mod job_terms;

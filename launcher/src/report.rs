@@ -1,11 +1,14 @@
 //! What the user reads when a group ends badly: the failure summary (root cause first, with its
-//! last stderr lines) and the exit code that goes with it. It formats; it decides nothing.
+//! last stderr lines, then what the flight recorder says: [`flight`]) and the exit code that goes
+//! with it. It formats; it decides nothing.
 
 use std::fmt::Write as _;
 use std::ops::Range;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+
+pub mod flight;
 
 /// How one worker ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,12 +60,14 @@ pub struct WorkerRecord {
 }
 
 /// The multi-line summary after a failure. `root` indexes `records`; `this_node` holds the
-/// global ranks that run on this node (all of them on a single node).
+/// global ranks that run on this node (all of them on a single node); `flight` is what the
+/// flight recorder says ([`flight::lines`]), if anything.
 pub fn failure_summary(
     records: &[WorkerRecord],
     root: usize,
     attempts: u32,
     this_node: Range<u32>,
+    flight: &[String],
 ) -> String {
     let mut out = String::new();
     let r = &records[root];
@@ -129,6 +134,15 @@ pub fn failure_summary(
                 w.pid,
                 w.after.as_secs_f64()
             );
+        }
+    }
+    if !flight.is_empty() {
+        let _ = writeln!(
+            out,
+            "  flight recorder (the last collectives of each rank):"
+        );
+        for line in flight {
+            let _ = writeln!(out, "    {line}");
         }
     }
     if attempts > 1 {
@@ -202,7 +216,7 @@ mod tests {
             record(1, Ending::Code(3), None),
             record(2, Ending::Signal(9), Some(Signal::SIGKILL)),
         ];
-        let text = failure_summary(&records, 1, 1, 0..3);
+        let text = failure_summary(&records, 1, 1, 0..3, &[]);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines[1],
@@ -218,13 +232,34 @@ mod tests {
     }
 
     #[test]
+    fn the_flight_recorder_speaks_after_the_ranks_and_before_the_exit_code() {
+        let records = vec![
+            record(0, Ending::Code(1), None),
+            record(1, Ending::Signal(9), Some(Signal::SIGKILL)),
+        ];
+        let flight = ["rank 1 never entered operation 24".to_string()];
+        let text = failure_summary(&records, 0, 1, 0..2, &flight);
+        let tail: Vec<&str> = text.lines().rev().take(3).collect();
+        assert_eq!(
+            tail,
+            [
+                "  launch exits with 1",
+                "    rank 1 never entered operation 24",
+                "  flight recorder (the last collectives of each rank):",
+            ]
+        );
+        let none = failure_summary(&records, 0, 1, 0..2, &[]);
+        assert!(!none.contains("flight recorder"), "{none}");
+    }
+
+    #[test]
     fn a_rank_that_lost_a_peer_on_another_node_is_only_this_nodes_root_cause() {
         let mut lost = record(0, Ending::Code(1), None);
         lost.stderr_tail = vec![
             "INFO epoch 1/6 step 2/138 (rank 0)".into(),
             "worker: error: training: all_reduce at step 3: connection to rank 3 failed: the peer closed the connection".into(),
         ];
-        let text = failure_summary(&[lost.clone()], 0, 1, 0..2);
+        let text = failure_summary(&[lost.clone()], 0, 1, 0..2, &[]);
         assert!(
             text.contains("  root cause on this node: rank 0 "),
             "{text}"
@@ -236,11 +271,11 @@ mod tests {
         lost.stderr_tail = vec![
             "all_reduce at step 3 timed out after 3.0 s: no answer from rank(s) [1, 2, 3]".into(),
         ];
-        let text = failure_summary(&[lost.clone()], 0, 1, 0..2);
+        let text = failure_summary(&[lost.clone()], 0, 1, 0..2, &[]);
         assert!(text.contains("lost rank(s) 2, 3,"), "{text}");
         // A local peer is not another node's failure.
         lost.stderr_tail = vec!["connection to rank 1 failed".into()];
-        let text = failure_summary(&[lost], 0, 1, 0..2);
+        let text = failure_summary(&[lost], 0, 1, 0..2, &[]);
         assert!(text.contains("  root cause: rank 0 "), "{text}");
     }
 }

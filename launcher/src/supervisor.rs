@@ -144,7 +144,8 @@ pub fn interrupted(signal: i32) -> i32 {
 /// Prints the failure summary of a group that failed `runs` time(s); the launcher's exit code.
 pub fn report_failure(plan: &Plan, records: &[WorkerRecord], root: usize, runs: u32) -> i32 {
     let first = plan.first_rank;
-    let summary = report::failure_summary(records, root, runs, first..first + plan.nproc);
+    let flight = report::flight::lines(plan);
+    let summary = report::failure_summary(records, root, runs, first..first + plan.nproc, &flight);
     // A closed console must not turn a failure report into a panic.
     let _ = writeln!(std::io::stderr().lock(), "{summary}");
     // A worker that "failed" with code 0 cannot be the root cause, but be safe.

@@ -42,7 +42,8 @@ fn a_gpu_held_by_another_process_is_named_and_refused_unless_forced() {
     let refused = run(&[]);
     refused.assert_code(2);
     refused.assert_stderr_all(&[
-        format!("launch: error: local rank 0's GPU 0 has 120.0 MiB free, less than the estimate "),
+        "launch: error: local rank 0's GPU 0 has 120.0 MiB free, less than the estimate "
+            .to_string(),
         format!("other processes hold it: {held}"),
         "; stop them, choose other GPUs (--gpu-ids), or --force to start anyway".into(),
     ]);

@@ -335,6 +335,8 @@ type Runtime = (
 /// The distributed runtime: rendezvous, then the collective, checked with one all-reduce.
 fn connect(start: &Start) -> Result<Runtime, Failure> {
     let (env, config, device) = (&start.env, &start.plan.config, start.device);
+    let flight_entries =
+        runtime::collective::flight::entries_from_env().map_err(|e| usage(e.into()))?;
     let (setup_timeout, limit_key) = config.dist.rendezvous_timeout();
     let within = || format!("(within {limit_key} = {} s)", setup_timeout.as_secs());
     let (store_server, mut store) = runtime::store::rendezvous(env, setup_timeout)
@@ -347,8 +349,11 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
                 _ => e.into(),
             })?;
     }
-    let mut comm = runtime::collective::connect(&config.dist, device, env, store, setup_timeout)
+    let comm = runtime::collective::connect(&config.dist, device, env, store, setup_timeout)
         .with_context(|| format!("connecting the collective {}", within()))?;
+    // Every operation from here on is in this rank's flight record (`<run dir>/flight/`).
+    let flight_dir = start.run_dir.join(common::flight::DIR);
+    let mut comm = runtime::collective::flight::record(comm, &flight_dir, env, flight_entries);
     let mut check = [Tensor::ones([4], (Kind::Float, device)) * f64::from(env.rank + 1)];
     let ctx = OpContext {
         step: 0,

@@ -1,9 +1,11 @@
 //! Collectives between the workers of one job: one [`Collective`] trait (all-reduce of many
 //! tensors at once, broadcast, all-gather, barrier; each with a timeout) and its backends —
 //! [`tcp`] (CPU tensors, a ring over persistent TCP connections, all-reducing through
-//! [`shm`] shared memory when every rank is on one host) and [`nccl`] (CUDA tensors).
+//! [`shm`] shared memory when every rank is on one host) and [`nccl`] (CUDA tensors); and
+//! [`flight`], which records any backend's last operations for the post-mortem.
 //! This module moves and reduces numbers; it must not know what they mean (that is `ddp`'s).
 
+pub mod flight;
 pub mod nccl;
 pub mod shm;
 pub mod tcp;

@@ -222,6 +222,8 @@ struct Trainer<'t> {
     reports: Option<crate::progress_channel::ProgressSender>,
     /// `GPTREC_FAULT_SLOW` on this rank.
     slow: Option<Duration>,
+    /// `GPTREC_FAULT_STOP`: the step (from 1) before which this rank stops itself.
+    stop_before: Option<u64>,
     /// `GPTREC_TRACE_SAMPLES`: the samples of every step, for tests.
     trace: Option<trace::SampleTrace>,
 }
@@ -265,6 +267,11 @@ impl<'t> Trainer<'t> {
         ddp.set_probe(peak_memory_probe(setup.memory.clone(), vs.device()));
         let slow = task::slow_fault(
             &std::env::var("GPTREC_FAULT_SLOW").unwrap_or_default(),
+            rank,
+        )
+        .map_err(TrainError::Plan)?;
+        let stop_before = task::stop_fault(
+            &std::env::var("GPTREC_FAULT_STOP").unwrap_or_default(),
             rank,
         )
         .map_err(TrainError::Plan)?;
@@ -328,6 +335,7 @@ impl<'t> Trainer<'t> {
             bar: None,
             reports: crate::progress_channel::ProgressSender::from_env(),
             slow,
+            stop_before,
             trace: trace::SampleTrace::from_env(rank),
         })
     }
@@ -473,6 +481,10 @@ impl<'t> Trainer<'t> {
     fn train_step(&mut self, epoch: u64, window: &[Vec<usize>]) -> Result<(), TrainError> {
         let t0 = Instant::now();
         let step = self.progress.step;
+        if self.stop_before == Some(step + 1) {
+            // A hung peer, for tests: stopped until the teardown's SIGKILL.
+            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+        }
         // Any randomness of the task (dropout, negative sampling) is a function of
         // (seed, step, rank): an interrupted and resumed run draws exactly the same numbers.
         tch::manual_seed(step_seed(

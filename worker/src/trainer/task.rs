@@ -107,9 +107,37 @@ pub(super) fn slow_fault(text: &str, rank: usize) -> Result<Option<std::time::Du
     Ok((only.is_none_or(|r| r == rank)).then(|| std::time::Duration::from_millis(ms)))
 }
 
+/// `GPTREC_FAULT_STOP=STEP@RANK`: `rank` stops itself with SIGSTOP before optimizer step `STEP`
+/// (counted from 1, as the log and errors count them), a hung peer for tests. `None` when unset
+/// or for another rank.
+pub(super) fn stop_fault(text: &str, rank: usize) -> Result<Option<u64>, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(None);
+    }
+    let bad = || format!("GPTREC_FAULT_STOP={text}: expected STEP@RANK (whole numbers)");
+    let (step, only) = text.split_once('@').ok_or_else(bad)?;
+    let step: u64 = step.parse().map_err(|_| bad())?;
+    let only: usize = only.parse().map_err(|_| bad())?;
+    Ok((only == rank).then_some(step))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::slow_fault;
+    use super::{slow_fault, stop_fault};
+
+    #[test]
+    fn stop_fault_parses_step_and_rank() {
+        assert_eq!(stop_fault("", 1), Ok(None));
+        assert_eq!(stop_fault("5@1", 1), Ok(Some(5)));
+        assert_eq!(stop_fault("5@1", 0), Ok(None));
+        for bad in ["5", "x@1", "5@", "-1@0"] {
+            assert!(
+                stop_fault(bad, 0).unwrap_err().contains("STEP@RANK"),
+                "{bad}"
+            );
+        }
+    }
     use std::time::Duration;
 
     #[test]
