@@ -12,6 +12,7 @@ use std::time::Duration;
 
 mod command;
 mod elastic;
+mod memory;
 
 pub use elastic::{feasible, feasible_world, list_counts};
 
@@ -240,109 +241,6 @@ impl Plan {
         vars
     }
 
-    /// The memory estimate of one worker next to what each local rank's device has (NVML's
-    /// figures for GPUs; available RAM shared by the workers on a CPU-only node): the table and
-    /// one warning per local rank whose estimate leaves less than the safety margin, with the
-    /// plan change that keeps the global batch. `None` when no config is run.
-    pub fn memory_check(&self) -> Option<MemoryCheck> {
-        let wc = self.config.as_ref()?;
-        let gpus: &[Gpu] = self.gpus.as_deref().unwrap_or(&[]);
-        let kind = if gpus.is_empty() {
-            DeviceKind::Cpu
-        } else {
-            DeviceKind::Cuda
-        };
-        let est = Estimating {
-            config: &wc.config,
-            data: DataShape::best_known(&wc.config),
-            at: Placement::new(kind, self.nproc as u64),
-        };
-        let budgets = self.local_budgets(kind, gpus);
-        let mut plan = wc.batch;
-        let mut lines = Vec::new();
-        if wc.config.batch.micro_auto {
-            let (chosen, line) = est.auto_micro(&wc.batch, &budgets);
-            plan = chosen.unwrap_or(plan);
-            lines.push(line);
-        }
-        let estimate = estimate(est.config, &plan, &est.data, est.at);
-        let peak = estimate.peak_bytes();
-        lines.push(format!(
-            "estimate per worker ({}, {}; {}):",
-            match kind {
-                DeviceKind::Cuda => "GPU",
-                DeviceKind::Cpu => "CPU",
-            },
-            plan.derivation(),
-            est.data.source
-        ));
-        lines.extend(estimate.table("  ").lines().map(str::to_string));
-        let (mut warnings, mut refusals) = (Vec::new(), Vec::new());
-        for (local_rank, (device, budget)) in budgets.iter().enumerate() {
-            let Some((free, total)) = *budget else {
-                lines.push(format!("local rank {local_rank}: {device}: memory unknown"));
-                continue;
-            };
-            let what = match kind {
-                DeviceKind::Cuda => format!("{} free of {}", mib_text(free), mib_text(total)),
-                DeviceKind::Cpu => format!(
-                    "{} of available RAM per worker ({} in all)",
-                    mib_text(free),
-                    mib_text(total)
-                ),
-            };
-            let fits = peak <= usable(free);
-            lines.push(format!(
-                "local rank {local_rank}: {device}: {what}; estimate {} = {:.0}% {}",
-                mib_text(peak),
-                peak as f64 / free.max(1) as f64 * 100.0,
-                if fits {
-                    "fits"
-                } else {
-                    "does NOT fit with the 10% margin"
-                }
-            ));
-            if !fits {
-                let rank = format!("local rank {local_rank} ({device})");
-                warnings.push(est.does_not_fit(&rank, &plan, peak, free));
-                refusals.extend(self.held_by_others(local_rank, peak, free));
-            }
-        }
-        let refusal = (!refusals.is_empty()).then(|| {
-            format!(
-                "{}; stop them, choose other GPUs (--gpu-ids), or --force to start anyway",
-                refusals.join("; ")
-            )
-        });
-        Some(MemoryCheck {
-            lines,
-            warnings,
-            refusal,
-        })
-    }
-
-    /// What each local rank may use and where the figure comes from: the simulated limit
-    /// `GPTREC_MEMORY_LIMIT_MB` the workers read too (tests, and "what if this GPU were
-    /// smaller"), else its device's (free, total) bytes.
-    fn local_budgets(&self, kind: DeviceKind, gpus: &[Gpu]) -> Vec<(String, Option<(u64, u64)>)> {
-        let ram = memory_info();
-        let limit = std::env::var("GPTREC_MEMORY_LIMIT_MB")
-            .ok()
-            .and_then(|t| common::memory::parse_memory_limit(&t).ok());
-        (0..self.nproc)
-            .map(|local_rank| {
-                let rank = self.first_rank + local_rank;
-                match limit {
-                    Some((bytes, only)) if only.is_none_or(|r| r == rank) => (
-                        "simulated limit GPTREC_MEMORY_LIMIT_MB".to_string(),
-                        Some((bytes, bytes)),
-                    ),
-                    _ => self.device_budget(kind, gpus, ram, local_rank),
-                }
-            })
-            .collect()
-    }
-
     /// Binds the rendezvous port on the node that hosts the store: port 0 (a single node's
     /// default) takes a free one from the OS. For our worker the socket is kept
     /// ([`Plan::store_listener`]); any other program binds the port itself, so it is released.
@@ -496,53 +394,30 @@ impl Plan {
             let _ = writeln!(out, "  note:         {notice}");
         }
         for local_rank in 0..self.nproc {
-            let env = self.worker_env(local_rank, 0);
-            let _ = writeln!(
-                out,
-                "  local rank {local_rank}: device {}",
-                self.device_of(local_rank)
-            );
-            if let Some(line) = self.holders_line(local_rank) {
-                let _ = writeln!(out, "{line}");
-            }
-            let vars: Vec<String> = env
-                .to_vars()
-                .into_iter()
-                .chain(self.extra_env())
-                .map(|(k, v)| match k {
-                    "TORCHELASTIC_RUN_ID" => format!("{k}={}", self.shown_run_id()),
-                    "MASTER_PORT" if self.master_port == 0 => format!("{k}=<free port>"),
-                    _ => format!("{k}={v}"),
-                })
-                .collect();
-            let _ = writeln!(out, "    {}", vars.join(" "));
+            self.describe_rank(&mut out, local_rank);
         }
         out
     }
 
-    /// A local rank's device name and (free, total) bytes: NVML's figures for its GPU, or its
-    /// share of the node's available RAM.
-    fn device_budget(
-        &self,
-        kind: DeviceKind,
-        gpus: &[Gpu],
-        ram: Option<(u64, u64)>,
-        local_rank: u32,
-    ) -> (String, Option<(u64, u64)>) {
-        match kind {
-            DeviceKind::Cuda => match gpus.get(local_rank as usize) {
-                Some(g) => (
-                    format!("cuda:{} ({})", g.cuda_index, g.name),
-                    // 0: a MIG instance NVML could not measure.
-                    (g.total_bytes > 0).then_some((g.free_bytes, g.total_bytes)),
-                ),
-                None => (format!("cuda:{local_rank} (missing)"), None),
-            },
-            DeviceKind::Cpu => (
-                "cpu".to_string(),
-                ram.map(|(avail, total)| (avail / u64::from(self.nproc.max(1)), total)),
-            ),
+    /// The dry run's lines of one local rank: its device, who else holds it, its environment.
+    fn describe_rank(&self, out: &mut String, local_rank: u32) {
+        let env = self.worker_env(local_rank, 0);
+        let device = self.device_of(local_rank);
+        let _ = writeln!(out, "  local rank {local_rank}: device {device}");
+        if let Some(line) = self.holders_line(local_rank) {
+            let _ = writeln!(out, "{line}");
         }
+        let vars: Vec<String> = env
+            .to_vars()
+            .into_iter()
+            .chain(self.extra_env())
+            .map(|(k, v)| match k {
+                "TORCHELASTIC_RUN_ID" => format!("{k}={}", self.shown_run_id()),
+                "MASTER_PORT" if self.master_port == 0 => format!("{k}=<free port>"),
+                _ => format!("{k}={v}"),
+            })
+            .collect();
+        let _ = writeln!(out, "    {}", vars.join(" "));
     }
 
     /// The run id as a dry run may print it: a secret from `LAUNCH_RUN_ID` stays hidden (job
@@ -601,104 +476,6 @@ impl Plan {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-impl Plan {
-    /// `local rank 0's GPU 0 has 1.2 GiB free, less than the estimate 1994.2 MiB: other
-    /// processes hold it: pid ... (...)`, when other processes hold memory on its GPU.
-    fn held_by_others(&self, local_rank: usize, peak: u64, free: u64) -> Option<String> {
-        let gpu = self.gpus.as_ref()?.get(local_rank)?;
-        if gpu.holders.is_empty() {
-            return None;
-        }
-        let holders: Vec<String> = gpu.holders.iter().map(|h| h.to_string()).collect();
-        Some(format!(
-            "local rank {local_rank}'s GPU {} has {} free, less than the estimate {} with the 10% margin: other processes hold it: {}",
-            gpu.nvml_index,
-            mib_text(free),
-            mib_text(peak),
-            holders.join(", ")
-        ))
-    }
-
-    /// Under each local rank of the dry run: the processes holding memory on its GPU.
-    fn holders_line(&self, local_rank: u32) -> Option<String> {
-        let gpu = self.gpus.as_ref()?.get(local_rank as usize)?;
-        let holders: Vec<String> = gpu.holders.iter().map(|h| h.to_string()).collect();
-        (!holders.is_empty()).then(|| format!("    held by: {}", holders.join(", ")))
-    }
-}
-
-/// The memory section of a plan: table lines and warnings (each one line), and why the job
-/// must not start: GPUs whose free memory, taken by other processes, does not hold the estimate.
-#[derive(Debug, Clone)]
-pub struct MemoryCheck {
-    pub refusal: Option<String>,
-    pub lines: Vec<String>,
-    pub warnings: Vec<String>,
-}
-
-/// The estimate's inputs for the dry run's checks.
-struct Estimating<'a> {
-    config: &'a Config,
-    data: DataShape,
-    at: Placement,
-}
-
-impl Estimating<'_> {
-    /// What `micro = "auto"` would choose from the estimate (the smallest over the ranks), and
-    /// the line saying so.
-    fn auto_micro(
-        &self,
-        configured: &BatchPlan,
-        budgets: &[(String, Option<(u64, u64)>)],
-    ) -> (Option<BatchPlan>, String) {
-        let chosen = budgets
-            .iter()
-            .filter_map(|(_, b)| b.map(|(free, _)| free))
-            .filter_map(|free| {
-                largest_fitting_plan(self.config, configured, &self.data, self.at, free)
-            })
-            .min_by_key(|p| p.micro);
-        let line = match chosen {
-            Some(p) => format!(
-                "micro \"auto\": by the estimate, {} (each worker checks on its own device at start)",
-                p.derivation()
-            ),
-            None => "micro \"auto\": by the estimate no micro batch fits; the workers will stop with the reason"
-                .to_string(),
-        };
-        (chosen, line)
-    }
-
-    /// The warning for `rank`, whose `free` bytes do not hold `peak` with the margin: the
-    /// largest micro batch that fits and keeps the global batch, and other levers.
-    fn does_not_fit(&self, rank: &str, plan: &BatchPlan, peak: u64, free: u64) -> String {
-        let (config, data, at) = (self.config, &self.data, self.at);
-        let mut w = format!(
-            "{rank}: the estimate {} leaves less than {:.0}% of {} free",
-            mib_text(peak),
-            SAFETY_MARGIN * 100.0,
-            mib_text(free)
-        );
-        match largest_fitting_plan(config, plan, data, at, free) {
-            Some(p) => w.push_str(&format!(
-                "; set batch.micro = {} ({}, estimate {})",
-                p.micro,
-                change_text(plan, &p),
-                mib_text(estimate(config, &p, data, at).peak_bytes())
-            )),
-            None => w.push_str(&format!(
-                "; no micro batch keeping global {} fits",
-                plan.global
-            )),
-        }
-        let levers = other_levers(config, plan, data, at);
-        if !levers.is_empty() {
-            w.push_str(&format!("; or {}", levers.join("; ")));
-        }
-        w
-    }
-}
-
 /// `--local-ranks-filter`, `--tee` and `--redirects`, checked against this node's local ranks
 /// and the log directory the last two write to.
 fn console_policy(cli: &Cli, nproc: u32) -> Result<crate::console::Policy, PlanError> {
@@ -737,18 +514,6 @@ fn above_handed_down(listener: TcpListener) -> Result<TcpListener, PlanError> {
     }
     // SAFETY: `fd` is a fresh descriptor of the listening socket, owned by nothing else.
     Ok(unsafe { TcpListener::from_raw_fd(fd) })
-}
-
-/// (MemAvailable, MemTotal) in bytes from `/proc/meminfo`.
-fn memory_info() -> Option<(u64, u64)> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let field = |key: &str| -> Option<u64> {
-        text.lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-    };
-    Some((field("MemAvailable:")?, field("MemTotal:")?))
 }
 
 /// What the command line gave explicitly, for the job shape's precedence rules.
