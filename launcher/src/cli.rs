@@ -154,6 +154,49 @@ pub struct Cli {
     #[arg(long = "run-id-file", value_name = "PATH")]
     pub run_id_file: Option<PathBuf>,
 
+    /// DeepSpeed's hostfile (`HOST slots=N` per line): start one `launch` per host over
+    /// `ssh`, node 0 on the first host (the master address), N processes on each; the run id
+    /// and the environment travel on ssh's stdin. Exit code: the worst of the failed hosts.
+    #[arg(
+        long,
+        short = 'H',
+        value_name = "FILE",
+        conflicts_with_all = ["nnodes", "node_rank", "num_processes", "gpu_ids", "run_id_file", "standalone", "rdzv_endpoint"]
+    )]
+    pub hostfile: Option<PathBuf>,
+
+    /// With --hostfile: only these hosts and slots, e.g. `h1:0,2@h2` (`@` between hosts, `:`
+    /// before slots; a host alone means all its slots).
+    #[arg(
+        long,
+        value_name = "HOST[:SLOTS]@...",
+        requires = "hostfile",
+        conflicts_with = "exclude"
+    )]
+    pub include: Option<String>,
+
+    /// With --hostfile: all hosts and slots but these (same spelling as --include).
+    #[arg(long, value_name = "HOST[:SLOTS]@...", requires = "hostfile")]
+    pub exclude: Option<String>,
+
+    /// With --hostfile: the path of `launch` on the hosts. Default: `LAUNCH_REMOTE_PATH`, or
+    /// this launch's own path.
+    #[arg(long = "launch-path", value_name = "PATH", requires = "hostfile")]
+    pub launch_path: Option<PathBuf>,
+
+    /// With --hostfile: the port of the hosts' ssh servers (`ssh -p`).
+    #[arg(
+        long = "ssh-port",
+        alias = "ssh_port",
+        value_name = "PORT",
+        requires = "hostfile"
+    )]
+    pub ssh_port: Option<u16>,
+
+    /// With --hostfile: an ssh config file (`ssh -F`), e.g. for the key, user and port.
+    #[arg(long = "ssh-config", value_name = "FILE", requires = "hostfile")]
+    pub ssh_config: Option<PathBuf>,
+
     /// The worker binary to run with CONFIG (default: `worker` next to `launch`).
     #[arg(long, value_name = "PATH")]
     pub worker: Option<PathBuf>,

@@ -11,6 +11,7 @@ mod elastic;
 mod event;
 mod gpu;
 mod hand_down;
+mod hostfile;
 mod output;
 mod plan;
 mod port;
@@ -47,16 +48,20 @@ fn main() {
 }
 
 fn launch(cli: &Cli) -> i32 {
-    if cli.dry_run {
-        return dry_run(cli);
-    }
-    // An inherited SIG_IGN for SIGCHLD would make the kernel reap workers behind our back.
+    // An inherited SIG_IGN for SIGCHLD would make the kernel reap workers (or, with a hostfile,
+    // the ssh clients) behind our back.
     // SAFETY: restoring a default disposition is always sound.
     unsafe {
         let _ = nix::sys::signal::signal(
             nix::sys::signal::Signal::SIGCHLD,
             nix::sys::signal::SigHandler::SigDfl,
         );
+    }
+    if cli.hostfile.is_some() {
+        return hostfile::main(cli);
+    }
+    if cli.dry_run {
+        return dry_run(cli);
     }
     // Workers' orphaned children are re-parented to us, not to init: we can find and reap them.
     // SAFETY: prctl with an integer argument.
@@ -69,6 +74,7 @@ fn launch(cli: &Cli) -> i32 {
             return 1;
         }
     };
+    hostfile::stop_on_stdin_eof();
     let mut plan = match Plan::from_cli(cli).and_then(|p| preflight_of(&p).map(|()| p)) {
         Ok(plan) => plan,
         Err(e) => {

@@ -66,7 +66,16 @@ fn several_nodes_share_a_secret_through_a_run_id_file() {
     let secret = std::fs::read_to_string(&id_file).unwrap();
     assert_eq!(secret.trim().len(), 64);
 
-    let bare: Vec<&str> = vec!["--nnodes", "2", "--master-addr", "127.0.0.1", "--", "true"];
+    let bare: Vec<&str> = vec![
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--",
+        "true",
+    ];
     let out = launch(&bare, Duration::from_secs(30));
     out.assert_code(2);
     out.assert_stderr_all(&[
