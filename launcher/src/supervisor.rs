@@ -25,6 +25,9 @@ use crate::watchdog::Watchdog;
 mod spawn;
 use spawn::{spawn_worker, Spawned};
 
+/// How long a failed worker's output may take to be read to its end before `launch` says it
+/// failed (so that its own last lines come first).
+const DRAIN_FAILED: Duration = Duration::from_millis(500);
 /// How long to wait for workers' output to drain after they exit (their children may hold the
 /// pipes; those are killed, so this is only a safety net).
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -364,6 +367,9 @@ impl Group<'_> {
                     && ending == Ending::Code(common::env_contract::EXIT_REGROUP);
                 // Not one that ended because the teardown signalled it.
                 if !ending.is_success() && !regrouping && w.sent.is_none() {
+                    // Its last lines (the error, most often) come before what launch says of
+                    // it; a child of the worker may hold its pipes, so the wait is bounded.
+                    w.muting.wait_drained(DRAIN_FAILED);
                     show_hidden(w, &ending);
                 }
                 if !ending.is_success() && !regrouping && self.cause.is_none() {
@@ -654,7 +660,6 @@ fn show_hidden(w: &Worker, ending: &Ending) {
     if w.muting.is_shown() {
         return;
     }
-    w.muting.wait_drained(Duration::from_millis(500));
     let held = w.muting.show();
     if held.is_empty() {
         return;
