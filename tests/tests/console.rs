@@ -70,6 +70,23 @@ fn a_hidden_rank_that_fails_is_shown_with_its_last_lines() {
     out.assert_ended_within(10);
 }
 
+/// Workers' stdin is /dev/null: a hidden rank that reads it is not left stopped in the read
+/// (as a rank reading a terminal from the background would be); it reads the end of input,
+/// and when it fails on that it is shown with its last lines like any failing hidden rank.
+#[test]
+fn a_hidden_rank_reading_stdin_is_not_left_waiting_and_is_shown() {
+    let out = run(
+        "2",
+        &["--local-ranks-filter", "0"],
+        "if [ $RANK = 1 ]; then echo 'your answer?' >&2; read answer || { echo 'no input: stdin is closed' >&2; exit 5; }; fi; sleep 30",
+    );
+    out.assert_code(5);
+    out.assert_stderr_all(&[
+        "rank 1 (local rank 1, hidden by --local-ranks-filter) failed: exit code 5; its last lines:\n[rank 1] your answer?\n[rank 1] no input: stdin is closed\n",
+    ]);
+    out.assert_ended_within(10);
+}
+
 /// `--redirects 1:2`: local rank 1's stderr goes to its log file only; its stdout and every
 /// other stream still reach the console. `--tee` is accepted as torchrun spells it.
 #[test]
