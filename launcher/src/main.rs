@@ -16,6 +16,7 @@ mod output;
 mod plan;
 mod port;
 mod preflight;
+mod process;
 mod progress;
 mod rendezvous;
 mod report;

@@ -42,40 +42,8 @@ fn process_holding(inode: u64) -> Option<(u32, String)> {
         let holds = fds.flatten().any(|fd| {
             std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == target.as_str())
         });
-        holds.then(|| (pid, command_line(pid)))
+        holds.then(|| (pid, crate::process::command_line(pid)))
     })
-}
-
-/// Longest command line shown, in characters.
-const MAX_COMMAND: usize = 120;
-
-/// `pid`'s command line on one line: arguments joined by spaces, control characters as spaces,
-/// cut at [`MAX_COMMAND`] characters (its name when it has no arguments).
-pub fn command_line(pid: u32) -> String {
-    let text = full_command_line(pid);
-    let one_line: String = text
-        .split(char::is_control)
-        .filter(|w| !w.is_empty())
-        .collect::<Vec<_>>()
-        .join(" ");
-    match one_line.char_indices().nth(MAX_COMMAND) {
-        Some((at, _)) => format!("{}...", &one_line[..at]),
-        None => one_line,
-    }
-}
-
-fn full_command_line(pid: u32) -> String {
-    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let words: Vec<String> = raw
-        .split(|&b| b == 0)
-        .filter(|w| !w.is_empty())
-        .map(|w| String::from_utf8_lossy(w).into_owned())
-        .collect();
-    if words.is_empty() {
-        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-        return comm.trim().to_string();
-    }
-    words.join(" ")
 }
 
 #[cfg(test)]
@@ -98,24 +66,5 @@ mod tests {
         assert!(found.contains(&*name), "{found}");
         drop(listener);
         assert_eq!(holder(port), None);
-        // Shown on one line, and not at any length.
-        let mut child = std::process::Command::new("sh")
-            .args(["-c", &format!("sleep 30\n{}", "x".repeat(300))])
-            .spawn()
-            .unwrap();
-        let started = std::time::Instant::now();
-        let mut shown = command_line(child.id());
-        // Until the child has exec'd sh.
-        while !shown.starts_with("sh -c") && started.elapsed().as_secs() < 5 {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-            shown = command_line(child.id());
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        assert!(shown.starts_with("sh -c sleep 30 xxx"), "{shown}");
-        assert!(
-            !shown.contains('\n') && shown.ends_with("...") && shown.len() == MAX_COMMAND + 3,
-            "{shown}"
-        );
     }
 }

@@ -288,14 +288,8 @@ impl C10dClient {
     }
 
     pub(crate) fn set_io_timeout(&mut self, timeout: Duration) -> Result<(), StoreError> {
-        self.io_timeout = timeout.max(Duration::from_millis(1));
-        self.stream
-            .set_write_timeout(Some(self.io_timeout))
-            .map_err(|cause| StoreError::Connection {
-                addr: self.addr.clone(),
-                op: "setting the request timeout".into(),
-                cause,
-            })
+        self.io_timeout = super::client::request_timeout(&self.stream, &self.addr, timeout)?;
+        Ok(())
     }
 
     /// SET, then a PING whose echo says that the server has the value.

@@ -354,14 +354,8 @@ impl OwnClient {
     }
 
     fn set_io_timeout(&mut self, timeout: Duration) -> Result<(), StoreError> {
-        self.io_timeout = timeout.max(Duration::from_millis(1));
-        self.stream
-            .set_write_timeout(Some(self.io_timeout))
-            .map_err(|cause| StoreError::Connection {
-                addr: self.addr.clone(),
-                op: "setting the request timeout".into(),
-                cause,
-            })
+        self.io_timeout = request_timeout(&self.stream, &self.addr, timeout)?;
+        Ok(())
     }
 
     /// Stores `value` under `key`, replacing any previous value, and wakes the ranks waiting on it.
@@ -565,4 +559,22 @@ fn shown_fingerprint(claimed: &str) -> String {
     } else {
         "(malformed)".into()
     }
+}
+
+/// Makes `timeout` (at least 1 ms) the limit of every write on `stream` to the store at `addr`,
+/// for either protocol's client; the limit its reads are to take too.
+pub(crate) fn request_timeout(
+    stream: &TcpStream,
+    addr: &str,
+    timeout: Duration,
+) -> Result<Duration, StoreError> {
+    let timeout = timeout.max(Duration::from_millis(1));
+    stream
+        .set_write_timeout(Some(timeout))
+        .map_err(|cause| StoreError::Connection {
+            addr: addr.to_string(),
+            op: "setting the request timeout".into(),
+            cause,
+        })?;
+    Ok(timeout)
 }

@@ -26,8 +26,8 @@ impl Holder {
     fn of(pid: u32, bytes: Option<u64>) -> Holder {
         Holder {
             pid,
-            user: user_of(pid),
-            command: crate::port::command_line(pid),
+            user: crate::process::user_of(pid),
+            command: crate::process::command_line(pid),
             bytes,
         }
     }
@@ -86,27 +86,6 @@ pub fn simulated(index: u32) -> Result<Vec<Holder>, String> {
         }
     }
     Ok(found)
-}
-
-/// The name of the user `pid` runs as (its real uid, from `/proc` and `/etc/passwd`), else
-/// `uid N`, else `unknown`.
-fn user_of(pid: u32) -> String {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let Some(uid) = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().next())
-    else {
-        return "unknown".into();
-    };
-    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
-    passwd
-        .lines()
-        .find_map(|l| {
-            let f: Vec<&str> = l.split(':').collect();
-            (f.get(2) == Some(&uid)).then(|| f[0].to_string())
-        })
-        .unwrap_or_else(|| format!("uid {uid}"))
 }
 
 #[cfg(test)]

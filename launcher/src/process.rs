@@ -1,0 +1,85 @@
+//! What `/proc` tells of another process, for the one-line messages that name it (the holder of
+//! a port, the processes on a GPU): its command line and its user.
+//!
+//! Must not: signal or wait for the process, or decide anything from what it reads.
+
+/// Longest command line shown, in characters.
+const MAX_COMMAND: usize = 120;
+
+/// `pid`'s command line on one line: arguments joined by spaces, control characters as spaces,
+/// cut at [`MAX_COMMAND`] characters (its name when it has no arguments).
+pub fn command_line(pid: u32) -> String {
+    let text = full_command_line(pid);
+    let one_line: String = text
+        .split(char::is_control)
+        .filter(|w| !w.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    match one_line.char_indices().nth(MAX_COMMAND) {
+        Some((at, _)) => format!("{}...", &one_line[..at]),
+        None => one_line,
+    }
+}
+
+fn full_command_line(pid: u32) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let words: Vec<String> = raw
+        .split(|&b| b == 0)
+        .filter(|w| !w.is_empty())
+        .map(|w| String::from_utf8_lossy(w).into_owned())
+        .collect();
+    if words.is_empty() {
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        return comm.trim().to_string();
+    }
+    words.join(" ")
+}
+
+/// The name of the user `pid` runs as (its real uid, from `/proc` and `/etc/passwd`), else
+/// `uid N`, else `unknown`.
+pub fn user_of(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let Some(uid) = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+    else {
+        return "unknown".into();
+    };
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    passwd
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            (f.get(2) == Some(&uid)).then(|| f[0].to_string())
+        })
+        .unwrap_or_else(|| format!("uid {uid}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A command line is shown on one line, and not at any length.
+    #[test]
+    fn a_command_line_is_one_line_and_capped() {
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", &format!("sleep 30\n{}", "x".repeat(300))])
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        let mut shown = command_line(child.id());
+        // Until the child has exec'd sh.
+        while !shown.starts_with("sh -c") && started.elapsed().as_secs() < 5 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            shown = command_line(child.id());
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(shown.starts_with("sh -c sleep 30 xxx"), "{shown}");
+        assert!(
+            !shown.contains('\n') && shown.ends_with("...") && shown.len() == MAX_COMMAND + 3,
+            "{shown}"
+        );
+    }
+}
