@@ -621,6 +621,7 @@ mod tests {
     #[test]
     fn shared_tables_count_once_per_host() {
         let mut c = Config::default();
+        c.dist.shard_optimizer = false;
         c.model.kind = ModelKind::Bpr;
         c.model.embedding_dim = 64;
         let (data, two) = (shape(6040, 3629), plan(256, 64, 2, 2));
@@ -655,6 +656,42 @@ mod tests {
         let g = estimate(&c, &two, &data, Placement::new(DeviceKind::Cpu, 2));
         let wte = Gpt2Dims::of(c.model.preset).vocab_size * Gpt2Dims::of(c.model.preset).n_embd;
         assert_eq!(g.term("shared tables"), 3 * (tables + wte * 4) / 2);
+    }
+
+    /// Sharded (`dist.shard_optimizer`, the default), every trainable value and its moments
+    /// count once per host, the GPT-2 recommender's projections too; each rank's gradients
+    /// still count whole.
+    #[test]
+    fn sharded_parameters_count_once_per_host() {
+        let mut c = Config::default();
+        assert!(c.dist.shard_optimizer);
+        c.model.embedding_dim = 64;
+        let (data, two) = (shape(6040, 3629), plan(256, 64, 2, 2));
+        let sharded = estimate(&c, &two, &data, Placement::new(DeviceKind::Cpu, 2));
+        assert_eq!(sharded.term("shared tables"), 0);
+        let shared = sharded.term("shared parameters");
+        assert_eq!(
+            sharded.term("optimizer (AdamW)"),
+            0,
+            "every moment is shared"
+        );
+        c.dist.shard_optimizer = false;
+        let tables = estimate(&c, &two, &data, Placement::new(DeviceKind::Cpu, 2));
+        assert!(shared > tables.term("shared tables"), "the projections too");
+        assert_eq!(sharded.term("gradients"), tables.term("gradients"));
+        assert!(sharded.peak_bytes() < tables.peak_bytes());
+        c.dist.shard_optimizer = true;
+        let alone = estimate(
+            &c,
+            &plan(256, 64, 4, 1),
+            &data,
+            Placement::new(DeviceKind::Cpu, 1),
+        );
+        assert_eq!(
+            alone.term("shared parameters"),
+            0,
+            "one rank shares nothing"
+        );
     }
 
     #[test]

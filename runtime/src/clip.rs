@@ -83,11 +83,23 @@ fn sum_of_squares(g: &ClipGrad<'_>) -> Result<f64, tch::TchError> {
     // (clipping runs on the training thread, under no_grad).
     let values = unsafe { std::slice::from_raw_parts(grad.data_ptr() as *const f32, n) };
     let row = |r: usize| row_sum_of_squares(&values[r * width..(r + 1) * width]);
-    Ok(match &g.rows {
+    add_rows(rows, g.rows, row)
+}
+
+/// A gradient's sum of squares from its rows' (`row(r)`, in f64): all `rows` of them in row
+/// order, or the `listed` ones. The one place rows are added up, so that every path that
+/// clips (whole gradients, listed rows, `ddp`'s sharded step from rows summed by several
+/// ranks) gets the same bits.
+pub(crate) fn add_rows(
+    rows: i64,
+    listed: Option<&[i64]>,
+    row: impl Fn(usize) -> f64,
+) -> Result<f64, tch::TchError> {
+    Ok(match listed {
         None => (0..rows as usize).map(row).sum(),
         Some(listed) => {
             let mut total = 0.0;
-            for &r in *listed {
+            for &r in listed {
                 if r < 0 || r >= rows {
                     return Err(tch::TchError::Torch(format!(
                         "clipping: row {r} is outside a gradient of {rows} rows"
@@ -103,7 +115,7 @@ fn sum_of_squares(g: &ClipGrad<'_>) -> Result<f64, tch::TchError> {
 /// Eight f64 lanes, element `i` into lane `i % 8`, the lanes added in order: the same bits for a
 /// row wherever it lies, and vectorised.
 #[multiversion::multiversion(targets = "simd")]
-fn row_sum_of_squares(row: &[f32]) -> f64 {
+pub(crate) fn row_sum_of_squares(row: &[f32]) -> f64 {
     let mut lanes = [0f64; 8];
     let chunks = row.chunks_exact(8);
     let tail = chunks.remainder();

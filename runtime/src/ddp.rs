@@ -14,7 +14,11 @@ use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
 use crate::optim::{AdamW, OptimError};
 use crate::rows;
 
+mod host_shards;
+mod param_check;
+mod sharded_step;
 mod shared_tables;
+use host_shards::HostShards;
 use shared_tables::SharedTables;
 
 /// Engine settings (from `[train]`, `[batch]` and `[dist]`).
@@ -39,6 +43,12 @@ pub struct DdpConfig {
     /// numbers, a fraction of the update's time and memory. Ignored where memory cannot be
     /// shared.
     pub shared_tables: bool,
+    /// ZeRO stage 1 on one host: where all ranks share memory and every trainable parameter is
+    /// an f32 CPU tensor, keep each parameter and its AdamW moments once in shared memory,
+    /// produce each rank's gradients into shared memory, and let each rank reduce, clip and
+    /// update its share of every parameter's rows (see `host_shards`): the unsharded step's
+    /// numbers, with no gradient all-reduce. Replaces `shared_tables` where it applies.
+    pub shard_optimizer: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -159,6 +169,13 @@ pub struct Ddp {
     probe: Option<StepProbe>,
     /// The sparse tables, when they live in shared memory.
     shared: Option<SharedTables>,
+    /// Every trainable parameter, when they live in shared memory ([`DdpConfig::shard_optimizer`]).
+    shards: Option<HostShards>,
+    /// The names of `params`.
+    param_names: Vec<String>,
+    /// Per sparse table (in `sparse`'s order), the rows its gradient touched that the model did
+    /// not report, when the last parameter check's step looked (sharded steps only).
+    left_out: Vec<u64>,
 }
 
 impl Ddp {
@@ -190,6 +207,7 @@ impl Ddp {
             })
             .collect();
         let params: Vec<Tensor> = trainable.iter().map(|(_, t)| t.shallow_clone()).collect();
+        let param_names = trainable.iter().map(|(name, _)| name.clone()).collect();
         let dense: Vec<usize> = (0..params.len())
             .filter(|i| !sparse.iter().any(|s| s.index == *i))
             .collect();
@@ -203,9 +221,17 @@ impl Ddp {
             config,
             probe: None,
             shared: None,
+            shards: None,
+            param_names,
+            left_out: Vec::new(),
         };
         ddp.broadcast_params(0)?;
-        if ddp.config.shared_tables {
+        if ddp.config.shard_optimizer {
+            let ctx = ddp.ctx(0);
+            give_dense_grads(&ddp.params)?;
+            ddp.shards = HostShards::new(ddp.comm.as_mut(), &ddp.params, ctx)?;
+        }
+        if ddp.config.shared_tables && ddp.shards.is_none() {
             let tables: Vec<usize> = ddp.sparse.iter().map(|t| t.index).collect();
             let ctx = ddp.ctx(0);
             ddp.shared = SharedTables::new(ddp.comm.as_mut(), &ddp.params, &tables, ctx)?;
@@ -245,6 +271,21 @@ impl Ddp {
             .collect()
     }
 
+    /// Whether every trainable parameter lives once in shared memory, each rank reducing and
+    /// updating its share of the rows ([`DdpConfig::shard_optimizer`]).
+    pub fn sharded(&self) -> bool {
+        self.shards.is_some()
+    }
+
+    /// The names of the trainable variables that live once in shared memory: every one in a
+    /// sharded engine, the row-sparse tables with [`DdpConfig::shared_tables`].
+    pub fn kept_once(&self) -> Vec<&str> {
+        if self.shards.is_some() {
+            return self.param_names.iter().map(String::as_str).collect();
+        }
+        self.shared_tables()
+    }
+
     /// The names of the tables that live once in shared memory ([`DdpConfig::shared_tables`]).
     pub fn shared_tables(&self) -> Vec<&str> {
         let Some(shared) = &self.shared else {
@@ -269,19 +310,19 @@ impl Ddp {
         }
     }
 
-    /// Overwrites every rank's variables (trainable or not) with `root`'s. Tables in shared
+    /// Overwrites every rank's variables (trainable or not) with `root`'s. Variables in shared
     /// memory are every rank's already: they are not sent, and the barrier that ends this call
     /// keeps anyone from reading them before `root` is done with what it wrote.
     pub fn broadcast_params(&mut self, root: usize) -> Result<(), DdpError> {
         let ctx = self.ctx(0);
         let _guard = tch::no_grad_guard();
-        let shared = self.shared_tables();
+        let shared = self.kept_once();
         let mut views: Vec<Tensor> = (self.variables.iter())
             .filter(|(name, _)| !shared.contains(&name.as_str()))
             .map(|(_, t)| t.shallow_clone())
             .collect();
         self.comm.broadcast(&mut views, root, ctx)?;
-        if self.shared.is_some() {
+        if self.shared.is_some() || self.shards.is_some() {
             self.comm.barrier(ctx)?;
         }
         Ok(())
@@ -353,24 +394,36 @@ impl Ddp {
                 },
             });
         }
-        self.reduce_sparse(&summary[0], ctx)?;
-        for bucket in &self.buckets {
-            let mut grads: Vec<Tensor> = bucket.iter().map(|&i| self.params[i].grad()).collect();
-            self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
-        }
-        time.collective = reducing.elapsed();
-        let grad_norm = self.update(optimizer, lr, ctx, &mut time)?;
+        let grad_norm = if self.shards.is_some() {
+            time.collective = reducing.elapsed();
+            let check_due = self.check_due(step);
+            self.sharded_update(&summary[0], check_due, optimizer, lr, ctx, &mut time)?
+        } else {
+            self.reduce_sparse(&summary[0], ctx)?;
+            for bucket in &self.buckets {
+                let mut grads: Vec<Tensor> =
+                    bucket.iter().map(|&i| self.params[i].grad()).collect();
+                self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
+            }
+            time.collective = reducing.elapsed();
+            self.update(optimizer, lr, ctx, &mut time)?
+        };
         let stats = StepStats {
             loss: global_loss,
             grad_norm,
             time,
             probed_max,
         };
-        let every = self.config.check_params_every;
-        if every > 0 && (step + 1) % every == 0 {
+        if self.check_due(step) {
             self.check_params(step)?;
         }
         Ok(stats)
+    }
+
+    /// Whether the parameter check runs after optimizer step `step` (counted from 0).
+    fn check_due(&self, step: u64) -> bool {
+        let every = self.config.check_params_every;
+        every > 0 && (step + 1) % every == 0
     }
 
     /// Clips the averaged gradients and takes the optimizer step (on shared tables this rank's
@@ -386,12 +439,7 @@ impl Ddp {
         let grad_norm = clip_grads(&self.clip_list(), self.config.max_grad_norm)?;
         if !grad_norm.is_finite() {
             // The same on every rank (the gradients were averaged): all stop together.
-            return Err(DdpError::Loss {
-                step: ctx.step,
-                detail: format!(
-                    "the gradient norm is {grad_norm}; lower train.lr or check the data"
-                ),
-            });
+            return Err(not_finite_norm(ctx.step, grad_norm));
         }
         if let Some(shared) = &self.shared {
             shared.attach(optimizer)?;
@@ -426,27 +474,39 @@ impl Ddp {
         Ok(Tensor::f_cat(&parts, 0)?)
     }
 
-    /// Averages each sparse table's gradient over the ranks: only the rows some rank touched
-    /// (from the reduced `summary`) when they are at most half the table, otherwise all of it.
-    /// Remembers the rows exchanged: the only ones not zero afterwards.
-    fn reduce_sparse(&mut self, summary: &Tensor, ctx: OpContext) -> Result<(), DdpError> {
+    /// Per sparse table (in `sparse`'s order), from the reduced `summary`: the rows some rank
+    /// touched (ascending), when they are at most half the table; `None` (the whole table)
+    /// otherwise.
+    fn unions(&self, summary: &Tensor) -> Result<Vec<Option<Vec<i64>>>, DdpError> {
         let summary = Vec::<f32>::try_from(summary)?;
         let mut masks = &summary[self.summary_head_len() as usize..];
-        // The touched rows of every row-sparse table travel in one all-reduce (one
-        // synchronisation of the ranks instead of one per table).
-        let mut compact = Vec::new();
-        for table in &mut self.sparse {
+        let mut unions = Vec::with_capacity(self.sparse.len());
+        for table in &self.sparse {
             let (mask, rest) = masks.split_at(table.rows as usize);
             masks = rest;
             let union: Vec<i64> = (0..table.rows)
                 .filter(|&r| mask[r as usize] > 0.0)
                 .collect();
+            unions.push((union.len() as i64 * 2 <= table.rows).then_some(union));
+        }
+        Ok(unions)
+    }
+
+    /// Averages each sparse table's gradient over the ranks: only the rows some rank touched
+    /// (from the reduced `summary`) when they are at most half the table, otherwise all of it.
+    /// Remembers the rows exchanged: the only ones not zero afterwards.
+    fn reduce_sparse(&mut self, summary: &Tensor, ctx: OpContext) -> Result<(), DdpError> {
+        let unions = self.unions(summary)?;
+        // The touched rows of every row-sparse table travel in one all-reduce (one
+        // synchronisation of the ranks instead of one per table).
+        let mut compact = Vec::new();
+        for (table, union) in self.sparse.iter_mut().zip(unions) {
             let mut grad = self.params[table.index].grad();
-            if union.len() as i64 * 2 > table.rows {
+            let Some(union) = union else {
                 self.comm
                     .all_reduce(std::slice::from_mut(&mut grad), ReduceOp::Avg, ctx)?;
                 continue;
-            }
+            };
             compact.push(rows::gather(&grad, &union)?);
             table.union = Some(union);
         }
@@ -548,116 +608,15 @@ impl Ddp {
                 _ => Some((r, f64::from(v))),
             }))
     }
-
-    /// What the parameter check compares across ranks, by name: each variable's checksum; and
-    /// for each table kept once per host, which every rank sees alike by construction, what can
-    /// still go wrong: the averaged gradient each rank updated its rows from (the same on every
-    /// rank after a correct exchange) and whether the rank's parameter is the host's copy.
-    fn agreement_entries(&self) -> Result<Vec<(String, Entry)>, DdpError> {
-        let mut entries = Vec::with_capacity(self.variables.len());
-        for (name, p) in &self.variables {
-            entries.push((name.clone(), Entry::Same(checksum(p)?)));
-        }
-        if let Some(shared) = &self.shared {
-            for table in self.sparse.iter().filter(|t| shared.holds(t.index)) {
-                let param = &self.params[table.index];
-                let grad = param.grad();
-                let sum = if grad.defined() { checksum(&grad)? } else { 0 };
-                entries.push((format!("{} (its gradient)", table.name), Entry::Same(sum)));
-                let here = shared.is_shared_copy(table.index, param);
-                entries.push((table.name.clone(), Entry::SharedCopy(here)));
-            }
-        }
-        Ok(entries)
-    }
-
-    /// Fails loudly if any rank's parameters differ from the others' (see
-    /// [`Ddp::agreement_entries`] for what is compared), naming what differs and where.
-    pub fn check_params(&mut self, step: u64) -> Result<(), DdpError> {
-        let entries = self.agreement_entries()?;
-        let values: Vec<i64> = entries.iter().map(|(_, e)| e.value()).collect();
-        let all = self
-            .comm
-            .all_gather(&Tensor::from_slice(&values), self.ctx(step))?;
-        let ranks: Vec<Vec<i64>> = all
-            .iter()
-            .map(Vec::<i64>::try_from)
-            .collect::<Result<_, _>>()?;
-        match disagreement(&entries, &ranks) {
-            Some(detail) => Err(DdpError::Diverged { step, detail }),
-            None => Ok(()),
-        }
-    }
 }
 
-/// One value the parameter check compares across ranks.
-#[derive(Debug, Clone, Copy)]
-enum Entry {
-    /// Must be the same on every rank.
-    Same(i64),
-    /// Whether this rank's parameter is the host's one copy of a shared table: must hold on every rank.
-    SharedCopy(bool),
-}
-
-impl Entry {
-    fn value(self) -> i64 {
-        match self {
-            Entry::Same(v) => v,
-            Entry::SharedCopy(here) => i64::from(here),
-        }
+/// The error of a step whose averaged gradients have a norm that is not finite: the same on
+/// every rank, so all stop together.
+fn not_finite_norm(step: u64, grad_norm: f64) -> DdpError {
+    DdpError::Loss {
+        step,
+        detail: format!("the gradient norm is {grad_norm}; lower train.lr or check the data"),
     }
-}
-
-/// What differs between the ranks' `values` (rank order; each in the order of `entries`), in
-/// words: at most three entries, then a count. `None` when they agree.
-fn disagreement(entries: &[(String, Entry)], values: &[Vec<i64>]) -> Option<String> {
-    let mut found = Vec::new();
-    for (i, (name, entry)) in entries.iter().enumerate() {
-        let of = |r: usize| values[r].get(i).copied();
-        let odd: Vec<String> = (0..values.len())
-            .filter(|&r| match entry {
-                Entry::Same(_) => of(r) != of(0),
-                Entry::SharedCopy(_) => of(r) != Some(1),
-            })
-            .map(|r| r.to_string())
-            .collect();
-        if odd.is_empty() {
-            continue;
-        }
-        found.push(match entry {
-            Entry::Same(_) => format!(
-                "`{name}` differs from rank 0's on rank(s) {}",
-                odd.join(", ")
-            ),
-            Entry::SharedCopy(_) => format!(
-                "`{name}` is not the host's shared copy on rank(s) {}",
-                odd.join(", ")
-            ),
-        });
-    }
-    let more = found.len().saturating_sub(3);
-    found.truncate(3);
-    (!found.is_empty()).then(|| match more {
-        0 => found.join("; "),
-        n => format!("{} (and {n} more)", found.join("; ")),
-    })
-}
-
-/// A checksum of a tensor's bits (FNV-1a over its bytes, so any difference shows).
-fn checksum(t: &Tensor) -> Result<i64, DdpError> {
-    let t = t
-        .f_detach()?
-        .f_to_device(tch::Device::Cpu)?
-        .f_contiguous()?;
-    let n = t.numel();
-    let mut bytes = vec![0u8; n * t.f_kind()?.elt_size_in_bytes()];
-    t.f_copy_data_u8(&mut bytes, n)?;
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        hash ^= u64::from(b);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    Ok(hash as i64)
 }
 
 /// Gives each of `params` that has no gradient yet a dense zero one. An embedding whose
@@ -733,400 +692,4 @@ fn make_buckets(params: &[Tensor], which: &[usize], bucket_bytes: usize) -> Vec<
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The runtime trains any `tch` model: a plain MLP regressing `y = x0 - 2 x1` data-parallel
-    /// over a real TCP ring of two ranks, with the sharded sampler, gradient accumulation and
-    /// AdamW — no recommender anywhere. The loss falls and the ranks end bit-identical.
-    #[test]
-    fn a_plain_mlp_trains_data_parallel_through_the_runtime_alone() {
-        use crate::collective::tcp::test_ring::with_ring_owned;
-        use tch::nn::{self, Module};
-
-        struct Mlp {
-            net: nn::Sequential,
-            x: Tensor,
-            y: Tensor,
-        }
-        impl MicroBatchLoss<Vec<usize>> for Mlp {
-            fn loss(&mut self, micro: &Vec<usize>) -> Result<Tensor, tch::TchError> {
-                let idx = Tensor::from_slice(&micro.iter().map(|&i| i as i64).collect::<Vec<_>>());
-                let (x, y) = (self.x.index_select(0, &idx), self.y.index_select(0, &idx));
-                Ok((self.net.forward(&x) - y).square().mean(tch::Kind::Float))
-            }
-        }
-
-        let results = with_ring_owned(2, |rank, ring| {
-            tch::manual_seed(7);
-            let x = Tensor::randn([256, 2], (tch::Kind::Float, tch::Device::Cpu));
-            let y = (x.select(1, 0) - x.select(1, 1) * 2.0).unsqueeze(1);
-            tch::manual_seed(100 + rank as i64); // different on each rank: the broadcast fixes it
-            let vs = nn::VarStore::new(tch::Device::Cpu);
-            let net = nn::seq()
-                .add(nn::linear(vs.root() / "l1", 2, 16, Default::default()))
-                .add_fn(|t| t.relu())
-                .add(nn::linear(vs.root() / "l2", 16, 1, Default::default()));
-            let mut model = Mlp { net, x, y };
-            let config = DdpConfig {
-                grad_accum: 2,
-                bucket_bytes: 256,
-                max_grad_norm: 1.0,
-                check_params_every: 10,
-                timeout: Duration::from_secs(20),
-                sparse: Vec::new(),
-                shared_tables: true,
-            };
-            let world = ring.world_size();
-            let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
-            let mut adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.0);
-            let sampler = crate::sampler::DistributedSampler::new(256, world, rank, 1).unwrap();
-            let (mut first, mut last, mut step) = (None, 0.0, 0u64);
-            for epoch in 0..30 {
-                for window in sampler.batches(epoch, 16, 0, true).chunks(2) {
-                    let stats = ddp.step(window, &mut model, &mut adam, 0.02, step).unwrap();
-                    step += 1;
-                    first.get_or_insert(stats.loss);
-                    last = stats.loss;
-                }
-            }
-            let params: Vec<Vec<f32>> = ddp
-                .params()
-                .iter()
-                .map(|t| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap())
-                .collect();
-            (first.unwrap(), last, params)
-        });
-        let (first, last, params0) = &results[0];
-        assert!(last < &(first / 10.0), "loss {first} -> {last}");
-        assert_eq!(params0, &results[1].2, "the ranks' parameters differ");
-    }
-
-    /// A tiny matrix-factorisation model (two embedding tables and a bias) over fixed random
-    /// (user, item, rating) triples: trains `steps` steps data-parallel over `world` ranks and
-    /// returns rank 0's loss curve and final parameters.
-    /// Sparse runs keep their tables in shared memory where they can (as by default).
-    fn train_embeddings(
-        world: u32,
-        options: crate::collective::tcp::TcpOptions,
-        sparse: bool,
-        steps: u64,
-    ) -> (Vec<f64>, Vec<Vec<f32>>) {
-        train_embeddings_hinted(world, options, sparse, Hint::None, steps, true)
-    }
-
-    /// What the test model says of the rows its micro-batches used.
-    #[derive(Clone, Copy, PartialEq)]
-    enum Hint {
-        /// Nothing: the engine scans the gradients.
-        None,
-        /// The users and items looked up.
-        Exact,
-        /// Only the first half of the items: a model that under-reports.
-        Short,
-    }
-
-    fn train_embeddings_hinted(
-        world: u32,
-        options: crate::collective::tcp::TcpOptions,
-        sparse: bool,
-        hint: Hint,
-        steps: u64,
-        shared_tables: bool,
-    ) -> (Vec<f64>, Vec<Vec<f32>>) {
-        use crate::collective::tcp::test_ring::with_ring_owned_opts;
-        struct Mf {
-            users: nn::Embedding,
-            items: nn::Embedding,
-            bias: Tensor,
-            data: Tensor,
-            hint: Hint,
-            used: Vec<(String, Vec<i64>)>,
-        }
-        impl MicroBatchLoss<Vec<i64>> for Mf {
-            fn rows_used(&self, table: &str) -> Option<&[i64]> {
-                let (_, rows) = self.used.iter().find(|(name, _)| name == table)?;
-                Some(rows)
-            }
-
-            fn loss(&mut self, micro: &Vec<i64>) -> Result<Tensor, tch::TchError> {
-                use tch::nn::Module;
-                let rows = self.data.index_select(0, &Tensor::from_slice(micro));
-                let (u, i) = (rows.select(1, 0), rows.select(1, 1));
-                let ids = |t: &Tensor| Vec::<i64>::try_from(t).unwrap();
-                let (mut users, mut items) = (ids(&u), ids(&i));
-                if self.hint == Hint::Short {
-                    items.truncate(items.len() / 2);
-                }
-                self.used = match self.hint {
-                    Hint::None => Vec::new(),
-                    _ => vec![
-                        ("users.weight".into(), std::mem::take(&mut users)),
-                        ("items.weight".into(), std::mem::take(&mut items)),
-                    ],
-                };
-                let y = rows.select(1, 2).to_kind(tch::Kind::Float);
-                let score = (self.users.forward(&u) * self.items.forward(&i)).sum_dim_intlist(
-                    1,
-                    false,
-                    tch::Kind::Float,
-                ) + &self.bias;
-                Ok((score - y).square().mean(tch::Kind::Float))
-            }
-        }
-        let results = with_ring_owned_opts(world, options, move |rank, ring| {
-            // Deterministic data and weights (the RNG is shared by the rank threads).
-            let k = Tensor::arange(400, (tch::Kind::Int64, tch::Device::Cpu));
-            let data = Tensor::stack(
-                &[
-                    (&k * 7).remainder(200),
-                    (&k * 13).remainder(300),
-                    (&k * 5 + 1).remainder(5),
-                ],
-                1,
-            );
-            let vs = nn::VarStore::new(tch::Device::Cpu);
-            // `sparse`: the tables' backward is sparse too, added into the dense gradients
-            // the engine gives them.
-            let emb = nn::EmbeddingConfig {
-                sparse,
-                ..Default::default()
-            };
-            let mut model = Mf {
-                users: nn::embedding(vs.root() / "users", 200, 8, emb),
-                items: nn::embedding(vs.root() / "items", 300, 8, emb),
-                bias: vs.root().zeros("bias", &[1]),
-                data,
-                hint,
-                used: Vec::new(),
-            };
-            tch::no_grad(|| {
-                for (t, phase) in [(&mut model.users.ws, 0.3), (&mut model.items.ws, 1.7)] {
-                    let n = t.numel() as i64;
-                    let init = (Tensor::arange(n, (tch::Kind::Float, tch::Device::Cpu)) + phase)
-                        .sin()
-                        .view([-1, 8]);
-                    t.copy_(&init);
-                }
-            });
-            let config = DdpConfig {
-                grad_accum: 2,
-                bucket_bytes: 1 << 20,
-                max_grad_norm: 1.0,
-                check_params_every: 25,
-                timeout: Duration::from_secs(20),
-                sparse: if sparse {
-                    vec!["users.weight".into(), "items.weight".into()]
-                } else {
-                    Vec::new()
-                },
-                shared_tables,
-            };
-            let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
-            let exchanged = if sparse && world > 1 { 2 } else { 0 };
-            assert_eq!(ddp.sparse.len(), exchanged);
-            let shared = exchanged > 0 && shared_tables && options.shared_memory;
-            assert_eq!(ddp.shared_tables().len(), if shared { 2 } else { 0 });
-            // The sparse runs also carry a probe (which moves the masks in the summary) and
-            // must still train as the dense ones do.
-            let top = world as usize - 1;
-            let probed = |r: usize| r as f64 * 1.5 + 1.0;
-            if sparse {
-                ddp.set_probe(Box::new(move || probed(rank)));
-            }
-            let mut adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.01);
-            let sampler =
-                crate::sampler::DistributedSampler::new(400, world as usize, rank, 9).unwrap();
-            let mut losses = Vec::new();
-            'train: for epoch in 0.. {
-                for window in sampler.batches(epoch, 4, 0, true).chunks_exact(2) {
-                    let window: Vec<Vec<i64>> = window
-                        .iter()
-                        .map(|m| m.iter().map(|&i| i as i64).collect())
-                        .collect();
-                    let step = losses.len() as u64;
-                    let stats = match ddp.step(&window, &mut model, &mut adam, 0.05, step) {
-                        Ok(stats) => stats,
-                        // Rows left out are not exchanged: the ranks drift apart, and the
-                        // parameter check must say so.
-                        Err(DdpError::Diverged { detail, .. }) if hint == Hint::Short => {
-                            assert!(detail.contains("`items.weight"), "{detail}");
-                            break 'train;
-                        }
-                        Err(e) => panic!("step {step}: {e}"),
-                    };
-                    losses.push(stats.loss);
-                    assert_eq!(stats.probed_max, sparse.then(|| (top, probed(top))));
-                    if losses.len() as u64 == steps {
-                        break 'train;
-                    }
-                }
-            }
-            let params = ddp
-                .params()
-                .iter()
-                .map(|t| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap())
-                .collect();
-            (losses, params)
-        });
-        results.into_iter().next().unwrap()
-    }
-
-    /// Row-sparse exchange of the embedding gradients (and their sparse backward) gives the
-    /// dense all-reduce's numbers: bit for bit through shared memory (each element is summed in
-    /// rank order either way), and
-    /// within float tolerance through the socket ring of three ranks (whose summation order
-    /// depends on where an element lies in the buffer).
-    #[test]
-    fn sparse_embedding_gradients_train_exactly_as_dense_ones() {
-        use crate::collective::tcp::TcpOptions;
-        let shm = TcpOptions::default();
-        let (dense_loss, dense_params) = train_embeddings(2, shm, false, 50);
-        let (sparse_loss, sparse_params) = train_embeddings(2, shm, true, 50);
-        assert_eq!(dense_loss.len(), 50);
-        assert!(dense_loss[49] < dense_loss[0], "{dense_loss:?}");
-        assert_eq!(sparse_loss, dense_loss);
-        assert_eq!(sparse_params, dense_params);
-        // Tables kept by each rank (not shared) train alike too.
-        let private = train_embeddings_hinted(2, shm, true, Hint::None, 50, false);
-        assert_eq!(private, (dense_loss.clone(), dense_params.clone()));
-        // The rows the model says it used replace the scan of the gradients: the same bits
-        // when it says them all.
-        let hinted = |hint, shared| train_embeddings_hinted(2, shm, true, hint, 50, shared);
-        assert_eq!(
-            hinted(Hint::Exact, true),
-            (dense_loss.clone(), dense_params)
-        );
-        // A model that leaves rows out makes private tables drift apart (so the hint is what
-        // is used), which the parameter check (every 25 steps) catches.
-        let (short_loss, _) = hinted(Hint::Short, false);
-        assert_eq!(short_loss.len(), 24, "stopped at the first check");
-        // Kept once per host, the table is the same for every rank however wrong: the check
-        // compares the averaged gradient each rank updated its rows from instead.
-        let (short_loss, _) = hinted(Hint::Short, true);
-        assert_eq!(
-            short_loss.len(),
-            24,
-            "a shared table stopped at the first check too"
-        );
-        // Three ranks split the tables' rows unevenly (200 and 300 rows): still the same bits.
-        let (dense3, dense3_params) = train_embeddings(3, shm, false, 30);
-        assert_eq!(train_embeddings(3, shm, true, 30), (dense3, dense3_params));
-        // Alone: only the backward is sparse.
-        assert_eq!(
-            train_embeddings(1, shm, true, 50),
-            train_embeddings(1, shm, false, 50)
-        );
-
-        let sockets = TcpOptions {
-            shared_memory: false,
-        };
-        let (dense_loss, _) = train_embeddings(3, sockets, false, 50);
-        let (sparse_loss, _) = train_embeddings(3, sockets, true, 50);
-        for (step, (d, s)) in dense_loss.iter().zip(&sparse_loss).enumerate() {
-            assert!(
-                (d - s).abs() <= 1e-5 * d.abs().max(1.0),
-                "step {step}: {d} vs {s}"
-            );
-        }
-    }
-
-    /// A rank whose parameter no longer is the host's copy of a shared table (it would train
-    /// its own, unseen) fails the check at once, even while the values still agree.
-    #[test]
-    fn the_check_sees_a_rank_off_the_shared_table() {
-        use crate::collective::tcp::test_ring::with_ring_owned_opts;
-        let options = crate::collective::tcp::TcpOptions::default();
-        let results = with_ring_owned_opts(2, options, |rank, ring| {
-            let vs = nn::VarStore::new(tch::Device::Cpu);
-            let table = vs.root().randn_standard("items", &[6, 4]);
-            let config = DdpConfig {
-                grad_accum: 1,
-                bucket_bytes: 1 << 20,
-                max_grad_norm: 1.0,
-                check_params_every: 0,
-                timeout: Duration::from_secs(20),
-                sparse: vec!["items".into()],
-                shared_tables: true,
-            };
-            let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
-            assert_eq!(ddp.shared_tables(), vec!["items"]);
-            ddp.check_params(1).unwrap();
-            if rank == 1 {
-                let private = tch::no_grad(|| table.copy());
-                ddp.params[0].shallow_clone().set_data(&private);
-            }
-            ddp.check_params(2).map_err(|e| e.to_string())
-        });
-        for result in results {
-            let message = result.unwrap_err();
-            assert!(
-                message.contains("at step 2: `items` is not the host's shared copy on rank(s) 1;"),
-                "{message}"
-            );
-        }
-    }
-
-    #[test]
-    fn disagreement_names_what_differs_and_where() {
-        let entries: Vec<(String, Entry)> = ["a", "b", "c", "d"]
-            .iter()
-            .map(|n| (n.to_string(), Entry::Same(0)))
-            .chain([("t".to_string(), Entry::SharedCopy(true))])
-            .collect();
-        let same = vec![vec![1, 2, 3, 4, 1]; 3];
-        assert_eq!(disagreement(&entries, &same), None);
-        let mut odd = same.clone();
-        odd[2][1] = 9;
-        assert_eq!(
-            disagreement(&entries, &odd).unwrap(),
-            "`b` differs from rank 0's on rank(s) 2"
-        );
-        let all_off = vec![vec![1, 2, 3, 4, 0]; 2];
-        assert_eq!(
-            disagreement(&entries, &all_off).unwrap(),
-            "`t` is not the host's shared copy on rank(s) 0, 1"
-        );
-        let many = vec![vec![0; 5], vec![5, 5, 5, 5, 1]];
-        assert_eq!(
-            disagreement(&entries, &many).unwrap(),
-            "`a` differs from rank 0's on rank(s) 1; `b` differs from rank 0's on rank(s) 1; `c` differs from rank 0's on rank(s) 1 (and 2 more)"
-        );
-    }
-
-    /// The one-pass mask and the tensor-op one (for a transposed, non-contiguous view) agree:
-    /// a row counts when any element is non-zero, NaN included (so a NaN is exchanged and seen
-    /// by clipping), and -0.0 does not.
-    #[test]
-    fn touched_rows_marks_rows_with_any_non_zero() {
-        let grad = Tensor::zeros([5, 3], (tch::Kind::Float, tch::Device::Cpu));
-        let _ = grad.get(1).get(2).fill_(-2.5);
-        let _ = grad.get(3).get(0).fill_(f64::NAN);
-        let _ = grad.get(4).get(1).fill_(-0.0);
-        let want = vec![0.0, 1.0, 0.0, 1.0, 0.0];
-        let got = |t: &Tensor| Vec::<f32>::try_from(touched_rows(t).unwrap()).unwrap();
-        assert_eq!(got(&grad), want);
-        let transposed = grad.tr().contiguous().tr();
-        assert!(!transposed.is_contiguous());
-        assert_eq!(got(&transposed), want);
-    }
-
-    #[test]
-    fn buckets_respect_the_size_and_cover_every_parameter_once() {
-        let params: Vec<Tensor> = [10, 300, 5, 5, 1000, 1]
-            .iter()
-            .map(|&n| Tensor::zeros([n], (tch::Kind::Float, tch::Device::Cpu)))
-            .collect();
-        let buckets = make_buckets(&params, &[0, 1, 2, 3, 4, 5], 1024);
-        let mut seen: Vec<usize> = buckets.iter().flatten().copied().collect();
-        seen.sort();
-        assert_eq!(seen, vec![0, 1, 2, 3, 4, 5]);
-        for b in &buckets {
-            let bytes: usize = b.iter().map(|&i| params[i].numel() * 4).sum();
-            assert!(bytes <= 1024 || b.len() == 1, "{b:?} holds {bytes} bytes");
-        }
-        // Reverse order: the last parameter is in the first bucket.
-        assert_eq!(buckets[0][0], 5);
-        assert_eq!(buckets.len(), 5);
-    }
-}
+mod tests;

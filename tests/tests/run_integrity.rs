@@ -322,31 +322,32 @@ fn a_resume_with_another_world_size_says_so_and_keeps_the_schedule() {
     );
 }
 
-/// Two ranks keep the BPR tables once in shared memory, each updating its share of the rows:
-/// the run gives the results of tables each rank keeps for itself, bit for bit, and so does a
-/// run stopped after an epoch and resumed (rank 0 loads the tables into the shared memory; the
-/// moments move there at the first step).
+/// Two ranks keep the BPR tables once in shared memory, each updating its share of the rows
+/// (`dist.shared_tables`), or every parameter, its moments and their gradients, each rank
+/// reducing and updating its share (`dist.shard_optimizer`, the default): the run gives the
+/// results of tables each rank keeps for itself, bit for bit, and so does a sharded run stopped
+/// after an epoch and resumed (rank 0 loads the parameters into the shared memory; the moments
+/// move there at the first step).
 #[test]
-fn shared_tables_give_the_results_of_private_ones_through_a_resume() {
+fn shared_and_sharded_parameters_give_the_results_of_private_ones_through_a_resume() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path();
     let epochs = "train.epochs=2";
+    let (unsharded, not_shared) = ("dist.shard_optimizer=false", "dist.shared_tables=false");
     let shared_line = "kept once in shared memory: each of the 2 ranks updates its share";
-    let private = run_ok(
-        2,
-        out,
-        "private",
-        &[epochs, "dist.shared_tables=false"],
-        &[],
-    );
+    let sharded_line = "each of the 2 ranks reduces, clips and updates its share of every parameter's rows (dist.shard_optimizer)";
+    let private = run_ok(2, out, "private", &[epochs, not_shared, unsharded], &[]);
     assert!(!private.stderr.contains(shared_line), "{}", private.stderr);
-    let whole = run_ok(2, out, "whole", &[epochs], &[]);
-    whole.assert_stderr(format!(
+    assert!(!private.stderr.contains(sharded_line), "{}", private.stderr);
+    let tables = run_ok(2, out, "tables", &[epochs, unsharded], &[]);
+    tables.assert_stderr(format!(
         "embedding tables item_id.weight, user_id.weight {shared_line}"
     ));
+    let whole = run_ok(2, out, "whole", &[epochs], &[]);
+    whole.assert_stderr(sharded_line);
     run_stopped_after("1", out, "resumed", &[epochs]);
     let resumed = run_ok(2, out, "resumed", &[epochs], &[]);
-    resumed.assert_stderr("resum");
+    resumed.assert_stderr_all(&["resum", sharded_line]);
     let last_loss = |name: &str| {
         let recs = records(&out.join(name));
         let summary = recs
@@ -356,7 +357,7 @@ fn shared_tables_give_the_results_of_private_ones_through_a_resume() {
         summary["last_loss"].clone()
     };
     let want = test_metrics(&out.join("private"));
-    for name in ["whole", "resumed"] {
+    for name in ["tables", "whole", "resumed"] {
         assert_eq!(test_metrics(&out.join(name)), want, "{name}");
         assert_eq!(last_loss(name), last_loss("private"), "{name}");
     }

@@ -33,8 +33,8 @@ pub(super) struct Sizes {
     pub(super) trained_blocks: u64,
     pub(super) params: u64,
     pub(super) trainable: u64,
-    /// Trainable values in row-sparse tables that the host's ranks keep once, in shared memory
-    /// (0 unless they do: see [`shared_table_values`]).
+    /// Trainable values that the host's ranks keep once, in shared memory (0 unless they do:
+    /// see [`kept_once_values`]).
     pub(super) shared: u64,
 }
 
@@ -129,27 +129,26 @@ pub(super) fn model_sizes(x: &Inputs<'_>) -> Sizes {
         trained_blocks,
         params: ids + proj + mlp + gpt2_params,
         trainable: ids + proj + mlp + gpt2_trainable,
-        shared: shared_table_values(x, ids + wte),
+        shared: kept_once_values(x, ids + wte, ids + proj + mlp + gpt2_trainable),
     }
 }
 
-/// Of `tables` (the trainable values of the row-sparse tables: the ID embeddings, and GPT-2's
-/// token table when it trains), those the ranks keep once per host (`runtime::ddp`'s shared
-/// tables): when every rank of the job is on this host, on the CPU, with shared memory and
-/// row-sparse exchanges on. Otherwise every rank holds its own copy: 0.
-fn shared_table_values(x: &Inputs<'_>, tables: u64) -> u64 {
+/// Of the trainable values, those the ranks keep once per host when every rank of the job is
+/// on this host, on the CPU, with shared memory: all of them (`trainable`) with
+/// `dist.shard_optimizer` (`runtime::ddp`'s host shards), the row-sparse `tables` (the ID
+/// embeddings, and GPT-2's token table when it trains) with `dist.shared_tables` and row-sparse
+/// exchanges. Otherwise every rank holds its own copy: 0.
+fn kept_once_values(x: &Inputs<'_>, tables: u64, trainable: u64) -> u64 {
     let dist = &x.config.dist;
-    let shared = !x.cuda
+    let one_host = !x.cuda
         && x.plan.world_size > 1
         && x.host_ranks >= x.plan.world_size
         && dist.backend != crate::config::Backend::Nccl
-        && dist.shared_memory
-        && dist.sparse_embeddings
-        && dist.shared_tables;
-    if shared {
-        tables
-    } else {
-        0
+        && dist.shared_memory;
+    match one_host {
+        true if dist.shard_optimizer => trainable,
+        true if dist.sparse_embeddings && dist.shared_tables => tables,
+        _ => 0,
     }
 }
 
@@ -184,7 +183,7 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
             detail: match shared {
                 0 => format!("{params} f32: {}", parts.join(" + ")),
                 _ => format!(
-                    "{params} f32: {}, less {shared} in shared tables",
+                    "{params} f32: {}, less {shared} kept once per host",
                     parts.join(" + ")
                 ),
             },
@@ -201,18 +200,22 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
             held: Held::Always,
             detail: match shared {
                 0 => "2 moments per trainable value".into(),
-                _ => "2 moments per trainable value outside the shared tables".into(),
+                _ => "2 moments per trainable value not kept once per host".into(),
             },
         },
     ];
     if shared > 0 {
         let ranks = x.host_ranks;
+        let (name, key) = match x.config.dist.shard_optimizer {
+            true => ("shared parameters", "dist.shard_optimizer"),
+            false => ("shared tables", "dist.shared_tables"),
+        };
         terms.push(MemoryTerm {
-            name: "shared tables",
+            name,
             bytes: (3 * shared * F32).div_ceil(ranks),
             held: Held::Always,
             detail: format!(
-                "1/{ranks} of {shared} f32 + 2 moments, kept once by the host's {ranks} ranks (dist.shared_tables)"
+                "1/{ranks} of {shared} f32 + 2 moments, kept once by the host's {ranks} ranks ({key})"
             ),
         });
     }

@@ -1,5 +1,6 @@
-//! `collective-bench`: all-reduce latency and bandwidth of the `tcp` backend, through shared
-//! memory (default on one host) or its socket ring, for `scripts/bench/allreduce.sh`.
+//! `collective-bench`: all-reduce (or broadcast, all-gather, barrier: `--op`) latency and
+//! bandwidth of the `tcp` backend, through shared memory (default on one host) or its socket
+//! ring, for `scripts/bench/allreduce.sh`.
 //! Run under `launch --num-processes N`; rank 0 prints one line per size:
 //! `shm <size>: median <ms> ms (<us> us), <GiB/s> GiB/s (algorithm bandwidth)` (or `tcp ...`),
 //! and the single-thread memcpy bandwidth of this machine (the ceiling for any intra-host scheme).
@@ -7,7 +8,11 @@
 //! With `--shared-buffer` the data lies in the shared-memory arena (`shm-arena` lines): it is
 //! reduced where it lies, as DDP's gradient buckets are once flattened into it.
 //!
-//! Usage: collective-bench [--sockets | --shared-buffer] [SIZE ...]   (SIZE: MiB, or KiB with a
+//! With `--op broadcast` (from rank 0) or `--op all-gather` (SIZE is each rank's part; the
+//! bandwidth counts the gathered bytes) lines start `shm broadcast`, `tcp all-gather`, ...;
+//! `--op barrier` times barriers (SIZE ignored).
+//!
+//! Usage: collective-bench [--op OP] [--sockets | --shared-buffer] [SIZE ...]   (SIZE: MiB, or KiB with a
 //! K suffix; default: 64K 1 16 64 256)
 
 use std::time::{Duration, Instant};
@@ -50,9 +55,21 @@ struct Cli {
     /// With the data in the shared-memory arena (reduced where it lies).
     #[arg(long = "shared-buffer")]
     shared_buffer: bool,
+    /// The operation timed.
+    #[arg(long, value_enum, default_value = "all-reduce")]
+    op: Op,
     /// Sizes: MiB, or KiB with a K suffix (default: 64K 1 16 64 256).
     #[arg(value_name = "SIZE", value_parser = parse_size)]
     sizes: Vec<usize>,
+}
+
+/// What is timed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Op {
+    AllReduce,
+    Broadcast,
+    AllGather,
+    Barrier,
 }
 
 fn main() -> Result<()> {
@@ -70,10 +87,16 @@ fn main() -> Result<()> {
         shared_memory: !sockets,
     };
     let mut comm = TcpCollective::connect_with(&env, store, timeout, options)?;
-    let name = match (comm.uses_shared_memory(), shared) {
+    let path = match (comm.uses_shared_memory(), shared) {
         (true, true) => "shm-arena",
         (true, false) => "shm",
         (false, _) => "tcp",
+    };
+    let name = match cli.op {
+        Op::AllReduce => path.to_string(),
+        Op::Broadcast => format!("{path} broadcast"),
+        Op::AllGather => format!("{path} all-gather"),
+        Op::Barrier => format!("{path} barrier"),
     };
     let ctx = OpContext { step: 0, timeout };
     let leader = env.rank == 0;
@@ -101,13 +124,32 @@ fn main() -> Result<()> {
             1.. => 20,
             _ => 200,
         };
-        let mut times = if shared && comm.uses_shared_memory() {
-            time_shared(&mut comm, bytes / 4, iters, ctx)?
-        } else {
-            time_private(&mut comm, bytes / 4, iters, ctx)?
+        let mut times = match cli.op {
+            Op::AllReduce if shared && comm.uses_shared_memory() => {
+                time_shared(&mut comm, bytes / 4, iters, ctx)?
+            }
+            Op::AllReduce => time_private(&mut comm, bytes / 4, iters, ctx)?,
+            Op::Broadcast => time_broadcast(&mut comm, bytes / 4, iters, ctx)?,
+            Op::AllGather => time_all_gather(&mut comm, bytes / 4, iters, ctx)?,
+            Op::Barrier => time_barrier(&mut comm, 1000, ctx)?,
         };
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
+        // The bytes each rank ends with: all of them for an all-gather.
+        let bytes = match cli.op {
+            Op::AllGather => bytes * env.world_size as usize,
+            _ => bytes,
+        };
+        if cli.op == Op::Barrier {
+            if leader {
+                println!(
+                    "{name}: median {:.1} us ({} ranks, 1000 runs)",
+                    median * 1e6,
+                    env.world_size
+                );
+            }
+            break; // the sizes mean nothing to a barrier
+        }
         if leader {
             println!(
                 "{name} {}: median {:.3} ms ({:.0} us), {:.2} GiB/s (algorithm bandwidth, {} ranks, {iters} runs)",
@@ -168,6 +210,75 @@ fn time_shared(
     let buf = comm.shared_buffer(n, ctx)?.context("the arena went away")?;
     let ends = [buf[0] as f64, buf[n - 1] as f64];
     check_sum(comm, ends)?;
+    Ok(times)
+}
+
+/// Times `iters` broadcasts from rank 0 of `n` floats (rank 0's are its rank + 1) and checks
+/// what arrived.
+fn time_broadcast(
+    comm: &mut TcpCollective,
+    n: usize,
+    iters: usize,
+    ctx: OpContext,
+) -> Result<Vec<f64>> {
+    let mine = comm.rank() as f64 + 1.0;
+    let mut t = [Tensor::full(
+        [n as i64],
+        mine,
+        (Kind::Float, tch::Device::Cpu),
+    )];
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..iters + 2 {
+        let _ = t[0].fill_(mine);
+        comm.barrier(ctx)?;
+        let start = Instant::now();
+        comm.broadcast(&mut t, 0, ctx)?;
+        if i >= 2 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let got = [t[0].double_value(&[0]), t[0].double_value(&[n as i64 - 1])];
+    anyhow::ensure!(got == [1.0, 1.0], "wrong broadcast result {got:?}");
+    Ok(times)
+}
+
+/// Times `iters` all-gathers of `n` floats per rank (each rank's hold its rank) and checks them.
+fn time_all_gather(
+    comm: &mut TcpCollective,
+    n: usize,
+    iters: usize,
+    ctx: OpContext,
+) -> Result<Vec<f64>> {
+    let t = Tensor::full(
+        [n as i64],
+        comm.rank() as f64,
+        (Kind::Float, tch::Device::Cpu),
+    );
+    let mut times = Vec::with_capacity(iters);
+    let mut parts = Vec::new();
+    for i in 0..iters + 2 {
+        comm.barrier(ctx)?;
+        let start = Instant::now();
+        parts = comm.all_gather(&t, ctx)?;
+        if i >= 2 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    for (r, part) in parts.iter().enumerate() {
+        let got = part.double_value(&[n as i64 - 1]);
+        anyhow::ensure!(got == r as f64, "wrong all-gather part {r}: {got}");
+    }
+    Ok(times)
+}
+
+/// Times `iters` barriers, one after another.
+fn time_barrier(comm: &mut TcpCollective, iters: usize, ctx: OpContext) -> Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let start = Instant::now();
+        comm.barrier(ctx)?;
+        times.push(start.elapsed().as_secs_f64());
+    }
     Ok(times)
 }
 

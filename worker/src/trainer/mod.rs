@@ -254,15 +254,12 @@ impl<'t> Trainer<'t> {
                     Vec::new()
                 },
                 shared_tables: config.dist.shared_tables,
+                shard_optimizer: config.dist.shard_optimizer,
             },
         )?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
-        let shared = ddp.shared_tables();
-        if !shared.is_empty() && rank == 0 {
-            info!(
-                "embedding tables {} kept once in shared memory: each of the {world} ranks updates its share of their rows",
-                shared.join(", ")
-            );
+        if rank == 0 {
+            log_sharing(&ddp);
         }
         ddp.set_probe(peak_memory_probe(setup.memory.clone(), vs.device()));
         let slow = task::slow_fault(
@@ -643,5 +640,20 @@ fn io(path: &Path, source: std::io::Error) -> TrainError {
     TrainError::Io {
         path: path.display().to_string(),
         source,
+    }
+}
+
+/// What the ranks of one host keep once in shared memory, if anything (rank 0 says it).
+fn log_sharing(ddp: &Ddp) {
+    let (world, shared) = (ddp.world_size(), ddp.shared_tables());
+    if ddp.sharded() {
+        info!(
+            "parameters, AdamW moments and gradients kept in shared memory: each of the {world} ranks reduces, clips and updates its share of every parameter's rows (dist.shard_optimizer)"
+        );
+    } else if !shared.is_empty() {
+        info!(
+            "embedding tables {} kept once in shared memory: each of the {world} ranks updates its share of their rows",
+            shared.join(", ")
+        );
     }
 }

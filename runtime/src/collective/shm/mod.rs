@@ -17,12 +17,14 @@
 //! training; it moves `f32`s.
 
 mod arena;
+mod copy;
 mod segment;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::store::StoreClient;
+pub use copy::Bytes;
 use segment::Segment;
 
 /// Bytes of one buffer; a control segment holds two (double-buffering) after its header.
@@ -77,6 +79,9 @@ pub enum ShmFailure {
         rank: usize,
         their_seq: u64,
         their_len: u64,
+        /// Their operation and ours, in words ([`op_words`]).
+        their_op: String,
+        our_op: String,
     },
 }
 
@@ -279,6 +284,8 @@ impl ShmGroup {
                     rank: self.ranks[j],
                     their_seq,
                     their_len,
+                    their_op: op_words(their_kind),
+                    our_op: op_words(kind),
                 });
             }
         }
@@ -318,6 +325,18 @@ impl ShmGroup {
                 pid,
             }),
         }
+    }
+}
+
+/// An operation's descriptor kind in words, for a mismatch's message (members are global
+/// ranks when the group is the whole job).
+fn op_words(kind: u64) -> String {
+    match kind & 0xff {
+        CHUNKED | IN_ARENA => "all_reduce".to_string(),
+        copy::BARRIER => "barrier".to_string(),
+        copy::BROADCAST => format!("broadcast from member {}", kind >> 8),
+        copy::ALL_GATHER => "all_gather".to_string(),
+        other => format!("operation kind {other}"),
     }
 }
 

@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 
 use link::{exchange, read_exact_until, write_all_until};
 
-use super::shm::{ShmFailure, ShmGroup};
+use super::shm::{Bytes, ShmFailure, ShmGroup};
 use super::{
     flatten_f32, flatten_into, unflatten_into, Collective, CollectiveError, HostShared, OpContext,
     ReduceOp,
@@ -269,7 +269,17 @@ impl TcpCollective {
 
     /// The error a failed shared-memory all-reduce of `len` elements reports.
     fn shm_error(&mut self, failure: ShmFailure, ctx: OpContext, len: usize) -> CollectiveError {
-        let op = "all_reduce";
+        self.shm_op_error("all_reduce", failure, ctx, len)
+    }
+
+    /// The error a failed shared-memory operation `op` of `len` elements reports.
+    fn shm_op_error(
+        &mut self,
+        op: &'static str,
+        failure: ShmFailure,
+        ctx: OpContext,
+        len: usize,
+    ) -> CollectiveError {
         match failure {
             ShmFailure::Timeout => self.timeout_error(op, ctx),
             ShmFailure::Exited { rank, pid } => CollectiveError::Peer {
@@ -289,15 +299,42 @@ impl TcpCollective {
                 rank,
                 their_seq,
                 their_len,
+                their_op,
+                our_op,
             } => CollectiveError::Mismatch {
                 op,
                 step: ctx.step,
                 detail: format!(
-                    "rank {rank} is at operation #{their_seq} ({their_len} elements) while rank {} is at #{} (all_reduce, {len} elements)",
+                    "rank {rank} is at operation #{their_seq} ({their_op}, {their_len} elements) while rank {} is at #{} ({our_op}, {len} elements)",
                     self.rank, self.seq
                 ),
             },
         }
+    }
+
+    /// The shared-memory group, when it holds every rank of the job (one host): broadcast,
+    /// all-gather and barrier go through it instead of the ring.
+    fn whole_job_shm(&mut self) -> Option<&mut ShmGroup> {
+        self.shm.as_mut().filter(|_| self.hosts.is_none())
+    }
+
+    /// Broadcast of `bytes` from `root` through shared memory; false, doing nothing, when the
+    /// job is not on one host.
+    fn shm_broadcast(
+        &mut self,
+        parts: &[Bytes],
+        root: usize,
+        ctx: OpContext,
+    ) -> Result<bool, CollectiveError> {
+        let (seq, deadline) = (self.seq + 1, Instant::now() + ctx.timeout);
+        let Some(shm) = self.whole_job_shm() else {
+            return Ok(false);
+        };
+        let done = shm.broadcast(parts, root, seq, deadline);
+        self.seq = seq;
+        let len = parts.iter().map(|p| p.len).sum();
+        done.map_err(|f| self.shm_op_error("broadcast", f, ctx, len))?;
+        Ok(true)
     }
 
     /// A buffer of `n` floats in this rank's shared-memory arena: data put there is all-reduced
@@ -392,25 +429,80 @@ impl TcpCollective {
         Ok(true)
     }
 
-    /// Ring all-gather of equal-sized byte chunks: chunk `rank` is ours on entry, all are
-    /// filled on return.
-    fn ring_all_gather(
+    /// Broadcast of `bytes` from `root` along the socket ring (each rank forwards what it
+    /// receives, piece by piece, to the next, which the root does not need).
+    fn socket_broadcast(
         &mut self,
-        buf: &mut [u8],
-        chunk: usize,
+        parts: &[Bytes],
+        root: usize,
         ctx: OpContext,
         deadline: Instant,
     ) -> Result<(), CollectiveError> {
+        let total: usize = parts.iter().map(|p| p.len).sum();
+        self.handshake("broadcast", 2, total as u64, ctx, deadline)?;
+        let forward = self.next() != root;
+        let receive = self.rank != root;
+        let Some((to_next, from_prev)) = self.links.as_mut() else {
+            return Ok(());
+        };
+        let mut result = Ok(());
+        'parts: for part in parts.iter().filter(|p| p.len > 0) {
+            // SAFETY: valid for `len` bytes and ours alone during the operation (see Bytes).
+            let bytes = unsafe { std::slice::from_raw_parts_mut(part.ptr, part.len) };
+            for piece in bytes.chunks_mut(PIECE_BYTES) {
+                if receive {
+                    if let Err(e) = read_exact_until(from_prev, piece, deadline) {
+                        result = Err(e.map_recv());
+                        break 'parts;
+                    }
+                }
+                if forward {
+                    if let Err(e) = write_all_until(to_next, piece, deadline) {
+                        result = Err(e);
+                        break 'parts;
+                    }
+                }
+            }
+        }
+        match result {
+            Ok(()) => Ok(()),
+            Err(LinkFailure::Timeout) => Err(self.timeout_error("broadcast", ctx)),
+            Err(LinkFailure::Send(source)) => Err(CollectiveError::Peer {
+                op: "broadcast",
+                step: ctx.step,
+                peer: self.global(self.next()),
+                source,
+            }),
+            Err(LinkFailure::Recv(source)) => Err(CollectiveError::Peer {
+                op: "broadcast",
+                step: ctx.step,
+                peer: self.global(self.prev()),
+                source,
+            }),
+        }
+    }
+
+    /// Ring all-gather: `mine` into `parts[rank]`, then each rank passes the part it received
+    /// last to the next one, W - 1 times, until every part is filled.
+    fn socket_all_gather(
+        &mut self,
+        mine: Bytes,
+        parts: &[Bytes],
+        ctx: OpContext,
+        deadline: Instant,
+    ) -> Result<(), CollectiveError> {
+        self.handshake("all_gather", 3, mine.len as u64, ctx, deadline)?;
         let (w, r) = (self.world, self.rank);
-        for s in 0..w - 1 {
-            let send_i = (r + w - s) % w;
-            let recv_i = (r + 2 * w - s - 1) % w;
-            let (send, recv) = split_pair(
-                buf,
-                (send_i * chunk, (send_i + 1) * chunk),
-                (recv_i * chunk, (recv_i + 1) * chunk),
-            );
-            self.transfer(send, Sink::Copy(recv), "all_gather", ctx, deadline)?;
+        // SAFETY: `mine` and every part are `mine.len` bytes, distinct, and ours alone during
+        // the operation (see Bytes); the part sent and the part received differ at every step.
+        unsafe {
+            std::ptr::copy_nonoverlapping(mine.ptr, parts[r].ptr, mine.len);
+            for s in 0..w - 1 {
+                let (send, recv) = (parts[(r + w - s) % w], parts[(r + 2 * w - s - 1) % w]);
+                let send = std::slice::from_raw_parts(send.ptr as *const u8, send.len);
+                let recv = std::slice::from_raw_parts_mut(recv.ptr, recv.len);
+                self.transfer(send, Sink::Copy(recv), "all_gather", ctx, deadline)?;
+            }
         }
         Ok(())
     }
@@ -496,63 +588,18 @@ impl Collective for TcpCollective {
             return Ok(());
         }
         let deadline = Instant::now() + ctx.timeout;
-        let mut bytes = Vec::new();
-        let mut sizes = Vec::with_capacity(tensors.len());
-        for t in tensors.iter() {
-            let start = bytes.len();
-            let n = tensor_bytes(t)?;
-            bytes.resize(start + n.len(), 0);
-            bytes[start..].copy_from_slice(&n);
-            sizes.push(n.len());
+        // Received straight into the tensors' memory (a contiguous CPU copy of any other).
+        let staged = tensors.iter().map(staged).collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: the staged tensors outlive `parts`; nothing else touches them meanwhile.
+        let parts: Vec<Bytes> = staged.iter().map(|t| unsafe { bytes_of(t) }).collect();
+        if !self.shm_broadcast(&parts, root, ctx)? {
+            self.socket_broadcast(&parts, root, ctx, deadline)?;
         }
-        self.handshake("broadcast", 2, bytes.len() as u64, ctx, deadline)?;
-        let forward = self.next() != root;
-        let receive = self.rank != root;
-        let Some((to_next, from_prev)) = self.links.as_mut() else {
-            return Ok(());
-        };
-        let mut result = Ok(());
-        for piece in bytes.chunks_mut(PIECE_BYTES) {
-            if receive {
-                if let Err(e) = read_exact_until(from_prev, piece, deadline) {
-                    result = Err(e.map_recv());
-                    break;
+        if self.rank != root {
+            for (t, s) in tensors.iter_mut().zip(&staged) {
+                if s.data_ptr() != t.data_ptr() {
+                    t.f_copy_(s)?;
                 }
-            }
-            if forward {
-                if let Err(e) = write_all_until(to_next, piece, deadline) {
-                    result = Err(e);
-                    break;
-                }
-            }
-        }
-        match result {
-            Ok(()) => {}
-            Err(LinkFailure::Timeout) => return Err(self.timeout_error("broadcast", ctx)),
-            Err(LinkFailure::Send(source)) => {
-                return Err(CollectiveError::Peer {
-                    op: "broadcast",
-                    step: ctx.step,
-                    peer: self.global(self.next()),
-                    source,
-                })
-            }
-            Err(LinkFailure::Recv(source)) => {
-                return Err(CollectiveError::Peer {
-                    op: "broadcast",
-                    step: ctx.step,
-                    peer: self.global(self.prev()),
-                    source,
-                })
-            }
-        }
-        if receive {
-            let mut offset = 0;
-            for (t, len) in tensors.iter_mut().zip(sizes) {
-                let src =
-                    Tensor::f_from_data_size(&bytes[offset..offset + len], &t.size(), t.kind())?;
-                t.f_copy_(&src)?;
-                offset += len;
             }
         }
         Ok(())
@@ -563,30 +610,43 @@ impl Collective for TcpCollective {
         tensor: &Tensor,
         ctx: OpContext,
     ) -> Result<Vec<Tensor>, CollectiveError> {
+        let mine = staged(tensor)?;
+        let out = (0..self.world)
+            .map(|_| mine.f_empty_like())
+            .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: `mine` and `out` outlive these views; nothing else touches them meanwhile.
+        let (mine_bytes, parts): (Bytes, Vec<Bytes>) =
+            unsafe { (bytes_of(&mine), out.iter().map(|t| bytes_of(t)).collect()) };
         if self.world == 1 {
-            let mut copy = tensor.f_zeros_like()?.f_to_device(Device::Cpu)?;
-            copy.f_copy_(tensor)?;
-            return Ok(vec![copy]);
+            // SAFETY: both `mine_bytes.len` bytes long, distinct tensors.
+            unsafe { std::ptr::copy_nonoverlapping(mine_bytes.ptr, parts[0].ptr, mine_bytes.len) };
+            return Ok(out);
         }
         let deadline = Instant::now() + ctx.timeout;
-        let mine = tensor_bytes(tensor)?;
-        let chunk = mine.len();
-        self.handshake("all_gather", 3, chunk as u64, ctx, deadline)?;
-        let mut buf = vec![0u8; chunk * self.world];
-        buf[self.rank * chunk..(self.rank + 1) * chunk].copy_from_slice(&mine);
-        self.ring_all_gather(&mut buf, chunk, ctx, deadline)?;
-        (0..self.world)
-            .map(|i| {
-                Ok(Tensor::f_from_data_size(
-                    &buf[i * chunk..(i + 1) * chunk],
-                    &tensor.size(),
-                    tensor.kind(),
-                )?)
-            })
-            .collect()
+        let seq = self.seq + 1;
+        let gathered = self
+            .whole_job_shm()
+            .map(|shm| shm.all_gather(mine_bytes, &parts, seq, deadline));
+        match gathered {
+            Some(done) => {
+                self.seq = seq;
+                done.map_err(|f| self.shm_op_error("all_gather", f, ctx, mine_bytes.len))?;
+            }
+            None => self.socket_all_gather(mine_bytes, &parts, ctx, deadline)?,
+        }
+        Ok(out)
     }
 
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        let (seq, deadline) = (self.seq + 1, Instant::now() + ctx.timeout);
+        if let Some(shm) = self.whole_job_shm() {
+            let done = shm.barrier(seq, deadline);
+            self.seq = seq;
+            return done.map_err(|f| self.shm_op_error("barrier", f, ctx, 0));
+        }
         let mut token = [Tensor::from_slice(&[1.0f32])];
         self.all_reduce(&mut token, ReduceOp::Sum, ctx)
     }
@@ -621,12 +681,30 @@ impl LinkFailure {
 }
 
 /// The bytes of a tensor's values (contiguous, on the CPU).
-fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>, tch::TchError> {
-    let t = t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
-    let n = t.numel();
-    let mut bytes = vec![0u8; n * t.f_kind()?.elt_size_in_bytes()];
-    t.f_copy_data_u8(&mut bytes, n)?;
-    Ok(bytes)
+/// `t` itself when it is a contiguous CPU tensor, otherwise a contiguous CPU copy: what a
+/// broadcast or all-gather reads and writes in place.
+fn staged(t: &Tensor) -> Result<Tensor, tch::TchError> {
+    let t = t.f_detach()?;
+    if t.device() == Device::Cpu && t.is_contiguous() {
+        return Ok(t);
+    }
+    t.f_to_device(Device::Cpu)?.f_contiguous()
+}
+
+/// The bytes of a contiguous CPU tensor.
+///
+/// # Safety
+/// The caller keeps `t` alive, and its memory untouched by anything else, while the view is used.
+unsafe fn bytes_of(t: &Tensor) -> Bytes {
+    let len = t.numel() * t.kind().elt_size_in_bytes();
+    Bytes {
+        ptr: if len == 0 {
+            std::ptr::NonNull::<u8>::dangling().as_ptr()
+        } else {
+            t.data_ptr() as *mut u8
+        },
+        len,
+    }
 }
 
 fn op_name(code: u8) -> &'static str {

@@ -172,35 +172,81 @@ fn average_of_many_tensors_of_mixed_kinds() {
     }
 }
 
+/// Broadcast from every root, all-gather and barrier, through shared memory and through the
+/// ring, with tensors of several kinds, empty ones, and ones larger than a chunk; a lagging rank
+/// and all-reduces in between keep the operations in step.
 #[test]
 fn broadcast_from_each_root_and_all_gather() {
-    for root in 0..4usize {
-        let results = with_ring(4, move |rank, comm| {
-            let mut t = [
-                Tensor::from_slice(&[rank as i64, 10 + rank as i64]),
-                Tensor::from_slice(&vec![rank as f32; 3 * PIECE_BYTES / 4 + 5]),
-            ];
-            comm.broadcast(&mut t, root, CTX).unwrap();
-            let gathered = comm
-                .all_gather(&Tensor::from_slice(&[rank as f32, -(rank as f32)]), CTX)
-                .unwrap();
-            comm.barrier(CTX).unwrap();
-            (
-                Vec::<i64>::try_from(&t[0]).unwrap(),
-                t[1].double_value(&[0]),
-                t[1].double_value(&[(3 * PIECE_BYTES / 4 + 4) as i64]),
-                gathered
-                    .iter()
-                    .map(|g| Vec::<f32>::try_from(g).unwrap())
-                    .collect::<Vec<_>>(),
-            )
-        });
-        for (ints, first, last, gathered) in results {
-            assert_eq!(ints, vec![root as i64, 10 + root as i64]);
-            assert_eq!((first, last), (root as f64, root as f64));
-            let expect: Vec<Vec<f32>> = (0..4).map(|r| vec![r as f32, -(r as f32)]).collect();
-            assert_eq!(gathered, expect);
+    let big = 3 * PIECE_BYTES / 4 + 5; // floats: more than one chunk of either path
+    for (world, shared_memory) in [(2u32, true), (3, true), (4, true), (4, false)] {
+        let options = TcpOptions { shared_memory };
+        for root in 0..world as usize {
+            let results = with_ring_opts(world, options, move |rank, comm| {
+                assert_eq!(comm.uses_shared_memory(), shared_memory);
+                if rank == (root + 1) % world as usize {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let mut t = [
+                    Tensor::from_slice(&[rank as i64, 10 + rank as i64]),
+                    Tensor::from_slice(&vec![rank as f32; big]),
+                    Tensor::from_slice::<f32>(&[]),
+                ];
+                comm.broadcast(&mut t, root, CTX).unwrap();
+                let mut sum = [Tensor::from_slice(&[rank as f32])];
+                comm.all_reduce(&mut sum, ReduceOp::Sum, CTX).unwrap();
+                let gathered = comm
+                    .all_gather(&Tensor::from_slice(&[rank as f32, -(rank as f32)]), CTX)
+                    .unwrap();
+                let long: Vec<i32> = (0..big as i32).map(|i| i * 5 + rank as i32).collect();
+                let long = comm.all_gather(&Tensor::from_slice(&long), CTX).unwrap();
+                comm.barrier(CTX).unwrap();
+                (
+                    Vec::<i64>::try_from(&t[0]).unwrap(),
+                    Vec::<f32>::try_from(&t[1]).unwrap(),
+                    sum[0].double_value(&[0]),
+                    gathered
+                        .iter()
+                        .map(|g| Vec::<f32>::try_from(g).unwrap())
+                        .collect::<Vec<_>>(),
+                    long.iter()
+                        .map(|g| Vec::<i32>::try_from(g).unwrap())
+                        .collect::<Vec<_>>(),
+                )
+            });
+            let w = world as usize;
+            for (ints, floats, sum, gathered, long) in results {
+                assert_eq!(ints, vec![root as i64, 10 + root as i64]);
+                assert!(floats == vec![root as f32; big], "root {root}");
+                assert_eq!(sum, (0..w).sum::<usize>() as f64);
+                let expect: Vec<Vec<f32>> = (0..w).map(|r| vec![r as f32, -(r as f32)]).collect();
+                assert_eq!(gathered, expect);
+                for (r, part) in long.iter().enumerate() {
+                    let want: Vec<i32> = (0..big as i32).map(|i| i * 5 + r as i32).collect();
+                    assert!(*part == want, "world {world}: rank {r}'s part");
+                }
+            }
         }
+    }
+}
+
+/// Ranks that disagree on a broadcast's root are told so, through shared memory too.
+#[test]
+fn a_broadcast_from_different_roots_is_reported() {
+    let results = with_ring(2, |rank, comm| {
+        let mut t = [Tensor::from_slice(&[1.0f32; 8])];
+        let ctx = OpContext {
+            timeout: Duration::from_secs(5),
+            ..CTX
+        };
+        comm.broadcast(&mut t, rank, ctx).map_err(|e| e.to_string())
+    });
+    for result in results {
+        let text = result.unwrap_err();
+        assert!(text.contains("disagree"), "{text}");
+        assert!(
+            text.contains("broadcast from member 0") && text.contains("broadcast from member 1"),
+            "{text}"
+        );
     }
 }
 

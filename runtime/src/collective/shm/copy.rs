@@ -1,0 +1,189 @@
+//! The operations of the shared-memory group that move data without reducing it: barrier,
+//! broadcast and all-gather, on the same control segments and progress counters as the
+//! all-reduce (see the module's protocol), so that any sequence of operations stays in step.
+//!
+//! Each chunk `g` of an operation: the members that have data for it copy it into their buffer
+//! `g % 2` (after every member published `2g-1`: done with chunk `g-2`) and publish `2g+1`;
+//! once every member has, each copies what it needs out of the others' buffers and publishes
+//! `2g+2`. Only an operation's last chunk waits for every member's `2g+2` (so that no member
+//! rewrites its operation's descriptor while another still checks it): within an operation the
+//! next chunk goes into the other buffer while the members still copy this one out. A byte
+//! crosses memory twice (in, out), never the kernel: the socket ring sends it through loopback
+//! W-1 times.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::{ShmFailure, ShmGroup, CHUNK_BYTES};
+
+/// `len` bytes at `ptr` that an operation reads or writes: the caller keeps them valid and
+/// untouched by anything else for the operation (tensor memory, typically; parts of one
+/// operation may not overlap).
+#[derive(Debug, Clone, Copy)]
+pub struct Bytes {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+/// Calls `f((pointer, length), offset in the chunk)` for each piece of `parts` (read as one run
+/// of bytes) that lies in `start..end`.
+fn each_piece(
+    parts: &[Bytes],
+    start: usize,
+    end: usize,
+    mut f: impl FnMut((*mut u8, usize), usize),
+) {
+    let mut at = 0;
+    for part in parts {
+        let (lo, hi) = (at.max(start), (at + part.len).min(end));
+        if lo < hi {
+            // SAFETY: `lo - at < part.len`: inside the part.
+            f((unsafe { part.ptr.add(lo - at) }, hi - lo), lo - start);
+        }
+        at += part.len;
+        if at >= end {
+            break;
+        }
+    }
+}
+
+/// Operation kinds in the descriptor, beside the all-reduce's.
+pub(super) const BARRIER: u64 = 3;
+pub(super) const BROADCAST: u64 = 4;
+pub(super) const ALL_GATHER: u64 = 5;
+
+impl ShmGroup {
+    /// Returns once every member has entered barrier `seq` (two publications, no data).
+    pub fn barrier(&mut self, seq: u64, deadline: Instant) -> Result<(), ShmFailure> {
+        self.describe(seq, 0, BARRIER);
+        self.chunk_with(deadline, Some(seq), true, |_| {}, |_, _| {})?;
+        self.chunks += 1;
+        Ok(())
+    }
+
+    /// Overwrites `parts` (read as one run of bytes, one part after another) with member
+    /// `root`'s (an index into the members), as operation `seq` (the same `seq`, `root` and part
+    /// lengths on every member).
+    pub fn broadcast(
+        &mut self,
+        parts: &[Bytes],
+        root: usize,
+        seq: u64,
+        deadline: Instant,
+    ) -> Result<(), ShmFailure> {
+        let total: usize = parts.iter().map(|p| p.len).sum();
+        self.describe(seq, total, BROADCAST + ((root as u64) << 8));
+        let me = self.me;
+        let mut start = 0;
+        loop {
+            let end = total.min(start + CHUNK_BYTES);
+            let put = |buffer: *mut u8| {
+                if me == root {
+                    // SAFETY: `end - start <= CHUNK_BYTES` bytes into our own buffer, ours to
+                    // write until we publish 2g+1; the parts are the caller's, valid (see Bytes).
+                    each_piece(parts, start, end, |part, at| unsafe {
+                        std::ptr::copy_nonoverlapping(part.0, buffer.add(at), part.1)
+                    })
+                }
+            };
+            let take = |group: &ShmGroup, which: usize| {
+                if me != root {
+                    let from = group.segments[root].buffer(which) as *const u8;
+                    // SAFETY: the root published 2g+1, so its buffer holds the chunk, unchanged
+                    // until we publish 2g+2.
+                    each_piece(parts, start, end, |part, at| unsafe {
+                        std::ptr::copy_nonoverlapping(from.add(at), part.0, part.1)
+                    })
+                }
+            };
+            self.chunk_with(
+                deadline,
+                (start == 0).then_some(seq),
+                end >= total,
+                put,
+                take,
+            )?;
+            self.chunks += 1;
+            start = end;
+            if start >= total {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Every member's `mine` (the same length on all) into `out[j]` for member `j` (each as long
+    /// as `mine`; ours is copied too), as operation `seq`.
+    pub fn all_gather(
+        &mut self,
+        mine: Bytes,
+        out: &[Bytes],
+        seq: u64,
+        deadline: Instant,
+    ) -> Result<(), ShmFailure> {
+        let (len, members) = (mine.len, self.segments.len());
+        assert!(
+            out.len() == members && out.iter().all(|o| o.len == len),
+            "all_gather: out must hold one part as long as ours per member"
+        );
+        self.describe(seq, len, ALL_GATHER);
+        let me = self.me;
+        // SAFETY: both valid for `len` bytes (see Bytes), distinct allocations.
+        unsafe { std::ptr::copy_nonoverlapping(mine.ptr, out[me].ptr, len) };
+        let mut start = 0;
+        loop {
+            let n = CHUNK_BYTES.min(len - start);
+            let put = |buffer: *mut u8| {
+                // SAFETY: `n <= CHUNK_BYTES` bytes into our own buffer, ours to write until we
+                // publish 2g+1.
+                unsafe { std::ptr::copy_nonoverlapping(mine.ptr.add(start), buffer, n) }
+            };
+            let take = |group: &ShmGroup, which: usize| {
+                for j in (0..members).filter(|j| *j != me) {
+                    let from = group.segments[j].buffer(which) as *const u8;
+                    // SAFETY: member j published 2g+1, so its buffer holds its chunk, unchanged
+                    // until we publish 2g+2; `start + n <= len`, the length of out[j].
+                    unsafe { std::ptr::copy_nonoverlapping(from, out[j].ptr.add(start), n) }
+                }
+            };
+            let last = start + n >= len;
+            self.chunk_with(deadline, (start == 0).then_some(seq), last, put, take)?;
+            self.chunks += 1;
+            start += n;
+            if start >= len {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Chunk `self.chunks` of an operation: `put` fills our buffer, `take` reads the others'
+    /// (given the buffer's index), with the synchronisation around them (see the module doc).
+    /// `check` is the operation whose descriptors every member's must match (its first chunk);
+    /// `last` says whether it ends the operation.
+    fn chunk_with(
+        &self,
+        deadline: Instant,
+        check: Option<u64>,
+        last: bool,
+        put: impl FnOnce(*mut u8),
+        take: impl FnOnce(&ShmGroup, usize),
+    ) -> Result<(), ShmFailure> {
+        let g = self.chunks;
+        let which = (g % 2) as usize;
+        let mine = &self.segments[self.me];
+        if g >= 1 {
+            self.wait_all(2 * g - 1, deadline)?; // everyone is done with chunk g - 2
+        }
+        put(mine.buffer(which) as *mut u8);
+        mine.progress().store(2 * g + 1, Ordering::Release);
+        self.wait_all(2 * g + 1, deadline)?;
+        if let Some(seq) = check {
+            self.check_descriptors(seq)?;
+        }
+        take(self, which);
+        mine.progress().store(2 * g + 2, Ordering::Release);
+        if last {
+            self.wait_all(2 * g + 2, deadline)?;
+        }
+        Ok(())
+    }
+}
