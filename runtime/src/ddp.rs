@@ -18,6 +18,7 @@ mod host_shards;
 mod param_check;
 mod sharded_step;
 mod shared_tables;
+pub use host_shards::mean_into;
 use host_shards::HostShards;
 use shared_tables::SharedTables;
 

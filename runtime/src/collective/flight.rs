@@ -319,6 +319,16 @@ impl Collective for Recorded {
         self.run(entry, |c| c.all_gather(tensor, ctx))
     }
 
+    fn all_gather_into(
+        &mut self,
+        tensor: &Tensor,
+        out: &mut [Tensor],
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        let entry = op(Kind::AllGather, std::slice::from_ref(tensor), ctx);
+        self.run(entry, |c| c.all_gather_into(tensor, out, ctx))
+    }
+
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError> {
         self.run(op(Kind::Barrier, &[], ctx), |c| c.barrier(ctx))
     }

@@ -105,6 +105,22 @@ pub trait Collective: Send {
         ctx: OpContext,
     ) -> Result<Vec<Tensor>, CollectiveError>;
 
+    /// Every rank's `tensor` into `out`, one tensor per rank in rank order, each shaped and
+    /// typed like `tensor` (as `torch.distributed.all_gather(out, tensor)`): no allocation when
+    /// the caller keeps `out` from call to call. Default: [`Collective::all_gather`], copied.
+    fn all_gather_into(
+        &mut self,
+        tensor: &Tensor,
+        out: &mut [Tensor],
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        check_gather_out(tensor, out, self.world_size())?;
+        for (o, part) in out.iter_mut().zip(self.all_gather(tensor, ctx)?) {
+            o.f_copy_(&part)?;
+        }
+        Ok(())
+    }
+
     /// Returns once every rank has entered the barrier.
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError>;
 
@@ -118,6 +134,29 @@ pub trait Collective: Send {
     ) -> Result<Option<HostShared>, CollectiveError> {
         Ok(None)
     }
+}
+
+/// Checks that `out` holds one tensor like `tensor` per rank (the same on every rank, so every
+/// rank fails alike before anything is exchanged).
+pub(crate) fn check_gather_out(
+    tensor: &Tensor,
+    out: &[Tensor],
+    world: usize,
+) -> Result<(), CollectiveError> {
+    let like = |o: &Tensor| o.size() == tensor.size() && o.kind() == tensor.kind();
+    if out.len() != world || !out.iter().all(like) {
+        return Err(CollectiveError::Unsupported {
+            op: "all_gather",
+            detail: format!(
+                "the output needs {world} tensors of shape {:?} and kind {:?}, got {} of shapes {:?}",
+                tensor.size(),
+                tensor.kind(),
+                out.len(),
+                out.iter().map(Tensor::size).collect::<Vec<_>>()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Memory shared by every rank of a group ([`Collective::host_shared`]): mapped until the

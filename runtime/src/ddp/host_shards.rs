@@ -265,12 +265,13 @@ fn contiguous_strides(size: &[i64]) -> Vec<i64> {
     strides
 }
 
-/// `ours[start..end]` := (sum of `sources[r][start..end]` over r, in order) / `w`.
+/// `ours[start..end]` := (sum of `sources[r][start..end]` over r, in order) / `w`: the
+/// arithmetic of a sharded step's reduction (public for `collective-bench`, which times it).
 ///
 /// # Safety
 /// Every source and `ours` are valid for `end` floats; `ours` may be one of the sources (each
 /// block is read whole before it is written); nobody else writes the range meanwhile.
-unsafe fn mean_into(sources: &[*const f32], ours: *mut f32, start: usize, end: usize, w: f32) {
+pub unsafe fn mean_into(sources: &[*const f32], ours: *mut f32, start: usize, end: usize, w: f32) {
     const BLOCK: usize = 1024;
     let mut acc = [0f32; BLOCK];
     let mut at = start;

@@ -10,7 +10,10 @@
 //!
 //! With `--op broadcast` (from rank 0) or `--op all-gather` (SIZE is each rank's part; the
 //! bandwidth counts the gathered bytes) lines start `shm broadcast`, `tcp all-gather`, ...;
-//! `--op barrier` times barriers (SIZE ignored).
+//! `--op barrier` times barriers (SIZE ignored). `--op sharded-reduce` times what a sharded
+//! training step (`dist.shard_optimizer`) does instead of an all-reduce: every rank's gradient
+//! lies in shared memory, each rank averages its share of the rows over all of them where they
+//! lie, and a barrier ends it (`shm-sharded` lines; SIZE is the gradient, as for all-reduce).
 //!
 //! Usage: collective-bench [--op OP] [--sockets | --shared-buffer] [SIZE ...]   (SIZE: MiB, or KiB with a
 //! K suffix; default: 64K 1 16 64 256)
@@ -70,6 +73,7 @@ enum Op {
     Broadcast,
     AllGather,
     Barrier,
+    ShardedReduce,
 }
 
 fn main() -> Result<()> {
@@ -97,6 +101,7 @@ fn main() -> Result<()> {
         Op::Broadcast => format!("{path} broadcast"),
         Op::AllGather => format!("{path} all-gather"),
         Op::Barrier => format!("{path} barrier"),
+        Op::ShardedReduce => "shm-sharded".to_string(),
     };
     let ctx = OpContext { step: 0, timeout };
     let leader = env.rank == 0;
@@ -132,11 +137,12 @@ fn main() -> Result<()> {
             Op::Broadcast => time_broadcast(&mut comm, bytes / 4, iters, ctx)?,
             Op::AllGather => time_all_gather(&mut comm, bytes / 4, iters, ctx)?,
             Op::Barrier => time_barrier(&mut comm, 1000, ctx)?,
+            Op::ShardedReduce => time_sharded(&mut comm, bytes / 4, iters, ctx)?,
         };
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         // The bytes each rank ends with: all of them for an all-gather.
-        let bytes = match cli.op {
+        let moved = match cli.op {
             Op::AllGather => bytes * env.world_size as usize,
             _ => bytes,
         };
@@ -156,7 +162,7 @@ fn main() -> Result<()> {
                 label(bytes),
                 median * 1e3,
                 median * 1e6,
-                bytes as f64 / (1u64 << 30) as f64 / median,
+                moved as f64 / (1u64 << 30) as f64 / median,
                 env.world_size
             );
         }
@@ -242,7 +248,8 @@ fn time_broadcast(
     Ok(times)
 }
 
-/// Times `iters` all-gathers of `n` floats per rank (each rank's hold its rank) and checks them.
+/// Times `iters` all-gathers of `n` floats per rank (each rank's hold its rank) into outputs
+/// kept from run to run, and checks them.
 fn time_all_gather(
     comm: &mut TcpCollective,
     n: usize,
@@ -255,11 +262,12 @@ fn time_all_gather(
         (Kind::Float, tch::Device::Cpu),
     );
     let mut times = Vec::with_capacity(iters);
-    let mut parts = Vec::new();
+    // Into outputs kept from run to run, as `torch.distributed.all_gather(out, t)` is used.
+    let mut parts: Vec<Tensor> = (0..comm.world_size()).map(|_| t.zeros_like()).collect();
     for i in 0..iters + 2 {
         comm.barrier(ctx)?;
         let start = Instant::now();
-        parts = comm.all_gather(&t, ctx)?;
+        comm.all_gather_into(&t, &mut parts, ctx)?;
         if i >= 2 {
             times.push(start.elapsed().as_secs_f64());
         }
@@ -268,6 +276,49 @@ fn time_all_gather(
         let got = part.double_value(&[n as i64 - 1]);
         anyhow::ensure!(got == r as f64, "wrong all-gather part {r}: {got}");
     }
+    Ok(times)
+}
+
+/// Times `iters` sharded reductions of `n` floats per rank (every rank's are its rank + 1, in
+/// memory shared by all): each rank averages its share of the floats over every rank's where
+/// they lie, then a barrier; checks the means.
+fn time_sharded(
+    comm: &mut TcpCollective,
+    n: usize,
+    iters: usize,
+    ctx: OpContext,
+) -> Result<Vec<f64>> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let memory = comm
+        .host_shared(n * world, ctx)?
+        .context("no shared memory between the ranks")?;
+    let block = |r: usize| {
+        // SAFETY: `n * world` floats of shared memory, mapped until the process exits.
+        unsafe { memory.as_ptr().add(r * n) }
+    };
+    let sources: Vec<*const f32> = (0..world).map(|r| block(r) as *const f32).collect();
+    let (lo, hi) = (n * rank / world, n * (rank + 1) / world);
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..iters + 2 {
+        // SAFETY: our own block, which no other rank writes.
+        unsafe { std::slice::from_raw_parts_mut(block(rank), n) }.fill(rank as f32 + 1.0);
+        comm.barrier(ctx)?;
+        let start = Instant::now();
+        // SAFETY: rows lo..hi of our block are ours alone to write; every block is complete
+        // (the barrier above) and valid for n floats.
+        unsafe { runtime::ddp::mean_into(&sources, block(rank), lo, hi, world as f32) };
+        comm.barrier(ctx)?;
+        if i >= 2 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let want = (1..=world).sum::<usize>() as f32 / world as f32;
+    // SAFETY: as above; every rank finished its share (the last barrier).
+    let ours = unsafe { std::slice::from_raw_parts(block(rank), n) };
+    anyhow::ensure!(
+        ours[lo..hi].iter().all(|x| *x == want),
+        "wrong sharded mean, expected {want}"
+    );
     Ok(times)
 }
 

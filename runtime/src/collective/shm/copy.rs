@@ -25,6 +25,15 @@ pub struct Bytes {
     pub len: usize,
 }
 
+/// Our own part into its place in the output, unless the caller gathers in place.
+pub(crate) fn copy_own(mine: Bytes, into: Bytes) {
+    if mine.ptr != into.ptr {
+        // SAFETY: both valid for `mine.len` bytes (see Bytes); parts do not overlap unless they
+        // are the same, which is skipped.
+        unsafe { std::ptr::copy_nonoverlapping(mine.ptr, into.ptr, mine.len) };
+    }
+}
+
 /// Calls `f((pointer, length), offset in the chunk)` for each piece of `parts` (read as one run
 /// of bytes) that lies in `start..end`.
 fn each_piece(
@@ -127,8 +136,7 @@ impl ShmGroup {
         );
         self.describe(seq, len, ALL_GATHER);
         let me = self.me;
-        // SAFETY: both valid for `len` bytes (see Bytes), distinct allocations.
-        unsafe { std::ptr::copy_nonoverlapping(mine.ptr, out[me].ptr, len) };
+        copy_own(mine, out[me]);
         let mut start = 0;
         loop {
             let n = CHUNK_BYTES.min(len - start);

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::store::StoreClient;
+pub(crate) use copy::copy_own;
 pub use copy::Bytes;
 use segment::Segment;
 

@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 
 use link::{exchange, read_exact_until, write_all_until};
 
-use super::shm::{Bytes, ShmFailure, ShmGroup};
+use super::shm::{copy_own, Bytes, ShmFailure, ShmGroup};
 use super::{
     flatten_f32, flatten_into, unflatten_into, Collective, CollectiveError, HostShared, OpContext,
     ReduceOp,
@@ -482,6 +482,35 @@ impl TcpCollective {
         }
     }
 
+    /// All-gather of the contiguous CPU tensor `mine` into `out` (contiguous CPU tensors like
+    /// it, one per rank), through shared memory when the job is on one host.
+    fn gather_staged(
+        &mut self,
+        mine: &Tensor,
+        out: &mut [Tensor],
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        // SAFETY: `mine` and `out` outlive these views; nothing else touches them meanwhile.
+        let (mine_bytes, parts): (Bytes, Vec<Bytes>) =
+            unsafe { (bytes_of(mine), out.iter().map(|t| bytes_of(t)).collect()) };
+        if self.world == 1 {
+            copy_own(mine_bytes, parts[0]);
+            return Ok(());
+        }
+        let deadline = Instant::now() + ctx.timeout;
+        let seq = self.seq + 1;
+        let gathered = self
+            .whole_job_shm()
+            .map(|shm| shm.all_gather(mine_bytes, &parts, seq, deadline));
+        match gathered {
+            Some(done) => {
+                self.seq = seq;
+                done.map_err(|f| self.shm_op_error("all_gather", f, ctx, mine_bytes.len))
+            }
+            None => self.socket_all_gather(mine_bytes, &parts, ctx, deadline),
+        }
+    }
+
     /// Ring all-gather: `mine` into `parts[rank]`, then each rank passes the part it received
     /// last to the next one, W - 1 times, until every part is filled.
     fn socket_all_gather(
@@ -493,10 +522,10 @@ impl TcpCollective {
     ) -> Result<(), CollectiveError> {
         self.handshake("all_gather", 3, mine.len as u64, ctx, deadline)?;
         let (w, r) = (self.world, self.rank);
-        // SAFETY: `mine` and every part are `mine.len` bytes, distinct, and ours alone during
-        // the operation (see Bytes); the part sent and the part received differ at every step.
+        copy_own(mine, parts[r]);
+        // SAFETY: every part is `mine.len` bytes and ours alone during the operation (see
+        // Bytes); the part sent and the part received differ at every step.
         unsafe {
-            std::ptr::copy_nonoverlapping(mine.ptr, parts[r].ptr, mine.len);
             for s in 0..w - 1 {
                 let (send, recv) = (parts[(r + w - s) % w], parts[(r + 2 * w - s - 1) % w]);
                 let send = std::slice::from_raw_parts(send.ptr as *const u8, send.len);
@@ -611,30 +640,30 @@ impl Collective for TcpCollective {
         ctx: OpContext,
     ) -> Result<Vec<Tensor>, CollectiveError> {
         let mine = staged(tensor)?;
-        let out = (0..self.world)
+        let mut out = (0..self.world)
             .map(|_| mine.f_empty_like())
             .collect::<Result<Vec<_>, _>>()?;
-        // SAFETY: `mine` and `out` outlive these views; nothing else touches them meanwhile.
-        let (mine_bytes, parts): (Bytes, Vec<Bytes>) =
-            unsafe { (bytes_of(&mine), out.iter().map(|t| bytes_of(t)).collect()) };
-        if self.world == 1 {
-            // SAFETY: both `mine_bytes.len` bytes long, distinct tensors.
-            unsafe { std::ptr::copy_nonoverlapping(mine_bytes.ptr, parts[0].ptr, mine_bytes.len) };
-            return Ok(out);
-        }
-        let deadline = Instant::now() + ctx.timeout;
-        let seq = self.seq + 1;
-        let gathered = self
-            .whole_job_shm()
-            .map(|shm| shm.all_gather(mine_bytes, &parts, seq, deadline));
-        match gathered {
-            Some(done) => {
-                self.seq = seq;
-                done.map_err(|f| self.shm_op_error("all_gather", f, ctx, mine_bytes.len))?;
-            }
-            None => self.socket_all_gather(mine_bytes, &parts, ctx, deadline)?,
-        }
+        self.gather_staged(&mine, &mut out, ctx)?;
         Ok(out)
+    }
+
+    fn all_gather_into(
+        &mut self,
+        tensor: &Tensor,
+        out: &mut [Tensor],
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        super::check_gather_out(tensor, out, self.world)?;
+        let mine = staged(tensor)?;
+        // Received straight into `out` (a contiguous CPU copy of any other tensor).
+        let mut staged_out = out.iter().map(staged).collect::<Result<Vec<_>, _>>()?;
+        self.gather_staged(&mine, &mut staged_out, ctx)?;
+        for (o, s) in out.iter_mut().zip(&staged_out) {
+            if s.data_ptr() != o.data_ptr() {
+                o.f_copy_(s)?;
+            }
+        }
+        Ok(())
     }
 
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError> {

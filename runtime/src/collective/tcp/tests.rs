@@ -199,9 +199,33 @@ fn broadcast_from_each_root_and_all_gather() {
                     .unwrap();
                 let long: Vec<i32> = (0..big as i32).map(|i| i * 5 + rank as i32).collect();
                 let long = comm.all_gather(&Tensor::from_slice(&long), CTX).unwrap();
+                // Into tensors the caller keeps, one of them not contiguous (a column).
+                let mine = Tensor::from_slice(&[rank as f32, -(rank as f32)]);
+                let column = Tensor::zeros([2, 2], (tch::Kind::Float, tch::Device::Cpu));
+                let mut into: Vec<Tensor> = (0..world)
+                    .map(|r| match r {
+                        0 => column.select(1, 1),
+                        _ => mine.zeros_like(),
+                    })
+                    .collect();
+                comm.all_gather_into(&mine, &mut into, CTX).unwrap();
+                let wrong = comm.all_gather_into(&mine, &mut into[1..], CTX);
+                assert!(
+                    wrong.unwrap_err().to_string().contains("needs"),
+                    "a short output"
+                );
+                let into_values: Vec<Vec<f32>> = into
+                    .iter()
+                    .map(|g| Vec::<f32>::try_from(g).unwrap())
+                    .collect();
+                assert_eq!(
+                    Vec::<f32>::try_from(column.select(1, 1)).unwrap(),
+                    into_values[0]
+                );
                 comm.barrier(CTX).unwrap();
                 (
                     Vec::<i64>::try_from(&t[0]).unwrap(),
+                    into_values,
                     Vec::<f32>::try_from(&t[1]).unwrap(),
                     sum[0].double_value(&[0]),
                     gathered
@@ -214,12 +238,13 @@ fn broadcast_from_each_root_and_all_gather() {
                 )
             });
             let w = world as usize;
-            for (ints, floats, sum, gathered, long) in results {
+            for (ints, into, floats, sum, gathered, long) in results {
                 assert_eq!(ints, vec![root as i64, 10 + root as i64]);
                 assert!(floats == vec![root as f32; big], "root {root}");
                 assert_eq!(sum, (0..w).sum::<usize>() as f64);
                 let expect: Vec<Vec<f32>> = (0..w).map(|r| vec![r as f32, -(r as f32)]).collect();
                 assert_eq!(gathered, expect);
+                assert_eq!(into, expect);
                 for (r, part) in long.iter().enumerate() {
                     let want: Vec<i32> = (0..big as i32).map(|i| i * 5 + r as i32).collect();
                     assert!(*part == want, "world {world}: rank {r}'s part");
