@@ -1,15 +1,20 @@
 //! Processes the launcher adopted: as a child subreaper it becomes the parent of every orphaned
 //! descendant of its workers — including those that left the worker's process group with
-//! `setsid`, which teardown by process group does not reach. This module finds them (`/proc`),
-//! reaps the ones that exited (never a worker, whose own thread waits for it), and stops the
-//! ones still running. It decides nothing about when; the supervisor calls it.
+//! `setsid`, which teardown by process group does not reach. This module finds them (`/proc`,
+//! read only when `waitid` says there is a child at all), reaps the ones that exited (never a
+//! worker: the group's wait thread waits for those), and stops the ones still running. It
+//! decides nothing about when; the supervisor calls it.
 
+use nix::errno::Errno;
 use nix::sys::signal::{kill, killpg, Signal};
-use nix::sys::wait::{waitpid, WaitPidFlag};
+use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag};
 use nix::unistd::Pid;
 
 /// (pid, state) of every process whose parent is this one, except `workers`.
 fn children(workers: &[i32]) -> Vec<(i32, char)> {
+    if !has_children() {
+        return Vec::new(); // the common end of a run: no need to read all of `/proc`
+    }
     let me = std::process::id() as i32;
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -27,6 +32,15 @@ fn children(workers: &[i32]) -> Vec<(i32, char)> {
             (ppid == me).then_some((pid, state))
         })
         .collect()
+}
+
+/// Whether this process has a child that `waitpid(-1)` could wait for: a worker, or a process
+/// it adopted, running or exited. The orphan guard does not count (it ends unannounced, see
+/// `watchdog`).
+fn has_children() -> bool {
+    let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+    // WNOWAIT: an exited child stays to be reaped by whoever waits for it.
+    waitid(Id::All, flags) != Err(Errno::ECHILD)
 }
 
 /// Reaps adopted processes that have exited (zombies), leaving the workers to their threads.

@@ -255,8 +255,12 @@ pub fn parse() -> Cli {
 
 /// The command line `args` (program name first), a script given torchrun's way included.
 pub fn parse_from(args: Vec<OsString>) -> Result<Cli, clap::Error> {
-    let (options, script) = split_script(args);
-    let mut cli = Cli::try_parse_from(options)?;
+    use clap::{CommandFactory, FromArgMatches};
+    // Built once, for the split and the parse: it is most of the parsing's time.
+    let mut command = Cli::command();
+    let (options, script) = split_script(&command, args);
+    let mut matches = command.try_get_matches_from_mut(options)?;
+    let mut cli = Cli::from_arg_matches_mut(&mut matches).map_err(|e| e.format(&mut command))?;
     cli.script = script;
     Ok(cli)
 }
@@ -265,9 +269,7 @@ pub fn parse_from(args: Vec<OsString>) -> Result<Cli, clap::Error> {
 /// 3e-4`): the first word that is neither an option, an option's value, nor a `.toml` config.
 /// It and every word after it are the script's (torchrun's `training_script_args`), so its own
 /// options are never read as `launch`'s. Nothing is split before `--` or without such a word.
-fn split_script(args: Vec<OsString>) -> (Vec<OsString>, Vec<OsString>) {
-    use clap::CommandFactory;
-    let command = Cli::command();
+fn split_script(command: &clap::Command, args: Vec<OsString>) -> (Vec<OsString>, Vec<OsString>) {
     let takes_value = |word: &str| -> bool {
         let found = if let Some(long) = word.strip_prefix("--") {
             (command.get_arguments()).find(|a| {

@@ -10,7 +10,6 @@ mod cpus;
 mod elastic;
 mod event;
 mod gpu;
-mod hand_down;
 mod hostfile;
 mod output;
 mod plan;
@@ -24,6 +23,7 @@ mod round;
 mod secret;
 mod shm_sweep;
 mod supervisor;
+mod vfork_spawn;
 mod watchdog;
 
 use std::fmt;
@@ -178,15 +178,16 @@ fn bad_input(e: &PlanError) -> i32 {
 /// Launcher messages: `launch: message` / `launch: warning: message`, on stderr, so they stand
 /// apart from the workers' `[rank N]` lines. `RUST_LOG` filters them.
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Field names are styled (ANSI escapes) only on a terminal, never into a log file or a pipe.
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let builder = tracing_subscriber::fmt()
         .with_writer(progress::ConsoleWriter::default)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .event_format(LaunchFormat)
-        .init();
+        .event_format(LaunchFormat);
+    // Without `RUST_LOG` (or with a bad one) a plain level: cheaper to set up than a filter.
+    match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(filter) => builder.with_env_filter(filter).init(),
+        Err(_) => builder.with_max_level(Level::INFO).init(),
+    }
 }
 
 struct LaunchFormat;

@@ -5,10 +5,9 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 
 use crate::console::Muting;
 
@@ -92,61 +91,135 @@ pub struct Route {
     pub tail: Option<Tail>,
 }
 
-/// Starts a thread that copies `source` line by line along `route` until EOF, then calls
-/// `done` (after the last line has been written and recorded).
-pub fn forward(
-    source: impl Read + Send + 'static,
-    route: Route,
-    done: impl FnOnce() + Send + 'static,
-) -> std::io::Result<JoinHandle<()>> {
-    let Route {
-        stream,
-        rank,
-        console,
-        log,
-        tail,
-    } = route;
+/// One worker stream to forward: its pipe, where its lines go, and what to call once it has
+/// been read to its end (after its last line was written and recorded).
+pub struct Source {
+    pub pipe: File,
+    pub route: Route,
+    pub done: Box<dyn FnOnce() + Send>,
+}
+
+/// Starts one thread that copies every source line by line along its route until each one's
+/// end: a group's output needs one thread, however many workers it has.
+pub fn forward(sources: Vec<Source>) -> std::io::Result<()> {
     std::thread::Builder::new()
-        .name(format!("rank{rank}-{stream:?}"))
-        .spawn(move || {
-            let mut reader = BufReader::with_capacity(64 * 1024, source);
-            let mut line = Vec::new();
-            loop {
-                line.clear();
-                match read_line_capped(&mut reader, &mut line) {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) => {}
-                }
-                if line.last() == Some(&b'\n') {
-                    line.pop();
-                }
-                if line.last() == Some(&b'\r') {
-                    line.pop();
-                }
-                match &console {
-                    Some((sinks, muting)) if muting.is_shown() => {
-                        sinks.write_line(stream, rank, &line)
-                    }
-                    Some((_, muting)) => muting.hold(stream, tail_entry(&line)),
-                    None => {}
-                }
-                if let Some(log) = &log {
-                    if let Ok(mut file) = log.lock() {
-                        let _ = file.write_all(&line);
-                        let _ = file.write_all(b"\n");
-                    }
-                }
-                if let Some(tail) = &tail {
-                    if let Ok(mut tail) = tail.lock() {
-                        if tail.len() == TAIL_LINES {
-                            tail.pop_front();
-                        }
-                        tail.push_back(tail_entry(&line));
-                    }
+        .name("output".into())
+        .spawn(move || forward_all(sources))
+        .map(drop)
+}
+
+/// Reads whatever source has data (each in turn, so none starves the others) and passes on
+/// its whole lines; a source that ends is finished and dropped.
+fn forward_all(sources: Vec<Source>) {
+    use nix::errno::Errno;
+    let mut open: Vec<(Source, Lines)> =
+        sources.into_iter().map(|s| (s, Lines::default())).collect();
+    let mut buf = vec![0u8; 64 * 1024];
+    while !open.is_empty() {
+        // Polling cannot fail on pipes we hold; if it did, blocking reads still get every line.
+        let ready = readable(&open).unwrap_or_else(|_| (0..open.len()).collect());
+        for i in ready.into_iter().rev() {
+            let (source, lines) = &mut open[i];
+            match nix::unistd::read(&source.pipe, &mut buf) {
+                Ok(n) if n > 0 => lines.feed(&buf[..n], |line| deliver(&source.route, line)),
+                Err(Errno::EINTR | Errno::EAGAIN) => {}
+                _ => {
+                    // Its end (or a pipe that cannot be read).
+                    let (source, mut lines) = open.swap_remove(i);
+                    lines.finish(|line| deliver(&source.route, line));
+                    (source.done)();
                 }
             }
-            done();
-        })
+        }
+    }
+}
+
+/// The indices of the sources with data (or at their end), waiting until there is one.
+fn readable(open: &[(Source, Lines)]) -> nix::Result<Vec<usize>> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    loop {
+        let mut fds: Vec<PollFd> = open
+            .iter()
+            .map(|(s, _)| PollFd::new(s.pipe.as_fd(), PollFlags::POLLIN))
+            .collect();
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e),
+        }
+        let ready = fds
+            .iter()
+            .enumerate()
+            .filter(|(_, fd)| fd.any() == Some(true));
+        return Ok(ready.map(|(i, _)| i).collect());
+    }
+}
+
+/// One line (its newline, if any, still on) to the console, the log file and the tail.
+fn deliver(route: &Route, line: &[u8]) {
+    let line = line.strip_suffix(b"\n").unwrap_or(line);
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    match &route.console {
+        Some((sinks, muting)) if muting.is_shown() => {
+            sinks.write_line(route.stream, route.rank, line)
+        }
+        Some((_, muting)) => muting.hold(route.stream, tail_entry(line)),
+        None => {}
+    }
+    if let Some(log) = &route.log {
+        if let Ok(mut file) = log.lock() {
+            let _ = file.write_all(line);
+            let _ = file.write_all(b"\n");
+        }
+    }
+    if let Some(tail) = &route.tail {
+        if let Ok(mut tail) = tail.lock() {
+            if tail.len() == TAIL_LINES {
+                tail.pop_front();
+            }
+            tail.push_back(tail_entry(line));
+        }
+    }
+}
+
+/// A stream's bytes, as they come, cut into whole lines: each up to and including its newline,
+/// or [`MAX_LINE`] bytes of a longer one.
+#[derive(Default)]
+struct Lines {
+    partial: Vec<u8>,
+}
+
+impl Lines {
+    /// Takes in `bytes`; passes on every line they complete.
+    fn feed(&mut self, mut bytes: &[u8], mut emit: impl FnMut(&[u8])) {
+        while !bytes.is_empty() {
+            let room = MAX_LINE - self.partial.len();
+            let (take, complete) = match memchr(bytes, room) {
+                Some(pos) => (pos + 1, true),
+                None => (bytes.len().min(room), bytes.len() >= room),
+            };
+            let (line, rest) = bytes.split_at(take);
+            bytes = rest;
+            if complete && self.partial.is_empty() {
+                emit(line); // the common case: no copy
+                continue;
+            }
+            self.partial.extend_from_slice(line);
+            if complete {
+                emit(&self.partial);
+                self.partial.clear();
+            }
+        }
+    }
+
+    /// At the stream's end: passes on a last line that had no newline.
+    fn finish(&mut self, mut emit: impl FnMut(&[u8])) {
+        if !self.partial.is_empty() {
+            emit(&self.partial);
+            self.partial.clear();
+        }
+    }
 }
 
 /// A line as the failure summary keeps it: cut to [`TAIL_LINE_BYTES`], saying how much is cut.
@@ -163,30 +236,6 @@ fn tail_entry(line: &[u8]) -> String {
     )
 }
 
-/// Reads up to and including the next newline, or `MAX_LINE` bytes, whichever comes first.
-fn read_line_capped(reader: &mut impl BufRead, line: &mut Vec<u8>) -> std::io::Result<usize> {
-    loop {
-        let available = match reader.fill_buf() {
-            Ok(buf) => buf,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if available.is_empty() {
-            return Ok(line.len());
-        }
-        let room = MAX_LINE - line.len();
-        let (take, done) = match memchr(available, room) {
-            Some(pos) => (pos + 1, true),
-            None => (available.len().min(room), available.len() >= room),
-        };
-        line.extend_from_slice(&available[..take]);
-        reader.consume(take);
-        if done {
-            return Ok(line.len());
-        }
-    }
-}
-
 fn memchr(buf: &[u8], limit: usize) -> Option<usize> {
     buf.iter().take(limit).position(|&b| b == b'\n')
 }
@@ -195,16 +244,14 @@ fn memchr(buf: &[u8], limit: usize) -> Option<usize> {
 mod tests {
     use super::*;
 
-    fn lines_of(input: &[u8]) -> Vec<Vec<u8>> {
-        let mut reader = BufReader::with_capacity(7, input);
-        let mut out = Vec::new();
-        loop {
-            let mut line = Vec::new();
-            if read_line_capped(&mut reader, &mut line).unwrap() == 0 {
-                return out;
-            }
-            out.push(line);
+    /// The lines of `input` arriving in pieces of `chunk` bytes.
+    fn lines_of(input: &[u8], chunk: usize) -> Vec<Vec<u8>> {
+        let (mut lines, mut out) = (Lines::default(), Vec::new());
+        for piece in input.chunks(chunk) {
+            lines.feed(piece, |l| out.push(l.to_vec()));
         }
+        lines.finish(|l| out.push(l.to_vec()));
+        out
     }
 
     #[test]
@@ -225,7 +272,7 @@ mod tests {
 
     #[test]
     fn splits_on_newlines_across_buffer_refills() {
-        let lines = lines_of(b"first line\nsecond, longer line\nno newline at end");
+        let lines = lines_of(b"first line\nsecond, longer line\nno newline at end", 7);
         assert_eq!(
             lines,
             vec![
@@ -239,7 +286,7 @@ mod tests {
     #[test]
     fn caps_runaway_lines() {
         let long = vec![b'x'; MAX_LINE + 10];
-        let lines = lines_of(&long);
+        let lines = lines_of(&long, 64 * 1024);
         assert_eq!(lines.len(), 2);
         assert_eq!(lines[0].len(), MAX_LINE);
         assert_eq!(lines[1].len(), 10);

@@ -18,13 +18,14 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::progress::{Phase, ProgressRecord, PROGRESS_FD, PROGRESS_FD_VAR};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tracing::warn;
+
+use crate::vfork_spawn::Command;
 
 /// How long ranks may disagree (one still starting, another phase, a stale step) before the
 /// per-rank lines appear: reports arrive up to 0.1 s apart even when the ranks are in step.
@@ -122,7 +123,7 @@ impl Display {
         let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let fd: RawFd = writer.as_raw_fd();
         command.env(PROGRESS_FD_VAR, PROGRESS_FD.to_string());
-        crate::hand_down::hand_down(command, fd, PROGRESS_FD);
+        command.hand_down(fd, PROGRESS_FD);
         Ok(Follow {
             display: self.clone(),
             reader,

@@ -9,6 +9,7 @@ use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::env_contract::WorkerEnv;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -23,7 +24,7 @@ use crate::report::{self, Ending};
 use crate::watchdog::Watchdog;
 
 mod spawn;
-use spawn::{spawn_worker, Spawned};
+use spawn::{follow_group, spawn_worker, Running};
 
 /// How long a failed worker's output may take to be read to its end before `launch` says it
 /// failed (so that its own last lines come first).
@@ -40,6 +41,9 @@ const POLL: Duration = Duration::from_millis(5);
 const REAP_EVERY: Duration = Duration::from_millis(500);
 
 pub use crate::event::Event;
+
+/// A rank that could not start, and why.
+type NotStarted = (u32, std::io::Error);
 
 /// How a group run ended.
 pub enum GroupEnd {
@@ -238,39 +242,21 @@ fn run_group(
         elastic_reason: String::new(),
         regroup_asked: None,
     };
-    for local_rank in 0..plan.nproc {
-        let env = plan.worker_env(local_rank, round);
-        match spawn_worker(plan, &env, sinks, display, tx, round, watchdog) {
-            Ok(Spawned { pid, tail, muting }) => {
-                group.open_streams += 2;
-                group.workers.push(Worker {
-                    rank: env.rank,
-                    local_rank,
-                    pid,
-                    ending: None,
-                    sent: None,
-                    tail,
-                    muting,
-                });
-            }
-            Err(e) => {
-                let code = match e.kind() {
-                    std::io::ErrorKind::NotFound => 127,
-                    std::io::ErrorKind::PermissionDenied => 126,
-                    _ => 1,
-                };
-                let _ = writeln!(
-                    std::io::stderr().lock(),
-                    "launch: error: cannot start rank {} ({}): {e}",
-                    env.rank,
-                    shell_words(&plan.command)
-                );
-                group.kill_now();
-                group.wait_for_workers();
-                group.finish(watchdog);
-                return GroupEnd::SpawnFailed { code };
-            }
-        }
+    if let Err((rank, e)) = group.start(sinks, display, tx, watchdog) {
+        let code = match e.kind() {
+            std::io::ErrorKind::NotFound => 127,
+            std::io::ErrorKind::PermissionDenied => 126,
+            _ => 1,
+        };
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "launch: error: cannot start rank {rank} ({}): {e}",
+            shell_words(&plan.command)
+        );
+        group.kill_now();
+        group.wait_for_workers();
+        group.finish(watchdog);
+        return GroupEnd::SpawnFailed { code };
     }
     group.wait_for_workers();
     group.finish(watchdog);
@@ -278,6 +264,77 @@ fn run_group(
 }
 
 impl Group<'_> {
+    /// Starts every worker of the group, then the threads that follow them (the workers run
+    /// meanwhile); each worker is under the orphan guard from its start. The rank that could
+    /// not start, and why, if one could not.
+    fn start(
+        &mut self,
+        sinks: &Arc<Sinks>,
+        display: Option<&Arc<Display>>,
+        tx: &Sender<Event>,
+        watchdog: &mut Watchdog,
+    ) -> Result<(), NotStarted> {
+        let (running, not_started) = self.spawn_all(display, watchdog);
+        let followed = match running.is_empty() {
+            true => Ok(()),
+            false => self.follow(running, sinks, tx, watchdog),
+        };
+        not_started.map_or(followed, Err)
+    }
+
+    /// Spawns the workers in rank order until one cannot start; those that run, and the one
+    /// that did not with why.
+    fn spawn_all(
+        &self,
+        display: Option<&Arc<Display>>,
+        watchdog: &mut Watchdog,
+    ) -> (Vec<(WorkerEnv, Running)>, Option<NotStarted>) {
+        let mut running = Vec::with_capacity(self.plan.nproc as usize);
+        for local_rank in 0..self.plan.nproc {
+            let env = self.plan.worker_env(local_rank, self.round);
+            match spawn_worker(self.plan, &env, display) {
+                Ok(worker) => {
+                    watchdog.watch(worker.pid());
+                    running.push((env, worker));
+                }
+                Err(e) => return (running, Some((env.rank, e))),
+            }
+        }
+        (running, None)
+    }
+
+    /// Has the running workers followed and makes them the group's; if they cannot be, they
+    /// were killed and reaped (the group cannot run without them).
+    fn follow(
+        &mut self,
+        running: Vec<(WorkerEnv, Running)>,
+        sinks: &Arc<Sinks>,
+        tx: &Sender<Event>,
+        watchdog: &mut Watchdog,
+    ) -> Result<(), NotStarted> {
+        let first_rank = running
+            .first()
+            .map_or(self.plan.first_rank, |(env, _)| env.rank);
+        let pids: Vec<i32> = running.iter().map(|(_, worker)| worker.pid()).collect();
+        let followed = follow_group(running, self.plan, sinks, tx, self.round).map_err(|e| {
+            pids.iter().for_each(|&pid| watchdog.forget(pid));
+            (first_rank, e)
+        })?;
+        for w in followed {
+            self.open_streams += 2;
+            self.workers.push(Worker {
+                rank: w.rank,
+                local_rank: w.local_rank,
+                pid: w.pid,
+                ending: None,
+                sent: None,
+                tail: w.tail,
+                muting: w.muting,
+            });
+        }
+        Ok(())
+    }
+
     fn running(&self) -> usize {
         self.workers.iter().filter(|w| w.ending.is_none()).count()
     }
@@ -358,7 +415,7 @@ impl Group<'_> {
                 at,
             } if round == self.round => {
                 let ending = ending_of(status);
-                let Some(w) = self.workers.get_mut(local_rank as usize) else {
+                let Some(w) = self.workers.iter_mut().find(|w| w.local_rank == local_rank) else {
                     return;
                 };
                 w.ending = Some((ending, at));

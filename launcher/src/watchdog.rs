@@ -7,7 +7,7 @@ use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use nix::sys::signal::{killpg, SigHandler, Signal};
-use nix::unistd::{fork, ForkResult, Pid};
+use nix::unistd::{ForkResult, Pid};
 
 /// The launcher's end of the pipe to the guard.
 pub struct Watchdog {
@@ -25,7 +25,7 @@ impl Watchdog {
         let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         // SAFETY: called before any other thread exists (see above); the child only reads the
         // pipe, calls killpg and _exit.
-        match unsafe { fork() }? {
+        match unsafe { fork_unannounced() }? {
             ForkResult::Parent { child } => {
                 drop(read_end);
                 Ok(Watchdog {
@@ -47,19 +47,50 @@ impl Watchdog {
 
     /// From now on, kill group `pgid` if the launcher dies.
     pub fn watch(&mut self, pgid: i32) {
-        let _ = writeln!(self.pipe, "+{pgid}");
+        self.say(&format!("+{pgid}\n"));
     }
 
     /// The group is gone (torn down and reaped); stop watching it.
     pub fn forget(&mut self, pgid: i32) {
-        let _ = writeln!(self.pipe, "-{pgid}");
+        self.say(&format!("-{pgid}\n"));
     }
 
-    /// Normal exit: the guard leaves without killing anything.
+    /// Normal exit: the guard leaves without killing anything. It is not waited for: `launch`
+    /// exits next, and whoever adopts the guard then reaps it (its exit tells nobody while
+    /// `launch` runs, see [`fork_unannounced`]).
     pub fn disarm(mut self) {
-        let _ = writeln!(self.pipe, "x");
-        // It exits as soon as it reads that; reap it so no zombie is left behind.
-        let _ = nix::sys::wait::waitpid(self.pid, None);
+        self.say("x\n");
+    }
+
+    /// One message in one write: under `PIPE_BUF`, so the guard never reads half of one.
+    fn say(&mut self, message: &str) {
+        let _ = self.pipe.write_all(message.as_bytes());
+    }
+}
+
+/// `fork`, except that the child's end sends no SIGCHLD (clone's exit signal 0). Waits that do
+/// not ask for `__WALL` or `__WCLONE` do not see such a child at all, so the guard does not
+/// count among the launcher's children: "no child left" then means no worker and no adopted
+/// process (see [`crate::adopted`]), found with one `waitid` instead of a scan of `/proc`.
+///
+/// # Safety
+/// As `fork` in a process with one thread; glibc's fork handlers do not run, so the child may
+/// only use what needs none of them (system calls, this thread's allocator).
+unsafe fn fork_unannounced() -> nix::Result<ForkResult> {
+    // No flags and no new stack: a copy of this process that resumes here, as fork's does.
+    match libc::syscall(
+        libc::SYS_clone,
+        0 as libc::c_ulong,
+        0 as libc::c_ulong,
+        0,
+        0,
+        0,
+    ) {
+        -1 => Err(nix::errno::Errno::last()),
+        0 => Ok(ForkResult::Child),
+        pid => Ok(ForkResult::Parent {
+            child: Pid::from_raw(pid as i32),
+        }),
     }
 }
 

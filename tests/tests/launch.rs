@@ -492,6 +492,28 @@ fn log_dir_gets_one_file_per_rank() {
     );
 }
 
+/// The orphan guard leaves with a run that ends normally (`launch` tells it to, and does not
+/// wait for it): nothing that carries the launcher's environment outlives the run. (A guard
+/// that was not told would sweep `/dev/shm` for 2 s before it leaves.)
+#[test]
+fn a_finished_run_leaves_no_orphan_guard() {
+    let mark = unique_run_id("guard");
+    let script = sh("true");
+    let mut cmd = launch_cmd(&flags("2", &[], &script));
+    let out = wait_output(cmd.env("GPTREC_E2E_MARK", &mark).spawn().unwrap(), T);
+    out.assert_code(0);
+    let left = support::slurm::wait_no_processes_with_env(
+        "GPTREC_E2E_MARK",
+        &mark,
+        Duration::from_secs(1),
+    );
+    assert_eq!(
+        left,
+        Vec::<String>::new(),
+        "the orphan guard outlived the run"
+    );
+}
+
 #[test]
 fn program_that_cannot_start_is_reported() {
     let out = launch(&["--master-port", "0", "--", "/nonexistent/program"], T);

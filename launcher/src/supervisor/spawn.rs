@@ -1,32 +1,48 @@
-//! Starting one worker: its command and environment (own process group, bound to die with the
-//! launcher, SIGUSR1 ignored until our worker's handler is in), its output forwarded line by
-//! line, its `--log-dir` file, and a thread that reports its exit as an [`Event`].
+//! Starting the workers: each one's command and environment (own process group, bound to die
+//! with the launcher, SIGUSR1 ignored until our worker's handler is in), then, once all of the
+//! group run, their output forwarded line by line (and to `--log-dir` files) and their exits
+//! reported as [`Event`]s, by two threads for the whole group.
 
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Command, ExitStatus, Stdio};
+use std::fs::File;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
 use tracing::warn;
 
 use super::Event;
 use crate::console::Muting;
 use crate::output::{self, Sinks, Stream, Tail};
 use crate::plan::Plan;
-use crate::progress::Display;
-use crate::watchdog::Watchdog;
+use crate::progress::{Display, Follow};
+use crate::vfork_spawn::{Child, Command};
+use common::env_contract::WorkerEnv;
 
+/// A worker that runs, not followed yet ([`follow_group`]).
+pub(super) struct Running {
+    child: Child,
+    follow: Option<Follow>,
+}
+
+impl Running {
+    pub(super) fn pid(&self) -> i32 {
+        self.child.pid
+    }
+}
+
+/// Starts the worker of `env` (it has exec'd when this returns). Its output waits in its pipes
+/// until [`follow_group`], so that all the group's workers start before any of its threads.
 pub(super) fn spawn_worker(
     plan: &Plan,
-    env: &common::env_contract::WorkerEnv,
-    sinks: &Arc<Sinks>,
+    env: &WorkerEnv,
     display: Option<&Arc<Display>>,
-    tx: &Sender<Event>,
-    round: u32,
-    watchdog: &mut Watchdog,
-) -> std::io::Result<Spawned> {
-    let mut command = worker_command(plan, env);
+) -> std::io::Result<Running> {
+    let mut command = worker_command(plan, env)?;
     let follow = display
         .map(|d| d.connect(&mut command, env.rank))
         .transpose()?;
@@ -34,106 +50,129 @@ pub(super) fn spawn_worker(
     // has then been copied to 3 already).
     pass_store_listener(&mut command, plan, env);
     pin_to_cpus(&mut command, plan, env.local_rank);
-    let mut child = command.spawn()?;
-    if let Some(follow) = follow {
-        follow.start()?;
-    }
-    let pid = child.id() as i32;
-    watchdog.watch(pid);
-    let log = rank_log(plan, env.rank);
-    let tail: Tail = Default::default();
-    let muting = Muting::new(plan.console.shows(env.local_rank));
-    let streams: [(Option<Box<dyn std::io::Read + Send>>, Stream); 2] = [
-        (
-            child.stdout.take().map(|s| Box::new(s) as _),
-            Stream::Stdout,
-        ),
-        (
-            child.stderr.take().map(|s| Box::new(s) as _),
-            Stream::Stderr,
-        ),
-    ];
-    for (source, stream) in streams {
-        let (tx, closing) = (tx.clone(), muting.clone());
-        let done = move || {
-            closing.stream_closed();
-            let _ = tx.send(Event::OutputClosed { round });
-        };
-        match source {
-            Some(source) => {
-                let route = output::Route {
-                    stream,
-                    rank: env.rank,
-                    console: (plan.console.route(env.local_rank, stream, &muting))
-                        .map(|m| (sinks.clone(), m)),
-                    log: log.clone(),
-                    tail: (stream == Stream::Stderr).then(|| tail.clone()),
-                };
-                output::forward(source, route, done)?;
-            }
-            None => done(),
-        }
-    }
-    report_exit(child, tx.clone(), round, env)?;
-    Ok(Spawned { pid, tail, muting })
+    let child = command.spawn()?;
+    Ok(Running { child, follow })
 }
 
-/// A started worker: its pid, the stderr lines kept for the failure summary, and whether its
-/// output is shown.
-pub(super) struct Spawned {
+/// A followed worker: its ranks and pid, the stderr lines kept for the failure summary, and
+/// whether its output is shown.
+pub(super) struct Followed {
+    pub(super) rank: u32,
+    pub(super) local_rank: u32,
     pub(super) pid: i32,
     pub(super) tail: Tail,
     pub(super) muting: Muting,
 }
 
+/// Follows the group's running workers: one thread forwards all their output, one waits for
+/// all of them and reports each exit, and each worker's progress reports, if a display is up,
+/// are read on a thread of their own. If a thread cannot start, every worker is killed and
+/// reaped (nobody would read or wait for them), and the error says why.
+pub(super) fn follow_group(
+    running: Vec<(WorkerEnv, Running)>,
+    plan: &Plan,
+    sinks: &Arc<Sinks>,
+    tx: &Sender<Event>,
+    round: u32,
+) -> std::io::Result<Vec<Followed>> {
+    let mut followed = Vec::with_capacity(running.len());
+    let mut sources = Vec::with_capacity(2 * running.len());
+    let mut waited = Vec::with_capacity(running.len());
+    let mut progress = Vec::new();
+    for (env, Running { child, follow }) in running {
+        let worker = Followed {
+            rank: env.rank,
+            local_rank: env.local_rank,
+            pid: child.pid,
+            tail: Default::default(),
+            muting: Muting::new(plan.console.shows(env.local_rank)),
+        };
+        sources.extend(output_sources(
+            child.stdout,
+            child.stderr,
+            &worker,
+            plan,
+            &env,
+            sinks,
+            tx,
+            round,
+        ));
+        waited.push((child.pid, env.local_rank));
+        progress.extend(follow);
+        followed.push(worker);
+    }
+    let pids: Vec<i32> = waited.iter().map(|&(pid, _)| pid).collect();
+    let started = progress
+        .into_iter()
+        .try_for_each(Follow::start)
+        .and_then(|()| output::forward(sources))
+        .and_then(|()| start_exit_reporter(waited, tx, round));
+    if let Err(e) = started {
+        for &pid in &pids {
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+            let _ = crate::vfork_spawn::wait(pid);
+        }
+        return Err(e);
+    }
+    Ok(followed)
+}
+
+/// The worker's two output streams, each with its route and what to say when it closes.
+#[allow(clippy::too_many_arguments)]
+fn output_sources(
+    stdout: File,
+    stderr: File,
+    worker: &Followed,
+    plan: &Plan,
+    env: &WorkerEnv,
+    sinks: &Arc<Sinks>,
+    tx: &Sender<Event>,
+    round: u32,
+) -> [output::Source; 2] {
+    let log = rank_log(plan, env.rank);
+    [(stdout, Stream::Stdout), (stderr, Stream::Stderr)].map(|(pipe, stream)| {
+        let (tx, closing) = (tx.clone(), worker.muting.clone());
+        output::Source {
+            pipe,
+            route: output::Route {
+                stream,
+                rank: env.rank,
+                console: (plan.console.route(env.local_rank, stream, &worker.muting))
+                    .map(|m| (sinks.clone(), m)),
+                log: log.clone(),
+                tail: (stream == Stream::Stderr).then(|| worker.tail.clone()),
+            },
+            done: Box::new(move || {
+                closing.stream_closed();
+                let _ = tx.send(Event::OutputClosed { round });
+            }),
+        }
+    })
+}
+
 /// The worker's command: the plan's program with the rank's environment, its output piped, in
 /// its own process group, and bound to die with the launcher.
-fn worker_command(plan: &Plan, env: &common::env_contract::WorkerEnv) -> Command {
-    let mut command = Command::new(&plan.command[0]);
+fn worker_command(plan: &Plan, env: &WorkerEnv) -> std::io::Result<Command> {
+    let mut command = Command::new(&plan.command[0], &plan.command[1..])?;
     command
-        .args(&plan.command[1..])
         // Our workers rendezvous through our store: a torchrun setting inherited from where
         // `launch` runs (inside a torchrun job) must not send them to torchrun's.
         .env_remove("TORCHELASTIC_USE_AGENT_STORE")
         .envs(env.to_vars())
-        .envs(plan.extra_env())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Own process group: teardown reaches the worker's children, and the terminal's Ctrl-C
-        // reaches only the launcher, which forwards it.
-        .process_group(0);
-    let launcher = std::process::id() as i32;
+        .envs(plan.extra_env());
     // Our worker takes SIGUSR1 as "stop at your next checkpoint" (elastic re-forming); until
-    // its handler is installed the signal must not kill it (an ignored disposition survives
-    // exec, and the supervisor repeats the request).
-    let ignore_usr1 = plan.config.is_some();
-    // SAFETY: only async-signal-safe calls (prctl, getppid, signal), no allocation, between fork
-    // and exec.
-    unsafe {
-        command.pre_exec(move || {
-            if ignore_usr1 {
-                libc::signal(libc::SIGUSR1, libc::SIG_IGN);
-            }
-            // Die with the launcher, even if it is SIGKILLed (the spawning thread is the main
-            // thread, which lives as long as the launcher).
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != launcher {
-                // The launcher died before prctl took effect.
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
+    // its handler is installed the signal must not kill it (the supervisor repeats the
+    // request).
+    if plan.config.is_some() {
+        command.ignore_usr1();
     }
-    command
+    Ok(command)
 }
 
 /// Rank 0 of our worker gets the rendezvous port's listening socket as descriptor
 /// [`STORE_FD`](common::env_contract::STORE_FD), named in its environment; nobody else gets
 /// the variable, whatever the launcher's own environment says.
-fn pass_store_listener(command: &mut Command, plan: &Plan, env: &common::env_contract::WorkerEnv) {
+fn pass_store_listener(command: &mut Command, plan: &Plan, env: &WorkerEnv) {
     use common::env_contract::{STORE_FD, STORE_FD_VAR};
     use std::os::fd::AsRawFd;
     command.env_remove(STORE_FD_VAR);
@@ -141,7 +180,7 @@ fn pass_store_listener(command: &mut Command, plan: &Plan, env: &common::env_con
         return;
     };
     command.env(STORE_FD_VAR, STORE_FD.to_string());
-    crate::hand_down::hand_down(command, listener.as_raw_fd(), STORE_FD);
+    command.hand_down(listener.as_raw_fd(), STORE_FD);
 }
 
 /// Pins the worker to its CPUs of the plan's map (from before it execs, so its threads all
@@ -163,16 +202,7 @@ fn pin_to_cpus(command: &mut Command, plan: &Plan, local_rank: u32) {
     for &cpu in cpus {
         unsafe { libc::CPU_SET(cpu, &mut set) };
     }
-    // SAFETY: only sched_setaffinity, a system call, between fork and exec.
-    unsafe {
-        command.pre_exec(move || {
-            let size = std::mem::size_of::<libc::cpu_set_t>();
-            if libc::sched_setaffinity(0, size, &set) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    command.pin(set);
 }
 
 /// `--log-dir`'s file for `rank` (a warning, and no file, when it cannot be opened).
@@ -187,31 +217,95 @@ fn rank_log(plan: &Plan, rank: u32) -> Option<Arc<Mutex<std::fs::File>>> {
     }
 }
 
-/// Waits for the worker on its own thread and sends its exit as an event.
-fn report_exit(
-    mut child: std::process::Child,
-    tx: Sender<Event>,
+/// Starts the thread that waits for `workers` (pid, local rank) and reports each exit as an
+/// event: it polls their pidfds, or, where the kernel has none (before Linux 5.3), starts a
+/// thread per worker that waits for it.
+fn start_exit_reporter(
+    workers: Vec<(i32, u32)>,
+    tx: &Sender<Event>,
     round: u32,
-    env: &common::env_contract::WorkerEnv,
 ) -> std::io::Result<()> {
-    let local_rank = env.local_rank;
+    let tx = tx.clone();
     std::thread::Builder::new()
-        .name(format!("wait-rank{}", env.rank))
-        .spawn(move || {
-            let status = loop {
-                match child.wait() {
-                    Ok(status) => break status,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    // Cannot happen for our own child; report it as a kill rather than hang.
-                    Err(_) => break ExitStatus::from_raw(9),
-                }
-            };
-            let _ = tx.send(Event::Exited {
-                round,
-                local_rank,
-                status,
-                at: Instant::now(),
-            });
-        })?;
-    Ok(())
+        .name("wait".into())
+        .spawn(move || report_exits(workers, &tx, round))
+        .map(drop)
+}
+
+/// Reports the exit of each of `workers` (pid, local rank) as it comes.
+fn report_exits(workers: Vec<(i32, u32)>, tx: &Sender<Event>, round: u32) {
+    let pidfds: std::io::Result<Vec<OwnedFd>> =
+        workers.iter().map(|&(pid, _)| pidfd(pid)).collect();
+    let Ok(pidfds) = pidfds else {
+        let mut waiting = Vec::new();
+        for (pid, local_rank) in workers {
+            let tx = tx.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("wait-{pid}"))
+                .spawn(move || report_exit(pid, local_rank, &tx, round));
+            // Without a thread of its own, the worker is waited for after the others.
+            if thread.is_err() {
+                waiting.push((pid, local_rank));
+            }
+        }
+        for (pid, local_rank) in waiting {
+            report_exit(pid, local_rank, tx, round);
+        }
+        return;
+    };
+    let mut left: Vec<((i32, u32), OwnedFd)> = workers.into_iter().zip(pidfds).collect();
+    while !left.is_empty() {
+        let ended = exited(&left);
+        for &i in &ended {
+            let (pid, local_rank) = left[i].0;
+            report_exit(pid, local_rank, tx, round);
+        }
+        for &i in ended.iter().rev() {
+            left.swap_remove(i);
+        }
+    }
+}
+
+/// A pidfd for child `pid`: readable once it has ended.
+fn pidfd(pid: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open with no flags returns a new descriptor, which the result then owns.
+    unsafe {
+        match libc::syscall(libc::SYS_pidfd_open, pid, 0) {
+            -1 => Err(std::io::Error::last_os_error()),
+            fd => Ok(OwnedFd::from_raw_fd(fd as RawFd)),
+        }
+    }
+}
+
+/// The indices of `left` whose process has ended, waiting until one has.
+fn exited(left: &[((i32, u32), OwnedFd)]) -> Vec<usize> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut fds: Vec<PollFd> = left
+        .iter()
+        .map(|(_, fd)| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
+        .collect();
+    if let Err(e) = poll(&mut fds, PollTimeout::NONE) {
+        // EINTR: poll again. Otherwise wait for them in turn (blocking), but wait.
+        return match e {
+            nix::errno::Errno::EINTR => Vec::new(),
+            _ => (0..left.len()).collect(),
+        };
+    }
+    let ready = fds
+        .iter()
+        .enumerate()
+        .filter(|(_, fd)| fd.any() == Some(true));
+    ready.map(|(i, _)| i).collect()
+}
+
+/// Waits for worker `pid` (it has ended, or will) and sends its exit as an event.
+fn report_exit(pid: i32, local_rank: u32, tx: &Sender<Event>, round: u32) {
+    // Cannot fail for our own child; report it as a kill rather than hang.
+    let status = crate::vfork_spawn::wait(pid).unwrap_or(ExitStatus::from_raw(9));
+    let _ = tx.send(Event::Exited {
+        round,
+        local_rank,
+        status,
+        at: Instant::now(),
+    });
 }
