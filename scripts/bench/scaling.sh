@@ -85,8 +85,8 @@ for size in $sizes; do
         cells+=("-") steps+=("-")
       fi
     done
-    ratio=$(python3 -c "print(f'{${cells[5]} / ${cells[0]}:.2f}x')")
-    step_ratio=$(python3 -c "print(f'{${steps[5]} / ${steps[0]}:.2f}x')")
+    ratio=$(python3 -c "import sys; a, b = sys.argv[1:]; print('-' if '-' in (a, b) else f'{int(a) / int(b):.2f}x')" "${cells[5]}" "${cells[0]}")
+    step_ratio=$(python3 -c "import sys; a, b = sys.argv[1:]; print('-' if '-' in (a, b) else f'{int(a) / int(b):.2f}x')" "${steps[5]}" "${steps[0]}")
     echo "| $size | $model | ${cells[0]} | ${cells[1]} | ${cells[2]} | ${cells[3]} | ${cells[4]} | ${cells[5]} | $ratio | $step_ratio |"
   done
 done

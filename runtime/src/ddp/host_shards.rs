@@ -184,9 +184,18 @@ impl HostShards {
         match listed {
             None => reduce_rows(s.rows.start, s.rows.end),
             Some(listed) => {
-                for &r in listed.iter().filter(|r| s.rows.contains(r)) {
-                    reduce_rows(r, r + 1);
+                // Runs of consecutive rows at once (`listed` is ascending).
+                let mut ours = listed.iter().copied().filter(|r| s.rows.contains(r));
+                let Some(mut lo) = ours.next() else { return };
+                let mut hi = lo + 1;
+                for r in ours {
+                    if r != hi {
+                        reduce_rows(lo, hi);
+                        lo = r;
+                    }
+                    hi = r + 1;
                 }
+                reduce_rows(lo, hi);
             }
         }
     }
@@ -272,11 +281,32 @@ fn contiguous_strides(size: &[i64]) -> Vec<i64> {
 /// Every source and `ours` are valid for `end` floats; `ours` may be one of the sources (each
 /// block is read whole before it is written); nobody else writes the range meanwhile.
 pub unsafe fn mean_into(sources: &[*const f32], ours: *mut f32, start: usize, end: usize, w: f32) {
-    const BLOCK: usize = 1024;
-    let mut acc = [0f32; BLOCK];
-    let mut at = start;
+    // A row of an embedding table is short: zeroing a large accumulator for it would cost more
+    // than the row's arithmetic.
+    if end - start <= 64 {
+        // SAFETY: passed on from the caller.
+        unsafe { mean_blocks(sources, ours, start, end, w, &mut [0f32; 64]) }
+    } else {
+        // SAFETY: passed on from the caller.
+        unsafe { mean_blocks(sources, ours, start, end, w, &mut [0f32; 1024]) }
+    }
+}
+
+/// [`mean_into`], a block of `acc.len()` floats at a time.
+///
+/// # Safety
+/// As [`mean_into`].
+unsafe fn mean_blocks(
+    sources: &[*const f32],
+    ours: *mut f32,
+    start: usize,
+    end: usize,
+    w: f32,
+    acc: &mut [f32],
+) {
+    let (mut at, block) = (start, acc.len());
     while at < end {
-        let acc = &mut acc[..BLOCK.min(end - at)];
+        let acc = &mut acc[..(end - at).min(block)];
         for (j, src) in sources.iter().enumerate() {
             // SAFETY: passed on from the caller.
             let src = unsafe { std::slice::from_raw_parts(src.add(at), acc.len()) };
