@@ -1,11 +1,11 @@
 //! Makes the `worker` binary (and the worker's tests) run without LD_LIBRARY_PATH: embeds an
 //! rpath to the libtorch it was built against (and to the NCCL next to it), and links `torch_cuda` with `--no-as-needed` when
 //! that libtorch has it — otherwise the linker drops the unused-looking library and CUDA is
-//! silently unavailable at run time.
+//! silently unavailable at run time. The runtime's build script runs it too, as a module.
 
 use std::path::PathBuf;
 
-fn main() {
+pub fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     let Some(lib_dir) = std::env::var_os("DEP_TCH_LIBTORCH_LIB").map(PathBuf::from) else {
         // torch-sys did not report a lib dir (e.g. a doc-only build): nothing to embed.

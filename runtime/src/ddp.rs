@@ -1,8 +1,8 @@
 //! The DDP engine: makes N processes train one model as if they were one. It owns the
 //! parameter broadcast at start, gradient accumulation over micro-batches, the bucketed
-//! gradient all-reduce (only after the last micro-batch of a window), the row-sparse exchange of
-//! embedding-table gradients, global-norm clipping and the optimizer step, plus the optional
-//! cross-rank parameter check. It works on any `tch`
+//! gradient all-reduce (after the last micro-batch of a window, or during its backward pass
+//! with `overlap`), the row-sparse exchange of embedding-table gradients, global-norm clipping
+//! and the optimizer step, plus the optional cross-rank parameter check. It works on any `tch`
 //! model and any loss: it must not know about the recommender, the data or files.
 
 use std::time::{Duration, Instant};
@@ -15,11 +15,14 @@ use crate::optim::{AdamW, OptimError};
 use crate::rows;
 
 mod host_shards;
+mod overlap;
 mod param_check;
 mod sharded_step;
 mod shared_tables;
 pub use host_shards::mean_into;
 use host_shards::HostShards;
+use overlap::Overlap;
+pub use overlap::OverlapError;
 use shared_tables::SharedTables;
 
 /// Engine settings (from `[train]`, `[batch]` and `[dist]`).
@@ -50,6 +53,12 @@ pub struct DdpConfig {
     /// update its share of every parameter's rows (see `host_shards`): the unsharded step's
     /// numbers, with no gradient all-reduce. Replaces `shared_tables` where it applies.
     pub shard_optimizer: bool,
+    /// Overlap the dense buckets' all-reduce with the window's last backward pass: a
+    /// communication thread averages each bucket, in bucket order, as soon as autograd has
+    /// accumulated every gradient in it (gradient hooks, see `overlap`); the same operations,
+    /// earlier, so the same numbers. For the all-reduce path only: ignored by a sharded engine
+    /// and by a rank alone.
+    pub overlap_backward: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +71,8 @@ pub enum DdpError {
     Diverged { step: u64, detail: String },
     #[error(transparent)]
     Torch(#[from] tch::TchError),
+    #[error(transparent)]
+    Overlap(#[from] OverlapError),
     #[error("the optimizer: {0}")]
     Optim(#[from] OptimError),
     #[error("expected {expected} micro-batches per optimizer step, got {got}")]
@@ -81,6 +92,15 @@ pub trait MicroBatchLoss<B> {
     /// nothing left to do.
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         Ok(())
+    }
+    /// Whether `loss.backward()` alone gives the micro-batch's gradients their final values
+    /// (`finish_backward` adds to none of them). With [`DdpConfig::overlap_backward`] a bucket's
+    /// all-reduce may start during the last backward pass only when this holds, and otherwise
+    /// once `finish_backward` has returned. Default: true, as `finish_backward` does nothing by
+    /// default; a model that runs backward passes of its own there must say false (the engine
+    /// stops with an error when it sees a gradient grow after its bucket could start).
+    fn backward_is_whole(&self) -> bool {
+        true
     }
     /// The rows of the 2-D parameter `table` (a name from [`DdpConfig::sparse`]) that the last
     /// micro-batch's loss looked up: a superset of the rows its backward can have made non-zero
@@ -127,7 +147,9 @@ pub type StepProbe = Box<dyn FnMut() -> f64>;
 pub struct StepTime {
     /// Forward and backward passes of the micro-batches (with the batches' assembly).
     pub compute: Duration,
-    /// Inside collectives: moving data and waiting for the other ranks.
+    /// Inside collectives: moving data and waiting for the other ranks. With
+    /// [`DdpConfig::overlap_backward`], of the buckets' all-reduce only what was left after
+    /// backward (their time during backward counts as compute).
     pub collective: Duration,
     /// Touched-row masks, clipping and the optimizer update.
     pub update: Duration,
@@ -177,6 +199,8 @@ pub struct Ddp {
     /// Per sparse table (in `sparse`'s order), the rows its gradient touched that the model did
     /// not report, when the last parameter check's step looked (sharded steps only).
     left_out: Vec<u64>,
+    /// The gradient hooks and their state, with [`DdpConfig::overlap_backward`] where it applies.
+    overlap: Option<Overlap>,
 }
 
 impl Ddp {
@@ -225,6 +249,7 @@ impl Ddp {
             shards: None,
             param_names,
             left_out: Vec::new(),
+            overlap: None,
         };
         ddp.broadcast_params(0)?;
         if ddp.config.shard_optimizer {
@@ -236,6 +261,10 @@ impl Ddp {
             let tables: Vec<usize> = ddp.sparse.iter().map(|t| t.index).collect();
             let ctx = ddp.ctx(0);
             ddp.shared = SharedTables::new(ddp.comm.as_mut(), &ddp.params, &tables, ctx)?;
+        }
+        // Alone, or sharded, there is no bucket all-reduce to overlap.
+        if ddp.config.overlap_backward && !alone && ddp.shards.is_none() && ddp.bucket_count() > 0 {
+            ddp.overlap = Some(Overlap::new(&ddp.params, &ddp.param_names, &ddp.buckets)?);
         }
         Ok(ddp)
     }
@@ -303,6 +332,18 @@ impl Ddp {
         self.buckets.len()
     }
 
+    /// Whether the buckets' all-reduce overlaps the backward pass
+    /// ([`DdpConfig::overlap_backward`], where it applies).
+    pub fn overlaps_backward(&self) -> bool {
+        self.overlap.is_some()
+    }
+
+    /// How many buckets the last step started before its backward pass had ended (0 without
+    /// overlap): how much overlap there was.
+    pub fn buckets_during_backward(&self) -> usize {
+        self.overlap.as_ref().map_or(0, |o| o.early)
+    }
+
     /// Messages number steps from 1, as the logs do: callers pass `step + 1`.
     fn ctx(&self, step: u64) -> OpContext {
         OpContext {
@@ -347,39 +388,26 @@ impl Ddp {
             });
         }
         let started = Instant::now();
+        let ctx = self.ctx(step + 1);
         // Every parameter takes part in the reduction (the others may have gradients for one
         // this rank's batches did not reach), and a sparse backward adds into a dense gradient.
         self.zero_grads()?;
-        let scale = 1.0 / window.len() as f64;
-        let mut local_loss = 0.0;
-        let mut bad_loss = None;
-        for micro in window {
-            model.phase(StepPhase::Forward);
-            let loss = model.loss(micro)?;
-            let value = loss.f_double_value(&[])?;
-            if !value.is_finite() {
-                bad_loss = Some(value);
-                break;
-            }
-            local_loss += value * scale;
-            model.phase(StepPhase::Backward);
-            (loss * scale).f_backward()?;
-            model.finish_backward()?;
-            self.mark_rows_used(model);
-        }
+        let (losses, waited) = self.run_window(window, model, ctx)?;
+        let bad_loss = losses.bad;
         model.phase(StepPhase::Optimizer);
         let mut time = StepTime {
-            compute: started.elapsed(),
+            compute: started.elapsed().saturating_sub(waited),
+            collective: waited,
             ..StepTime::default()
         };
-        let ctx = self.ctx(step + 1);
         let _guard = tch::no_grad_guard();
-        // Loss, a "bad loss" flag and the rows each sparse table touched travel together first,
-        // so that every rank stops together when any rank's loss is not finite (instead of the
-        // others waiting for its gradients), and every rank knows the union of touched rows.
-        let mut summary = [self.summary(local_loss, bad_loss.is_some())?];
+        // Loss, a "bad loss" flag and the rows each sparse table touched travel together first
+        // (after the overlapped buckets, which every rank reduces whatever its loss), so that
+        // every rank stops together when any rank's loss is not finite (instead of the others
+        // waiting for its gradients), and every rank knows the union of touched rows.
+        let mut summary = [self.summary(losses.local, bad_loss.is_some())?];
         let reducing = Instant::now();
-        time.update = reducing - started - time.compute;
+        time.update = (reducing - started).saturating_sub(time.compute + waited);
         self.comm.all_reduce(&mut summary, ReduceOp::Sum, ctx)?;
         let global_loss = summary[0].f_double_value(&[0])? / self.world_size() as f64;
         let probed_max = self.probed_max(&summary[0])?;
@@ -396,17 +424,15 @@ impl Ddp {
             });
         }
         let grad_norm = if self.shards.is_some() {
-            time.collective = reducing.elapsed();
+            time.collective += reducing.elapsed();
             let check_due = self.check_due(step);
             self.sharded_update(&summary[0], check_due, optimizer, lr, ctx, &mut time)?
         } else {
             self.reduce_sparse(&summary[0], ctx)?;
-            for bucket in &self.buckets {
-                let mut grads: Vec<Tensor> =
-                    bucket.iter().map(|&i| self.params[i].grad()).collect();
-                self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
+            if self.overlap.is_none() {
+                self.reduce_buckets(ctx)?;
             }
-            time.collective = reducing.elapsed();
+            time.collective += reducing.elapsed();
             self.update(optimizer, lr, ctx, &mut time)?
         };
         let stats = StepStats {
@@ -419,6 +445,40 @@ impl Ddp {
             self.check_params(step)?;
         }
         Ok(stats)
+    }
+
+    /// Runs the micro-batches of `window`; with overlap, beside the communication thread that
+    /// reduces the buckets meanwhile. Returns the losses and the time spent waiting for that
+    /// thread after the last backward pass.
+    fn run_window<B>(
+        &mut self,
+        window: &[B],
+        model: &mut impl MicroBatchLoss<B>,
+        ctx: OpContext,
+    ) -> Result<(WindowLoss, Duration), DdpError> {
+        let sparse = &mut self.sparse;
+        let Some(overlap) = self.overlap.as_mut() else {
+            return Ok((
+                micro_batches(window, model, sparse, |_| {})?,
+                Duration::ZERO,
+            ));
+        };
+        let params = &self.params;
+        let buckets = (self.buckets.iter())
+            .map(|b| b.iter().map(|&i| params[i].shallow_clone()).collect())
+            .collect();
+        overlap.around(self.comm.as_mut(), buckets, ctx, |arm| {
+            micro_batches(window, model, sparse, |whole| arm.arm(whole))
+        })
+    }
+
+    /// Averages the dense gradients over the ranks, bucket by bucket in order.
+    fn reduce_buckets(&mut self, ctx: OpContext) -> Result<(), DdpError> {
+        for bucket in &self.buckets {
+            let mut grads: Vec<Tensor> = bucket.iter().map(|&i| self.params[i].grad()).collect();
+            self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
+        }
+        Ok(())
     }
 
     /// Whether the parameter check runs after optimizer step `step` (counted from 0).
@@ -548,26 +608,6 @@ impl Ddp {
         Ok(())
     }
 
-    /// Adds the rows the last micro-batch used to each sparse table's mask (`used` is set to all
-    /// zeros when the step's zeroing starts, and dropped for good once the model cannot tell).
-    fn mark_rows_used<B>(&mut self, model: &impl MicroBatchLoss<B>) {
-        for table in &mut self.sparse {
-            let Some(used) = table.used.as_mut() else {
-                continue;
-            };
-            let rows = model.rows_used(&table.name);
-            let fits = |r: &i64| (0..table.rows).contains(r);
-            match rows {
-                Some(rows) if rows.iter().all(fits) => {
-                    for &r in rows {
-                        used[r as usize] = 1.0;
-                    }
-                }
-                _ => table.used = None,
-            }
-        }
-    }
-
     /// What clipping reads: each defined gradient, a sparse table's by its exchanged rows.
     fn clip_list(&self) -> Vec<ClipGrad<'_>> {
         let rows = |i: usize| {
@@ -608,6 +648,71 @@ impl Ddp {
                 Some((_, b)) if b >= f64::from(v) => best,
                 _ => Some((r, f64::from(v))),
             }))
+    }
+}
+
+/// This rank's share of a window's loss, and the first loss that was not finite (the rank then
+/// stopped computing).
+struct WindowLoss {
+    local: f64,
+    bad: Option<f64>,
+}
+
+/// Forward and backward of each micro-batch of `window` (loss / window length, gradients
+/// accumulating), marking the rows each used in `sparse`; `before_last_backward` runs just
+/// before the last backward pass with the model's [`MicroBatchLoss::backward_is_whole`]. Stops
+/// at the first loss that is not finite.
+fn micro_batches<B>(
+    window: &[B],
+    model: &mut impl MicroBatchLoss<B>,
+    sparse: &mut [SparseTable],
+    before_last_backward: impl FnOnce(bool),
+) -> Result<WindowLoss, DdpError> {
+    let scale = 1.0 / window.len() as f64;
+    let mut before_last_backward = Some(before_last_backward);
+    let mut losses = WindowLoss {
+        local: 0.0,
+        bad: None,
+    };
+    for (k, micro) in window.iter().enumerate() {
+        model.phase(StepPhase::Forward);
+        let loss = model.loss(micro)?;
+        let value = loss.f_double_value(&[])?;
+        if !value.is_finite() {
+            losses.bad = Some(value);
+            break;
+        }
+        losses.local += value * scale;
+        model.phase(StepPhase::Backward);
+        if k + 1 == window.len() {
+            if let Some(arm) = before_last_backward.take() {
+                arm(model.backward_is_whole());
+            }
+        }
+        (loss * scale).f_backward()?;
+        model.finish_backward()?;
+        mark_rows_used(sparse, model);
+    }
+    Ok(losses)
+}
+
+/// Adds the rows the last micro-batch used to each sparse table's mask (`used` is set to all
+/// zeros when the step's zeroing starts, and dropped for good once the model cannot tell).
+fn mark_rows_used<B>(sparse: &mut [SparseTable], model: &impl MicroBatchLoss<B>) {
+    for table in sparse {
+        let Some(used) = table.used.as_mut() else {
+            continue;
+        };
+        let rows = model.rows_used(&table.name);
+        let fits = |r: &i64| (0..table.rows).contains(r);
+        match rows {
+            Some(rows) if rows.iter().all(fits) => {
+                for &r in rows {
+                    used[r as usize] = 1.0;
+                }
+            }
+            _ => table.used = None,
+        }
     }
 }
 

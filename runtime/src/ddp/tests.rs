@@ -42,6 +42,7 @@ fn a_plain_mlp_trains_data_parallel_through_the_runtime_alone() {
             sparse: Vec::new(),
             shared_tables: true,
             shard_optimizer: false,
+            overlap_backward: false,
         };
         let world = ring.world_size();
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
@@ -101,6 +102,9 @@ enum Keep {
     SharedTables,
     /// Every parameter once per host, each rank updating its rows (`shard_optimizer`).
     Sharded,
+    /// Every rank its own copy, the dense buckets all-reduced during backward
+    /// (`overlap_backward`).
+    Overlapped,
 }
 
 fn train_embeddings_hinted(
@@ -221,6 +225,7 @@ fn train_embeddings_kept(
             },
             shared_tables: keep == Keep::SharedTables,
             shard_optimizer: keep == Keep::Sharded,
+            overlap_backward: keep == Keep::Overlapped,
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         let exchanged = if sparse && world > 1 { 2 } else { 0 };
@@ -229,6 +234,10 @@ fn train_embeddings_kept(
         assert_eq!(ddp.shared_tables().len(), if shared { 2 } else { 0 });
         let sharded = keep == Keep::Sharded && world > 1 && options.shared_memory;
         assert_eq!(ddp.sharded(), sharded);
+        assert_eq!(
+            ddp.overlaps_backward(),
+            keep == Keep::Overlapped && world > 1
+        );
         // The sparse runs also carry a probe (which moves the masks in the summary) and
         // must still train as the dense ones do.
         let top = world as usize - 1;
@@ -304,6 +313,10 @@ fn a_sharded_step_trains_exactly_as_the_unsharded_one() {
         assert_eq!(sharded_norms, norms, "{at}");
         assert_eq!(sharded_loss, loss, "{at}");
         assert_eq!(sharded_params, params, "{at}");
+        // The buckets all-reduced during backward (before the summary and the row-sparse
+        // exchange): the same bits too.
+        let overlapped = run(Keep::Overlapped);
+        assert_eq!(overlapped, (loss, params, norms), "{at}, overlapped");
     }
     // A model that leaves rows out: shared parameters cannot drift apart, so the check
     // counts the rows each rank's gradient touched outside the exchange.
@@ -388,6 +401,7 @@ fn the_check_sees_a_rank_off_the_shared_table() {
             sparse: vec!["items".into()],
             shared_tables: true,
             shard_optimizer: false,
+            overlap_backward: false,
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         assert_eq!(ddp.shared_tables(), vec!["items"]);

@@ -255,6 +255,7 @@ impl<'t> Trainer<'t> {
                 },
                 shared_tables: config.dist.shared_tables,
                 shard_optimizer: config.dist.shard_optimizer,
+                overlap_backward: config.dist.overlap_backward,
             },
         )?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
@@ -643,7 +644,8 @@ fn io(path: &Path, source: std::io::Error) -> TrainError {
     }
 }
 
-/// What the ranks of one host keep once in shared memory, if anything (rank 0 says it).
+/// What the ranks of one host keep once in shared memory, if anything, and whether the
+/// gradient all-reduce overlaps backward (rank 0 says it).
 fn log_sharing(ddp: &Ddp) {
     let (world, shared) = (ddp.world_size(), ddp.shared_tables());
     if ddp.sharded() {
@@ -654,6 +656,12 @@ fn log_sharing(ddp: &Ddp) {
         info!(
             "embedding tables {} kept once in shared memory: each of the {world} ranks updates its share of their rows",
             shared.join(", ")
+        );
+    }
+    if ddp.overlaps_backward() {
+        info!(
+            "gradient buckets ({}) all-reduced during the backward pass as they become ready (dist.overlap_backward)",
+            ddp.bucket_count()
         );
     }
 }

@@ -22,6 +22,12 @@ pub trait Task {
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         Ok(())
     }
+    /// Whether `loss(..).backward()` alone gives the gradients their final values
+    /// (`finish_backward` adds to none), so that the engine may all-reduce them during
+    /// backward (`dist.overlap_backward`). Default: true (nothing left to finish).
+    fn backward_is_whole(&self) -> bool {
+        true
+    }
     /// Time spent assembling micro-batches since the last call (part of what the engine
     /// counts as compute; the per-rank timing shows it apart). Default: not measured (zero).
     fn take_data_time(&mut self) -> std::time::Duration {
@@ -83,6 +89,10 @@ impl MicroBatchLoss<Vec<usize>> for TaskMicroBatches<'_> {
 
     fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         self.task.finish_backward()
+    }
+
+    fn backward_is_whole(&self) -> bool {
+        self.task.backward_is_whole()
     }
 
     fn rows_used(&self, table: &str) -> Option<&[i64]> {
