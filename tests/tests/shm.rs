@@ -61,8 +61,9 @@ fn training_all_reduces_through_shared_memory_and_leaves_nothing() {
     );
     out.assert_code(0);
     out.assert_stdout_all(&["[rank 0] collective tcp (shared memory) ready"]);
-    // The tables in shared memory too: one more segment, gone as well.
-    out.assert_stderr("kept once in shared memory");
+    // The parameters, moments and gradients in shared memory too (sharded, the default): one
+    // more segment, gone as well.
+    out.assert_stderr("gradients kept in shared memory: each of the 2 ranks reduces");
     assert_eq!(leaked_segments(), Vec::<String>::new());
 }
 
