@@ -101,12 +101,13 @@ impl HostShards {
             )
         };
         let _guard = tch::no_grad_guard();
-        let (mut at, mut row_sums_at) = (0, 0);
+        // `at`: where the parameter's value starts (then its two moments); `offset`: where its
+        // gradient starts in each rank's block.
+        let (mut at, mut offset, mut row_sums_at) = (0, 0, 0);
         let mut sharded = Vec::with_capacity(params.len());
-        for (i, p) in params.iter().enumerate() {
+        for p in params {
             let size = p.size();
             let n = slot(p.numel());
-            let offset: usize = params[..i].iter().map(|q| slot(q.numel())).sum();
             let grads = (0..world)
                 .map(|r| view(3 * per_rank + r * per_rank + offset, &size, Kind::Float))
                 .collect::<Result<Vec<_>, _>>()?;
@@ -122,6 +123,7 @@ impl HostShards {
                 row_sums_at,
             });
             at += 3 * n;
+            offset += n;
             row_sums_at += h as usize;
         }
         let row_sums = view(
