@@ -1,34 +1,30 @@
 //! The server's defences against strangers: the connections that have not proven the run id yet
 //! (capped in all and per address; to make room, the address holding the most loses its silent
 //! and oldest first), and warnings about refused connections gathered into one line per interval.
+//! The gate only keeps the books: the event loop that owns the sockets closes the ones it names.
 
-use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::collections::{BTreeSet, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
-
-/// A connection that has not proven the run id yet.
-struct Pending {
-    ticket: u64,
-    peer: SocketAddr,
-    since: Instant,
-    /// Its `Hello` arrived: it is doing the handshake, so it loses its slot after silent ones.
-    greeting: bool,
-    /// Shuts the connection down when it loses its slot (the same socket as its thread's).
-    stream: Arc<TcpStream>,
-}
 
 /// A connection closed to make room for a newer one.
 pub(crate) struct Evicted {
+    /// The event loop's name for the connection to close.
+    pub(crate) id: usize,
     pub(crate) peer: SocketAddr,
     /// Connections of its address that were waiting when it was closed, itself included.
     pub(crate) held_by_its_address: usize,
 }
 
-/// The connections that have not proven the run id yet.
+/// Where a waiting connection stands in its address's queue: silent ones (no `Hello` yet) before
+/// those doing the handshake, then the oldest first; the id breaks ties.
+type Place = (bool, Instant, usize);
+
+/// The connections that have not proven the run id yet, by the event loop's connection id.
 pub(crate) struct Gate {
-    pending: Mutex<Vec<Pending>>,
-    next_ticket: AtomicU64,
+    pending: HashMap<usize, (SocketAddr, Place)>,
+    by_address: HashMap<IpAddr, BTreeSet<Place>>,
     max: usize,
     max_per_ip: usize,
 }
@@ -36,91 +32,76 @@ pub(crate) struct Gate {
 impl Gate {
     pub(crate) fn new(max: usize, max_per_ip: usize) -> Gate {
         Gate {
-            pending: Mutex::new(Vec::new()),
-            next_ticket: AtomicU64::new(0),
+            pending: HashMap::new(),
+            by_address: HashMap::new(),
             max: max.max(1),
             max_per_ip: max_per_ip.clamp(1, max.max(1)),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<Pending>> {
-        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Counts a new connection as waiting and returns its ticket, closing (shutting down) the
-    /// connection that lost its slot to it, if one had to.
-    pub(crate) fn admit(&self, peer: SocketAddr, stream: Arc<TcpStream>) -> (u64, Option<Evicted>) {
-        let mut pending = self.lock();
-        let evicted = self.victim(&pending, peer.ip()).map(|index| {
-            let ip = pending[index].peer.ip();
-            let held = pending.iter().filter(|p| p.peer.ip() == ip).count();
-            (pending.swap_remove(index), held)
-        });
-        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        pending.push(Pending {
-            ticket,
-            peer,
-            since: Instant::now(),
-            greeting: false,
-            stream,
-        });
-        let evicted = evicted.map(|(victim, held)| {
-            let _ = victim.stream.shutdown(Shutdown::Both);
+    /// Counts the new connection `id` as waiting; returns the one that lost its slot to it, if
+    /// one had to (the caller closes it).
+    pub(crate) fn admit(&mut self, id: usize, peer: SocketAddr) -> Option<Evicted> {
+        let evicted = self.victim(peer.ip()).map(|victim| {
+            let (victim_peer, _) = self.pending[&victim];
+            let held = self.by_address[&victim_peer.ip()].len();
+            self.leave(victim);
             Evicted {
-                peer: victim.peer,
+                id: victim,
+                peer: victim_peer,
                 held_by_its_address: held,
             }
         });
-        (ticket, evicted)
+        let place = (false, Instant::now(), id);
+        self.pending.insert(id, (peer, place));
+        self.by_address.entry(peer.ip()).or_default().insert(place);
+        evicted
     }
 
     /// Which waiting connection must make room for a new one from `ip`: none while there is
     /// room; else one of `ip`'s own when it holds its share, else one of the address that holds
     /// the most; among those, the silent before those doing the handshake, the oldest first.
-    fn victim(&self, pending: &[Pending], ip: IpAddr) -> Option<usize> {
-        let count = |ip: IpAddr| pending.iter().filter(|p| p.peer.ip() == ip).count();
-        let target = if count(ip) >= self.max_per_ip {
+    fn victim(&self, ip: IpAddr) -> Option<usize> {
+        let held = |ip: &IpAddr| self.by_address.get(ip).map_or(0, BTreeSet::len);
+        let target = if held(&ip) >= self.max_per_ip {
             ip
-        } else if pending.len() >= self.max {
-            pending
-                .iter()
-                .map(|p| p.peer.ip())
-                .max_by_key(|&ip| count(ip))?
+        } else if self.pending.len() >= self.max {
+            *self.by_address.keys().max_by_key(|ip| held(ip))?
         } else {
             return None;
         };
-        pending
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.peer.ip() == target)
-            .min_by_key(|(_, p)| (p.greeting, p.since))
-            .map(|(index, _)| index)
+        self.by_address[&target].first().map(|&(_, _, id)| id)
     }
 
-    /// The connection of `ticket` sent its `Hello`.
-    pub(crate) fn greeting(&self, ticket: u64) {
-        if let Some(p) = self.lock().iter_mut().find(|p| p.ticket == ticket) {
-            p.greeting = true;
+    /// The connection `id` sent its `Hello`.
+    pub(crate) fn greeting(&mut self, id: usize) {
+        let Some((peer, place)) = self.pending.get_mut(&id) else {
+            return;
+        };
+        if let Some(queue) = self.by_address.get_mut(&peer.ip()) {
+            queue.remove(place);
+            place.0 = true;
+            queue.insert(*place);
         }
     }
 
-    /// The connection of `ticket` proved the run id or ended; false when it had already lost its
-    /// slot (closed to make room, and reported then).
-    pub(crate) fn leave(&self, ticket: u64) -> bool {
-        let mut pending = self.lock();
-        match pending.iter().position(|p| p.ticket == ticket) {
-            Some(index) => {
-                pending.swap_remove(index);
-                true
+    /// The connection `id` proved the run id or ended; false when it was not waiting.
+    pub(crate) fn leave(&mut self, id: usize) -> bool {
+        let Some((peer, place)) = self.pending.remove(&id) else {
+            return false;
+        };
+        if let Some(queue) = self.by_address.get_mut(&peer.ip()) {
+            queue.remove(&place);
+            if queue.is_empty() {
+                self.by_address.remove(&peer.ip());
             }
-            None => false,
         }
+        true
     }
 
     /// Connections waiting now.
-    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.lock().len()
+        self.pending.len()
     }
 }
 
@@ -202,38 +183,30 @@ impl Throttle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::TcpListener;
+    use std::sync::Arc;
     use std::thread;
-
-    fn socket(listener: &TcpListener) -> Arc<TcpStream> {
-        Arc::new(TcpStream::connect(listener.local_addr().unwrap()).unwrap())
-    }
 
     #[test]
     fn the_address_holding_the_most_makes_room_silent_and_oldest_first() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let gate = Gate::new(4, 3);
+        let mut gate = Gate::new(4, 3);
         let a: SocketAddr = "10.0.0.1:1".parse().unwrap();
         let b: SocketAddr = "10.0.0.2:1".parse().unwrap();
         let c: SocketAddr = "10.0.0.3:1".parse().unwrap();
-        let (first, none) = gate.admit(a, socket(&listener));
-        assert!(none.is_none());
-        let (second, _) = gate.admit(a, socket(&listener));
-        gate.greeting(first);
-        let (_, none) = gate.admit(a, socket(&listener));
-        assert!(none.is_none());
+        assert!(gate.admit(1, a).is_none());
+        assert!(gate.admit(2, a).is_none());
+        gate.greeting(1);
+        assert!(gate.admit(3, a).is_none());
         // `a` holds its share: its own silent, oldest connection makes room, not the greeting one.
-        let (_, evicted) = gate.admit(a, socket(&listener));
-        assert_eq!(evicted.unwrap().peer, a);
-        assert!(!gate.leave(second), "the second lost its slot");
-        assert!(gate.leave(first), "the greeting one kept its slot");
+        let evicted = gate.admit(4, a).unwrap();
+        assert_eq!((evicted.id, evicted.peer), (2, a));
+        assert!(!gate.leave(2), "the second lost its slot");
+        assert!(gate.leave(1), "the greeting one kept its slot");
         // Full with three of `a` and one of `b`: a newcomer from `c` takes one of `a`'s.
-        gate.admit(b, socket(&listener));
+        assert!(gate.admit(5, b).is_none());
         assert_eq!(gate.len(), 3);
-        gate.admit(a, socket(&listener));
-        let (_, evicted) = gate.admit(c, socket(&listener));
-        let evicted = evicted.unwrap();
-        assert_eq!(evicted.peer, a);
+        assert!(gate.admit(6, a).is_none());
+        let evicted = gate.admit(7, c).unwrap();
+        assert_eq!((evicted.id, evicted.peer), (3, a));
         assert_eq!(evicted.held_by_its_address, 3);
         assert_eq!(gate.len(), 4);
     }

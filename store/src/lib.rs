@@ -79,27 +79,25 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const WAIT_SLACK: Duration = Duration::from_secs(10);
 /// Longest pause between two connection attempts.
 const MAX_BACKOFF: Duration = Duration::from_millis(250);
-/// Read timeout of a server connection: how often an idle connection checks for shutdown.
-const SERVER_TICK: Duration = Duration::from_millis(100);
 /// A server connection whose peer stops sending in the middle of a frame for this long is dropped.
 const STALL_LIMIT: Duration = Duration::from_secs(30);
 /// Write timeout of a server connection (a peer that does not read its answers is dropped).
 const SERVER_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How often the (non-blocking) listener is polled for new connections.
-const ACCEPT_POLL: Duration = Duration::from_millis(5);
 /// A connection must finish the handshake (prove the run id) within this long, or it is closed.
 const HELLO_DEADLINE: Duration = Duration::from_secs(10);
 /// The largest frame accepted before the run id is proven (the handshake's frames are about a
 /// hundred bytes): a stranger cannot make the server allocate more.
 const PRE_HELLO_MAX_FRAME: usize = 4 << 10;
-/// Connections that have not yet proven the run id, at most (each costs a thread and two file
-/// descriptors until its deadline). A new connection beyond this closes one of them, of the
-/// address that holds the most, silent ones and the oldest first: a flood of idle sockets delays
-/// nobody, since a real peer finishes its handshake within milliseconds.
-const MAX_UNGREETED: usize = 32;
+/// Connections that have not yet proven the run id, at most (each costs a descriptor and a few
+/// hundred bytes until its deadline; thousands of ranks connect at once). A new connection beyond
+/// this closes one of them, of the address that holds the most, silent ones and the oldest first:
+/// a flood of idle sockets delays nobody, since a real peer finishes its handshake within
+/// milliseconds.
+const MAX_UNGREETED: usize = 1024;
 /// Connections from one IP address that have not yet proven the run id, at most (so that one
-/// address cannot take every slot); a new one beyond this closes that address's own.
-const MAX_UNGREETED_PER_IP: usize = 16;
+/// address cannot take every slot; a host's ranks and its launcher fit well within it); a new one
+/// beyond this closes that address's own.
+const MAX_UNGREETED_PER_IP: usize = 64;
 /// Warnings about refused connections are gathered into one line per this long, with a count.
 const WARN_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -541,6 +539,7 @@ mod tests {
     use std::time::Instant;
 
     mod agent_store;
+    mod event_loop;
     mod handshake;
 
     fn server(run_id: &str) -> StoreServer {

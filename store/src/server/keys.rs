@@ -1,0 +1,154 @@
+//! The store's key space, and which connection waits for which key: a write wakes only the
+//! connections waiting for that key (no thundering herd), and a wait costs its keys once, not
+//! once per write.
+
+use std::collections::HashMap;
+
+/// A connection's `wait` in progress: `id` tells it apart from the connection's earlier waits,
+/// whose registrations may still sit in [`KeySpace`] until their keys are written.
+pub(super) struct PendingWait {
+    pub(super) id: u64,
+    pub(super) keys: Vec<String>,
+    /// Registrations not yet woken: when it reaches zero every key has been written.
+    pub(super) missing: usize,
+    pub(super) deadline: Option<std::time::Instant>,
+}
+
+/// (connection, wait id) of a registration.
+pub(super) type Waiter = (usize, u64);
+
+#[derive(Default)]
+pub(super) struct KeySpace {
+    values: HashMap<String, Vec<u8>>,
+    waiters: HashMap<String, Vec<Waiter>>,
+}
+
+impl KeySpace {
+    pub(super) fn get(&self, key: &str) -> Option<&Vec<u8>> {
+        self.values.get(key)
+    }
+
+    /// Writes `key`; returns the registrations it wakes.
+    pub(super) fn set(&mut self, key: String, value: Vec<u8>) -> Vec<Waiter> {
+        let woken = self.waiters.remove(&key).unwrap_or_default();
+        self.values.insert(key, value);
+        woken
+    }
+
+    /// Adds `delta` to the counter `key` (0 when missing; kept as decimal text, as PyTorch does);
+    /// the new value and the registrations it wakes, or why it cannot.
+    pub(super) fn add(&mut self, key: String, delta: i64) -> Result<(i64, Vec<Waiter>), String> {
+        let current = match self.values.get(&key) {
+            None => 0,
+            Some(bytes) => std::str::from_utf8(bytes)
+                .ok()
+                .and_then(|text| text.trim().parse::<i64>().ok())
+                .ok_or_else(|| format!("the value of key {key:?} is not a decimal integer"))?,
+        };
+        let next = current
+            .checked_add(delta)
+            .ok_or_else(|| format!("adding {delta} to {current} (key {key:?}) overflows i64"))?;
+        Ok((next, self.set(key, next.to_string().into_bytes())))
+    }
+
+    /// Removes `key` (an ephemeral key whose connection ended). Waits that counted it stay
+    /// registered; [`KeySpace::values`] re-checks before any of them is answered.
+    pub(super) fn remove(&mut self, key: &str) {
+        self.values.remove(key);
+    }
+
+    /// Every key's value, when every key exists now.
+    pub(super) fn values(&self, keys: &[String]) -> Option<Vec<Vec<u8>>> {
+        keys.iter()
+            .map(|key| self.values.get(key).cloned())
+            .collect()
+    }
+
+    /// The keys of `keys` that do not exist now.
+    pub(super) fn missing(&self, keys: &[String]) -> Vec<String> {
+        keys.iter()
+            .filter(|key| !self.values.contains_key(key.as_str()))
+            .cloned()
+            .collect()
+    }
+
+    /// Registers `waiter` on each key of `keys` that does not exist yet; returns how many.
+    pub(super) fn register(&mut self, waiter: Waiter, keys: &[String]) -> usize {
+        let mut missing = 0;
+        for key in keys {
+            if !self.values.contains_key(key.as_str()) {
+                self.waiters.entry(key.clone()).or_default().push(waiter);
+                missing += 1;
+            }
+        }
+        missing
+    }
+
+    /// Drops `waiter`'s registrations on `keys` (its wait ended without them).
+    pub(super) fn forget(&mut self, waiter: Waiter, keys: &[String]) {
+        for key in keys {
+            if let Some(list) = self.waiters.get_mut(key.as_str()) {
+                list.retain(|w| *w != waiter);
+                if list.is_empty() {
+                    self.waiters.remove(key.as_str());
+                }
+            }
+        }
+    }
+
+    /// Keys and registrations held now (tests).
+    #[cfg(test)]
+    pub(super) fn registrations(&self) -> usize {
+        self.waiters.values().map(Vec::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(names: &[&str]) -> Vec<String> {
+        names.iter().map(|k| k.to_string()).collect()
+    }
+
+    #[test]
+    fn a_write_wakes_only_the_waits_for_its_key() {
+        let mut space = KeySpace::default();
+        space.set("a".into(), b"1".to_vec());
+        assert_eq!(space.register((1, 0), &keys(&["a", "b"])), 1);
+        assert_eq!(space.register((2, 0), &keys(&["c"])), 1);
+        assert!(space.set("x".into(), vec![]).is_empty());
+        assert_eq!(space.set("b".into(), vec![]), vec![(1, 0)]);
+        assert_eq!(
+            space.values(&keys(&["a", "b"])),
+            Some(vec![b"1".to_vec(), vec![]])
+        );
+        assert_eq!(space.registrations(), 1);
+        space.forget((2, 0), &keys(&["c"]));
+        assert_eq!(space.registrations(), 0);
+    }
+
+    #[test]
+    fn counters_are_decimal_text_and_refuse_overflow_and_text() {
+        let mut space = KeySpace::default();
+        assert_eq!(space.add("n".into(), 2).unwrap().0, 2);
+        assert_eq!(space.add("n".into(), -5).unwrap().0, -3);
+        assert_eq!(space.get("n"), Some(&b"-3".to_vec()));
+        space.set("t".into(), b"text".to_vec());
+        assert!(space
+            .add("t".into(), 1)
+            .unwrap_err()
+            .contains("not a decimal"));
+        space.set("m".into(), i64::MAX.to_string().into_bytes());
+        assert!(space.add("m".into(), 1).unwrap_err().contains("overflows"));
+    }
+
+    #[test]
+    fn a_removed_key_is_missing_again() {
+        let mut space = KeySpace::default();
+        space.set("e".into(), b"v".to_vec());
+        space.remove("e");
+        assert_eq!(space.values(&keys(&["e"])), None);
+        assert_eq!(space.missing(&keys(&["e", "f"])), keys(&["e", "f"]));
+    }
+}

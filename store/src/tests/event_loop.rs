@@ -1,0 +1,136 @@
+//! The server's event loop: many connections on one thread, a write waking exactly the waits for
+//! its key, pipelined and unread requests, and ephemeral keys under a wait.
+
+use super::*;
+
+/// Threads of this process now.
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |dir| dir.count())
+}
+
+#[test]
+fn one_write_answers_three_hundred_waits_and_the_server_keeps_one_thread() {
+    let server = server("run");
+    let before = threads();
+    let clients: Vec<StoreClient> = (0..300).map(|_| client(&server, "run")).collect();
+    assert!(
+        threads() <= before + 1,
+        "{} threads for 300 connections (had {before})",
+        threads()
+    );
+    let waiters: Vec<_> = clients
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut store)| {
+            thread::spawn(move || {
+                // Each waits for the common key and its own, set before.
+                store.set(&format!("own/{i}"), b"x").unwrap();
+                let own = format!("own/{i}");
+                store.wait(&["go", &own], Duration::from_secs(20)).unwrap()
+            })
+        })
+        .collect();
+    thread::sleep(Duration::from_millis(200));
+    let mut setter = client(&server, "run");
+    assert_eq!(setter.get("go").unwrap(), None);
+    setter.set("go", b"now").unwrap();
+    for waiter in waiters {
+        assert_eq!(waiter.join().unwrap(), vec![b"now".to_vec(), b"x".to_vec()]);
+    }
+}
+
+#[test]
+fn a_wait_answers_only_when_every_key_exists_at_once() {
+    let server = server("run");
+    let mut owner = client(&server, "run");
+    let mut waiter = client(&server, "run");
+    owner.set_ephemeral("e", b"1").unwrap();
+    let waiting = thread::spawn(move || {
+        let values = waiter.wait(&["e", "f"], Duration::from_secs(10));
+        (values, waiter)
+    });
+    thread::sleep(Duration::from_millis(100));
+    // `e` existed when the wait began; it is gone before `f` comes: the wait goes on.
+    drop(owner);
+    thread::sleep(Duration::from_millis(100));
+    let mut other = client(&server, "run");
+    other.add("f", 1).unwrap();
+    thread::sleep(Duration::from_millis(100));
+    assert!(!waiting.is_finished(), "answered while `e` was missing");
+    other.set("e", b"2").unwrap();
+    let (values, mut waiter) = waiting.join().unwrap();
+    assert_eq!(values.unwrap(), vec![b"2".to_vec(), b"1".to_vec()]);
+    // The connection goes on after its wait.
+    assert_eq!(waiter.get("f").unwrap(), Some(b"1".to_vec()));
+}
+
+#[test]
+fn a_timed_out_wait_leaves_no_registration_and_the_connection_usable() {
+    let server = server("run");
+    let mut store = client(&server, "run");
+    for _ in 0..3 {
+        let err = store
+            .wait(&["never", "nor-this"], Duration::from_millis(50))
+            .unwrap_err();
+        assert!(err.to_string().contains("never"), "{err}");
+    }
+    store.set("never", b"now").unwrap();
+    assert_eq!(store.get("never").unwrap(), Some(b"now".to_vec()));
+}
+
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let server = server("run");
+    let mut stream = raw(&server);
+    prove(&mut stream, "run");
+    let mut frames = Vec::new();
+    for request in [
+        Request::Wait {
+            keys: vec!["k".into()],
+            timeout_ms: 5_000,
+        },
+        Request::Get { key: "k".into() },
+        Request::Add {
+            key: "n".into(),
+            delta: 2,
+        },
+    ] {
+        frames.extend(encode_frame(&request).unwrap());
+    }
+    stream.write_all(&frames).unwrap();
+    thread::sleep(Duration::from_millis(100));
+    client(&server, "run").set("k", b"v").unwrap();
+    assert_eq!(receive(&mut stream), Response::Values(vec![b"v".to_vec()]));
+    assert_eq!(receive(&mut stream), Response::Value(Some(b"v".to_vec())));
+    assert_eq!(receive(&mut stream), Response::Counter(2));
+}
+
+#[test]
+fn a_peer_that_never_reads_its_answers_delays_no_one() {
+    let server = server("run");
+    let mut big = client(&server, "run");
+    big.set("big", &vec![7u8; 4 << 20]).unwrap();
+    // A raw peer asks for 4 MiB forty times and reads nothing.
+    let mut greedy = raw(&server);
+    prove(&mut greedy, "run");
+    let ask = encode_frame(&Request::Get { key: "big".into() }).unwrap();
+    greedy
+        .set_write_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    for _ in 0..40 {
+        if greedy.write_all(&ask).is_err() {
+            break;
+        }
+    }
+    let started = Instant::now();
+    let mut other = client(&server, "run");
+    other.set("k", b"v").unwrap();
+    assert_eq!(other.get("k").unwrap(), Some(b"v".to_vec()));
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    // It gets its answers when it reads them.
+    assert!(matches!(receive(&mut greedy), Response::Value(Some(v)) if v.len() == 4 << 20));
+}
