@@ -12,7 +12,7 @@ use common::env_contract::WorkerEnv;
 use super::{Hosts, RingSpec, TcpCollective, TcpOptions, PIECE_BYTES};
 use crate::collective::shm::ShmGroup;
 use crate::collective::CollectiveError;
-use crate::store::StoreClient;
+use crate::store::{StoreClient, StoreError};
 
 impl TcpCollective {
     /// [`TcpCollective::connect_with`] the default options (shared memory on one host).
@@ -83,21 +83,22 @@ impl TcpCollective {
         let shm = self.connect_shm(&local, timeout)?;
         let hosts = env.group_world_size as usize;
         if env.local_rank == 0 {
-            let verdict: &[u8] = if shm.is_some() { b"1" } else { b"0" };
-            self.store
-                .set(&format!("tcp/hosts/shm/{}", env.group_rank), verdict)
+            self.publish_host_verdict(shm.is_some(), hosts)
                 .map_err(|e| setup(format!("publishing this host's shared-memory verdict: {e}")))?;
         }
-        let keys: Vec<String> = (0..hosts).map(|h| format!("tcp/hosts/shm/{h}")).collect();
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let verdicts = self.store.wait(&keys, timeout).map_err(|e| {
-            setup(format!(
-                "waiting for every host's shared-memory verdict: {e}"
-            ))
-        })?;
-        if verdicts.iter().any(|v| v.as_slice() != b"1") {
+        let verdict = self
+            .store
+            .wait(&[HOSTS_VERDICT], timeout)
+            .map_err(|e| {
+                setup(format!(
+                    "waiting for every host's shared-memory verdict: {e}"
+                ))
+            })?
+            .remove(0);
+        if verdict.as_slice() != b"0" {
             tracing::warn!(
-                "shared memory is unavailable on some host; all-reduce uses the socket ring"
+                "shared memory is unavailable on {} of {hosts} hosts; all-reduce uses the socket ring",
+                String::from_utf8_lossy(&verdict)
             );
             return Ok(());
         }
@@ -118,6 +119,24 @@ impl TcpCollective {
         } else {
             Hosts::Member
         });
+        Ok(())
+    }
+
+    /// A host's leader reports whether its host has shared memory. Counted, not listed, so that
+    /// every rank reads one key however many hosts there are: the last leader to report
+    /// publishes how many hosts lack it (each leader counts itself in `without` before
+    /// `reported`, so the last one sees every host's).
+    fn publish_host_verdict(&mut self, has_shm: bool, hosts: usize) -> Result<(), StoreError> {
+        if !has_shm {
+            self.store.add(HOSTS_WITHOUT_SHM, 1)?;
+        }
+        if self.store.add(HOSTS_REPORTED, 1)? == hosts as i64 {
+            let without = match self.store.get(HOSTS_WITHOUT_SHM)? {
+                Some(count) => count,
+                None => b"0".to_vec(),
+            };
+            self.store.set(HOSTS_VERDICT, &without)?;
+        }
         Ok(())
     }
 
@@ -264,6 +283,12 @@ fn accept_prev(
 }
 
 /// How long an incoming ring connection has to send its greeting.
+/// Hosts whose leader reported no shared memory (a counter).
+const HOSTS_WITHOUT_SHM: &str = "tcp/hosts/shm/without";
+/// Leaders that reported (a counter).
+const HOSTS_REPORTED: &str = "tcp/hosts/shm/reported";
+/// How many hosts lack shared memory, written once every leader has reported.
+const HOSTS_VERDICT: &str = "tcp/hosts/shm/verdict";
 const GREETING_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// 32 random bytes from the operating system.
