@@ -47,7 +47,7 @@ use std::net::TcpStream;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::client::{connect_any, connect_with_retries, Attempt};
+use super::connect::{connect_any, connect_with_retries, Attempt};
 use super::seal::{Seal, OVERHEAD};
 use super::*;
 
@@ -246,7 +246,7 @@ impl C10dClient {
                 e.saturating_duration_since(Instant::now())
             })
         };
-        let mut stream = connect_any(addr, remaining)?;
+        let mut stream = connect_any(addr, remaining, None)?;
         let retry_io = |err: io::Error| Attempt::Retry(describe_io(&err));
         stream.set_nodelay(true).map_err(retry_io)?;
         stream

@@ -3,12 +3,12 @@
 //! PyTorch's ([`c10d`](super::c10d)); then one request at a time, each bounded by a timeout.
 
 use std::fmt;
-use std::io::{self, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::thread;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::c10d::C10dClient;
+use super::connect::{connect_any, connect_with_retries, Attempt};
 use super::*;
 
 /// One rank's connection to the store. Requests are answered in order, one at a time. After a
@@ -60,6 +60,25 @@ impl StoreClient {
             None => Link::Own(OwnClient::connect(addr, run_id, deadline)?),
         };
         Ok(StoreClient { link })
+    }
+
+    /// [`StoreClient::connect`] from the local address `source` (the socket is bound to it before
+    /// it connects; the port is the system's choice): same retries, same handshake, always in our
+    /// protocol. A benchmark gives the simulated ranks of each host their own loopback address
+    /// (any of 127/8 on Linux), as the server limits unproven connections per source address.
+    /// A `source` this machine does not have fails at once with [`StoreError::BadAddress`].
+    pub fn connect_from(
+        addr: &str,
+        run_id: &str,
+        deadline: Duration,
+        source: IpAddr,
+    ) -> Result<StoreClient, StoreError> {
+        let client = connect_with_retries(addr, deadline, |end| {
+            OwnClient::attempt(addr, run_id, end, Some(source))
+        })?;
+        Ok(StoreClient {
+            link: Link::Own(client),
+        })
     }
 
     /// Connects to torchrun's agent store at `addr` in PyTorch's protocol, every key under
@@ -145,12 +164,22 @@ impl StoreClient {
 }
 
 /// A connection in our own protocol (see the crate's documentation).
+///
+/// A `set` is written and not waited for: the server does not answer writes (as PyTorch's
+/// `SET`), so a rank's writes followed by a wait cost one round trip, not one each. The server
+/// executes a connection's requests in order, so a write is in effect before anything this
+/// connection asks next; a broken connection surfaces at the next request that has an answer.
 struct OwnClient {
     stream: TcpStream,
     addr: String,
     broken: Option<String>,
     /// How long `set`, `get` and `add` wait for their answer (default 30 s).
     io_timeout: Duration,
+    /// Bytes read from the socket that are not yet a whole answer (answers to pipelined writes
+    /// come together: one read takes them all).
+    incoming: Vec<u8>,
+    /// The socket's read timeout as last set (set again only when it changes).
+    read_timeout: Option<Duration>,
 }
 
 impl fmt::Debug for OwnClient {
@@ -162,63 +191,24 @@ impl fmt::Debug for OwnClient {
     }
 }
 
-/// Outcome of one connection attempt.
-pub(crate) enum Attempt {
-    /// Worth another try (nobody listening yet, connection dropped during the handshake).
-    Retry(String),
-    /// Final (cannot prove the run id, silent, not a store).
-    Fatal(StoreError),
-}
-
-/// Calls `attempt` with the deadline's instant (`None`: no end) until it succeeds, fails for
-/// good, or the `deadline` passes (then [`StoreError::Unreachable`] with the last reason),
-/// sleeping with an exponential backoff between tries.
-pub(crate) fn connect_with_retries<T>(
-    addr: &str,
-    deadline: Duration,
-    mut attempt: impl FnMut(Option<Instant>) -> Result<T, Attempt>,
-) -> Result<T, StoreError> {
-    check_host_port(addr)?;
-    let start = Instant::now();
-    let end = start.checked_add(deadline);
-    let mut backoff = Duration::from_millis(10);
-    loop {
-        let reason = match attempt(end) {
-            Ok(client) => return Ok(client),
-            Err(Attempt::Fatal(err)) => return Err(err),
-            Err(Attempt::Retry(reason)) => reason,
-        };
-        let remaining = end.map_or(MAX_BACKOFF, |end| {
-            end.saturating_duration_since(Instant::now())
-        });
-        if remaining.is_zero() {
-            return Err(StoreError::Unreachable {
-                addr: addr.to_string(),
-                waited: start.elapsed(),
-                reason,
-            });
-        }
-        tracing::debug!(
-            addr,
-            "rendezvous store not reachable yet ({reason}); retrying"
-        );
-        thread::sleep(backoff.min(remaining));
-        backoff = (backoff * 2).min(MAX_BACKOFF);
-    }
-}
-
 impl OwnClient {
     fn connect(addr: &str, run_id: &str, deadline: Duration) -> Result<OwnClient, StoreError> {
-        connect_with_retries(addr, deadline, |end| Self::attempt(addr, run_id, end))
+        connect_with_retries(addr, deadline, |end| Self::attempt(addr, run_id, end, None))
     }
 
-    fn attempt(addr: &str, run_id: &str, end: Option<Instant>) -> Result<OwnClient, Attempt> {
+    /// One connection and handshake, from `source` when there is one.
+    fn attempt(
+        addr: &str,
+        run_id: &str,
+        end: Option<Instant>,
+        source: Option<IpAddr>,
+    ) -> Result<OwnClient, Attempt> {
         let remaining = || {
             end.map_or(Duration::MAX, |e| {
                 e.saturating_duration_since(Instant::now())
             })
         };
-        let stream = connect_any(addr, remaining)?;
+        let stream = connect_any(addr, remaining, source)?;
         let retry_io = |err: io::Error| Attempt::Retry(describe_io(&err));
         stream.set_nodelay(true).map_err(retry_io)?;
         stream
@@ -233,6 +223,8 @@ impl OwnClient {
             addr: addr.to_string(),
             broken: None,
             io_timeout: IO_TIMEOUT,
+            incoming: Vec::new(),
+            read_timeout: Some(handshake_limit),
         };
         client.handshake(run_id)?;
         tracing::debug!(addr, "connected to the rendezvous store");
@@ -296,7 +288,7 @@ impl OwnClient {
     /// the port, which no retry will change.
     fn read_handshake(&mut self) -> Result<Response, Attempt> {
         let addr = self.addr.clone();
-        let body = match read_frame(&mut self.stream) {
+        let body = match self.next_body() {
             Ok(body) => body,
             Err(FrameReadError::Io(err))
                 if matches!(
@@ -358,17 +350,14 @@ impl OwnClient {
         Ok(())
     }
 
-    /// Stores `value` under `key`, replacing any previous value, and wakes the ranks waiting on it.
+    /// Stores `value` under `key`, replacing any previous value, and wakes the ranks waiting on it
+    /// (written; the server does not answer writes).
     fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let request = Request::Set {
             key: key.to_string(),
             value: value.to_vec(),
         };
-        let op = || format!("set {key:?}");
-        match self.exchange(&op, &request, self.io_timeout)? {
-            Response::Done => Ok(()),
-            other => Err(self.unexpected(op(), other)),
-        }
+        self.write_behind(format!("set {key:?}"), &request)
     }
 
     /// Stores `value` under `key` for as long as this connection lives: the server removes the
@@ -378,11 +367,25 @@ impl OwnClient {
             key: key.to_string(),
             value: value.to_vec(),
         };
-        let op = || format!("set {key:?} (ephemeral)");
-        match self.exchange(&op, &request, self.io_timeout)? {
-            Response::Done => Ok(()),
-            other => Err(self.unexpected(op(), other)),
+        self.write_behind(format!("set {key:?} (ephemeral)"), &request)
+    }
+
+    /// Sends a write, which has no answer (see [`OwnClient`]).
+    fn write_behind(&mut self, op: String, request: &Request) -> Result<(), StoreError> {
+        self.usable()?;
+        let frame = self.frame(request)?;
+        let result = self
+            .stream
+            .write_all(&frame)
+            .map_err(|cause| StoreError::Connection {
+                addr: self.addr.clone(),
+                op,
+                cause,
+            });
+        if let Err(err) = &result {
+            self.broken = Some(err.to_string());
         }
+        result
     }
 
     /// The value under `key`, or `None` if nobody has set it yet (does not block).
@@ -437,6 +440,27 @@ impl OwnClient {
         }
     }
 
+    /// An error when the connection was given up.
+    fn usable(&self) -> Result<(), StoreError> {
+        match &self.broken {
+            Some(reason) => Err(StoreError::Broken {
+                addr: self.addr.clone(),
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// `request`'s frame; checked before anything is sent, so an oversized value leaves the
+    /// connection usable.
+    fn frame(&self, request: &Request) -> Result<Vec<u8>, StoreError> {
+        encode_frame(request).map_err(|len| StoreError::FrameTooLarge {
+            addr: self.addr.clone(),
+            len,
+            limit: MAX_FRAME_BYTES,
+        })
+    }
+
     /// Sends one request and reads its answer, giving the connection up on transport errors.
     fn exchange(
         &mut self,
@@ -444,18 +468,8 @@ impl OwnClient {
         request: &Request,
         answer_within: Duration,
     ) -> Result<Response, StoreError> {
-        if let Some(reason) = &self.broken {
-            return Err(StoreError::Broken {
-                addr: self.addr.clone(),
-                reason: reason.clone(),
-            });
-        }
-        // Checked before anything is sent, so an oversized value leaves the connection usable.
-        let frame = encode_frame(request).map_err(|len| StoreError::FrameTooLarge {
-            addr: self.addr.clone(),
-            len,
-            limit: MAX_FRAME_BYTES,
-        })?;
+        self.usable()?;
+        let frame = self.frame(request)?;
         let result = self.transport(op, &frame, answer_within);
         if let Err(err) = &result {
             self.broken = Some(err.to_string());
@@ -475,11 +489,13 @@ impl OwnClient {
             op: op(),
             cause,
         };
-        self.stream
-            .set_read_timeout(Some(answer_within.max(Duration::from_millis(1))))
-            .map_err(connection)?;
         self.stream.write_all(frame).map_err(connection)?;
-        let body = match read_frame(&mut self.stream) {
+        let limit = Some(answer_within.max(Duration::from_millis(1)));
+        if self.read_timeout != limit {
+            self.stream.set_read_timeout(limit).map_err(connection)?;
+            self.read_timeout = limit;
+        }
+        let body = match self.next_body() {
             Ok(body) => body,
             Err(FrameReadError::Io(err))
                 if matches!(
@@ -508,6 +524,36 @@ impl OwnClient {
         })
     }
 
+    /// The body of the next frame from the server, reading the socket only when what is
+    /// buffered is not a whole frame (with the socket's read timeout).
+    fn next_body(&mut self) -> Result<Vec<u8>, FrameReadError> {
+        loop {
+            let mut want = 4 << 10;
+            if let [a, b, c, d, ..] = self.incoming[..] {
+                let len = u32::from_le_bytes([a, b, c, d]) as usize;
+                if len > MAX_FRAME_BYTES {
+                    return Err(FrameReadError::TooLarge(len));
+                }
+                if self.incoming.len() >= 4 + len {
+                    let body = self.incoming[4..4 + len].to_vec();
+                    self.incoming.drain(..4 + len);
+                    return Ok(body);
+                }
+                want = want.max(4 + len - self.incoming.len());
+            }
+            let old = self.incoming.len();
+            self.incoming.resize(old + want, 0);
+            let read = self.stream.read(&mut self.incoming[old..]);
+            self.incoming.truncate(old + *read.as_ref().unwrap_or(&0));
+            match read {
+                Ok(0) => return Err(FrameReadError::Io(io::ErrorKind::UnexpectedEof.into())),
+                Ok(_) => {}
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) => return Err(FrameReadError::Io(err)),
+            }
+        }
+    }
+
     /// The error for an answer that does not fit the request. A refusal leaves the connection
     /// usable; anything else means the two sides disagree, so the connection is given up.
     fn unexpected(&mut self, op: String, response: Response) -> StoreError {
@@ -525,27 +571,6 @@ impl OwnClient {
         self.broken = Some(err.to_string());
         err
     }
-}
-
-/// A TCP connection to the first address of `addr` that answers, each tried for at most 2 s
-/// (and what is left of the deadline); why none did, to retry.
-pub(crate) fn connect_any(
-    addr: &str,
-    remaining: impl Fn() -> Duration,
-) -> Result<TcpStream, Attempt> {
-    let targets: Vec<SocketAddr> = match addr.to_socket_addrs() {
-        Ok(targets) => targets.collect(),
-        Err(err) => return Err(Attempt::Retry(format!("cannot resolve it: {err}"))),
-    };
-    let mut reason = "the host name resolves to no address".to_string();
-    for target in targets {
-        let limit = remaining().clamp(Duration::from_millis(50), Duration::from_secs(2));
-        match TcpStream::connect_timeout(&target, limit) {
-            Ok(stream) => return Ok(stream),
-            Err(err) => reason = describe_io(&err),
-        }
-    }
-    Err(Attempt::Retry(reason))
 }
 
 /// A fingerprint a peer claims, fit for a one-line message whatever it sent.
@@ -577,4 +602,50 @@ pub(crate) fn request_timeout(
             cause,
         })?;
     Ok(timeout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{Ipv4Addr, TcpListener};
+
+    const SOURCE: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 1, 2, 3));
+
+    #[test]
+    fn connect_from_speaks_to_a_store_and_fails_like_connect() {
+        let server = StoreServer::start("127.0.0.1:0".parse().unwrap(), "run").unwrap();
+        let addr = server.local_addr().to_string();
+        let t = Duration::from_secs(2);
+        let mut a = StoreClient::connect_from(&addr, "run", t, SOURCE).unwrap();
+        let mut b =
+            StoreClient::connect_from(&addr, "run", t, IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap();
+        a.set("k", b"v").unwrap();
+        assert_eq!(
+            b.wait(&["k"], Duration::from_secs(1)).unwrap(),
+            vec![b"v".to_vec()]
+        );
+        let err = StoreClient::connect_from(&addr, "other", t, SOURCE).unwrap_err();
+        assert!(matches!(err, StoreError::WrongRun { .. }), "{err}");
+
+        // Nobody listening: retried until the deadline, as `connect`.
+        let free = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let started = Instant::now();
+        let err =
+            StoreClient::connect_from(&free.to_string(), "run", Duration::from_millis(300), SOURCE)
+                .unwrap_err();
+        assert!(matches!(err, StoreError::Unreachable { .. }), "{err}");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+
+        // A source this machine does not have fails at once, naming it.
+        let started = Instant::now();
+        let foreign = IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1));
+        let err = StoreClient::connect_from(&addr, "run", Duration::from_secs(5), foreign)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("192.0.2.1"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(2), "{err}");
+    }
 }

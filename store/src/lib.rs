@@ -14,8 +14,11 @@
 //!
 //! Wire format: every message is a frame, a `u32` little-endian body length (at most
 //! [`MAX_FRAME_BYTES`]) followed by the bincode 2 (`standard()` config, serde) encoding of a
-//! `Request` or a `Response`. Counters written by `add` are stored as decimal text, as PyTorch
-//! does.
+//! `Request` or a `Response`. The server executes a connection's requests in order and answers
+//! each with one frame, except writes (`Set`, `SetEphemeral`), which it does not answer (as
+//! PyTorch's `SET`): a client may send writes and a request after them without waiting, and
+//! pays one round trip for all. Counters written by `add` are stored as decimal text, as
+//! PyTorch does.
 //!
 //! Handshake: the run id (`TORCHELASTIC_RUN_ID`) is the secret that admits a connection, and it
 //! never goes on the wire. Both sides derive `key = HMAC-SHA256(run id, "gptrec-store-v2")` and
@@ -49,12 +52,13 @@
 mod auth;
 mod c10d;
 mod client;
+mod connect;
 mod guard;
 mod seal;
 mod server;
 
-use std::io::{self, Read};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use common::env_contract::WorkerEnv;
@@ -69,7 +73,8 @@ pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
 /// Tag in the `Hello` request, so that a stranger speaking another protocol (or an older version
 /// of this one) is told apart.
-const PROTOCOL: u32 = 0x6770_7332;
+/// (`gps3`: writes have no answer.)
+const PROTOCOL: u32 = 0x6770_7333;
 /// How long a client waits for the answer to `set`, `get` and `add`.
 const IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a client waits for each answer of the handshake; a peer that accepts the connection
@@ -113,6 +118,8 @@ enum Request {
     Proof {
         proof: auth::Proof,
     },
+    /// Not answered: the client goes on at once (a broken connection shows at its next
+    /// request), and the server executes a connection's requests in order.
     Set {
         key: String,
         value: Vec<u8>,
@@ -129,7 +136,7 @@ enum Request {
         key: String,
         delta: i64,
     },
-    /// `Set`, and the server removes the key when this connection ends (however it ends: a
+    /// `Set` (not answered either), and the server removes the key when this connection ends (however it ends: a
     /// process that dies closes its sockets), as ZooKeeper's ephemeral nodes.
     SetEphemeral {
         key: String,
@@ -149,8 +156,6 @@ enum Response {
     },
     /// The client's proof was accepted.
     Welcome,
-    /// `Set` done.
-    Done,
     Value(Option<Vec<u8>>),
     Values(Vec<Vec<u8>>),
     Counter(i64),
@@ -169,7 +174,6 @@ impl Response {
         match self {
             Response::Challenge { .. } => "Challenge",
             Response::Welcome => "Welcome",
-            Response::Done => "Done",
             Response::Value(_) => "Value",
             Response::Values(_) => "Values",
             Response::Counter(_) => "Counter",
@@ -338,8 +342,10 @@ enum FrameReadError {
     TooLarge(usize),
 }
 
-/// Reads one frame with the stream's own read timeout (client side).
-fn read_frame(stream: &mut TcpStream) -> Result<Vec<u8>, FrameReadError> {
+/// Reads one frame with the stream's own read timeout (the tests' raw peers).
+#[cfg(test)]
+fn read_frame(stream: &mut std::net::TcpStream) -> Result<Vec<u8>, FrameReadError> {
+    use std::io::Read as _;
     let mut header = [0u8; 4];
     stream.read_exact(&mut header).map_err(FrameReadError::Io)?;
     let len = u32::from_le_bytes(header) as usize;
@@ -533,8 +539,8 @@ fn say_agent_store(addr: &str, run_id: &str) {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::io::Write;
-    use std::net::{Shutdown, TcpListener};
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
     use std::thread;
     use std::time::Instant;
 

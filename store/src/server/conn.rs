@@ -13,6 +13,8 @@ use super::keys::PendingWait;
 
 /// Bytes read from a socket per turn: a peer that floods is read in turns with the others.
 pub(super) const READ_TURN: usize = 256 << 10;
+/// Answers a connection may have unsent before its next requests wait for it to read them.
+const UNSENT_LIMIT: usize = 1 << 20;
 
 /// Where a connection stands in the handshake.
 pub(super) enum Stage {
@@ -91,15 +93,15 @@ impl Conn {
 
     /// Reads what the socket has, up to [`READ_TURN`] bytes and never more than one frame
     /// beyond what is buffered; true when there may be more to read.
-    pub(super) fn read(&mut self) -> Result<bool, ConnEnd> {
-        let mut chunk = [0u8; 64 << 10];
+    /// `chunk` is the loop's scratch buffer (zeroed once, not per read).
+    pub(super) fn read(&mut self, chunk: &mut [u8]) -> Result<bool, ConnEnd> {
         let mut taken = 0;
         while taken < READ_TURN && !self.eof {
             if self.input.len() > 4 + self.frame_limit() + chunk.len() {
                 // Requests sent without reading the answers: wait for the peer to catch up.
                 return Ok(false);
             }
-            match self.stream.read(&mut chunk) {
+            match self.stream.read(chunk) {
                 Ok(0) => self.eof = true,
                 Ok(n) => {
                     self.input.extend_from_slice(&chunk[..n]);
@@ -163,7 +165,8 @@ impl Conn {
         }
     }
 
-    /// Queues `response` and writes what the socket takes now.
+    /// Queues `response`; the loop writes a connection's answers together once it has served
+    /// what the connection sent ([`Conn::flush`]): one segment for a run of pipelined requests.
     pub(super) fn send(&mut self, response: &Response) -> Result<(), ConnEnd> {
         let frame = encode_frame(response).map_err(|len| {
             ConnEnd::Bad(format!(
@@ -174,7 +177,7 @@ impl Conn {
             self.last_write = Instant::now();
         }
         self.output.extend_from_slice(&frame);
-        self.flush()
+        Ok(())
     }
 
     /// Writes queued answers until done or the socket is full.
@@ -204,9 +207,10 @@ impl Conn {
         !self.output.is_empty()
     }
 
-    /// Whether the loop may answer its next request now: no wait in progress, nothing unsent.
+    /// Whether the loop may answer its next request now: no wait in progress, and not too much
+    /// unsent (a peer that does not read its answers is not served more).
     pub(super) fn ready_for_request(&self) -> bool {
-        self.wait.is_none() && !self.sending()
+        self.wait.is_none() && self.output.len() - self.written < UNSENT_LIMIT
     }
 
     /// The earliest moment something about this connection must be checked.

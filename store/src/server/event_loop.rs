@@ -35,11 +35,14 @@ pub(super) struct EventLoop {
     keys: KeySpace,
     gate: Gate,
     timers: BinaryHeap<Reverse<(Instant, usize)>>,
-    /// Connections to serve again this turn: more to read, or a wait that ended.
-    again: Vec<usize>,
+    /// Connections to serve again this turn, and whether to read their socket: more to read,
+    /// or a wait that ended (what they sent meanwhile is already read).
+    again: Vec<(usize, bool)>,
     next_id: usize,
     next_wait: u64,
     accept_rest_until: Option<Instant>,
+    /// Where sockets are read into before their bytes join a connection's input.
+    scratch: Vec<u8>,
 }
 
 impl EventLoop {
@@ -62,6 +65,7 @@ impl EventLoop {
             next_id: FIRST_CONN,
             next_wait: 0,
             accept_rest_until: None,
+            scratch: vec![0; 64 << 10],
         })
     }
 
@@ -84,17 +88,18 @@ impl EventLoop {
                             self.on_writable(id);
                         }
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
-                            self.serve(id);
+                            self.serve(id, true);
                         }
                     }
                 }
             }
+            // Timers first: a wait that timed out is answered by serving its connection again.
+            self.fire_timers();
             while !self.again.is_empty() {
-                for id in std::mem::take(&mut self.again) {
-                    self.serve(id);
+                for (id, read) in std::mem::take(&mut self.again) {
+                    self.serve(id, read);
                 }
             }
-            self.fire_timers();
             self.shared.refused.tick();
             self.shared.accept_failures.tick();
         }
@@ -171,17 +176,19 @@ impl EventLoop {
         self.conns.insert(id, Conn::new(stream, peer, hello_by));
         self.schedule(id);
         // What it sent before it was registered raises no event of its own.
-        self.again.push(id);
+        self.again.push((id, true));
     }
 
-    /// Reads what connection `id` sent and answers its requests while it may.
-    fn serve(&mut self, id: usize) {
+    /// Reads what connection `id` sent (when `read`), answers its requests while it may, and
+    /// writes the answers together.
+    fn serve(&mut self, id: usize, read: bool) {
         let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };
-        let more = match conn.read() {
-            Ok(more) => more,
-            Err(end) => return self.close(id, end),
+        let more = match read.then(|| conn.read(&mut self.scratch)) {
+            Some(Ok(more)) => more,
+            Some(Err(end)) => return self.close(id, end),
+            None => false,
         };
         loop {
             let Some(conn) = self.conns.get_mut(&id) else {
@@ -196,15 +203,18 @@ impl EventLoop {
                 Err(end) => return self.close(id, end),
             }
         }
-        let Some(conn) = self.conns.get(&id) else {
+        let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };
+        if let Err(end) = conn.flush() {
+            return self.close(id, end);
+        }
         if conn.eof && conn.ready_for_request() {
             let end = conn.end_of_input();
             return self.close(id, end);
         }
         if more {
-            self.again.push(id);
+            self.again.push((id, true));
         }
         self.schedule(id);
     }
@@ -218,8 +228,8 @@ impl EventLoop {
             return self.close(id, end);
         }
         if was_sending && !conn.sending() {
-            // Its next requests were held back until it took its answers.
-            self.again.push(id);
+            // Its next requests may have been held back until it took its answers.
+            self.again.push((id, true));
         }
     }
 
@@ -304,10 +314,11 @@ impl EventLoop {
             Request::Hello { .. } | Request::Proof { .. } => Response::Refused {
                 reason: "this connection has already proven the run id".into(),
             },
+            // Writes are not answered (the client does not wait for them).
             Request::Set { key, value } => {
                 let woken = self.keys.set(key, value);
                 self.wake(woken);
-                Response::Done
+                return Ok(());
             }
             Request::SetEphemeral { key, value } => {
                 if let Some(conn) = self.conns.get_mut(&id) {
@@ -315,7 +326,7 @@ impl EventLoop {
                 }
                 let woken = self.keys.set(key, value);
                 self.wake(woken);
-                Response::Done
+                return Ok(());
             }
             Request::Get { key } => Response::Value(self.keys.get(&key).cloned()),
             Request::Add { key, delta } => match self.keys.add(key, delta) {
@@ -368,7 +379,7 @@ impl EventLoop {
                     conn.wait = None;
                     let sent = conn.send(&Response::Values(values));
                     match sent {
-                        Ok(()) => self.again.push(id),
+                        Ok(()) => self.again.push((id, false)),
                         Err(end) => self.close(id, end),
                     }
                 }
@@ -434,7 +445,7 @@ impl EventLoop {
         self.keys.forget((id, wait.id), &wait.keys);
         let missing = self.keys.missing(&wait.keys);
         match self.send(id, &Response::WaitTimedOut { missing }) {
-            Ok(()) => self.again.push(id),
+            Ok(()) => self.again.push((id, false)),
             Err(end) => self.close(id, end),
         }
     }
@@ -461,7 +472,9 @@ impl EventLoop {
                     .refused
                     .note(format!("from {}, {reason}", conn.peer));
             }
-            let _ = conn.send(&Response::Refused { reason });
+            if conn.send(&Response::Refused { reason }).is_ok() {
+                let _ = conn.flush();
+            }
         }
         let _ = self.poll.registry().deregister(&mut conn.stream);
     }
@@ -470,9 +483,12 @@ impl EventLoop {
     fn shut_down(&mut self) {
         for conn in self.conns.values_mut() {
             if conn.wait.take().is_some() {
-                let _ = conn.send(&Response::Refused {
+                let refused = Response::Refused {
                     reason: "the store is shutting down".into(),
-                });
+                };
+                if conn.send(&refused).is_ok() {
+                    let _ = conn.flush();
+                }
             }
             let _ = conn.stream.shutdown(std::net::Shutdown::Both);
         }

@@ -78,6 +78,7 @@ fn a_timed_out_wait_leaves_no_registration_and_the_connection_usable() {
     assert_eq!(store.get("never").unwrap(), Some(b"now".to_vec()));
 }
 
+/// Writes are not answered; the requests after them see them.
 #[test]
 fn pipelined_requests_are_answered_in_order() {
     let server = server("run");
@@ -89,6 +90,11 @@ fn pipelined_requests_are_answered_in_order() {
             keys: vec!["k".into()],
             timeout_ms: 5_000,
         },
+        Request::Set {
+            key: "w".into(),
+            value: b"written".to_vec(),
+        },
+        Request::Get { key: "w".into() },
         Request::Get { key: "k".into() },
         Request::Add {
             key: "n".into(),
@@ -101,6 +107,10 @@ fn pipelined_requests_are_answered_in_order() {
     thread::sleep(Duration::from_millis(100));
     client(&server, "run").set("k", b"v").unwrap();
     assert_eq!(receive(&mut stream), Response::Values(vec![b"v".to_vec()]));
+    assert_eq!(
+        receive(&mut stream),
+        Response::Value(Some(b"written".to_vec()))
+    );
     assert_eq!(receive(&mut stream), Response::Value(Some(b"v".to_vec())));
     assert_eq!(receive(&mut stream), Response::Counter(2));
 }

@@ -185,23 +185,29 @@ impl TcpCollective {
             .map_err(|e| setup(format!("listener address: {e}")))?;
         let secret = ring_secret(rank, scope, &mut comm.store, timeout).map_err(&setup)?;
         let nonce = random_bytes().map_err(&setup)?;
+        // One key per position: its nonce (32 bytes), then its address.
+        let mut peer = nonce.to_vec();
+        peer.extend_from_slice(addr.to_string().as_bytes());
         comm.store
-            .set(&format!("{scope}/nonce/{rank}"), &nonce)
-            .map_err(|e| setup(format!("publishing our nonce: {e}")))?;
-        comm.store
-            .set(&format!("{scope}/addr/{rank}"), addr.to_string().as_bytes())
-            .map_err(|e| setup(format!("publishing our address: {e}")))?;
+            .set(&format!("{scope}/peer/{rank}"), &peer)
+            .map_err(|e| setup(format!("publishing our nonce and address: {e}")))?;
         let next = (rank + 1) % world;
         let prev = (rank + world - 1) % world;
         let (next_rank, prev_rank) = (comm.ring_ranks[next], comm.ring_ranks[prev]);
-        let next_key = format!("{scope}/addr/{next}");
-        let next_nonce = format!("{scope}/nonce/{next}");
         let published = comm
             .store
-            .wait(&[next_key.as_str(), next_nonce.as_str()], timeout)
-            .map_err(|e| setup(format!("waiting for rank {next_rank}'s address: {e}")))?;
-        let next_addr = String::from_utf8_lossy(&published[0]).into_owned();
-        let proof = ring_proof(&secret, &published[1], rank, next);
+            .wait(&[format!("{scope}/peer/{next}").as_str()], timeout)
+            .map_err(|e| setup(format!("waiting for rank {next_rank}'s address: {e}")))?
+            .remove(0);
+        if published.len() < nonce.len() {
+            return Err(setup(format!(
+                "rank {next_rank} published {} bytes for its nonce and address",
+                published.len()
+            )));
+        }
+        let (next_nonce, next_addr) = published.split_at(nonce.len());
+        let next_addr = String::from_utf8_lossy(next_addr).into_owned();
+        let proof = ring_proof(&secret, next_nonce, rank, next);
         let next_sock: SocketAddr = next_addr.parse().map_err(|e| {
             setup(format!(
                 "rank {next_rank} published a bad address {next_addr:?}: {e}"
@@ -282,13 +288,13 @@ fn accept_prev(
     }
 }
 
-/// How long an incoming ring connection has to send its greeting.
 /// Hosts whose leader reported no shared memory (a counter).
 const HOSTS_WITHOUT_SHM: &str = "tcp/hosts/shm/without";
 /// Leaders that reported (a counter).
 const HOSTS_REPORTED: &str = "tcp/hosts/shm/reported";
 /// How many hosts lack shared memory, written once every leader has reported.
 const HOSTS_VERDICT: &str = "tcp/hosts/shm/verdict";
+/// How long an incoming ring connection has to send its greeting.
 const GREETING_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// 32 random bytes from the operating system.

@@ -29,8 +29,9 @@ fn a_stranger_claiming_a_rank_is_refused() {
         || StoreClient::connect(&addr.to_string(), "ring-auth", Duration::from_secs(10)).unwrap();
     let mut spy = store();
     let stranger = std::thread::spawn(move || {
-        let target = spy.wait(&["tcp/addr/0"], Duration::from_secs(10)).unwrap();
-        let target: SocketAddr = String::from_utf8_lossy(&target[0]).parse().unwrap();
+        let target = spy.wait(&["tcp/peer/0"], Duration::from_secs(10)).unwrap();
+        // The nonce (32 bytes), then the address.
+        let target: SocketAddr = String::from_utf8_lossy(&target[0][32..]).parse().unwrap();
         let mut sock = TcpStream::connect(target).unwrap();
         let mut greeting = 1u64.to_le_bytes().to_vec();
         greeting.extend_from_slice(&[0u8; 32]);
