@@ -16,6 +16,8 @@
 //!   writes `elastic/r<r>/failed`; a newcomer waiting in round
 //!   `r + 1` makes the coordinator write `elastic/r<r>/regroup`; either way every member tears
 //!   its group down and joins round `r + 1`;
+//! - `elastic/r<r>/end` is written with either (members wait for it: a running round costs the
+//!   store nothing but the heartbeats);
 //! - `elastic/done` ends the job for everyone still waiting ([`Done`]);
 //! - before it joins, a launcher writes its job terms (`common::job_terms`: the config but
 //!   for per-node paths, the data and the worker build) under `elastic/terms/<id>`, and their
@@ -43,6 +45,8 @@ pub use coordinator::Coordinator;
 
 /// How often waiting loops look at the store.
 const POLL: Duration = Duration::from_millis(100);
+/// How long a member's monitor waits for its round's end before it looks at its stop flag.
+const MONITOR_WAIT: Duration = Duration::from_secs(1);
 /// How often a launcher beats.
 const BEAT: Duration = Duration::from_millis(500);
 /// A node whose heartbeat did not move for this long is taken for dead.
@@ -135,13 +139,13 @@ pub fn publish_terms(
 /// stopped, but not exited).
 pub fn others_connected(store: &mut StoreClient, id: u64) -> Result<usize, StoreError> {
     let next = counter(store.get(NEXT_ID)?).max(0) as u64;
-    let mut n = 0;
-    for other in (0..next).filter(|&o| o != id) {
-        if store.get(&alive_key(other))?.is_some() {
-            n += 1;
-        }
-    }
-    Ok(n)
+    let keys: Vec<String> = (0..next).filter(|&o| o != id).map(alive_key).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    Ok(store
+        .get_many(&keys)?
+        .iter()
+        .filter(|v| v.is_some())
+        .count())
 }
 
 fn json<T: Serialize>(value: &T) -> Vec<u8> {
@@ -229,15 +233,22 @@ pub fn join(
         if let Some(sig) = signalled() {
             return Err(NotJoined::Signal(sig));
         }
-        if let Some(done) = parse::<Done>(store.get(DONE)?) {
+        // One request for all four (a thousand nodes poll while a round forms).
+        let (members, waiting) = (key(round, "members"), key(round, "waiting"));
+        let refused = refused_key(info.id);
+        let [done, refused, members, waiting]: [Option<Vec<u8>>; 4] = store
+            .get_many(&[DONE, &refused, &members, &waiting])?
+            .try_into()
+            .unwrap_or_default();
+        if let Some(done) = parse::<Done>(done) {
             return Err(NotJoined::Done(done));
         }
-        if let Some(why) = store.get(&refused_key(info.id))? {
+        if let Some(why) = refused {
             return Err(NotJoined::Refused(
                 String::from_utf8_lossy(&why).into_owned(),
             ));
         }
-        if let Some(closed) = parse::<Round>(store.get(&key(round, "members"))?) {
+        if let Some(closed) = parse::<Round>(members) {
             if closed.node_rank_of(info.id).is_some() {
                 return Ok(closed);
             }
@@ -249,7 +260,7 @@ pub fn join(
             store.set(&key(round, &format!("join/{}", info.id)), &json(info))?;
             continue;
         }
-        if let Some(why) = store.get(&key(round, "waiting"))? {
+        if let Some(why) = waiting {
             let why = String::from_utf8_lossy(&why).into_owned();
             if said_waiting.as_ref() != Some(&why) {
                 say(why.clone());
@@ -264,6 +275,7 @@ pub fn join(
 pub fn report_failure(store: &mut StoreClient, round: u64, what: &str) -> Result<(), StoreError> {
     if store.get(&key(round, "failed"))?.is_none() {
         store.set(&key(round, "failed"), what.as_bytes())?;
+        store.set(&key(round, "end"), b"failed")?;
     }
     Ok(())
 }
@@ -276,6 +288,8 @@ pub fn report_finished(store: &mut StoreClient, round: u64, id: u64) -> Result<(
 
 /// Watches `round` for this member on its own connection until `stop` is set: sends
 /// [`Event::Regroup`] once when the group must re-form (a member failed, or a newcomer waits).
+/// It waits for the round's `end` key (parked at the store, no polling), looking at `stop`
+/// between waits of [`MONITOR_WAIT`].
 pub fn start_monitor(
     mut store: StoreClient,
     round: u64,
@@ -286,37 +300,43 @@ pub fn start_monitor(
     std::thread::Builder::new()
         .name("rendezvous-monitor".into())
         .spawn(move || {
+            // A failure re-forms at once; a waiting node at the next checkpoint (and a failure
+            // while waiting for it still at once): once a regroup is seen, only `failed` counts.
+            let (end, failed, regroup) = (
+                key(round, "end"),
+                key(round, "failed"),
+                key(round, "regroup"),
+            );
             let mut asked = false;
             while !stop.load(Ordering::Relaxed) {
-                // A failure re-forms at once; a waiting node at the next checkpoint (and a
-                // failure while waiting for it still at once).
-                let seen = (|| -> Result<Option<(String, bool)>, StoreError> {
-                    for (what, at_checkpoint) in [("failed", false), ("regroup", true)] {
-                        if at_checkpoint && asked {
-                            continue;
-                        }
-                        if let Some(v) = store.get(&key(round, what))? {
-                            let reason = String::from_utf8_lossy(&v).into_owned();
-                            return Ok(Some((reason, at_checkpoint)));
-                        }
-                    }
-                    Ok(None)
-                })();
-                match seen {
-                    Ok(Some((reason, at_checkpoint))) => {
-                        let _ = tx.send(Event::Regroup {
-                            round: round as u32,
-                            reason,
-                            at_checkpoint,
-                        });
-                        if !at_checkpoint {
-                            return;
-                        }
-                        asked = true;
-                    }
-                    Ok(None) => std::thread::sleep(POLL),
+                let watched = if asked { &failed } else { &end };
+                match store.wait(&[watched], MONITOR_WAIT) {
+                    Ok(_) => {}
+                    Err(StoreError::WaitTimeout { .. }) => continue,
                     Err(_) => return, // the heartbeat reports a lost store
                 }
+                let Ok(seen) = store.get_many(&[&failed, &regroup]) else {
+                    return;
+                };
+                let (reason, at_checkpoint) = match (&seen[0], &seen[1]) {
+                    (Some(why), _) => (why, false),
+                    (None, Some(why)) if !asked => (why, true),
+                    _ => {
+                        // Not written yet by whoever wrote `end` (cannot be: same connection,
+                        // in order); do not spin on it.
+                        std::thread::sleep(POLL);
+                        continue;
+                    }
+                };
+                let _ = tx.send(Event::Regroup {
+                    round: round as u32,
+                    reason: String::from_utf8_lossy(reason).into_owned(),
+                    at_checkpoint,
+                });
+                if !at_checkpoint {
+                    return;
+                }
+                asked = true;
             }
         })
         .map(|_| ())

@@ -144,6 +144,15 @@ impl StoreClient {
         }
     }
 
+    /// The value under each of `keys` (`None` where nobody has set it), in one round trip in
+    /// our protocol (one `get` each in PyTorch's). Does not block.
+    pub fn get_many(&mut self, keys: &[&str]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        match &mut self.link {
+            Link::Own(client) => client.get_many(keys),
+            Link::C10d(client) => keys.iter().map(|key| client.get(key)).collect(),
+        }
+    }
+
     /// Blocks until every key exists and returns their values in the order of `keys`. After
     /// `timeout` it fails with [`StoreError::WaitTimeout`] naming the keys still missing.
     pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>, StoreError> {
@@ -396,6 +405,20 @@ impl OwnClient {
         let op = || format!("get {key:?}");
         match self.exchange(&op, &request, self.io_timeout)? {
             Response::Value(value) => Ok(value),
+            other => Err(self.unexpected(op(), other)),
+        }
+    }
+
+    fn get_many(&mut self, keys: &[&str]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let request = Request::GetMany {
+            keys: keys.iter().map(|key| key.to_string()).collect(),
+        };
+        let op = || format!("get {} keys ({:?}...)", keys.len(), keys[0]);
+        match self.exchange(&op, &request, self.io_timeout)? {
+            Response::Found(values) if values.len() == keys.len() => Ok(values),
             other => Err(self.unexpected(op(), other)),
         }
     }

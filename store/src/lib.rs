@@ -127,6 +127,10 @@ enum Request {
     Get {
         key: String,
     },
+    /// Several `Get`s in one round trip (e.g. a coordinator reading every node's heartbeat).
+    GetMany {
+        keys: Vec<String>,
+    },
     /// Blocks (server side) until every key exists or `timeout_ms` passes.
     Wait {
         keys: Vec<String>,
@@ -157,6 +161,8 @@ enum Response {
     /// The client's proof was accepted.
     Welcome,
     Value(Option<Vec<u8>>),
+    /// The answer to `GetMany`: each key's value, or `None`, in the order asked.
+    Found(Vec<Option<Vec<u8>>>),
     Values(Vec<Vec<u8>>),
     Counter(i64),
     WaitTimedOut {
@@ -175,6 +181,7 @@ impl Response {
             Response::Challenge { .. } => "Challenge",
             Response::Welcome => "Welcome",
             Response::Value(_) => "Value",
+            Response::Found(_) => "Found",
             Response::Values(_) => "Values",
             Response::Counter(_) => "Counter",
             Response::WaitTimedOut { .. } => "WaitTimedOut",

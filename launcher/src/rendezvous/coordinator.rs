@@ -130,17 +130,29 @@ impl Coordinator {
         Ok((0..next).collect())
     }
 
-    /// Reads every heartbeat; returns the ids that are alive: the connection that holds their
-    /// ephemeral key is open (a process that died has closed it), and their heartbeat moved
-    /// within [`DEAD_AFTER`] (a machine that vanished without closing it).
+    /// Reads every heartbeat (one request for all nodes); returns the ids that are alive: the
+    /// connection that holds their ephemeral key is open (a process that died has closed it),
+    /// and their heartbeat moved within [`DEAD_AFTER`] (a machine that vanished without closing
+    /// it).
     fn alive(&mut self) -> Result<Vec<u64>, StoreError> {
         let now = Instant::now();
+        let ids: Vec<u64> = self
+            .ids()?
+            .into_iter()
+            .filter(|id| !self.refused.contains(id))
+            .collect();
+        let keys: Vec<String> = ids
+            .iter()
+            .flat_map(|&id| [alive_key(id), heartbeat_key(id)])
+            .collect();
+        let values = self.get_many(&keys)?;
         let mut alive = Vec::new();
-        for id in self.ids()? {
-            if self.refused.contains(&id) || self.store.get(&alive_key(id))?.is_none() {
+        for (&id, pair) in ids.iter().zip(values.chunks(2)) {
+            let [holder, beat] = pair else { continue };
+            if holder.is_none() {
                 continue;
             }
-            let beat = counter(self.store.get(&heartbeat_key(id))?);
+            let beat = counter(beat.clone());
             let entry = self.beats.entry(id).or_insert((beat, now));
             if entry.0 != beat {
                 *entry = (beat, now);
@@ -156,10 +168,13 @@ impl Coordinator {
     /// (node ranks stay put across rounds where they can). A joiner with other terms is
     /// refused here, once, before any round can take it.
     fn joined(&mut self, round: u64, alive: &[u64]) -> Result<Vec<NodeInfo>, StoreError> {
+        let keys: Vec<String> = alive
+            .iter()
+            .map(|id| key(round, &format!("join/{id}")))
+            .collect();
         let mut joined = Vec::new();
-        for &id in alive {
-            let Some(info) = parse::<NodeInfo>(self.store.get(&key(round, &format!("join/{id}")))?)
-            else {
+        for entry in self.get_many(&keys)? {
+            let Some(info) = parse::<NodeInfo>(entry) else {
                 continue;
             };
             if info.terms != self.digest {
@@ -364,6 +379,7 @@ impl Coordinator {
             }
             if let Some(why) = self.newcomers(formed, &alive)? {
                 self.store.set(&key(round, "regroup"), why.as_bytes())?;
+                self.store.set(&key(round, "end"), b"regroup")?;
                 return Ok(Outcome::Regroup(why));
             }
             std::thread::sleep(POLL);
@@ -372,14 +388,23 @@ impl Coordinator {
 
     /// The members of `round` whose group finished its work.
     fn finished(&mut self, round: &Round) -> Result<Vec<u64>, StoreError> {
-        let mut finished = Vec::new();
-        for id in round.ids() {
-            let done = key(round.round, &format!("finished/{id}"));
-            if self.store.get(&done)?.is_some() {
-                finished.push(id);
-            }
-        }
-        Ok(finished)
+        let ids = round.ids();
+        let keys: Vec<String> = ids
+            .iter()
+            .map(|id| key(round.round, &format!("finished/{id}")))
+            .collect();
+        let done = self.get_many(&keys)?;
+        Ok(ids
+            .into_iter()
+            .zip(done)
+            .filter_map(|(id, done)| done.map(|_| id))
+            .collect())
+    }
+
+    /// [`StoreClient::get_many`] of owned keys.
+    fn get_many(&mut self, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.store.get_many(&keys)
     }
 
     /// Why the running `formed` round should re-form for live nodes waiting in the next one,

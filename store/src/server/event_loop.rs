@@ -329,6 +329,9 @@ impl EventLoop {
                 return Ok(());
             }
             Request::Get { key } => Response::Value(self.keys.get(&key).cloned()),
+            Request::GetMany { keys } => {
+                Response::Found(keys.iter().map(|k| self.keys.get(k).cloned()).collect())
+            }
             Request::Add { key, delta } => match self.keys.add(key, delta) {
                 Ok((next, woken)) => {
                     self.wake(woken);

@@ -22,6 +22,8 @@ for line in sys.stdin:
     try:
         if op == "set":
             store.set(key, bytes.fromhex(arg[0] if arg else ""))
+            # SET has no answer: a CHECK on the same connection returns once it is applied.
+            store.check([key])
             print("ok", flush=True)
         elif op == "get":
             print(store.get(key).hex() or "-", flush=True)

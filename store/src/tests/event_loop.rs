@@ -144,3 +144,16 @@ fn a_peer_that_never_reads_its_answers_delays_no_one() {
     // It gets its answers when it reads them.
     assert!(matches!(receive(&mut greedy), Response::Value(Some(v)) if v.len() == 4 << 20));
 }
+
+#[test]
+fn get_many_answers_every_key_in_order_in_one_request() {
+    let server = server("run");
+    let mut store = client(&server, "run");
+    store.set("a", b"1").unwrap();
+    store.add("c", 3).unwrap();
+    assert_eq!(
+        store.get_many(&["c", "b", "a"]).unwrap(),
+        vec![Some(b"3".to_vec()), None, Some(b"1".to_vec())]
+    );
+    assert!(store.get_many(&[]).unwrap().is_empty());
+}
