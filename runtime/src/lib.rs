@@ -6,7 +6,8 @@
 //! and the few CUDA runtime calls it makes itself (`cuda_runtime`). It must not know about
 //! recommenders, data sets or metrics: the worker's trainer wires a model to it, and the
 //! `ddp-fixture` trains a plain MLP through it. Before any collective of a multi-node job,
-//! `agreement` checks that every rank runs the same job (terms the caller gives).
+//! `agreement` checks that every rank runs the same job (terms the caller gives); `job_watch`
+//! tells every rank at once that another ended before the job finished.
 
 pub mod agreement;
 pub mod checkpoint;
@@ -14,6 +15,7 @@ pub mod clip;
 pub mod collective;
 pub mod cuda_runtime;
 pub mod ddp;
+pub mod job_watch;
 pub mod optim;
 pub mod rng;
 pub mod rows;

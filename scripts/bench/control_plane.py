@@ -1,15 +1,17 @@
 """The orchestrator of scripts/bench/control_plane.sh (see its header): for each size, ours then
 PyTorch's TCPStore, each a server and PROCS rank processes started at once; the wall time from
-their start to the last one's exit, and what the processes printed; then the table.
+their start to the last one's exit, and what the processes printed; then the table. Then the
+elastic rows (ELASTIC, see elastic_side): a real host `launch` and M simulated launchers.
 
-Usage: control_plane.py BIN TCPSTORE_SCRIPT   (settings from the environment: SIZES, PROCS,
-THREADS, LOCAL, LIMIT_S)
+Usage: control_plane.py BIN TCPSTORE_SCRIPT [LAUNCH]   (settings from the environment: SIZES,
+PROCS, THREADS, LOCAL, LIMIT_S, ELASTIC, ELASTIC_THREADS; LAUNCH is needed for ELASTIC)
 """
 
 import json
 import os
 import queue
 import secrets
+import signal
 import shutil
 import socket
 import subprocess
@@ -19,7 +21,10 @@ import threading
 import time
 
 BIN, TCPSTORE = sys.argv[1], sys.argv[2]
+LAUNCH = sys.argv[3] if len(sys.argv) > 3 else None
 SIZES = [int(n) for n in os.environ.get("SIZES", "64 512 2048 8192").split()]
+ELASTIC = [int(m) for m in os.environ.get("ELASTIC", "16 128 1024").split()]
+ELASTIC_THREADS = int(os.environ.get("ELASTIC_THREADS", "8"))
 PROCS = int(os.environ.get("PROCS", "4"))
 THREADS = int(os.environ.get("THREADS", "16"))
 LOCAL = int(os.environ.get("LOCAL", "8"))
@@ -237,6 +242,15 @@ def cell(result, key, fmt):
 
 
 def main():
+    if SIZES:
+        ranks_rows()
+    if ELASTIC:
+        if SIZES:
+            print()
+        elastic_rows()
+
+
+def ranks_rows():
     dns = slow_reverse_dns()
     if dns > 0.5:
         print(f"note: {DNS_NOTE.format(f'a reverse DNS look-up of ::ffff:127.0.0.1 took {dns:.1f} s here')}",
@@ -307,6 +321,293 @@ def main():
                    if side == "tcpstore"), default=0)
     if slowest > 4000:
         print(f"note: {DNS_NOTE.format(f'a TCPStore connection took {slowest / 1e3:.1f} s, likely a DNS look-up timing out')}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The elastic rows: a real host `launch` (its rendezvous store and coordinator) and M simulated
+# launchers (`control-plane-bench launchers`, store/src/bin/control_plane_bench/elastic.rs).
+
+# The host: `--nnodes M:M+1` with a last call longer than any run, so the first round closes
+# when it is full (all M + 1 joined: coordinator.rs `form`, `full`), and after one death the M
+# left re-form as soon as every live node joined the next round (`all_in`), M being the minimum;
+# restarts to spare. Its worker only sleeps (a plain command: a regroup stops it at once).
+HOST_ARGS = ["--nproc-per-node", "1", "--rdzv-conf", "last_call_timeout=3600",
+             "--max-restarts", "10", "--grace-period", "2", "--", "sleep", "3600"]
+# How long the first round runs before one launcher is killed, and how long the next round runs
+# before the idle figures are taken over IDLE_S.
+RUN_BEFORE_KILL_S = 2.0
+SETTLE_S = 0.5
+SETTLE_MAX_S = 10.0
+# The simulator is settled when none of its actions ran later than this in the last SETTLE_S.
+SETTLED_LATE_MS = 50.0
+IDLE_S = 5.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks(pid):
+    """utime + stime of process `pid` (every thread of it), in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def thread_ticks(pid):
+    """utime + stime of each thread of `pid`, summed by thread name."""
+    by_name = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        by_name[name] = by_name.get(name, 0) + int(fields[11]) + int(fields[12])
+    return by_name
+
+
+def status_field(pid, name):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def descendants(pid):
+    """Every process below `pid` (its workers, its watchdog), deepest last."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                kids = []
+            found.extend(kids)
+            todo.extend(kids)
+    return found
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_host(host):
+    """SIGTERM to the host's process group (launch forwards it to its workers), then SIGKILL
+    to it and to whatever it left (workers, watchdog) after 15 s."""
+    below = descendants(host.pid)
+    if host.poll() is None:
+        try:
+            os.killpg(host.pid, signal.SIGTERM)
+        except OSError:
+            pass
+        try:
+            host.wait(15)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(host.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            host.wait()
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in below):
+        time.sleep(0.05)
+
+
+def elastic_side(m):
+    """The elastic rows' figures for M simulated launchers, or status and why."""
+    tag = f"elastic-{m}"
+    run_id = secrets.token_hex(16)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("SLURM_") or k.startswith("PET_") or k == "LAUNCH_RUN_ID")}
+    host_log = os.path.join(TMP, f"{tag}-host.log")
+    sim_err = os.path.join(TMP, f"{tag}-sim.err")
+    host_cmd = [LAUNCH, "--nnodes", f"{m}:{m + 1}", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", run_id] + HOST_ARGS
+    with open(host_log, "w") as log:
+        host = subprocess.Popen(host_cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, close_fds=True,
+                                start_new_session=True)
+    sim_cmd = [BIN, "launchers", "--addr", f"127.0.0.1:{port}", "--run-id", run_id,
+               "--count", str(m), "--threads", str(ELASTIC_THREADS)]
+    with open(sim_err, "w") as err:
+        sim = subprocess.Popen(sim_cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=err, text=True, close_fds=True)
+    lines = lines_of(sim.stdout)
+    result = {"status": "ok", "why": ""}
+
+    def say(line):
+        sim.stdin.write(line + "\n")
+        sim.stdin.flush()
+
+    def expect(prefix, timeout):
+        """The words of the simulator's next line that starts with `prefix` (others are kept
+        in `seen`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = next_line(lines, max(0.0, deadline - time.monotonic()))
+            if line is None:
+                why = "ended" if sim.poll() is not None else f"nothing within {timeout:.0f} s"
+                raise RuntimeError(f"waiting for {prefix!r}: the simulator {why}: "
+                                   f"{first_lines(sim_err, 2)} host: {first_lines(host_log, 100)[-2:]}")
+            if line.startswith(prefix):
+                return line.split()
+            seen.append(line)
+
+    seen = []
+
+    def joined_at(k):
+        """When every live simulated launcher had written its join entry of round k."""
+        for line in seen:
+            if line.startswith(f"joined {k} "):
+                return float(line.split()[3])
+        return float("nan")
+
+    try:
+        expect("ready", SERVER_START_S)
+        say("go")
+        started = float(expect("started", 5)[1])
+        words = expect("round 0 members", LIMIT_S)
+        if int(words[3]) != m + 1:
+            raise RuntimeError(f"round 0 formed with {words[3]} nodes, not {m + 1}")
+        result["form_s"] = float(words[4]) - started
+        result["joined0_s"] = joined_at(0) - started
+        time.sleep(RUN_BEFORE_KILL_S)
+        say("kill")
+        killed = float(expect("killed", 5)[2])
+        result["detect_s"] = float(expect("round 0 failed", LIMIT_S)[3]) - killed
+        words = expect("round 1 members", LIMIT_S)
+        if int(words[3]) != m:
+            raise RuntimeError(f"round 1 formed with {words[3]} nodes, not {m}")
+        result["next_s"] = float(words[4]) - killed
+        result["joined1_s"] = joined_at(1) - killed
+        # Idle means settled: the simulator keeps its cadence again (right after a re-form, its
+        # threads open a thousand monitor connections and heartbeats run late meanwhile).
+        settle_by = time.monotonic() + SETTLE_MAX_S
+        while True:
+            time.sleep(SETTLE_S)
+            say("stats")
+            before = expect("stats", 5)
+            if float(before[2]) < SETTLED_LATE_MS or time.monotonic() > settle_by:
+                break
+        threads0 = thread_ticks(host.pid)
+        host0, sim0, t0 = cpu_ticks(host.pid), cpu_ticks(sim.pid), time.monotonic()
+        time.sleep(IDLE_S)
+        say("stats")
+        after = expect("stats", 5)
+        host1, sim1, t1 = cpu_ticks(host.pid), cpu_ticks(sim.pid), time.monotonic()
+        threads1 = thread_ticks(host.pid)
+        core = lambda ticks: 100.0 * ticks / CLK_TCK / (t1 - t0)
+        result["host_cpu"] = core(host1 - host0)
+        busy = sorted(((core(t - threads0.get(name, 0)), name) for name, t in threads1.items()),
+                      reverse=True)
+        result["host_threads_cpu"] = ", ".join(f"{name} {pct:.1f} %" for pct, name in busy[:3]
+                                               if pct > 0) or "none measurable"
+        result["sim_cpu"] = core(sim1 - sim0)
+        result["host_rss_mib"] = status_field(host.pid, "VmRSS") / 1024
+        result["host_threads"] = status_field(host.pid, "Threads")
+        result["sim_rps"] = (int(after[1]) - int(before[1])) / (float(after[3]) - float(before[3]))
+        result["sim_late_ms"] = float(after[2])
+    except (RuntimeError, ValueError, IndexError, OSError) as e:
+        result = {"status": "failed", "why": str(e)}
+    # Stop: the simulated launchers first (EOF: they close their connections and exit), then
+    # the host and its workers.
+    try:
+        sim.stdin.close()
+    except OSError:
+        pass
+    try:
+        sim.wait(30)
+    except subprocess.TimeoutExpired:
+        sim.kill()
+        sim.wait()
+    for line in iter(lambda: next_line(lines, 1), None):
+        if line.startswith("{"):
+            try:
+                report = json.loads(line)
+                if report.get("errors") and result["status"] == "ok":
+                    result["sim_errors"] = report["errors"]
+            except ValueError:
+                pass
+    stop_host(host)
+    if result["status"] == "ok":
+        errors = first_lines(sim_err, 3)
+        if errors:
+            result["sim_stderr"] = errors
+    return result
+
+
+def elastic_rows():
+    if not LAUNCH:
+        print("elastic rows: skipped (no launch binary given)")
+        return
+    results = {}
+    for m in ELASTIC:
+        t0 = time.perf_counter()
+        results[m] = r = elastic_side(m)
+        shown = (f"form {r['form_s']:.2f} s, death to next round {r['next_s']:.2f} s"
+                 if r["status"] == "ok" else f"{r['status']}: {r['why']}")
+        print(f"  M={m} elastic: {shown} (harness {time.perf_counter() - t0:.1f} s)", flush=True)
+    print()
+    print(f"Elastic rendezvous: a real host `launch --nnodes M:M+1` (its store and coordinator; "
+          f"its worker sleeps) and M simulated launchers (one process, {ELASTIC_THREADS} threads "
+          f"and one monitor thread per member, each launcher from its own loopback address) at "
+          f"the real cadence (heartbeat 500 ms, join polls 100 ms, monitors parked in 1 s waits "
+          f"for the round's end). form = from the simulated launchers' start to round "
+          f"0's members (M + 1 nodes) published; detection = from one simulated launcher's death "
+          f"(its connections closed at once) to round 0's `failed`; next round = from that death "
+          f"to round 1's members (M nodes); host CPU (% of one core, every thread of the host "
+          f"`launch`, not its worker) and RSS while round 1 runs, over {IDLE_S:.0f} s")
+    print()
+    print("| launchers | form s | death to detection s | death to next round s | "
+          "host CPU idle % | host RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    for m, r in results.items():
+        if r["status"] != "ok":
+            print(f"| {m} | {r['status']} | - | - | - | - |")
+            continue
+        print(f"| {m} | {r['form_s']:.2f} | {r['detect_s']:.2f} | {r['next_s']:.2f} "
+              f"| {r['host_cpu']:.1f} | {r['host_rss_mib']:.1f} |")
+    print()
+    for m, r in results.items():
+        if r["status"] == "ok":
+            print(f"{m} launchers: form {r['form_s']:.2f} s, death to next round "
+                  f"{r['next_s']:.2f} s")
+        else:
+            print(f"{m} launchers: {r['status']}")
+    print()
+    print("Details (when the last simulated launcher had joined round 0, from their start, and "
+          "round 1, from the death: the rest is the coordinator's; while round 1 runs: the "
+          "simulator's own CPU, its requests per second and how late its latest action ran, the "
+          "host's threads):")
+    for m, r in results.items():
+        if r["status"] == "ok":
+            detail = (f"all joined round 0 at {r['joined0_s']:.2f} s, round 1 at "
+                      f"{r['joined1_s']:.2f} s; simulator CPU {r['sim_cpu']:.1f} % of one core, "
+                      f"{r['sim_rps']:.0f} launcher requests/s, latest action "
+                      f"{r['sim_late_ms']:.1f} ms late; host {r['host_threads']} threads, "
+                      f"busiest: {r['host_threads_cpu']}")
+            if r.get("sim_errors"):
+                detail += f"; {r['sim_errors']} simulated launchers' store errors"
+            if r.get("sim_stderr"):
+                detail += f"; simulator stderr: {r['sim_stderr'][0][:200]}"
+        else:
+            detail = f"{r['status']}: {r['why']}"
+        print(f"  M={m}: {detail}")
 
 
 if __name__ == "__main__":

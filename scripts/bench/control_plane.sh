@@ -25,13 +25,29 @@
 # that look-up from a private copy of /etc/hosts in a mount namespace of the script's own
 # (nothing outside changes), as a cluster's /etc/hosts or name cache would.
 #
+# The elastic rows (ELASTIC="16 128 1024" by default; ELASTIC="" skips them): for each M, a real
+# host `launch --nnodes M:M+1 --rdzv-endpoint 127.0.0.1:P -- sleep 3600` (its rendezvous store
+# and coordinator) and M simulated launchers in one process (`control-plane-bench launchers`,
+# ELASTIC_THREADS=8 threads; store/src/bin/control_plane_bench/elastic.rs re-codes the
+# launcher's side of launcher/src/rendezvous.rs request for request) heartbeating and polling at
+# the real cadence, each from its own loopback address (127.2.x.y). The time to form the first
+# round (all M + 1), from one simulated launcher's death (its connections closed at once) to its
+# detection (`elastic/r0/failed`) and to the next round (the M left), and the host's CPU and
+# memory while that round runs (the simulator's own CPU is shown beside it). SIZES="" runs only
+# these rows.
+#
 # Usage: [SIZES="64 512 2048 8192"] [PROCS=4] [THREADS=16] [LOCAL=8] [LIMIT_S=120] \
-#        [LOOPBACK_HOSTS=auto] scripts/bench/control_plane.sh
+#        [LOOPBACK_HOSTS=auto] [ELASTIC="16 128 1024"] [ELASTIC_THREADS=8] \
+#        scripts/bench/control_plane.sh
 set -eu
 cd "$(dirname "$0")/../.."
 . scripts/setup.sh >/dev/null
 cargo build --release -p gptrec-store --bins >/dev/null 2>&1 || cargo build --release -p gptrec-store --bins
-sizes="${SIZES:-64 512 2048 8192}"
+elastic="${ELASTIC-16 128 1024}"
+if [ -n "$elastic" ]; then
+  cargo build --release -p gptrec-launcher >/dev/null 2>&1 || cargo build --release -p gptrec-launcher
+fi
+sizes="${SIZES-64 512 2048 8192}"
 local_ranks="${LOCAL:-8}"
 
 # Descriptors: a server holds one per connection (N + N/L) and a rank process its share of
@@ -39,6 +55,9 @@ local_ranks="${LOCAL:-8}"
 largest=0
 for n in $sizes; do [ "$n" -gt "$largest" ] && largest=$n; done
 want=$((largest + largest / local_ranks + 256))
+# An elastic row: the host holds about 3 connections per simulated launcher (main, heartbeat,
+# join or monitor), and so does the simulator.
+for m in $elastic; do [ $((3 * m + 256)) -gt "$want" ] && want=$((3 * m + 256)); done
 hard="$(ulimit -Hn)"
 if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt "$want" ]; then
   if [ "$hard" = unlimited ] || [ "$hard" -ge "$want" ]; then
@@ -49,10 +68,11 @@ if [ "$(ulimit -n)" != unlimited ] && [ "$(ulimit -n)" -lt "$want" ]; then
   fi
 fi
 
-echo "bench: sizes $sizes, $local_ranks ranks per host, ${PROCS:-4} processes x ${THREADS:-16} threads, limit ${LIMIT_S:-120} s, ulimit -n $(ulimit -n)"
+echo "bench: sizes ${sizes:-none}, $local_ranks ranks per host, ${PROCS:-4} processes x ${THREADS:-16} threads, limit ${LIMIT_S:-120} s, elastic ${elastic:-none}, ulimit -n $(ulimit -n)"
 orchestrate() {
-  SIZES="$sizes" LOCAL="$local_ranks" python3 scripts/bench/control_plane.py \
-    "$PWD/target/release/control-plane-bench" "$PWD/scripts/bench/control_plane_tcpstore.py"
+  SIZES="$sizes" LOCAL="$local_ranks" ELASTIC="$elastic" python3 scripts/bench/control_plane.py \
+    "$PWD/target/release/control-plane-bench" "$PWD/scripts/bench/control_plane_tcpstore.py" \
+    "$PWD/target/release/launch"
 }
 loopback="${LOOPBACK_HOSTS:-auto}"
 if [ "$loopback" = auto ]; then
@@ -67,7 +87,7 @@ if [ "$loopback" = 1 ]; then
   trap 'rm -f "$hosts"' EXIT
   { cat /etc/hosts; echo '::ffff:127.0.0.1 localhost'; } >"$hosts"
   export -f orchestrate
-  export sizes local_ranks
+  export sizes local_ranks elastic
   echo "bench: LOOPBACK_HOSTS=1: ::ffff:127.0.0.1 is named from a private /etc/hosts"
   unshare -m bash -c 'mount --bind "$0" /etc/hosts && orchestrate' "$hosts"
 else

@@ -136,6 +136,49 @@ impl StoreClient {
         }
     }
 
+    /// Leaves the will `name`: if this connection ends before the will is revoked (the process
+    /// dies, however), the server writes `value` under `key` unless it has a value by then. Not
+    /// in PyTorch's protocol (torchrun's agent store): there it is refused.
+    pub fn set_will(&mut self, name: &str, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let request = Request::Will {
+            name: name.to_string(),
+            key: key.to_string(),
+            value: value.to_vec(),
+        };
+        self.own("leaving a will")?
+            .write_behind(format!("will {name:?}"), &request)
+    }
+
+    /// Voids the will `name` (left by this connection or another: one parked in a wait, say).
+    pub fn revoke_will(&mut self, name: &str) -> Result<(), StoreError> {
+        let request = Request::Revoke {
+            name: name.to_string(),
+        };
+        self.own("revoking a will")?
+            .write_behind(format!("revoke {name:?}"), &request)
+    }
+
+    /// A handle that closes this connection from another thread (this one may be parked in a
+    /// wait, which then fails at once); `None` under torchrun's agent store.
+    pub fn closer(&self) -> Option<StoreCloser> {
+        match &self.link {
+            Link::Own(client) => client.stream.try_clone().ok().map(StoreCloser),
+            Link::C10d(_) => None,
+        }
+    }
+
+    /// Our protocol's connection, or a refusal of `op` under torchrun's agent store.
+    fn own(&mut self, op: &str) -> Result<&mut OwnClient, StoreError> {
+        match &mut self.link {
+            Link::Own(client) => Ok(client),
+            Link::C10d(client) => Err(StoreError::Refused {
+                addr: client.addr().to_string(),
+                op: op.into(),
+                reason: "torchrun's agent store (PyTorch's protocol) has no such request".into(),
+            }),
+        }
+    }
+
     /// The value under `key`, or `None` if nobody has set it yet (does not block).
     pub fn get(&mut self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         match &mut self.link {
@@ -169,6 +212,17 @@ impl StoreClient {
             Link::Own(client) => client.add(key, delta),
             Link::C10d(client) => client.add(key, delta),
         }
+    }
+}
+
+/// Closes a [`StoreClient`]'s connection from another thread ([`StoreClient::closer`]).
+#[derive(Debug)]
+pub struct StoreCloser(TcpStream);
+
+impl StoreCloser {
+    /// Shuts the connection down both ways: for the server, as if its process had ended.
+    pub fn close(&self) {
+        let _ = self.0.shutdown(std::net::Shutdown::Both);
     }
 }
 

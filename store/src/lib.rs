@@ -65,7 +65,7 @@ use common::env_contract::WorkerEnv;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-pub use client::StoreClient;
+pub use client::{StoreClient, StoreCloser};
 pub use server::StoreServer;
 
 /// The largest frame body either side sends or accepts (64 MiB); a longer frame is an error.
@@ -139,6 +139,20 @@ enum Request {
     Add {
         key: String,
         delta: i64,
+    },
+    /// A last word, named: when this connection ends before the will is revoked (its process
+    /// died, its host's processes did), the server writes `value` under `key` unless the key
+    /// has a value by then (the first will written stays). A newer will of the same name
+    /// replaces it. Not answered.
+    Will {
+        name: String,
+        key: String,
+        value: Vec<u8>,
+    },
+    /// Voids the will `name`, from any connection (its own may be parked in a wait). Not
+    /// answered.
+    Revoke {
+        name: String,
     },
     /// `Set` (not answered either), and the server removes the key when this connection ends (however it ends: a
     /// process that dies closes its sockets), as ZooKeeper's ephemeral nodes.

@@ -61,6 +61,37 @@ fn start(hosts: &Hosts, i: usize, args: &[String], dir: &Path) -> Live {
     Live::new(cmd.spawn().expect("start launch on a host"))
 }
 
+/// One node of a static job of 3 hosts x 2 ranks on host `i` (rendezvous at h0, the run id in
+/// `id_file`, 2 epochs), with `env` for its workers.
+fn static_node(hosts: &Hosts, i: usize, dir: &Path, id_file: &str, env: &[(&str, &str)]) -> Live {
+    let master = hosts.addr(0).to_string();
+    let rank = i.to_string();
+    let shape = [
+        "--nnodes",
+        "3",
+        "--node-rank",
+        &rank,
+        "--master-addr",
+        &master,
+        "--master-port",
+        "29500",
+        "--num-processes",
+        "2",
+        "--run-id-file",
+        id_file,
+        "--grace-period",
+        "2",
+    ];
+    let args = args(&shape, dir, &["train.epochs=2".into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    std::fs::create_dir_all(dir.join("trace")).unwrap();
+    let mut cmd = hosts.launch(i, &args);
+    cmd.env("OMP_NUM_THREADS", "1")
+        .env("GPTREC_TRACE_SAMPLES", dir.join("trace"))
+        .envs(env.iter().copied());
+    Live::new(cmd.spawn().expect("start launch on a host"))
+}
+
 /// One node of the elastic job on host `i`: `--nnodes 2:3` of 2 workers, rendezvous at h0 by
 /// name, no `--local-addr` (each host's name is its address), the run id in `dir/job.id`;
 /// global batch 24 (micro 2: grad_accum 2 on 3 nodes, 3 on 2), a checkpoint every 50 steps.
@@ -273,31 +304,7 @@ fn a_static_job_on_three_hosts_uses_shared_memory_in_each_and_a_ring_between() {
     let id_file = dir.join("job.id").display().to_string();
     let before: Vec<u64> = (0..3).map(|i| hosts.link_bytes(i)).collect();
     let nodes: Vec<Live> = (0..3)
-        .map(|i| {
-            let rank = i.to_string();
-            let shape = [
-                "--nnodes",
-                "3",
-                "--node-rank",
-                &rank,
-                "--master-addr",
-                &master,
-                "--master-port",
-                "29500",
-                "--num-processes",
-                "2",
-                "--run-id-file",
-                &id_file,
-                "--grace-period",
-                "2",
-            ];
-            start(
-                &hosts,
-                i,
-                &args(&shape, dir, &["train.epochs=2".into()]),
-                dir,
-            )
-        })
+        .map(|i| static_node(&hosts, i, dir, &id_file, &[]))
         .collect();
     let outs = finish_all(nodes, T);
     let mut fingerprints = Vec::new();
@@ -328,6 +335,38 @@ fn a_static_job_on_three_hosts_uses_shared_memory_in_each_and_a_ring_between() {
             "h{i}'s link carried only {crossed} bytes"
         );
     }
+    assert_hosts_empty(&hosts);
+}
+
+/// A rank killed on one host is named at once by every rank of the other hosts (the will it
+/// left at the rendezvous store), whatever the ring would have said.
+#[test]
+fn a_rank_killed_on_one_host_is_named_at_once_on_every_other_host() {
+    let _serial = serial();
+    let Some(hosts) = Hosts::new(3) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let id_file = dir.join("job.id").display().to_string();
+    let nodes: Vec<Live> = (0..3)
+        .map(|i| static_node(&hosts, i, dir, &id_file, &[("GPTREC_FAULT_DIE", "3@5")]))
+        .collect();
+    let outs = finish_all(nodes, T);
+    for out in &outs {
+        assert_ne!(out.code(), Some(0), "{}", out.all());
+    }
+    for (i, out) in outs.iter().enumerate().take(2) {
+        let all = out.all();
+        assert!(
+            all.contains("stopping: rank 5 (host h2, node 2, pid ")
+                && all.contains(") ended before the job finished"),
+            "h{i}:\n{all}"
+        );
+        assert!(
+            all.contains("lost rank(s) 5, which run on another node"),
+            "h{i}:\n{all}"
+        );
+    }
+    outs[2].assert_stderr("root cause: rank 5 (local_rank 1");
     assert_hosts_empty(&hosts);
 }
 

@@ -15,6 +15,7 @@ use common::env_contract::WorkerEnv;
 use common::memory::{Phase, PhaseSink as _};
 use common::train_plan::TrainPlan;
 use runtime::collective::{OpContext, ReduceOp};
+use runtime::job_watch::JobWatch;
 use tch::{nn, Kind, Tensor};
 use tracing::info;
 use worker::memory::{self, PhaseTracker, RunFacts};
@@ -139,7 +140,10 @@ impl Start {
 fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Failure> {
     let mut start = start(cli, tracker)?;
     print_banner(cli, &start, alloc_conf_set);
-    let (_store_server, mut comm, ctx) = connect(&start)?;
+    let (store_server, mut comm, ctx, watch) = connect(&start)?;
+    // Rank 0's store serves until this process ends, whichever way it ends: dropped on an error
+    // path it would tell every other rank "store gone" before this rank's own error is out.
+    std::mem::forget(store_server);
     let mut milestones = run_report::Milestones {
         runtime_rss: memory::rss_bytes(),
         ..Default::default()
@@ -179,6 +183,7 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
         if start.leader() {
             run_report::popularity_only(&start.run_dir, config, &pop_valid, &pop_tests)?;
         }
+        finish_watch(watch);
         return Ok(());
     }
 
@@ -221,7 +226,13 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
         stop_after_epoch: trainer::stop_after_epoch_from_env(),
         baseline: Some(trainer::baseline_record("pop", "valid", &pop_valid)),
     };
-    let report = trainer::train(&mut task, &vs, comm, &setup).context("training")?;
+    let trained = trainer::train(&mut task, &vs, comm, &setup);
+    let mut watch = watch;
+    if matches!(&trained, Err(trainer::TrainError::Regroup { .. })) {
+        // Every rank stops at this checkpoint to re-form: a planned end.
+        finish_watch(watch.take());
+    }
+    let report = trained.context("training")?;
     if start.leader() {
         run_report::RunSummary {
             plan,
@@ -238,6 +249,7 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
         .finish()
         .context("writing the run's summary")?;
     }
+    finish_watch(watch);
     Ok(())
 }
 
@@ -330,7 +342,58 @@ type Runtime = (
     Option<runtime::store::StoreServer>,
     Box<dyn runtime::collective::Collective>,
     OpContext,
+    Option<JobWatch>,
 );
+
+/// How long rank 0 keeps the store up at the end for the other ranks to finish.
+const FINISH_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Watches for another rank's end (see `runtime::job_watch`): this rank stops at once, in one
+/// line naming it, as it would have had to at its next collective (or after a timeout). Not
+/// under torchrun's agent store (no wills there) nor alone.
+fn watch_the_others(
+    env: &WorkerEnv,
+    store_addr: &str,
+    agent_store: bool,
+) -> Result<Option<JobWatch>, Failure> {
+    if env.world_size <= 1 || agent_store {
+        return Ok(None);
+    }
+    let host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "?".into());
+    // No other "rank N" in it: the launcher's summary reads the ranks a line names.
+    let line = format!(
+        "rank {} (host {host}, node {}, pid {}) ended before the job finished",
+        env.rank,
+        env.group_rank,
+        std::process::id()
+    );
+    let watch = JobWatch::start(
+        store_addr,
+        &env.run_id,
+        (env.rank, env.world_size),
+        &line,
+        |seen| {
+            eprintln!("worker: error: stopping: {seen}");
+            // The main thread may be inside a collective: end now, as a death would (the
+            // launcher's sweep removes what a dead worker leaves).
+            // SAFETY: _exit ends the process; nothing runs after it.
+            unsafe { nix::libc::_exit(1) }
+        },
+    )
+    .context("watching for the other ranks' end at the rendezvous store")?;
+    Ok(Some(watch))
+}
+
+/// This rank ends as planned (done, or re-forming): its watch says so first.
+fn finish_watch(watch: Option<JobWatch>) {
+    if let Some(watch) = watch {
+        if let Err(e) = watch.finish(FINISH_WAIT) {
+            tracing::debug!("telling the other ranks this one finished: {e}");
+        }
+    }
+}
 
 /// The distributed runtime: rendezvous, then the collective, checked with one all-reduce.
 fn connect(start: &Start) -> Result<Runtime, Failure> {
@@ -349,6 +412,7 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
                 _ => e.into(),
             })?;
     }
+    let (store_addr, agent_store) = (store.addr().to_string(), store.is_agent_store());
     let comm = runtime::collective::connect(&config.dist, device, env, store, setup_timeout)
         .with_context(|| format!("connecting the collective {}", within()))?;
     // Every operation from here on is in this rank's flight record (`<run dir>/flight/`).
@@ -375,7 +439,8 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
         comm.name(),
         env.world_size
     );
-    Ok((store_server, comm, ctx))
+    let watch = watch_the_others(env, &store_addr, agent_store)?;
+    Ok((store_server, comm, ctx, watch))
 }
 
 /// What every rank of a multi-node job must agree on: the config (but for per-node paths),

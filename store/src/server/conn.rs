@@ -55,6 +55,8 @@ pub(super) struct Conn {
     pub(super) wait: Option<PendingWait>,
     /// Keys set with `SetEphemeral`: removed when the connection ends.
     pub(super) ephemeral: Vec<String>,
+    /// The names of the wills this connection left (see [`super::keys::Wills`]).
+    pub(super) wills: Vec<String>,
     /// The deadline the loop's timer holds for this connection.
     pub(super) scheduled: Option<Instant>,
 }
@@ -74,6 +76,7 @@ impl Conn {
             last_write: now,
             wait: None,
             ephemeral: Vec::new(),
+            wills: Vec::new(),
             scheduled: None,
         }
     }

@@ -15,7 +15,7 @@ use mio::{Events, Interest, Poll, Token};
 
 use super::super::*;
 use super::conn::{Conn, ConnEnd, Stage};
-use super::keys::{KeySpace, PendingWait};
+use super::keys::{KeySpace, PendingWait, Wills};
 use super::Shared;
 use crate::guard::Gate;
 
@@ -33,6 +33,7 @@ pub(super) struct EventLoop {
     shared: Arc<Shared>,
     conns: HashMap<usize, Conn>,
     keys: KeySpace,
+    wills: Wills,
     gate: Gate,
     timers: BinaryHeap<Reverse<(Instant, usize)>>,
     /// Connections to serve again this turn, and whether to read their socket: more to read,
@@ -59,6 +60,7 @@ impl EventLoop {
             shared,
             conns: HashMap::new(),
             keys: KeySpace::default(),
+            wills: Wills::default(),
             gate: Gate::new(MAX_UNGREETED, MAX_UNGREETED_PER_IP),
             timers: BinaryHeap::new(),
             again: Vec::new(),
@@ -209,7 +211,9 @@ impl EventLoop {
         if let Err(end) = conn.flush() {
             return self.close(id, end);
         }
-        if conn.eof && conn.ready_for_request() {
+        // A peer that closed is gone once its requests are served, or at once while it waits
+        // (nobody would read the answer; its will, if any, is due now).
+        if conn.eof && (conn.ready_for_request() || conn.wait.is_some()) {
             let end = conn.end_of_input();
             return self.close(id, end);
         }
@@ -326,6 +330,17 @@ impl EventLoop {
                 }
                 let woken = self.keys.set(key, value);
                 self.wake(woken);
+                return Ok(());
+            }
+            Request::Will { name, key, value } => {
+                if let Some(conn) = self.conns.get_mut(&id) {
+                    conn.wills.push(name.clone());
+                }
+                self.wills.leave(name, id, key, value);
+                return Ok(());
+            }
+            Request::Revoke { name } => {
+                self.wills.revoke(&name);
                 return Ok(());
             }
             Request::Get { key } => Response::Value(self.keys.get(&key).cloned()),
@@ -466,6 +481,16 @@ impl EventLoop {
         }
         for key in std::mem::take(&mut conn.ephemeral) {
             self.keys.remove(&key);
+        }
+        // A connection that ends holding wills leaves them (the first value written stays).
+        for name in std::mem::take(&mut conn.wills) {
+            let Some((key, value)) = self.wills.take(&name, id) else {
+                continue;
+            };
+            if self.keys.get(&key).is_none() {
+                let woken = self.keys.set(key, value);
+                self.wake(woken);
+            }
         }
         if let ConnEnd::Bad(reason) = end {
             if conn.proven() {

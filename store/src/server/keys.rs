@@ -17,6 +17,34 @@ pub(super) struct PendingWait {
 /// (connection, wait id) of a registration.
 pub(super) type Waiter = (usize, u64);
 
+/// The wills connections left, by name: the connection, the key and the value to write when it
+/// ends before the will is revoked.
+#[derive(Default)]
+pub(super) struct Wills {
+    by_name: HashMap<String, (usize, String, Vec<u8>)>,
+}
+
+impl Wills {
+    pub(super) fn leave(&mut self, name: String, conn: usize, key: String, value: Vec<u8>) {
+        self.by_name.insert(name, (conn, key, value));
+    }
+
+    pub(super) fn revoke(&mut self, name: &str) {
+        self.by_name.remove(name);
+    }
+
+    /// The key and value of will `name` if connection `conn` still holds it (taken out).
+    pub(super) fn take(&mut self, name: &str, conn: usize) -> Option<(String, Vec<u8>)> {
+        match self.by_name.get(name) {
+            Some((holder, _, _)) if *holder == conn => self
+                .by_name
+                .remove(name)
+                .map(|(_, key, value)| (key, value)),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Default)]
 pub(super) struct KeySpace {
     values: HashMap<String, Vec<u8>>,

@@ -157,3 +157,54 @@ fn get_many_answers_every_key_in_order_in_one_request() {
     );
     assert!(store.get_many(&[]).unwrap().is_empty());
 }
+
+#[test]
+fn a_connection_that_ends_holding_its_will_leaves_it_and_the_first_stays() {
+    let server = server("run");
+    let mut watcher = client(&server, "run");
+    let mut first = client(&server, "run");
+    let mut second = client(&server, "run");
+    let mut planned = client(&server, "run");
+    first.set_will("a", "failed", b"first ended").unwrap();
+    second.set_will("b", "failed", b"second ended").unwrap();
+    planned.set_will("c", "failed", b"planned ended").unwrap();
+    // Revoked from another connection (the one holding it may be parked in a wait).
+    let mut other = client(&server, "run");
+    other.revoke_will("c").unwrap();
+    assert_eq!(other.get("failed").unwrap(), None);
+    drop(planned);
+    let waiting = thread::spawn(move || watcher.wait(&["failed"], Duration::from_secs(10)));
+    thread::sleep(Duration::from_millis(100));
+    assert!(!waiting.is_finished(), "a revoked will was written");
+    drop(first);
+    assert_eq!(
+        waiting.join().unwrap().unwrap(),
+        vec![b"first ended".to_vec()]
+    );
+    drop(second);
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(other.get("failed").unwrap(), Some(b"first ended".to_vec()));
+}
+
+#[test]
+fn a_peer_that_closes_while_it_waits_leaves_its_will_at_once() {
+    let server = server("run");
+    let mut holder = client(&server, "run");
+    holder.set_will("w", "failed", b"holder ended").unwrap();
+    let closer = holder.closer().unwrap();
+    let parked = thread::spawn(move || holder.wait(&["never"], Duration::from_secs(30)));
+    thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    closer.close();
+    let mut watcher = client(&server, "run");
+    assert_eq!(
+        watcher.wait(&["failed"], Duration::from_secs(5)).unwrap(),
+        vec![b"holder ended".to_vec()]
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(parked.join().unwrap().is_err());
+}

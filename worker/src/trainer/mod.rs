@@ -224,6 +224,8 @@ struct Trainer<'t> {
     slow: Option<Duration>,
     /// `GPTREC_FAULT_STOP`: the step (from 1) before which this rank stops itself.
     stop_before: Option<u64>,
+    /// `GPTREC_FAULT_DIE`: the step (from 1) before which this rank kills itself.
+    die_before: Option<u64>,
     /// `GPTREC_TRACE_SAMPLES`: the samples of every step, for tests.
     trace: Option<trace::SampleTrace>,
 }
@@ -273,6 +275,11 @@ impl<'t> Trainer<'t> {
             rank,
         )
         .map_err(TrainError::Plan)?;
+        let die_before =
+            task::stop_fault(&std::env::var("GPTREC_FAULT_DIE").unwrap_or_default(), rank)
+                .map_err(|e| {
+                    TrainError::Plan(e.replace("GPTREC_FAULT_STOP", "GPTREC_FAULT_DIE"))
+                })?;
         let sampler = DistributedSampler::new(task.train_len(), world, rank, config.run.seed)
             .map_err(|e| TrainError::Plan(e.to_string()))?;
         let per_rank_step = (batch.micro * batch.grad_accum) as usize;
@@ -334,6 +341,7 @@ impl<'t> Trainer<'t> {
             reports: crate::progress_channel::ProgressSender::from_env(),
             slow,
             stop_before,
+            die_before,
             trace: trace::SampleTrace::from_env(rank),
         })
     }
@@ -482,6 +490,10 @@ impl<'t> Trainer<'t> {
         if self.stop_before == Some(step + 1) {
             // A hung peer, for tests: stopped until the teardown's SIGKILL.
             let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+        }
+        if self.die_before == Some(step + 1) {
+            // A dead peer, for tests: as a crash or the OOM killer would end it.
+            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
         }
         // Any randomness of the task (dropout, negative sampling) is a function of
         // (seed, step, rank): an interrupted and resumed run draws exactly the same numbers.

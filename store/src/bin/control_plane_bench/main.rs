@@ -14,8 +14,13 @@
 //!     line of JSON: {"ranks","ops","connects","elapsed_s","max_op_ms","max_wait_ms",
 //!     "max_connect_ms"}. A store error is one line on stderr naming the rank, the round and
 //!     the keys, and the exit status is 1.
+//! control-plane-bench launchers --addr 127.0.0.1:P --run-id ID --count M --threads T
+//!     simulates M elastic launchers (nodes of `launch --nnodes MIN:MAX`) against the store and
+//!     coordinator of a real host `launch` (see `elastic.rs`): `ready`, then commands on stdin
+//!     (`go`, `kill`, `stats`, EOF).
 //! ```
 
+mod elastic;
 mod traffic;
 
 use std::collections::HashMap;
@@ -31,7 +36,8 @@ use traffic::{Job, Rank, Stats, ROUNDS};
 
 const USAGE: &str = "usage: control-plane-bench serve --run-id ID\n       \
     control-plane-bench ranks --addr HOST:PORT --run-id ID --world N --local L --first F \
-    --count C --threads T";
+    --count C --threads T\n       \
+    control-plane-bench launchers --addr HOST:PORT --run-id ID --count M --threads T";
 
 /// How often the server's thread count is sampled.
 const SAMPLE_EVERY: Duration = Duration::from_millis(20);
@@ -43,6 +49,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("serve") => options(&args[1..]).and_then(|o| serve(&o)),
         Some("ranks") => options(&args[1..]).and_then(|o| ranks(&o)),
+        Some("launchers") => options(&args[1..]).and_then(|o| elastic::launchers(&o)),
         _ => Err(USAGE.to_string()),
     };
     match result {
