@@ -45,8 +45,9 @@ pub use coordinator::Coordinator;
 
 /// How often waiting loops look at the store.
 const POLL: Duration = Duration::from_millis(100);
-/// How long a member's monitor waits for its round's end before it looks at its stop flag.
-const MONITOR_WAIT: Duration = Duration::from_secs(1);
+/// How long a member's monitor waits for its round's end before it looks at its stop flag (a
+/// monitor of a round that ended lingers that long at most; each new wait is one request).
+const MONITOR_WAIT: Duration = Duration::from_secs(5);
 /// How often a launcher beats.
 const BEAT: Duration = Duration::from_millis(500);
 /// A node whose heartbeat did not move for this long is taken for dead.

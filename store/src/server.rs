@@ -121,6 +121,7 @@ impl StoreServer {
         // Listening again only raises the queue (std listens with a small one).
         // SAFETY: listen(2) on a descriptor we own, with an integer argument.
         unsafe { libc::listen(listener.as_raw_fd(), LISTEN_BACKLOG) };
+        raise_descriptor_limit();
         let poll = mio::Poll::new().map_err(bind_err)?;
         let waker = mio::Waker::new(poll.registry(), event_loop::WAKER).map_err(bind_err)?;
         let shared = Arc::new(Shared {
@@ -157,6 +158,30 @@ impl StoreServer {
     /// The address the server actually listens on (with the real port when started on port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+}
+
+/// Raises this process's limit on open descriptors to its hard limit: the server holds one per
+/// connection (two per rank, with the ranks' watches, and one more per host's leader), and the
+/// common soft limit of 1024 would refuse the ranks of a job of a few hundred.
+fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            let soft = limit.rlim_cur;
+            limit.rlim_cur = limit.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                tracing::debug!(
+                    "open descriptors: limit raised from {soft} to {}",
+                    limit.rlim_max
+                );
+            }
+        }
     }
 }
 

@@ -66,7 +66,7 @@ use store::{StoreClient, StoreError};
 pub const POLL: Duration = Duration::from_millis(100);
 /// `rendezvous.rs`'s `MONITOR_WAIT`: how long a member's monitor waits for its round's end
 /// before it looks at its stop flag.
-pub const MONITOR_WAIT: Duration = Duration::from_secs(1);
+pub const MONITOR_WAIT: Duration = Duration::from_secs(5);
 /// The stack of a monitor thread (it only waits and reads two keys).
 const MONITOR_STACK: usize = 128 * 1024;
 /// `rendezvous.rs`'s `BEAT`: how often a launcher beats.
