@@ -1,6 +1,7 @@
 """The orchestrator of scripts/bench/control_plane.sh (see its header): for each size, ours then
 PyTorch's TCPStore, each a server and PROCS rank processes started at once; the wall time from
-their start to the last one's exit, and what the processes printed; then the table. Then the
+their start to the last one's exit (ours: to their set-up figures, then the detection phase,
+watch_phase), and what the processes printed; then the table. Then the
 elastic rows (ELASTIC, see elastic_side): a real host `launch` and M simulated launchers.
 
 Usage: control_plane.py BIN TCPSTORE_SCRIPT [LAUNCH]   (settings from the environment: SIZES,
@@ -32,6 +33,11 @@ LIMIT_S = float(os.environ.get("LIMIT_S", "120"))
 PYTHON = sys.executable
 # How long a server may take to print its port (the TCPStore side imports torch first).
 SERVER_START_S = 60
+# The detection phase (ours): how long the rank processes may take to open their watches, how
+# long the waits get to reach the server before the kill, how long the answers may take.
+WATCH_START_S = 60
+WATCH_SETTLE_S = 0.5
+WATCH_ANSWER_S = 20
 TMP = tempfile.mkdtemp(prefix="control-plane-")
 
 
@@ -100,7 +106,7 @@ def run_side(side, n):
                 str(LOCAL), "--first", str(first), "--count", str(count), "--threads",
                 str(THREADS)]
         if side == "ours":
-            cmd = [BIN] + args + ["--run-id", run_id]
+            cmd = [BIN] + args + ["--run-id", run_id, "--watch"]
         else:
             cmd = [PYTHON, TCPSTORE] + args
         outs.append(os.path.join(TMP, f"{tag}-{p}.out"))
@@ -109,13 +115,25 @@ def run_side(side, n):
 
     # Every client starts, reads its arguments (Python imports torch) and says "ready"; then all
     # are given the start line at once. The clock: from that line to the last client's end
-    # (each reports its wall-clock end after its connections are closed).
+    # (each reports its wall-clock end after its connections are closed; ours, which go on to
+    # the detection phase, keep them open and report the end of their set-up rounds).
+    watch = side == "ours"
     ended = [None] * PROCS
+    exited = [False] * PROCS
+    setup_lines = [None] * PROCS
     changed = threading.Event()
     procs, client_lines = [], []
 
     def reap(i, proc):
         proc.wait()
+        exited[i] = True
+        if not watch:
+            ended[i] = time.perf_counter()
+        changed.set()
+
+    def setup_figures(i):
+        """With the detection phase, a client's set-up ends at its figures line."""
+        setup_lines[i] = client_lines[i].get()
         ended[i] = time.perf_counter()
         changed.set()
 
@@ -141,11 +159,13 @@ def run_side(side, n):
         proc.stdin.flush()
     for i, proc in enumerate(procs):
         threading.Thread(target=reap, args=(i, proc), daemon=True).start()
+        if watch:
+            threading.Thread(target=setup_figures, args=(i,), daemon=True).start()
     limit_at = started + LIMIT_S
     while True:
         changed.clear()
         done = [e is not None for e in ended]
-        failed = [i for i, proc in enumerate(procs) if done[i] and proc.returncode != 0]
+        failed = [i for i, proc in enumerate(procs) if exited[i] and proc.returncode != 0]
         if failed or all(done):
             break
         left = limit_at - time.perf_counter()
@@ -157,17 +177,19 @@ def run_side(side, n):
         i = failed[0]
         why = first_lines(errs[i], 2) or [f"exit status {procs[i].returncode}"]
         result = {"status": "failed", "why": f"process {i}: " + " | ".join(why)}
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-    for proc in procs:
-        proc.wait()
+    if result["status"] != "ok" or not watch:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait()
     if result["status"] == "ok":
         result["wall_s"] = max(ended) - started
         reports = []
         for i, lines_i in enumerate(client_lines):
             try:
-                reports.append(json.loads(next_line(lines_i, 5) or ""))
+                line = setup_lines[i] if watch else next_line(lines_i, 5)
+                reports.append(json.loads(line or ""))
             except ValueError:
                 result = {"status": "failed", "why": f"process {i} printed no figures"}
                 break
@@ -178,21 +200,50 @@ def run_side(side, n):
             for key in ("max_op_ms", "max_wait_ms", "max_connect_ms"):
                 result[key] = max(r[key] for r in reports)
 
+    def server_figures(timeout=15):
+        """The server's memory and threads so far (it prints them for `figures`, or at EOF)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = next_line(lines, deadline - time.monotonic())
+            if line is None:
+                return None
+            if line.startswith("peak_rss_kib"):
+                words = line.split()
+                return dict(zip(words[::2], (int(w) for w in words[1::2])))
+        return None
+
+    figures = None
+    if watch:
+        # The set-up's figures (comparable with TCPStore's), then the detection phase.
+        if result["status"] == "ok":
+            try:
+                server.stdin.write("figures\n")
+                server.stdin.flush()
+                figures = server_figures()
+            except OSError:
+                pass
+            result["watch"] = watch_phase(n, procs, client_lines, errs, server.pid)
+        for proc in procs:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
     # Stop the server: EOF on its stdin; it prints its memory and threads.
     try:
         server.stdin.close()
     except OSError:
         pass
-    figures = None
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        line = next_line(lines, deadline - time.monotonic())
-        if line is None:
-            break
-        if line.startswith("peak_rss_kib"):
-            words = line.split()
-            figures = dict(zip(words[::2], (int(w) for w in words[1::2])))
-            break
+    final = server_figures()
+    if final and watch and figures:
+        result["watch_peak_mib"] = final["peak_rss_kib"] / 1024
+    figures = figures or final
     if server.poll() is None:
         try:
             server.wait(5)
@@ -206,6 +257,67 @@ def run_side(side, n):
     warnings = first_lines(server_err, 100)
     result["server_warnings"] = warnings
     return result
+
+
+def watch_phase(n, procs, client_lines, errs, server_pid):
+    """The detection phase (ours; `watch.rs`): every process has every rank's will left and
+    its watch parked; rank N/2 dies (its watching connection closed); when every other rank
+    was told, and that its line names N/2."""
+    killed = n // 2
+    deadline = time.monotonic() + WATCH_START_S
+    for i, lines_i in enumerate(client_lines):
+        line = next_line(lines_i, max(0.0, deadline - time.monotonic()))
+        if line != "watching":
+            why = first_lines(errs[i], 2) or [repr(line)]
+            return {"status": "failed", "why": f"process {i} is not watching: {why}"}
+    time.sleep(WATCH_SETTLE_S)
+    server_ticks = cpu_ticks(server_pid)
+    for proc in procs:
+        proc.stdin.write(f"kill {killed}\n")
+        proc.stdin.flush()
+    reports = []
+    deadline = time.monotonic() + WATCH_ANSWER_S
+    for i, lines_i in enumerate(client_lines):
+        line = next_line(lines_i, max(0.0, deadline - time.monotonic()))
+        try:
+            reports.append(json.loads(line or ""))
+        except ValueError:
+            why = first_lines(errs[i], 2) or [repr(line)]
+            return {"status": "failed", "why": f"process {i} gave no detection figures: {why}"}
+    # The server's CPU over the phase (its share of the fan-out; 1 / CLK_TCK s resolution).
+    server_cpu_ms = (cpu_ticks(server_pid) - server_ticks) * 1e3 / CLK_TCK
+    owners = [r for r in reports if "kill_unix" in r]
+    if len(owners) != 1:
+        return {"status": "failed", "why": f"{len(owners)} processes killed rank {killed}"}
+    kill_unix = owners[0]["kill_unix"]
+    watchers = sum(r["watchers"] for r in reports)
+    told = sum(r["answered"] for r in reports)
+    firsts = [r["watch_first_unix"] for r in reports if r.get("watch_first_unix") is not None]
+    lasts = [r["watch_last_unix"] for r in reports if r.get("watch_last_unix") is not None]
+    wrong = [r["line"] for r in reports if not r["line"].startswith(f"rank {killed} (")]
+    result = {"status": "ok", "why": "", "killed": killed, "watchers": watchers, "told": told,
+              "line": owners[0]["line"], "server_cpu_ms": server_cpu_ms}
+    if firsts:
+        result["first_ms"] = (min(firsts) - kill_unix) * 1e3
+        result["detect_ms"] = (max(lasts) - kill_unix) * 1e3
+    errors = [r["error"] for r in reports if r.get("error")]
+    if watchers != n - 1 or told != n - 1 or wrong or errors:
+        result["status"] = "failed"
+        result["why"] = (f"{told} of {watchers} watchers told rank {killed}'s line (of {n - 1})"
+                         + (f"; seen: {wrong[0]!r}" if wrong else "")
+                         + (f"; {len(errors)} processes' waits failed: {errors[0][:200]}"
+                            if errors else ""))
+    return result
+
+
+def watch_cell(result):
+    """The detection column: ours' figure, or why none."""
+    w = result.get("watch")
+    if result["status"] != "ok" or w is None:
+        return "-"
+    if w["status"] != "ok" or "detect_ms" not in w:
+        return w["status"]
+    return f"{w['detect_ms']:.1f}"
 
 
 def slow_reverse_dns():
@@ -272,13 +384,20 @@ def ranks_rows():
     print(f"Control plane: N ranks, {LOCAL} per host (each host its own loopback address for "
           f"ours), {PROCS} client processes x {THREADS} threads; time = from the start line "
           f"given to every ready client process to the last simulated rank's end of set-up "
-          f"(connections closed); server memory = peak RSS (TCPStore's includes the Python "
+          f"(connections closed; ours keep theirs for the detection phase); server memory = peak RSS (TCPStore's includes the Python "
           f"interpreter and torch it runs in: see 'before the store' below)")
+    print()
+    print(f"Detection (ours only: TCPStore has no wills): after the set-up, every rank leaves its "
+          f"will on one more connection and parks a wait for job/failed there (as "
+          f"runtime/src/job_watch.rs); rank N/2's watching connection is closed (its death); "
+          f"the time from that to the last of the other N-1 ranks' waits answered with its line "
+          f"(clients' wall clocks, one machine)")
     print()
     print("| N | ours s | tcpstore s | ratio | ours round trips per rank | tcpstore requests "
           "per rank | ours server peak MiB | ours server threads | tcpstore server peak MiB | "
-          "tcpstore threads |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "tcpstore threads | ours death to detection (all ranks told) ms | tcpstore death to "
+          "detection ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in SIZES:
         if (n, "ours") not in results:
             continue
@@ -289,7 +408,8 @@ def ranks_rows():
         print(f"| {n} | {cell(ours, 'rounds_s', '{:.2f}')} | {cell(theirs, 'rounds_s', '{:.2f}')} "
               f"| {ratio} | {per_rank(ours)} | {per_rank(theirs)} "
               f"| {cell(ours, 'peak_mib', '{:.1f}')} | {cell(ours, 'threads', '{}')} "
-              f"| {cell(theirs, 'peak_mib', '{:.1f}')} | {cell(theirs, 'threads', '{}')} |")
+              f"| {cell(theirs, 'peak_mib', '{:.1f}')} | {cell(theirs, 'threads', '{}')} "
+              f"| {watch_cell(ours)} | n/a |")
     print()
     for n in SIZES:
         if (n, "ours") not in results:
@@ -300,12 +420,19 @@ def ranks_rows():
             shown.append(f"{side} {r['rounds_s']:.2f} s" if r["status"] == "ok"
                          else f"{side} {r['status']}")
         print(f"{n} ranks: {shown[0]}, {shown[1]}")
+    for n in SIZES:
+        if (n, "ours") not in results:
+            continue
+        shown = watch_cell(results[(n, "ours")])
+        unit = " ms" if shown[:1].isdigit() else ""
+        print(f"{n} ranks: death to detection (all {n - 1} told) {shown}{unit}")
     print()
     print("Details (connections opened; the longest set/get/add, wait, connect; server memory "
           "before the store started; the server's warnings):")
     for (n, side), r in results.items():
         if r["status"] == "ok":
-            detail = (f"processes started to exited {r['wall_s']:.2f} s; "
+            ended = "set-up ended" if "watch" in r else "exited"
+            detail = (f"processes started to {ended} {r['wall_s']:.2f} s; "
                       f"{r['connects']} connections, {r['ops']} requests, longest request "
                       f"{r['max_op_ms']:.1f} ms, wait {r['max_wait_ms']:.1f} ms, connect "
                       f"{r['max_connect_ms']:.1f} ms")
@@ -313,6 +440,17 @@ def ranks_rows():
             detail = f"{r['status']}: {r['why']}"
         if "start_mib" in r:
             detail += f"; server {r['start_mib']:.1f} MiB before the store"
+        w = r.get("watch")
+        if w and w["status"] == "ok":
+            detail += (f"; detection: rank {w['killed']}'s death, first rank told after "
+                       f"{w['first_ms']:.1f} ms, all {w['told']} after {w['detect_ms']:.1f} ms "
+                       f"(server CPU meanwhile {w['server_cpu_ms']:.0f} ms), "
+                       f"line {w['line']!r}")
+        elif w:
+            detail += f"; detection {w['status']}: {w['why']}"
+        if "watch_peak_mib" in r:
+            detail += (f"; server peak {r['watch_peak_mib']:.1f} MiB with the watches "
+                       f"(2N + N/L connections)")
         warnings = r.get("server_warnings") or []
         if warnings:
             detail += f"; {len(warnings)} server log lines, first: {warnings[0][:200]}"

@@ -18,6 +18,15 @@
 # peak RSS (VmHWM); threads: the most seen, sampled every 20 ms. A size or side that fails or
 # runs past LIMIT_S is killed, reported as failed / timeout, and the script goes on.
 #
+# Detection (ours only): after the set-up rounds, our rank processes keep their connections and
+# every simulated rank leaves its will on one more connection and parks in a wait for
+# job/failed there (runtime/src/job_watch.rs; store/src/bin/control_plane_bench/watch.rs); rank
+# N/2's watching connection is closed, as its death would, and the figure is the time from that
+# to the last of the other N-1 ranks' waits answered with that rank's line (checked). TCPStore
+# has no wills (a connection's end writes nothing), so its column is "n/a": a real job on it
+# learns of a death only from a collective's timeout or the launcher's monitor. The server's
+# peak memory in the table is still the set-up's; with the watches it is in the details.
+#
 # PyTorch's client looks up the DNS name of the store's address, ::ffff:127.0.0.1, for every
 # connection it opens (and every wait that times out); where DNS is slow or drops queries (a
 # sandbox; the script prints a note) that wait dominates its figures. So, by default where it
@@ -50,11 +59,11 @@ fi
 sizes="${SIZES-64 512 2048 8192}"
 local_ranks="${LOCAL:-8}"
 
-# Descriptors: a server holds one per connection (N + N/L) and a rank process its share of
-# them, plus slack.
+# Descriptors: a server holds one per connection (N + N/L for the set-up, N more for the
+# detection phase's watches: 2N + N/L) and a rank process its share of them, plus slack.
 largest=0
 for n in $sizes; do [ "$n" -gt "$largest" ] && largest=$n; done
-want=$((largest + largest / local_ranks + 256))
+want=$((2 * largest + largest / local_ranks + 256))
 # An elastic row: the host holds about 3 connections per simulated launcher (main, heartbeat,
 # join or monitor), and so does the simulator.
 for m in $elastic; do [ $((3 * m + 256)) -gt "$want" ] && want=$((3 * m + 256)); done

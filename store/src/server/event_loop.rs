@@ -395,7 +395,10 @@ impl EventLoop {
             match self.keys.values(&wait.keys) {
                 Some(values) => {
                     conn.wait = None;
-                    let sent = conn.send(&Response::Values(values));
+                    // Written now: the first of many woken waits is not held behind the last.
+                    let sent = conn
+                        .send(&Response::Values(values))
+                        .and_then(|()| conn.flush());
                     match sent {
                         Ok(()) => self.again.push((id, false)),
                         Err(end) => self.close(id, end),

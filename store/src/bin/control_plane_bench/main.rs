@@ -6,14 +6,17 @@
 //! control-plane-bench serve --run-id ID
 //!     starts a store on 127.0.0.1 (a free port), prints `port P`, serves until its stdin
 //!     reaches EOF, then prints `peak_rss_kib K threads_max T rss_start_kib S` (VmHWM, the
-//!     most threads seen by a sampler every 20 ms, VmRSS before the store started) and exits.
+//!     most threads seen by a sampler every 20 ms, VmRSS before the store started) and exits;
+//!     a `figures` line on stdin prints that line so far and goes on serving.
 //! control-plane-bench ranks --addr 127.0.0.1:P --run-id ID --world N --local L
-//!                           --first F --count C --threads T
+//!                           --first F --count C --threads T [--watch]
 //!     simulates ranks F..F+C of an N-rank job with L ranks per host (see `traffic.rs`),
 //!     driven by T threads, each host connecting from its own loopback address; prints one
-//!     line of JSON: {"ranks","ops","connects","elapsed_s","max_op_ms","max_wait_ms",
-//!     "max_connect_ms"}. A store error is one line on stderr naming the rank, the round and
-//!     the keys, and the exit status is 1.
+//!     line of JSON: {"ranks","ops","connects","elapsed_s","end_unix","max_op_ms",
+//!     "max_wait_ms","max_connect_ms"}. A store error is one line on stderr naming the rank,
+//!     the round and the keys, and the exit status is 1. With --watch, the set-up connections
+//!     stay open and the detection phase follows (`watch.rs`: every rank's will and watch,
+//!     `watching`, then `kill R` on stdin).
 //! control-plane-bench launchers --addr 127.0.0.1:P --run-id ID --count M --threads T
 //!     simulates M elastic launchers (nodes of `launch --nnodes MIN:MAX`) against the store and
 //!     coordinator of a real host `launch` (see `elastic.rs`): `ready`, then commands on stdin
@@ -22,9 +25,10 @@
 
 mod elastic;
 mod traffic;
+mod watch;
 
 use std::collections::HashMap;
-use std::io::{self, Write};
+use std::io::{self, BufRead, Write};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -36,7 +40,7 @@ use traffic::{Job, Rank, Stats, ROUNDS};
 
 const USAGE: &str = "usage: control-plane-bench serve --run-id ID\n       \
     control-plane-bench ranks --addr HOST:PORT --run-id ID --world N --local L --first F \
-    --count C --threads T\n       \
+    --count C --threads T [--watch]\n       \
     control-plane-bench launchers --addr HOST:PORT --run-id ID --count M --threads T";
 
 /// How often the server's thread count is sampled.
@@ -61,7 +65,10 @@ fn main() -> ExitCode {
     }
 }
 
-/// `--name value` pairs.
+/// Options that take no value (present: an empty value).
+const FLAGS: [&str; 1] = ["watch"];
+
+/// `--name value` pairs, and the [`FLAGS`].
 fn options(args: &[String]) -> Result<HashMap<String, String>, String> {
     let mut found = HashMap::new();
     let mut rest = args.iter();
@@ -69,6 +76,10 @@ fn options(args: &[String]) -> Result<HashMap<String, String>, String> {
         let key = name
             .strip_prefix("--")
             .ok_or_else(|| format!("unexpected argument {name:?}\n{USAGE}"))?;
+        if FLAGS.contains(&key) {
+            found.insert(key.to_string(), String::new());
+            continue;
+        }
         let value = rest
             .next()
             .ok_or_else(|| format!("{name} needs a value\n{USAGE}"))?;
@@ -115,19 +126,26 @@ fn serve(options: &HashMap<String, String>) -> Result<(), String> {
     writeln!(out, "port {}", server.local_addr().port())
         .and_then(|()| out.flush())
         .map_err(|e| format!("stdout: {e}"))?;
-    // Serves until whoever started us closes our stdin.
-    io::copy(&mut io::stdin().lock(), &mut io::sink()).map_err(|e| format!("stdin: {e}"))?;
-    if let Some(threads) = status_value("Threads") {
-        threads_max.fetch_max(threads, Ordering::Relaxed);
+    let figures = |out: &mut io::StdoutLock| {
+        if let Some(threads) = status_value("Threads") {
+            threads_max.fetch_max(threads, Ordering::Relaxed);
+        }
+        let peak = status_kib("VmHWM").unwrap_or(0);
+        writeln!(
+            out,
+            "peak_rss_kib {peak} threads_max {} rss_start_kib {rss_start}",
+            threads_max.load(Ordering::Relaxed)
+        )
+        .and_then(|()| out.flush())
+        .map_err(|e| format!("stdout: {e}"))
+    };
+    // Serves until whoever started us closes our stdin (`figures`: the figures so far).
+    for line in io::stdin().lock().lines() {
+        if line.map_err(|e| format!("stdin: {e}"))?.trim() == "figures" {
+            figures(&mut out)?;
+        }
     }
-    let peak = status_kib("VmHWM").unwrap_or(0);
-    writeln!(
-        out,
-        "peak_rss_kib {peak} threads_max {} rss_start_kib {rss_start}",
-        threads_max.load(Ordering::Relaxed)
-    )
-    .and_then(|()| out.flush())
-    .map_err(|e| format!("stdout: {e}"))?;
+    figures(&mut out)?;
     // The figures are out; the server's own shutdown is not what is measured.
     std::process::exit(0);
 }
@@ -168,6 +186,7 @@ fn ranks(options: &HashMap<String, String>) -> Result<(), String> {
     let first = number(options, "first")?;
     let count = number(options, "count")?;
     let threads = number(options, "threads")?;
+    let watching = options.contains_key("watch");
     if job.world == 0 || job.local == 0 || job.world % job.local != 0 {
         return Err(format!(
             "--world {} must be a positive multiple of --local {}",
@@ -206,16 +225,18 @@ fn ranks(options: &HashMap<String, String>) -> Result<(), String> {
             let job = Arc::clone(&job);
             thread::Builder::new()
                 .name(format!("ranks-{lo}"))
-                .spawn(move || drive(&job, lo..hi))
+                .spawn(move || drive(&job, lo..hi, watching))
         })
         .collect::<Result<_, _>>()
         .map_err(|e| format!("cannot start a thread: {e}"))?;
     let mut stats = Stats::default();
+    let mut kept = Vec::new();
     for handle in handles {
-        let done = handle
+        let (done, sims) = handle
             .join()
             .map_err(|_| "a rank thread panicked".to_string())?;
         stats.merge(&done);
+        kept.extend(sims);
     }
     let elapsed = started.elapsed();
     let end_unix = std::time::SystemTime::now()
@@ -232,12 +253,16 @@ fn ranks(options: &HashMap<String, String>) -> Result<(), String> {
         ms(stats.max_wait),
         ms(stats.max_connect)
     );
+    if watching {
+        watch::watch(&job, (first, count), threads, kept)?;
+    }
     Ok(())
 }
 
-/// Every round for each of `ranks` in turn, then teardown (every connection closed). The first
-/// error ends the process (exit status 1), since the other ranks would wait for this one.
-fn drive(job: &Job, ranks: std::ops::Range<u32>) -> Stats {
+/// Every round for each of `ranks` in turn, then teardown (every connection closed), unless
+/// `keep`: then the ranks, their connections open, are returned. The first error ends the
+/// process (exit status 1), since the other ranks would wait for this one.
+fn drive(job: &Job, ranks: std::ops::Range<u32>, keep: bool) -> (Stats, Vec<Rank>) {
     let mut stats = Stats::default();
     let mut sims: Vec<Rank> = ranks.map(Rank::new).collect();
     for (name, round) in ROUNDS {
@@ -252,8 +277,11 @@ fn drive(job: &Job, ranks: std::ops::Range<u32>) -> Stats {
             }
         }
     }
+    if keep {
+        return (stats, sims);
+    }
     drop(sims);
-    stats
+    (stats, Vec::new())
 }
 
 /// `text` cut to [`MAX_ERROR_CHARS`].
