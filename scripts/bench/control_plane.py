@@ -393,7 +393,7 @@ def ranks_rows():
           f"the time from that to the last of the other N-1 ranks' waits answered with its line "
           f"(clients' wall clocks, one machine)")
     print()
-    print("| N | ours s | tcpstore s | ratio | ours round trips per rank | tcpstore requests "
+    print("| N | ours s | tcpstore s | ratio | ours requests per rank | tcpstore requests "
           "per rank | ours server peak MiB | ours server threads | tcpstore server peak MiB | "
           "tcpstore threads | ours death to detection (all ranks told) ms | tcpstore death to "
           "detection ms |")
@@ -704,7 +704,7 @@ def elastic_rows():
     print(f"Elastic rendezvous: a real host `launch --nnodes M:M+1` (its store and coordinator; "
           f"its worker sleeps) and M simulated launchers (one process, {ELASTIC_THREADS} threads "
           f"and one monitor thread per member, each launcher from its own loopback address) at "
-          f"the real cadence (heartbeat 500 ms, join polls 100 ms, monitors parked in 1 s waits "
+          f"the real cadence (heartbeat 500 ms, join polls 100 ms, monitors parked in 5 s waits "
           f"for the round's end). form = from the simulated launchers' start to round "
           f"0's members (M + 1 nodes) published; detection = from one simulated launcher's death "
           f"(its connections closed at once) to round 0's `failed`; next round = from that death "

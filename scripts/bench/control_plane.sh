@@ -13,8 +13,8 @@
 # limit). Every rank process starts, reads its arguments (Python imports torch) and says it is
 # ready; then all are given the start line at once (scripts/bench/control_plane.py). The time:
 # from that line to the last simulated rank's end of set-up, its connections closed, so neither
-# side's process start-up counts. Round trips per rank: requests
-# after the handshake (TCPStore's multi_get counts two: its wait, then the get). Server memory:
+# side's process start-up counts. Requests per rank: after the handshake (writes are
+# requests without an answer on both sides; TCPStore's multi_get counts two: its wait, then the get). Server memory:
 # peak RSS (VmHWM); threads: the most seen, sampled every 20 ms. A size or side that fails or
 # runs past LIMIT_S is killed, reported as failed / timeout, and the script goes on.
 #
