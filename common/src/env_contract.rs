@@ -48,6 +48,11 @@ pub fn alloc_conf_default(is_set: impl Fn(&str) -> bool) -> Option<(&'static str
 /// `ROLE_NAME` value; we have one role, as torchrun does by default.
 pub const ROLE_NAME: &str = "default";
 
+/// How a worker's last stderr line begins when it stopped because another rank of the job ended
+/// first (`runtime::job_watch`): the line goes on to name that rank. Its launcher then knows
+/// that the failure it saw is not its node's own.
+pub const STOPPED_FOR_PEER: &str = "worker: error: stopping: ";
+
 /// Exit code of a worker that an elastic `launch` asked (SIGUSR1) to stop at its next
 /// checkpoint so that the group can re-form with a node that waits to join, and that did:
 /// not a failure (EX_TEMPFAIL, "try again").

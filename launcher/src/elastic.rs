@@ -25,6 +25,17 @@ use crate::watchdog::Watchdog;
 /// How long the host keeps its store up after its own group finished, for the other nodes to
 /// report and the waiting ones to hear that the job is done.
 const HOST_LINGER: Duration = Duration::from_secs(30);
+/// How long a launcher whose workers stopped for another node's rank waits for the coordinator
+/// to name that node before it reports its own failure.
+const PEER_NAMED_WITHIN: Duration = Duration::from_millis(500);
+
+/// Whether `worker` stopped because a rank of another node ended first (its last line says so).
+fn stopped_for_peer(worker: &crate::report::WorkerRecord) -> bool {
+    worker
+        .stderr_tail
+        .last()
+        .is_some_and(|line| line.starts_with(common::env_contract::STOPPED_FOR_PEER))
+}
 
 /// The store, hosted here or reached, and what the job needs from it.
 struct Rendezvous {
@@ -267,6 +278,17 @@ fn run_rounds(
                     return supervisor::interrupted(signal);
                 }
                 let r = &records[root];
+                if stopped_for_peer(r) {
+                    // A rank of another node ended first: the coordinator, which sees that node's
+                    // launcher gone, names it in a moment (its pass is every 100 ms).
+                    if let Ok(Some(why)) =
+                        rendezvous::wait_failure(&mut rdzv.store, round.round, PEER_NAMED_WITHIN)
+                    {
+                        info!("round {}: {why}; re-forming the group", round.round);
+                        last_failure = Some((round_plan, records, root));
+                        continue;
+                    }
+                }
                 let what = format!("rank {} (node id {}) failed: {}", r.rank, node.id, r.ending);
                 warn!("{what}; re-forming the group");
                 if let Err(e) = rendezvous::report_failure(&mut rdzv.store, round.round, &what) {

@@ -281,6 +281,19 @@ pub fn report_failure(store: &mut StoreClient, round: u64, what: &str) -> Result
     Ok(())
 }
 
+/// Why `round` failed, once someone reports it within `within` (`None` if nobody did).
+pub fn wait_failure(
+    store: &mut StoreClient,
+    round: u64,
+    within: Duration,
+) -> Result<Option<String>, StoreError> {
+    match store.wait(&[&key(round, "failed")], within) {
+        Ok(mut why) => Ok(Some(String::from_utf8_lossy(&why.remove(0)).into_owned())),
+        Err(StoreError::WaitTimeout { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Tells the coordinator that node `id`'s group of `round` finished its work (it may then
 /// leave without being taken for dead).
 pub fn report_finished(store: &mut StoreClient, round: u64, id: u64) -> Result<(), StoreError> {

@@ -375,7 +375,7 @@ fn watch_the_others(
         (env.rank, env.world_size),
         &line,
         |seen| {
-            eprintln!("worker: error: stopping: {seen}");
+            eprintln!("{}{seen}", common::env_contract::STOPPED_FOR_PEER);
             // The main thread may be inside a collective: end now, as a death would (the
             // launcher's sweep removes what a dead worker leaves).
             // SAFETY: _exit ends the process; nothing runs after it.
