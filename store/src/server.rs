@@ -185,6 +185,32 @@ fn raise_descriptor_limit() {
     }
 }
 
+/// This process's limit on open descriptors (after [`raise_descriptor_limit`]), if known.
+pub(crate) fn descriptor_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit with a valid rlimit struct.
+    let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+    (known && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+}
+
+/// The warning for a store whose process may open `limit` descriptors, serving a job of
+/// `world` ranks on `hosts` hosts: each rank holds two connections (its own and its watch's),
+/// each host's leader one more, and the process needs some of its own.
+pub(crate) fn descriptor_warning(limit: u64, world: u64, hosts: u64) -> Option<String> {
+    let needed = 2 * world + hosts + 64;
+    (limit < needed).then(|| {
+        format!(
+            "the rendezvous store may run out of descriptors: this process may open {limit} \
+             (the hard limit, `ulimit -Hn`) and a job of {world} ranks needs about {needed} (two \
+             connections a rank); raise the hard limit on rank 0's node (limits.conf, or the \
+             scheduler's setting)"
+        )
+    })
+}
+
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);

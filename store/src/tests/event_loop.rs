@@ -210,3 +210,13 @@ fn a_peer_that_closes_while_it_waits_leaves_its_will_at_once() {
     );
     assert!(parked.join().unwrap().is_err());
 }
+
+#[test]
+fn a_descriptor_limit_short_of_two_a_rank_is_named_with_what_is_needed() {
+    assert_eq!(server::descriptor_warning(20_000, 8192, 1024), None);
+    let warning = server::descriptor_warning(1024, 1024, 128).unwrap();
+    assert!(
+        warning.contains("may open 1024") && warning.contains("1024 ranks needs about 2240"),
+        "{warning}"
+    );
+}
