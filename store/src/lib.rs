@@ -1,8 +1,10 @@
 //! The rendezvous key-value store (PyTorch's `TCPStore`, as `env://` uses it): rank 0 hosts a
 //! [`StoreServer`] on `MASTER_ADDR:MASTER_PORT` and every rank, rank 0 included, talks to it
-//! through one [`StoreClient`] connection (`set`, `get`, `wait`, `add`, and `set_ephemeral`:
-//! a key that lives as long as the connection that set it). `launch` hosts one for an elastic
-//! job's rendezvous; this crate does not link libtorch.
+//! through one [`StoreClient`] connection (`set`, `get`, `get_many`, `wait`, `add`,
+//! `set_ephemeral`: a key that lives as long as the connection that set it, and `set_will`: a
+//! line the server writes if the connection ends before the will is revoked). One thread serves
+//! every connection (an epoll loop), so a store holds thousands of ranks. `launch` hosts one for
+//! an elastic job's rendezvous; this crate does not link libtorch.
 //!
 //! This module owns the wire protocol (length-prefixed bincode frames and the run-id handshake),
 //! the server's key space, and the client's connect-retry and timeout policy. It must not know

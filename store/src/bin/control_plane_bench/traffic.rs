@@ -379,7 +379,7 @@ fn listen_addr(g: u32, port: u32) -> String {
     format!("{}:{port}", host_ip(g))
 }
 
-/// A segment name as `common::shm_segments::segment_name` makes it: "/gptrec-<pid>-<32 hex>".
+/// A segment name as `common::shm_segments::segment_name` makes it: `/gptrec-<pid>-<32 hex>`.
 fn shm_name() -> String {
     let hex: String = random_bytes()[..16]
         .iter()
