@@ -142,3 +142,34 @@ fn simulated_ranks_set_up_and_all_are_told_of_a_death_naming_it() {
         assert_eq!(told.get("kill_unix").is_some(), i == 1, "{told}");
     }
 }
+
+/// A store raises its process's soft limit on open descriptors to the hard one (two a rank).
+#[test]
+fn the_store_raises_its_descriptor_limit_to_the_hard_limit() {
+    let run_id = unique_run_id("control-plane-limit");
+    let line = format!(
+        "ulimit -Sn 256 && exec {} serve --run-id {run_id}",
+        bin("control-plane-bench").display()
+    );
+    let mut child = Command::new("bash")
+        .args(["-c", &line])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the store under a low limit");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut first = String::new();
+    BufReader::new(stdout).read_line(&mut first).unwrap();
+    assert!(first.starts_with("port "), "{first:?}");
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let row = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("a Max open files row");
+    let words: Vec<&str> = row.split_whitespace().collect();
+    let (soft, hard) = (words[3], words[4]);
+    assert_eq!(soft, hard, "{row}");
+    assert_ne!(soft, "256", "{row}");
+}
