@@ -48,6 +48,8 @@ pub(super) struct Conn {
     written: usize,
     /// The peer closed its side (what it sent before still counts).
     pub(super) eof: bool,
+    /// Reading stopped with bytes possibly left in the socket (too much input unserved).
+    pub(super) read_held: bool,
     /// When the peer last sent a byte (a frame left half sent too long ends the connection).
     last_read: Instant,
     /// When the peer last took a byte of its answers.
@@ -72,6 +74,7 @@ impl Conn {
             output: Vec::new(),
             written: 0,
             eof: false,
+            read_held: false,
             last_read: now,
             last_write: now,
             wait: None,
@@ -98,10 +101,13 @@ impl Conn {
     /// beyond what is buffered; true when there may be more to read.
     /// `chunk` is the loop's scratch buffer (zeroed once, not per read).
     pub(super) fn read(&mut self, chunk: &mut [u8]) -> Result<bool, ConnEnd> {
+        self.read_held = false;
         let mut taken = 0;
         while taken < READ_TURN && !self.eof {
             if self.input.len() > 4 + self.frame_limit() + chunk.len() {
-                // Requests sent without reading the answers: wait for the peer to catch up.
+                // Requests sent without reading the answers: wait for the peer to catch up (the
+                // socket is read again once those are served: no new event will say so).
+                self.read_held = true;
                 return Ok(false);
             }
             match self.stream.read(chunk) {

@@ -187,6 +187,7 @@ impl EventLoop {
         let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };
+        let read = read || conn.read_held;
         let more = match read.then(|| conn.read(&mut self.scratch)) {
             Some(Ok(more)) => more,
             Some(Err(end)) => return self.close(id, end),
