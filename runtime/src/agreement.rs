@@ -142,14 +142,19 @@ fn publish_verdict(store: &mut StoreClient, line: &str) -> Result<(), StoreError
 }
 
 fn where_am_i(env: &WorkerEnv) -> String {
-    let host = nix::unistd::gethostname()
-        .map(|h| h.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "?".into());
+    let host = host_name();
     format!(
         "node rank {}, host {host}, pid {}",
         env.group_rank,
         std::process::id()
     )
+}
+
+/// This machine's host name, or `?`.
+pub(crate) fn host_name() -> String {
+    nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "?".into())
 }
 
 #[cfg(test)]

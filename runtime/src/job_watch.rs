@@ -34,6 +34,18 @@ const STORE_LOSS_GRACE: Duration = Duration::from_secs(1);
 /// How long connecting to the store may take.
 const CONNECT: Duration = Duration::from_secs(30);
 
+/// The line `env`'s rank leaves as its will: who it is, for the others' messages. No other
+/// "rank N" in it: the launcher's summary reads the ranks a line names.
+pub fn will_line(env: &common::env_contract::WorkerEnv) -> String {
+    format!(
+        "rank {} (host {}, node {}, pid {}) ended before the job finished",
+        env.rank,
+        crate::agreement::host_name(),
+        env.group_rank,
+        std::process::id()
+    )
+}
+
 /// The name of `rank`'s will.
 fn will_name(rank: u32) -> String {
     format!("job/will/{rank}")

@@ -146,7 +146,7 @@ impl StoreClient {
             value: value.to_vec(),
         };
         self.own("leaving a will")?
-            .write_behind(format!("will {name:?}"), &request)
+            .write_unanswered(format!("will {name:?}"), &request)
     }
 
     /// Voids the will `name` (left by this connection or another: one parked in a wait, say).
@@ -155,7 +155,7 @@ impl StoreClient {
             name: name.to_string(),
         };
         self.own("revoking a will")?
-            .write_behind(format!("revoke {name:?}"), &request)
+            .write_unanswered(format!("revoke {name:?}"), &request)
     }
 
     /// A handle that closes this connection from another thread (this one may be parked in a
@@ -420,7 +420,7 @@ impl OwnClient {
             key: key.to_string(),
             value: value.to_vec(),
         };
-        self.write_behind(format!("set {key:?}"), &request)
+        self.write_unanswered(format!("set {key:?}"), &request)
     }
 
     /// Stores `value` under `key` for as long as this connection lives: the server removes the
@@ -430,11 +430,11 @@ impl OwnClient {
             key: key.to_string(),
             value: value.to_vec(),
         };
-        self.write_behind(format!("set {key:?} (ephemeral)"), &request)
+        self.write_unanswered(format!("set {key:?} (ephemeral)"), &request)
     }
 
     /// Sends a write, which has no answer (see [`OwnClient`]).
-    fn write_behind(&mut self, op: String, request: &Request) -> Result<(), StoreError> {
+    fn write_unanswered(&mut self, op: String, request: &Request) -> Result<(), StoreError> {
         self.usable()?;
         let frame = self.frame(request)?;
         let result = self

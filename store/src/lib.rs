@@ -534,9 +534,8 @@ fn rendezvous_with(
             Some(listener) => StoreServer::from_listener(listener, &env.run_id)?,
             None => StoreServer::start(listen_addr(env)?, &env.run_id)?,
         };
-        let limit = server::descriptor_limit();
         let (world, hosts) = (u64::from(env.world_size), u64::from(env.group_world_size));
-        if let Some(warning) = limit.and_then(|l| server::descriptor_warning(l, world, hosts)) {
+        if let Some(warning) = server.descriptor_warning(world, hosts) {
             tracing::warn!("{warning}");
         }
         let client = StoreClient::connect(&server.local_addr().to_string(), &env.run_id, timeout)?;

@@ -67,6 +67,8 @@ fn accept_failure_head(count: u64) -> String {
 /// dropping it closes every connection (clients then get errors, never a hang).
 pub struct StoreServer {
     addr: SocketAddr,
+    /// How many descriptors its process may open, once raised (unknown or unlimited: `None`).
+    descriptors: Option<u64>,
     shared: Arc<Shared>,
     waker: mio::Waker,
     thread: Option<JoinHandle<()>>,
@@ -121,7 +123,7 @@ impl StoreServer {
         // Listening again only raises the queue (std listens with a small one).
         // SAFETY: listen(2) on a descriptor we own, with an integer argument.
         unsafe { libc::listen(listener.as_raw_fd(), LISTEN_BACKLOG) };
-        raise_descriptor_limit();
+        let descriptors = raise_descriptor_limit();
         let poll = mio::Poll::new().map_err(bind_err)?;
         let waker = mio::Waker::new(poll.registry(), event_loop::WAKER).map_err(bind_err)?;
         let shared = Arc::new(Shared {
@@ -143,6 +145,7 @@ impl StoreServer {
         tracing::debug!(addr = %local, run = %run_fingerprint(run_id), "rendezvous store listening");
         Ok(StoreServer {
             addr: local,
+            descriptors,
             shared,
             waker,
             thread: Some(thread),
@@ -155,6 +158,13 @@ impl StoreServer {
         self.shared.ungreeted.load(Ordering::Relaxed)
     }
 
+    /// The warning for a job of `world` ranks on `hosts` hosts if this process may open too few
+    /// descriptors for it ([`descriptor_warning`]).
+    pub(crate) fn descriptor_warning(&self, world: u64, hosts: u64) -> Option<String> {
+        self.descriptors
+            .and_then(|limit| descriptor_warning(limit, world, hosts))
+    }
+
     /// The address the server actually listens on (with the real port when started on port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
@@ -163,16 +173,19 @@ impl StoreServer {
 
 /// Raises this process's limit on open descriptors to its hard limit: the server holds one per
 /// connection (two per rank, with the ranks' watches, and one more per host's leader), and the
-/// common soft limit of 1024 would refuse the ranks of a job of a few hundred.
-fn raise_descriptor_limit() {
+/// common soft limit of 1024 would refuse the ranks of a job of a few hundred. The limit now in
+/// force, if it is known and finite.
+fn raise_descriptor_limit() -> Option<u64> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit/setrlimit with a valid rlimit struct.
     unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
-        {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return None;
+        }
+        if limit.rlim_cur < limit.rlim_max {
             let soft = limit.rlim_cur;
             limit.rlim_cur = limit.rlim_max;
             if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
@@ -180,20 +193,12 @@ fn raise_descriptor_limit() {
                     "open descriptors: limit raised from {soft} to {}",
                     limit.rlim_max
                 );
+            } else {
+                limit.rlim_cur = soft;
             }
         }
     }
-}
-
-/// This process's limit on open descriptors (after [`raise_descriptor_limit`]), if known.
-pub(crate) fn descriptor_limit() -> Option<u64> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit with a valid rlimit struct.
-    let known = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
-    (known && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+    (limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
 }
 
 /// The warning for a store whose process may open `limit` descriptors, serving a job of

@@ -359,16 +359,7 @@ fn watch_the_others(
     if env.world_size <= 1 || agent_store {
         return Ok(None);
     }
-    let host = nix::unistd::gethostname()
-        .map(|h| h.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "?".into());
-    // No other "rank N" in it: the launcher's summary reads the ranks a line names.
-    let line = format!(
-        "rank {} (host {host}, node {}, pid {}) ended before the job finished",
-        env.rank,
-        env.group_rank,
-        std::process::id()
-    );
+    let line = runtime::job_watch::will_line(env);
     let watch = JobWatch::start(
         store_addr,
         &env.run_id,
