@@ -24,7 +24,7 @@ use crate::report::{self, Ending};
 use crate::watchdog::Watchdog;
 
 mod spawn;
-use spawn::{follow_group, spawn_worker, Running};
+use spawn::{follow_group, start_worker, Running};
 
 /// How long a failed worker's output may take to be read to its end before `launch` says it
 /// failed (so that its own last lines come first).
@@ -282,25 +282,46 @@ impl Group<'_> {
         not_started.map_or(followed, Err)
     }
 
-    /// Spawns the workers in rank order until one cannot start; those that run, and the one
-    /// that did not with why.
+    /// Starts the workers in rank order until one cannot start, each while the ones before it
+    /// still set up and exec; those that run, and the first that did not with why.
     fn spawn_all(
         &self,
         display: Option<&Arc<Display>>,
         watchdog: &mut Watchdog,
     ) -> (Vec<(WorkerEnv, Running)>, Option<NotStarted>) {
-        let mut running = Vec::with_capacity(self.plan.nproc as usize);
+        let mut starting = Vec::with_capacity(self.plan.nproc as usize);
+        let mut not_started = None;
         for local_rank in 0..self.plan.nproc {
             let env = self.plan.worker_env(local_rank, self.round);
-            match spawn_worker(self.plan, &env, display) {
+            match start_worker(self.plan, &env, display) {
                 Ok(worker) => {
                     watchdog.watch(worker.pid());
-                    running.push((env, worker));
+                    starting.push((env, worker));
                 }
-                Err(e) => return (running, Some((env.rank, e))),
+                Err(e) => {
+                    not_started = Some((env.rank, e));
+                    break;
+                }
             }
         }
-        (running, None)
+        let mut running = Vec::with_capacity(starting.len());
+        for (env, worker) in starting {
+            let pid = worker.pid();
+            match worker.finish() {
+                Ok(worker) => running.push((env, worker)),
+                Err(e) => {
+                    watchdog.forget(pid);
+                    // The lowest rank that could not start is the one named.
+                    if not_started
+                        .as_ref()
+                        .is_none_or(|(rank, _)| *rank > env.rank)
+                    {
+                        not_started = Some((env.rank, e));
+                    }
+                }
+            }
+        }
+        (running, not_started)
     }
 
     /// Has the running workers followed and makes them the group's; if they cannot be, they

@@ -16,11 +16,11 @@ use nix::unistd::Pid;
 use tracing::warn;
 
 use super::Event;
+use crate::clone_spawn::{Child, Command, Starting};
 use crate::console::Muting;
 use crate::output::{self, Sinks, Stream, Tail};
 use crate::plan::Plan;
 use crate::progress::{Display, Follow};
-use crate::vfork_spawn::{Child, Command};
 use common::env_contract::WorkerEnv;
 
 /// A worker that runs, not followed yet ([`follow_group`]).
@@ -35,13 +35,35 @@ impl Running {
     }
 }
 
-/// Starts the worker of `env` (it has exec'd when this returns). Its output waits in its pipes
-/// until [`follow_group`], so that all the group's workers start before any of its threads.
-pub(super) fn spawn_worker(
+/// A worker cloned, setting up and exec'ing while the next one starts.
+pub(super) struct StartingWorker {
+    starting: Starting,
+    follow: Option<Follow>,
+}
+
+impl StartingWorker {
+    pub(super) fn pid(&self) -> i32 {
+        self.starting.pid()
+    }
+
+    /// Once it has exec'd (or with why it could not, reaped).
+    pub(super) fn finish(self) -> std::io::Result<Running> {
+        let child = self.starting.finish()?;
+        Ok(Running {
+            child,
+            follow: self.follow,
+        })
+    }
+}
+
+/// Starts the worker of `env` ([`StartingWorker::finish`] waits for its exec). Its output waits
+/// in its pipes until [`follow_group`], so that all the group's workers start before any of its
+/// threads.
+pub(super) fn start_worker(
     plan: &Plan,
     env: &WorkerEnv,
     display: Option<&Arc<Display>>,
-) -> std::io::Result<Running> {
+) -> std::io::Result<StartingWorker> {
     let mut command = worker_command(plan, env)?;
     let follow = display
         .map(|d| d.connect(&mut command, env.rank))
@@ -50,8 +72,8 @@ pub(super) fn spawn_worker(
     // has then been copied to 3 already).
     pass_store_listener(&mut command, plan, env);
     pin_to_cpus(&mut command, plan, env.local_rank);
-    let child = command.spawn()?;
-    Ok(Running { child, follow })
+    let starting = command.start()?;
+    Ok(StartingWorker { starting, follow })
 }
 
 /// A followed worker: its ranks and pid, the stderr lines kept for the failure summary, and
@@ -110,7 +132,7 @@ pub(super) fn follow_group(
     if let Err(e) = started {
         for &pid in &pids {
             let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
-            let _ = crate::vfork_spawn::wait(pid);
+            let _ = crate::clone_spawn::wait(pid);
         }
         return Err(e);
     }
@@ -301,7 +323,7 @@ fn exited(left: &[((i32, u32), OwnedFd)]) -> Vec<usize> {
 /// Waits for worker `pid` (it has ended, or will) and sends its exit as an event.
 fn report_exit(pid: i32, local_rank: u32, tx: &Sender<Event>, round: u32) {
     // Cannot fail for our own child; report it as a kill rather than hang.
-    let status = crate::vfork_spawn::wait(pid).unwrap_or(ExitStatus::from_raw(9));
+    let status = crate::clone_spawn::wait(pid).unwrap_or(ExitStatus::from_raw(9));
     let _ = tx.send(Event::Exited {
         round,
         local_rank,
