@@ -6,6 +6,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::Write;
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -99,25 +100,37 @@ pub struct Source {
     pub done: Box<dyn FnOnce() + Send>,
 }
 
+/// A descriptor followed beside the sources that becomes readable once (a pidfd, at its
+/// process's end): `ready` then runs and the watch is dropped. A group's exits are noticed on
+/// the thread that forwards its output: one thread for the group, not two.
+pub struct Watch {
+    pub fd: OwnedFd,
+    pub ready: Box<dyn FnOnce() + Send>,
+}
+
 /// Starts one thread that copies every source line by line along its route until each one's
-/// end: a group's output needs one thread, however many workers it has.
-pub fn forward(sources: Vec<Source>) -> std::io::Result<()> {
+/// end, and calls each watch's `ready` when its descriptor is: a group needs one thread,
+/// however many workers it has.
+pub fn forward(sources: Vec<Source>, watches: Vec<Watch>) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("output".into())
-        .spawn(move || forward_all(sources))
+        .spawn(move || forward_all(sources, watches))
         .map(drop)
 }
 
 /// Reads whatever source has data (each in turn, so none starves the others) and passes on
-/// its whole lines; a source that ends is finished and dropped.
-fn forward_all(sources: Vec<Source>) {
+/// its whole lines; a source that ends is finished and dropped; then the watches that are
+/// ready.
+fn forward_all(sources: Vec<Source>, mut watches: Vec<Watch>) {
     use nix::errno::Errno;
     let mut open: Vec<(Source, Lines)> =
         sources.into_iter().map(|s| (s, Lines::default())).collect();
     let mut buf = vec![0u8; 64 * 1024];
-    while !open.is_empty() {
-        // Polling cannot fail on pipes we hold; if it did, blocking reads still get every line.
-        let ready = readable(&open).unwrap_or_else(|_| (0..open.len()).collect());
+    while !open.is_empty() || !watches.is_empty() {
+        // Polling cannot fail on descriptors we hold; if it did, blocking reads still get
+        // every line (a watch is never waited for blocking: that would stop the output).
+        let (ready, ready_watches) =
+            readable(&open, &watches).unwrap_or_else(|_| ((0..open.len()).collect(), Vec::new()));
         for i in ready.into_iter().rev() {
             let (source, lines) = &mut open[i];
             match nix::unistd::read(&source.pipe, &mut buf) {
@@ -131,28 +144,36 @@ fn forward_all(sources: Vec<Source>) {
                 }
             }
         }
+        for i in ready_watches.into_iter().rev() {
+            (watches.swap_remove(i).ready)();
+        }
     }
 }
 
-/// The indices of the sources with data (or at their end), waiting until there is one.
-fn readable(open: &[(Source, Lines)]) -> nix::Result<Vec<usize>> {
+/// The indices of the sources with data (or at their end) and of the watches that are ready,
+/// waiting until there is one.
+fn readable(open: &[(Source, Lines)], watches: &[Watch]) -> nix::Result<(Vec<usize>, Vec<usize>)> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     use std::os::fd::AsFd;
     loop {
-        let mut fds: Vec<PollFd> = open
-            .iter()
-            .map(|(s, _)| PollFd::new(s.pipe.as_fd(), PollFlags::POLLIN))
+        let pipes = open.iter().map(|(s, _)| s.pipe.as_fd());
+        let mut fds: Vec<PollFd> = pipes
+            .chain(watches.iter().map(|w| w.fd.as_fd()))
+            .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
             .collect();
         match poll(&mut fds, PollTimeout::NONE) {
             Ok(_) => {}
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(e),
         }
-        let ready = fds
-            .iter()
-            .enumerate()
-            .filter(|(_, fd)| fd.any() == Some(true));
-        return Ok(ready.map(|(i, _)| i).collect());
+        // Indices among fds[from..to], of those ready.
+        let ready = |from: usize, to: usize| -> Vec<usize> {
+            (from..to)
+                .filter(|&i| fds[i].any() == Some(true))
+                .map(|i| i - from)
+                .collect()
+        };
+        return Ok((ready(0, open.len()), ready(open.len(), fds.len())));
     }
 }
 
@@ -290,5 +311,44 @@ mod tests {
         assert_eq!(lines.len(), 2);
         assert_eq!(lines[0].len(), MAX_LINE);
         assert_eq!(lines[1].len(), 10);
+    }
+
+    /// One thread follows sources and watches: a watch's `ready` runs once its descriptor is
+    /// readable, while a source is still open, and every line of the source reaches its log.
+    #[test]
+    fn watches_are_called_beside_the_sources() {
+        use std::time::Duration;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        let log = Arc::new(Mutex::new(File::create(&path).unwrap()));
+        let (source_read, source_write) = nix::unistd::pipe().unwrap();
+        let (watch_read, watch_write) = nix::unistd::pipe().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let done = tx.clone();
+        let source = Source {
+            pipe: File::from(source_read),
+            route: Route {
+                stream: Stream::Stdout,
+                rank: 0,
+                console: None,
+                log: Some(log),
+                tail: None,
+            },
+            done: Box::new(move || done.send("done").unwrap()),
+        };
+        let watch = Watch {
+            fd: watch_read,
+            ready: Box::new(move || tx.send("ready").unwrap()),
+        };
+        forward(vec![source], vec![watch]).unwrap();
+        let mut writer = File::from(source_write);
+        writeln!(writer, "one").unwrap();
+        nix::unistd::write(&watch_write, b"x").unwrap();
+        let wait = Duration::from_secs(10);
+        assert_eq!(rx.recv_timeout(wait), Ok("ready"));
+        writeln!(writer, "two").unwrap();
+        drop(writer);
+        assert_eq!(rx.recv_timeout(wait), Ok("done"));
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "one\ntwo\n");
     }
 }

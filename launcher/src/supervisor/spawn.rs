@@ -1,10 +1,10 @@
 //! Starting the workers: each one's command and environment (own process group, bound to die
 //! with the launcher, SIGUSR1 ignored until our worker's handler is in), then, once all of the
 //! group run, their output forwarded line by line (and to `--log-dir` files) and their exits
-//! reported as [`Event`]s, by two threads for the whole group.
+//! reported as [`Event`]s, by one thread for the whole group.
 
 use std::fs::File;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::sync::{Arc, Mutex};
@@ -86,8 +86,8 @@ pub(super) struct Followed {
     pub(super) muting: Muting,
 }
 
-/// Follows the group's running workers: one thread forwards all their output, one waits for
-/// all of them and reports each exit, and each worker's progress reports, if a display is up,
+/// Follows the group's running workers: one thread forwards all their output and reports each
+/// exit (its pidfd polled beside the pipes), and each worker's progress reports, if a display is up,
 /// are read on a thread of their own. If a thread cannot start, every worker is killed and
 /// reaped (nobody would read or wait for them), and the error says why.
 pub(super) fn follow_group(
@@ -127,8 +127,8 @@ pub(super) fn follow_group(
     let started = progress
         .into_iter()
         .try_for_each(Follow::start)
-        .and_then(|()| output::forward(sources))
-        .and_then(|()| start_exit_reporter(waited, tx, round));
+        .and_then(|()| exit_watches(waited, tx, round))
+        .and_then(|watches| output::forward(sources, watches));
     if let Err(e) = started {
         for &pid in &pids {
             let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
@@ -239,53 +239,36 @@ fn rank_log(plan: &Plan, rank: u32) -> Option<Arc<Mutex<std::fs::File>>> {
     }
 }
 
-/// Starts the thread that waits for `workers` (pid, local rank) and reports each exit as an
-/// event: it polls their pidfds, or, where the kernel has none (before Linux 5.3), starts a
-/// thread per worker that waits for it.
-fn start_exit_reporter(
+/// What tells of each of `workers` (pid, local rank) ending, on the output thread: its pidfd,
+/// whose readiness reports the exit as an event. Where the kernel has no pidfds (before Linux
+/// 5.3), a thread per worker waits for it instead, and there is nothing to watch.
+fn exit_watches(
     workers: Vec<(i32, u32)>,
     tx: &Sender<Event>,
     round: u32,
-) -> std::io::Result<()> {
-    let tx = tx.clone();
-    std::thread::Builder::new()
-        .name("wait".into())
-        .spawn(move || report_exits(workers, &tx, round))
-        .map(drop)
-}
-
-/// Reports the exit of each of `workers` (pid, local rank) as it comes.
-fn report_exits(workers: Vec<(i32, u32)>, tx: &Sender<Event>, round: u32) {
+) -> std::io::Result<Vec<output::Watch>> {
     let pidfds: std::io::Result<Vec<OwnedFd>> =
         workers.iter().map(|&(pid, _)| pidfd(pid)).collect();
     let Ok(pidfds) = pidfds else {
-        let mut waiting = Vec::new();
         for (pid, local_rank) in workers {
             let tx = tx.clone();
-            let thread = std::thread::Builder::new()
+            std::thread::Builder::new()
                 .name(format!("wait-{pid}"))
-                .spawn(move || report_exit(pid, local_rank, &tx, round));
-            // Without a thread of its own, the worker is waited for after the others.
-            if thread.is_err() {
-                waiting.push((pid, local_rank));
-            }
+                .spawn(move || report_exit(pid, local_rank, &tx, round))?;
         }
-        for (pid, local_rank) in waiting {
-            report_exit(pid, local_rank, tx, round);
-        }
-        return;
+        return Ok(Vec::new());
     };
-    let mut left: Vec<((i32, u32), OwnedFd)> = workers.into_iter().zip(pidfds).collect();
-    while !left.is_empty() {
-        let ended = exited(&left);
-        for &i in &ended {
-            let (pid, local_rank) = left[i].0;
-            report_exit(pid, local_rank, tx, round);
-        }
-        for &i in ended.iter().rev() {
-            left.swap_remove(i);
-        }
-    }
+    let watches = workers
+        .into_iter()
+        .zip(pidfds)
+        .map(|((pid, local_rank), fd)| {
+            let tx = tx.clone();
+            output::Watch {
+                fd,
+                ready: Box::new(move || report_exit(pid, local_rank, &tx, round)),
+            }
+        });
+    Ok(watches.collect())
 }
 
 /// A pidfd for child `pid`: readable once it has ended.
@@ -297,27 +280,6 @@ fn pidfd(pid: i32) -> std::io::Result<OwnedFd> {
             fd => Ok(OwnedFd::from_raw_fd(fd as RawFd)),
         }
     }
-}
-
-/// The indices of `left` whose process has ended, waiting until one has.
-fn exited(left: &[((i32, u32), OwnedFd)]) -> Vec<usize> {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let mut fds: Vec<PollFd> = left
-        .iter()
-        .map(|(_, fd)| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
-        .collect();
-    if let Err(e) = poll(&mut fds, PollTimeout::NONE) {
-        // EINTR: poll again. Otherwise wait for them in turn (blocking), but wait.
-        return match e {
-            nix::errno::Errno::EINTR => Vec::new(),
-            _ => (0..left.len()).collect(),
-        };
-    }
-    let ready = fds
-        .iter()
-        .enumerate()
-        .filter(|(_, fd)| fd.any() == Some(true));
-    ready.map(|(i, _)| i).collect()
 }
 
 /// Waits for worker `pid` (it has ended, or will) and sends its exit as an event.
