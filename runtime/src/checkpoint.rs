@@ -98,68 +98,283 @@ pub fn save(
     state: &TrainState,
     keep: usize,
 ) -> Result<PathBuf, CheckpointError> {
-    fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let name = format!("step-{:06}", state.step);
-    let tmp = dir.join(format!(".tmp-{name}-{}", std::process::id()));
-    let written = write_into(dir, &tmp, &name, model, optimizer, state);
-    if written.is_err() {
-        let _ = fs::remove_dir_all(&tmp);
-        let _ = fs::remove_file(dir.join(format!(".{LATEST}.tmp")));
-    }
-    let final_dir = written?;
-    prune(dir, keep, state.step)?;
-    Ok(final_dir)
+    stage(dir, model, optimizer, state)?.commit(keep)
 }
 
-/// [`save`]'s work: the files into `tmp`, then `tmp` renamed into place and `latest` updated.
-fn write_into(
+/// A checkpoint written into its temporary directory, not yet synced or in place: the tensors
+/// as they were when it was staged, whatever happens to them afterwards.
+pub struct Staged {
+    dir: PathBuf,
+    tmp: PathBuf,
+    name: String,
+    step: u64,
+}
+
+/// [`save`]'s first half: the files written into a temporary directory (in the page cache,
+/// not synced), their digests in `state.json`.
+pub fn stage(
     dir: &Path,
-    tmp: &Path,
-    name: &str,
     model: &[(String, Tensor)],
     optimizer: &[(String, Tensor)],
     state: &TrainState,
-) -> Result<PathBuf, CheckpointError> {
-    if tmp.exists() {
-        fs::remove_dir_all(tmp).map_err(io_err(tmp))?;
+) -> Result<Staged, CheckpointError> {
+    fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let name = format!("step-{:06}", state.step);
+    // Unique within the process too: two checkpoints of one step may wait to be committed.
+    static STAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = STAGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let staged = Staged {
+        tmp: dir.join(format!(".tmp-{name}-{}-{seq}", std::process::id())),
+        dir: dir.to_path_buf(),
+        name,
+        step: state.step,
+    };
+    match staged.write_files(model, optimizer, state) {
+        Ok(()) => Ok(staged),
+        Err(e) => {
+            let _ = fs::remove_dir_all(&staged.tmp);
+            Err(e)
+        }
     }
-    fs::create_dir_all(tmp).map_err(io_err(tmp))?;
-    let mut state = state.clone();
-    for (file, tensors) in [(MODEL_FILE, model), (OPTIMIZER_FILE, optimizer)] {
-        let path = tmp.join(file);
-        Tensor::write_safetensors(tensors, &path).map_err(|source| CheckpointError::Tensors {
-            path: path.display().to_string(),
-            source,
+}
+
+impl Staged {
+    /// [`save`]'s second half: the files synced, renamed into place, `latest` updated, the
+    /// newest `keep` kept. Its directory; on failure the temporary directory is removed.
+    pub fn commit(self, keep: usize) -> Result<PathBuf, CheckpointError> {
+        let committed = self.put_in_place();
+        if committed.is_err() {
+            let _ = fs::remove_dir_all(&self.tmp);
+            let _ = fs::remove_file(self.dir.join(format!(".{LATEST}.tmp")));
+        }
+        let final_dir = committed?;
+        prune(&self.dir, keep, self.step)?;
+        Ok(final_dir)
+    }
+
+    fn write_files(
+        &self,
+        model: &[(String, Tensor)],
+        optimizer: &[(String, Tensor)],
+        state: &TrainState,
+    ) -> Result<(), CheckpointError> {
+        let tmp = &self.tmp;
+        if tmp.exists() {
+            fs::remove_dir_all(tmp).map_err(io_err(tmp))?;
+        }
+        fs::create_dir_all(tmp).map_err(io_err(tmp))?;
+        let mut state = state.clone();
+        for (file, tensors) in [(MODEL_FILE, model), (OPTIMIZER_FILE, optimizer)] {
+            let path = tmp.join(file);
+            Tensor::write_safetensors(tensors, &path).map_err(|source| {
+                CheckpointError::Tensors {
+                    path: path.display().to_string(),
+                    source,
+                }
+            })?;
+            state.files.insert(file.to_string(), digest(&path)?);
+        }
+        let state_path = tmp.join(STATE_FILE);
+        let json = serde_json::to_vec_pretty(&state).map_err(|e| CheckpointError::Invalid {
+            path: state_path.display().to_string(),
+            detail: e.to_string(),
         })?;
-        sync_file(&path)?;
-        state.files.insert(file.to_string(), digest(&path)?);
+        fs::write(&state_path, json).map_err(io_err(&state_path))
     }
-    let state_path = tmp.join(STATE_FILE);
-    let json = serde_json::to_vec_pretty(&state).map_err(|e| CheckpointError::Invalid {
-        path: state_path.display().to_string(),
-        detail: e.to_string(),
-    })?;
-    write_synced(&state_path, &json)?;
-    sync_dir(tmp)?;
-    let final_dir = dir.join(name);
-    // Replacing a checkpoint of the same step: move the old one aside first, so that a crash
-    // at any moment leaves one complete copy.
-    let aside = dir.join(format!(".old-{name}-{}", std::process::id()));
-    let replaced = final_dir.exists();
-    if replaced {
-        fs::rename(&final_dir, &aside).map_err(io_err(&final_dir))?;
+
+    /// The staged files synced, then renamed into place, then `latest`.
+    fn put_in_place(&self) -> Result<PathBuf, CheckpointError> {
+        let (dir, tmp, name) = (&self.dir, &self.tmp, &self.name);
+        for file in [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE] {
+            sync_file(&tmp.join(file))?;
+        }
+        sync_dir(tmp)?;
+        let final_dir = dir.join(name);
+        // Replacing a checkpoint of the same step: move the old one aside first, so that a crash
+        // at any moment leaves one complete copy.
+        let aside = dir.join(format!(".old-{name}-{}", std::process::id()));
+        let replaced = final_dir.exists();
+        if replaced {
+            fs::rename(&final_dir, &aside).map_err(io_err(&final_dir))?;
+        }
+        fs::rename(tmp, &final_dir).map_err(io_err(&final_dir))?;
+        sync_dir(dir)?;
+        if replaced {
+            fs::remove_dir_all(&aside).map_err(io_err(&aside))?;
+        }
+        // `latest` last, itself replaced atomically.
+        let latest_tmp = dir.join(format!(".{LATEST}.tmp"));
+        write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
+        fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io_err(dir))?;
+        sync_dir(dir)?;
+        Ok(final_dir)
     }
-    fs::rename(tmp, &final_dir).map_err(io_err(&final_dir))?;
-    sync_dir(dir)?;
-    if replaced {
-        fs::remove_dir_all(&aside).map_err(io_err(&aside))?;
+}
+
+/// Checkpoints made durable on a thread of their own, while training goes on: [`save`] there
+/// waits for each file to reach the disk (fsync) several times, milliseconds a checkpoint that
+/// nothing else needs to wait for. Each [`Background::save`] stages the files at once (the
+/// tensors as they are then) and hands them to one committing thread, which puts them in place
+/// in the order they were saved; [`Background::wait`] (or dropping it) waits until all are.
+/// At most [`Background::IN_FLIGHT`] wait to be committed: a save beyond that waits for the
+/// oldest.
+#[derive(Default)]
+pub struct Background {
+    committer: Option<Committer>,
+    /// Steps handed over and not yet heard back from, oldest first.
+    in_flight: std::collections::VecDeque<u64>,
+    /// The first commit that failed and has not been reported yet.
+    failed: Option<SaveFailed>,
+}
+
+/// The committing thread, its queue and its answers (one per checkpoint, in order).
+struct Committer {
+    jobs: std::sync::mpsc::Sender<(Staged, usize)>,
+    outcomes: std::sync::mpsc::Receiver<Result<PathBuf, CheckpointError>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// A checkpoint that could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("writing the checkpoint of step {step}: {source}")]
+pub struct SaveFailed {
+    pub step: u64,
+    #[source]
+    pub source: CheckpointError,
+}
+
+impl Background {
+    /// Checkpoints staged and not yet in place, at most (a best model and an epoch's
+    /// checkpoint come one after the other).
+    pub const IN_FLIGHT: usize = 2;
+
+    /// Stages this checkpoint and hands it over to be committed. An earlier commit that failed
+    /// is this call's error (reported once).
+    pub fn save(
+        &mut self,
+        dir: &Path,
+        model: &[(String, Tensor)],
+        optimizer: &[(String, Tensor)],
+        state: &TrainState,
+        keep: usize,
+    ) -> Result<(), SaveFailed> {
+        while self.in_flight.len() >= Self::IN_FLIGHT {
+            self.hear_one();
+        }
+        self.hear_finished();
+        if let Some(failed) = self.failed.take() {
+            return Err(failed);
+        }
+        let step = state.step;
+        let failed = |source| SaveFailed { step, source };
+        let staged = stage(dir, model, optimizer, state).map_err(failed)?;
+        let committer = match self.committer.take() {
+            Some(c) => c,
+            None => Committer::start().map_err(|e| failed(io_err(dir)(e)))?,
+        };
+        let sent = committer.jobs.send((staged, keep));
+        self.committer = Some(committer);
+        if let Err(std::sync::mpsc::SendError((staged, keep))) = sent {
+            // The thread is gone (it cannot be, short of a panic): commit here instead.
+            return staged.commit(keep).map(drop).map_err(failed);
+        }
+        self.in_flight.push_back(step);
+        Ok(())
     }
-    // `latest` last, itself replaced atomically.
-    let latest_tmp = dir.join(format!(".{LATEST}.tmp"));
-    write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
-    fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io_err(dir))?;
-    sync_dir(dir)?;
-    Ok(final_dir)
+
+    /// Until every checkpoint saved is on disk and in place: the directory of the last one, or
+    /// the first that is not there and why.
+    pub fn wait(&mut self) -> Result<Option<PathBuf>, SaveFailed> {
+        let mut last = None;
+        while !self.in_flight.is_empty() {
+            last = self.hear_one().or(last);
+        }
+        match self.failed.take() {
+            Some(failed) => Err(failed),
+            None => Ok(last),
+        }
+    }
+
+    /// Blocks for the oldest checkpoint in flight: its directory if it was put in place.
+    fn hear_one(&mut self) -> Option<PathBuf> {
+        let step = self.in_flight.pop_front()?;
+        let outcome = match &self.committer {
+            Some(c) => c.outcomes.recv().unwrap_or_else(|_| Err(Self::lost(step))),
+            None => Err(Self::lost(step)),
+        };
+        self.record(step, outcome)
+    }
+
+    /// The outcomes that have come in, without waiting.
+    fn hear_finished(&mut self) {
+        while let Some(&step) = self.in_flight.front() {
+            let Some(outcome) = self
+                .committer
+                .as_ref()
+                .and_then(|c| c.outcomes.try_recv().ok())
+            else {
+                return;
+            };
+            self.in_flight.pop_front();
+            self.record(step, outcome);
+        }
+    }
+
+    fn record(&mut self, step: u64, outcome: Result<PathBuf, CheckpointError>) -> Option<PathBuf> {
+        match outcome {
+            Ok(path) => Some(path),
+            Err(source) => {
+                self.failed.get_or_insert(SaveFailed { step, source });
+                None
+            }
+        }
+    }
+
+    fn lost(step: u64) -> CheckpointError {
+        CheckpointError::Invalid {
+            path: format!("step-{step:06}"),
+            detail: "the thread writing it ended before it".into(),
+        }
+    }
+}
+
+impl Committer {
+    fn start() -> std::io::Result<Committer> {
+        let (jobs, queue) = std::sync::mpsc::channel::<(Staged, usize)>();
+        let (answer, outcomes) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("checkpoint".into())
+            .spawn(move || {
+                for (staged, keep) in queue {
+                    let committed = staged.commit(keep);
+                    if let Ok(path) = &committed {
+                        tracing::info!("checkpoint {}", path.display());
+                    }
+                    if answer.send(committed).is_err() {
+                        return;
+                    }
+                }
+            })?;
+        Ok(Committer {
+            jobs,
+            outcomes,
+            thread,
+        })
+    }
+}
+
+impl Drop for Background {
+    /// On a path that did not wait (an error ends the run): what was saved is still put in
+    /// place before the process goes on.
+    fn drop(&mut self) {
+        if let Err(e) = self.wait() {
+            tracing::error!("{e}");
+        }
+        if let Some(Committer { jobs, thread, .. }) = self.committer.take() {
+            drop(jobs);
+            let _ = thread.join();
+        }
+    }
 }
 
 /// The newest complete checkpoint under `dir`: the one `latest` names if it is complete,
@@ -558,5 +773,62 @@ mod tests {
         let mut skipped = Vec::new();
         assert!(find_latest(dir.path(), &mut skipped).unwrap().is_none());
         assert_eq!(skipped.len(), 1);
+    }
+
+    /// Saved in the background: each checkpoint lands, in order, with `latest` naming the last
+    /// one and the newest `keep` kept; the tensors are those of the moment of each save.
+    #[test]
+    fn background_saves_land_in_order_with_the_tensors_of_their_moment() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let mut saver = Background::default();
+        for step in 1..=5u64 {
+            let model = tensors(step as f32);
+            saver.save(&ck, &model, &[], &state(step), 3).unwrap();
+            // Changed at once: the checkpoint keeps the values it was saved with.
+            let _ = model[0].1.shallow_clone().fill_(-1.0);
+        }
+        let last = saver.wait().unwrap().unwrap();
+        assert_eq!(last, ck.join("step-000005"));
+        let latest = fs::read_to_string(ck.join(LATEST)).unwrap();
+        assert_eq!(latest.trim(), "step-000005");
+        let kept: Vec<u64> = step_dirs(&ck)
+            .unwrap()
+            .iter()
+            .filter_map(|p| step_of(p))
+            .collect();
+        assert_eq!(kept, vec![3, 4, 5]);
+        for step in 3..=5u64 {
+            let (model, _, state) = load(&ck.join(format!("step-{step:06}"))).unwrap();
+            assert_eq!(state.step, step);
+            assert_eq!(model[0].1.double_value(&[0]), step as f64);
+        }
+        assert_eq!(saver.wait().unwrap(), None);
+    }
+
+    /// A commit that fails is reported with its step, by the next wait (once).
+    #[test]
+    fn a_background_commit_that_fails_is_reported_with_its_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        // `latest` cannot be replaced: a directory with something in it.
+        fs::create_dir_all(ck.join(LATEST).join("x")).unwrap();
+        let mut saver = Background::default();
+        saver.save(&ck, &tensors(1.0), &[], &state(3), 2).unwrap();
+        let failed = saver.wait().unwrap_err();
+        assert_eq!(failed.step, 3);
+        assert!(
+            failed
+                .to_string()
+                .starts_with("writing the checkpoint of step 3: "),
+            "{failed}"
+        );
+        assert_eq!(saver.wait().unwrap(), None);
+        let left: Vec<String> = fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".tmp-"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 }

@@ -68,7 +68,15 @@ impl Trainer<'_> {
         };
         let ctx = self.slow_ctx(step);
         let best_dir = self.setup.run_dir.join("best");
-        save_checkpoint(&mut self.ddp, &[], &best_dir, state, 1, ctx)?;
+        save_checkpoint(
+            &mut self.ddp,
+            &mut self.saver,
+            &[],
+            &best_dir,
+            state,
+            1,
+            ctx,
+        )?;
         let was = previous.map_or(String::new(), |p| {
             format!(", was {:.4} at epoch {}", p.value, p.epoch)
         });

@@ -228,6 +228,8 @@ struct Trainer<'t> {
     die_before: Option<u64>,
     /// `GPTREC_TRACE_SAMPLES`: the samples of every step, for tests.
     trace: Option<trace::SampleTrace>,
+    /// Rank 0: checkpoints made durable while training goes on.
+    saver: checkpoint::Background,
 }
 
 impl<'t> Trainer<'t> {
@@ -343,6 +345,7 @@ impl<'t> Trainer<'t> {
             stop_before,
             die_before,
             trace: trace::SampleTrace::from_env(rank),
+            saver: checkpoint::Background::default(),
         })
     }
 
@@ -431,6 +434,8 @@ impl<'t> Trainer<'t> {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
+        // The best model is read back for testing, and a finished run's files are on disk.
+        self.checkpoints_on_disk(self.progress.step)?;
         self.ddp.check_params(self.progress.step)?;
         Ok(())
     }
@@ -545,6 +550,7 @@ impl<'t> Trainer<'t> {
         let ctx = self.slow_ctx(step);
         save_checkpoint(
             &mut self.ddp,
+            &mut self.saver,
             &self.optimizer.state_tensors(),
             &checkpoints,
             state,
@@ -568,9 +574,17 @@ impl<'t> Trainer<'t> {
             .comm()
             .all_reduce(&mut flag, runtime::collective::ReduceOp::Sum, ctx)?;
         if flag[0].f_double_value(&[0])? > 0.0 {
+            // The re-formed group resumes from the checkpoint just made.
+            self.checkpoints_on_disk(step)?;
             return Err(TrainError::Regroup { step });
         }
         Ok(())
+    }
+
+    /// Every rank waits until rank 0's checkpoints are on disk and learns whether they are.
+    fn checkpoints_on_disk(&mut self, step: u64) -> Result<(), TrainError> {
+        let ctx = self.slow_ctx(step);
+        sync::checkpoints_on_disk(&mut self.ddp, &mut self.saver, ctx)
     }
 
     /// Peak memory of every rank, and how the run went.

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
-use tracing::info;
 
 use runtime::checkpoint::{self, TrainState};
 use runtime::collective::{Collective, OpContext};
@@ -29,10 +28,12 @@ pub fn gather_u64(
         .collect::<Result<Vec<u64>, _>>()?)
 }
 
-/// Rank 0 writes the checkpoint; then every rank learns whether it succeeded (the exchange is
-/// also the barrier that keeps the others from running ahead of it).
+/// Rank 0 stages the checkpoint and starts making it durable (`saver`); then every rank learns
+/// whether that, and the checkpoint before it, succeeded (the exchange is also the barrier that
+/// keeps the others from running ahead of it).
 pub(super) fn save_checkpoint(
     ddp: &mut Ddp,
+    saver: &mut checkpoint::Background,
     optimizer_state: &[(String, Tensor)],
     dir: &Path,
     mut state: TrainState,
@@ -40,19 +41,32 @@ pub(super) fn save_checkpoint(
     ctx: OpContext,
 ) -> Result<(), TrainError> {
     state.world_size = ddp.world_size() as u64;
-    let mut failure = None;
-    if ddp.rank() == 0 {
-        match checkpoint::save(dir, &ddp.named_variables(), optimizer_state, &state, keep) {
-            Ok(path) => info!("checkpoint {}", path.display()),
-            Err(e) => {
-                failure = Some(TrainError::Plan(format!(
-                    "writing the checkpoint of step {}: {e}",
-                    state.step
-                )))
-            }
-        }
-    }
-    let mut flag = [Tensor::from_slice(&[if failure.is_some() {
+    let saved = match ddp.rank() {
+        0 => saver.save(dir, &ddp.named_variables(), optimizer_state, &state, keep),
+        _ => Ok(()),
+    };
+    agree_on_failure(ddp, saved, ctx)
+}
+
+/// Every rank waits until rank 0's checkpoints are on disk (`saver`) and learns whether they
+/// are.
+pub(super) fn checkpoints_on_disk(
+    ddp: &mut Ddp,
+    saver: &mut checkpoint::Background,
+    ctx: OpContext,
+) -> Result<(), TrainError> {
+    let waited = saver.wait().map(drop);
+    agree_on_failure(ddp, waited, ctx)
+}
+
+/// Every rank learns whether rank 0 failed: rank 0 with its own error, the others with one
+/// that points at it.
+fn agree_on_failure(
+    ddp: &mut Ddp,
+    failure: Result<(), checkpoint::SaveFailed>,
+    ctx: OpContext,
+) -> Result<(), TrainError> {
+    let mut flag = [Tensor::from_slice(&[if failure.is_err() {
         1.0f32
     } else {
         0.0
@@ -60,17 +74,16 @@ pub(super) fn save_checkpoint(
     ddp.comm()
         .all_reduce(&mut flag, runtime::collective::ReduceOp::Sum, ctx)?;
     match failure {
-        Some(e) => Err(e),
-        None if flag[0].f_double_value(&[0])? > 0.0 => {
+        Err(e) => Err(TrainError::Plan(e.to_string())),
+        Ok(()) if flag[0].f_double_value(&[0])? > 0.0 => {
             // Rank 0 has the real error: let it fail first, so the launcher names it as the
             // root cause and stops this rank; give up on our own only if nobody does.
             std::thread::sleep(LEADER_FAILS_FIRST);
-            Err(TrainError::Plan(format!(
-                "rank 0 could not write the checkpoint of step {} (see its message)",
-                state.step
-            )))
+            Err(TrainError::Plan(
+                "rank 0 could not write a checkpoint (see its message)".into(),
+            ))
         }
-        None => Ok(()),
+        Ok(()) => Ok(()),
     }
 }
 
