@@ -120,7 +120,9 @@ impl Trainer<'_> {
         }
         let step = self.progress.step;
         self.report_progress(common::progress::Phase::Evaluate, true);
-        if self.eval.best.is_some() {
+        // The best model is read back (once on disk) unless it is what the parameters hold.
+        if self.eval.best.is_some() && self.best_saved_at != Some(step) {
+            self.checkpoints_on_disk(step)?;
             self.load_best(step)?;
         }
         let mut results = Vec::new();

@@ -135,6 +135,8 @@ pub fn train(
     trainer.prepare_run_dir()?;
     trainer.fit()?;
     let tested = trainer.test()?;
+    // A finished run's files are on disk before it reports.
+    trainer.checkpoints_on_disk(trainer.progress.step)?;
     trainer.report_progress(common::progress::Phase::Done, true);
     trainer.report(tested)
 }
@@ -230,6 +232,9 @@ struct Trainer<'t> {
     trace: Option<trace::SampleTrace>,
     /// Rank 0: checkpoints made durable while training goes on.
     saver: checkpoint::Background,
+    /// The step at which this process saved the best model: until another step runs, the
+    /// parameters are the best model's (testing need not read it back).
+    best_saved_at: Option<u64>,
 }
 
 impl<'t> Trainer<'t> {
@@ -346,6 +351,7 @@ impl<'t> Trainer<'t> {
             die_before,
             trace: trace::SampleTrace::from_env(rank),
             saver: checkpoint::Background::default(),
+            best_saved_at: None,
         })
     }
 
@@ -434,8 +440,6 @@ impl<'t> Trainer<'t> {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
-        // The best model is read back for testing, and a finished run's files are on disk.
-        self.checkpoints_on_disk(self.progress.step)?;
         self.ddp.check_params(self.progress.step)?;
         Ok(())
     }
@@ -582,7 +586,7 @@ impl<'t> Trainer<'t> {
     }
 
     /// Every rank waits until rank 0's checkpoints are on disk and learns whether they are.
-    fn checkpoints_on_disk(&mut self, step: u64) -> Result<(), TrainError> {
+    pub(super) fn checkpoints_on_disk(&mut self, step: u64) -> Result<(), TrainError> {
         let ctx = self.slow_ctx(step);
         sync::checkpoints_on_disk(&mut self.ddp, &mut self.saver, ctx)
     }
