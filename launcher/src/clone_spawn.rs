@@ -210,6 +210,20 @@ pub fn wait(pid: i32) -> io::Result<ExitStatus> {
     }
 }
 
+/// Child `pid`'s status if it has ended and can be reaped now (it is reaped), else `None`.
+pub fn try_wait(pid: i32) -> io::Result<Option<ExitStatus>> {
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid writes the status into a local.
+        match unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } {
+            0 => return Ok(None),
+            -1 if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => continue,
+            -1 => return Err(io::Error::last_os_error()),
+            _ => return Ok(Some(ExitStatus::from_raw(status))),
+        }
+    }
+}
+
 fn c_string(text: &OsStr) -> io::Result<CString> {
     CString::new(text.as_bytes()).map_err(|_| {
         let shown = text.to_string_lossy();

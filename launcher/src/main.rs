@@ -61,7 +61,12 @@ const EXIT_BAD_INPUT: i32 = 2;
 #[no_mangle]
 extern "C" fn main(_argc: libc::c_int, _argv: *const *const libc::c_char) -> libc::c_int {
     set_up_process();
-    run()
+    // A panic may not unwind out of a C function (it would abort, with a core dump): it ends
+    // the process as a panic in Rust's `main` does, after the panic message.
+    match std::panic::catch_unwind(|| run()) {
+        Ok(never) => never,
+        Err(_) => std::process::exit(101),
+    }
 }
 
 /// Unit tests have the test harness's entry; this keeps what `main` reaches built and checked.

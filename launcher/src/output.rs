@@ -102,7 +102,9 @@ pub struct Source {
 
 /// A descriptor followed beside the sources that becomes readable once (a pidfd, at its
 /// process's end): `ready` then runs and the watch is dropped. A group's exits are noticed on
-/// the thread that forwards its output: one thread for the group, not two.
+/// the thread that forwards its output: one thread for the group, not two. So that thread
+/// must not block but on its poll: `ready` may not wait, and a console that takes no more
+/// output (a pipe nobody reads) holds up the exits with the lines.
 pub struct Watch {
     pub fd: OwnedFd,
     pub ready: Box<dyn FnOnce() + Send>,
@@ -131,6 +133,10 @@ fn forward_all(sources: Vec<Source>, mut watches: Vec<Watch>) {
         // every line (a watch is never waited for blocking: that would stop the output).
         let (ready, ready_watches) =
             readable(&open, &watches).unwrap_or_else(|_| ((0..open.len()).collect(), Vec::new()));
+        // The watches first, in their order: a worker's exit is seen (and timed) as soon as
+        // the poll says so, not after this round's lines, and the first of several that end
+        // together is the first told.
+        fire(&mut watches, &ready_watches);
         for i in ready.into_iter().rev() {
             let (source, lines) = &mut open[i];
             match nix::unistd::read(&source.pipe, &mut buf) {
@@ -144,8 +150,19 @@ fn forward_all(sources: Vec<Source>, mut watches: Vec<Watch>) {
                 }
             }
         }
-        for i in ready_watches.into_iter().rev() {
-            (watches.swap_remove(i).ready)();
+    }
+}
+
+/// Calls the watches at `ready` (ascending indices), in order, and drops them.
+fn fire(watches: &mut Vec<Watch>, ready: &[usize]) {
+    if ready.is_empty() {
+        return;
+    }
+    let all = std::mem::take(watches);
+    for (i, watch) in all.into_iter().enumerate() {
+        match ready.binary_search(&i) {
+            Ok(_) => (watch.ready)(),
+            Err(_) => watches.push(watch),
         }
     }
 }
@@ -350,5 +367,31 @@ mod tests {
         drop(writer);
         assert_eq!(rx.recv_timeout(wait), Ok("done"));
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "one\ntwo\n");
+    }
+
+    /// Watches ready together are called in their order (the first worker's exit first).
+    #[test]
+    fn watches_ready_together_fire_in_order() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut ends = Vec::new();
+        let watches: Vec<Watch> = (0..4)
+            .map(|i| {
+                let (read, write) = nix::unistd::pipe().unwrap();
+                ends.push(write);
+                let tx = tx.clone();
+                Watch {
+                    fd: read,
+                    ready: Box::new(move || tx.send(i).unwrap()),
+                }
+            })
+            .collect();
+        // All readable before the thread's first poll.
+        for end in &ends {
+            nix::unistd::write(end, b"x").unwrap();
+        }
+        forward(Vec::new(), watches).unwrap();
+        let wait = std::time::Duration::from_secs(10);
+        let order: Vec<i32> = (0..4).map(|_| rx.recv_timeout(wait).unwrap()).collect();
+        assert_eq!(order, vec![0, 1, 2, 3]);
     }
 }

@@ -57,6 +57,47 @@ pub unsafe fn read_byte(fd: i32, byte: &mut u8) -> isize {
     }
 }
 
+/// Waits until `fd` is readable (or at its end) for at most `ms` milliseconds: 1 if it is, 0
+/// if the time ran out, `-errno` (an interrupted wait counts as time run out: the caller waits
+/// again the blocking way).
+///
+/// # Safety
+/// A raw system call.
+pub unsafe fn wait_readable(fd: i32, ms: i64) -> isize {
+    let mut poll = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let timeout = libc::timespec {
+        tv_sec: ms / 1000,
+        tv_nsec: (ms % 1000) * 1_000_000,
+    };
+    let ret = call(
+        libc::SYS_ppoll,
+        &mut poll as *mut libc::pollfd as usize,
+        1,
+        &timeout as *const libc::timespec as usize,
+        0,
+    );
+    if ret == -(libc::EINTR as isize) {
+        0
+    } else {
+        ret
+    }
+}
+
+/// `fork`, but the copy is a child of the caller's parent (`CLONE_PARENT`), with exit signal 0
+/// (the parent is sent nothing when it ends, and waits that do not ask for `__WALL` do not
+/// see it): the copy's id in the caller, 0 in the copy, or `-errno`. No fork handlers run: the
+/// copy may make raw system calls only, until it execs.
+///
+/// # Safety
+/// In a process of one thread (the copy has only the calling one).
+pub unsafe fn fork_sibling_quiet() -> isize {
+    call(libc::SYS_clone, libc::CLONE_PARENT as usize, 0, 0, 0)
+}
+
 /// # Safety
 /// A raw system call.
 pub unsafe fn close(fd: i32) -> isize {

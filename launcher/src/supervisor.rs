@@ -196,8 +196,6 @@ enum Cause {
 struct Group<'a> {
     plan: &'a Plan,
     round: u32,
-    /// The orphan guard's pid (see [`Group::own_children`]).
-    guard: i32,
     rx: &'a Receiver<Event>,
     started: Instant,
     workers: Vec<Worker>,
@@ -230,7 +228,6 @@ fn run_group(
     let mut group = Group {
         plan,
         round,
-        guard: watchdog.pid(),
         rx,
         started: Instant::now(),
         workers: Vec::with_capacity(plan.nproc as usize),
@@ -364,7 +361,8 @@ impl Group<'_> {
     /// (their threads wait for them) and the orphan guard.
     fn own_children(&self) -> Vec<i32> {
         let mut pids: Vec<i32> = self.workers.iter().map(|w| w.pid).collect();
-        pids.push(self.guard);
+        // Read each time: the guard forks a copy of itself a while after the start.
+        pids.extend(crate::watchdog::guard_pid());
         pids
     }
 

@@ -3,23 +3,27 @@
 //! launcher vanishes without saying goodbye (e.g. SIGKILL), kills every one of those groups and
 //! then sweeps what the killed workers left in `/dev/shm`.
 //!
-//! It is cloned with `CLONE_VM`: a process of its own (its own descriptors, signal
-//! dispositions and session) that shares the launcher's memory instead of a copy of it. Its start
-//! then costs no page-table copy and the launcher no copy-on-write faults afterwards (a `fork`
-//! here was about a tenth of `launch`'s whole start-up), and the set of groups is read straight
-//! from the launcher's memory ([`GROUPS`]), which the guard keeps alive after the launcher died.
-//! The guard's only signal is the end of a pipe whose other end only the launcher holds.
+//! It starts cloned with `CLONE_VM`: a process of its own (its own descriptors, signal
+//! dispositions and session) that shares the launcher's memory instead of a copy of it, so its
+//! start costs no page-table copy and the launcher no copy-on-write faults afterwards (a `fork`
+//! at start was about a tenth of `launch`'s whole start-up). Sharing memory also shares a fate:
+//! the kernel's OOM killer kills every process using the victim's memory, and kernels before
+//! 5.16 do so when a process dumps core. So once the launcher has run [`DETACH_AFTER`] (the
+//! start-up is over), the guard forks a copy of itself with memory of its own, another child
+//! of the launcher's, and leaves; the copy goes on. Either reads the groups to kill and the launcher's
+//! last word from a shared mapping ([`Shared`]); its only signal is the end of a pipe whose
+//! other end only the launcher holds.
 //!
 //! Owns: the guard's life, and the list of groups it kills. Must not: run any code that touches
-//! the C library's or Rust's per-thread state (it shares the launcher's main thread's: no
-//! allocation, no `errno`, no panic) while the launcher lives; it makes raw system calls only
+//! the C library's or Rust's per-thread state (while it shares the launcher's memory it shares
+//! its main thread's: no allocation, no `errno`, no panic); it makes raw system calls only
 //! ([`crate::raw_sys`]), and execs a fresh `launch` ([`SWEEP_ARG`]) for the sweep once the
 //! launcher is gone.
 
 use std::cell::UnsafeCell;
 use std::ffi::CStr;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
 
 use crate::raw_sys as raw;
 
@@ -27,11 +31,22 @@ use crate::raw_sys as raw;
 /// groups of a round being torn down while the next starts.
 const SLOTS: usize = 4 * common::job_shape::MAX_PROCESSES as usize;
 
-/// The groups to kill (0: a free slot), in memory the guard shares.
-static GROUPS: [AtomicI32; SLOTS] = [const { AtomicI32::new(0) }; SLOTS];
+/// How long the launcher runs before the guard takes memory of its own.
+const DETACH_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// Set before the launcher closes its end of the pipe at a normal end: the guard then leaves.
-static DISARMED: AtomicBool = AtomicBool::new(false);
+/// What the launcher and the guard share, in a `MAP_SHARED` mapping (shared across the
+/// guard's fork too).
+struct Shared {
+    /// Set before the launcher closes its end of the pipe at a normal end: the guard leaves.
+    disarmed: AtomicBool,
+    /// The guard's pid (it changes when the guard forks its copy).
+    pid: AtomicI32,
+    /// The groups to kill (0: a free slot).
+    groups: [AtomicI32; SLOTS],
+}
+
+/// The shared mapping, made once by [`Watchdog::start`].
+static SHARED: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
 
 /// Only one guard per process: it runs on [`STACK`] and reads [`PIPE`].
 static STARTED: AtomicBool = AtomicBool::new(false);
@@ -49,10 +64,19 @@ struct Stack(UnsafeCell<[u8; 64 * 1024]>);
 unsafe impl Sync for Stack {}
 static STACK: Stack = Stack(UnsafeCell::new([0; 64 * 1024]));
 
+fn shared() -> Option<&'static Shared> {
+    // SAFETY: null, or the mapping made in `start`, never unmapped.
+    unsafe { SHARED.load(Ordering::SeqCst).as_ref() }
+}
+
+/// The guard's pid now, if it runs (a child of the launcher that must be left alone).
+pub fn guard_pid() -> Option<i32> {
+    shared().map(|s| s.pid.load(Ordering::SeqCst))
+}
+
 /// The launcher's end of the pipe to the guard.
 pub struct Watchdog {
     pipe: Option<OwnedFd>,
-    pid: i32,
 }
 
 impl Watchdog {
@@ -61,36 +85,52 @@ impl Watchdog {
         if STARTED.swap(true, Ordering::SeqCst) {
             return Err(std::io::Error::other("the orphan guard runs already"));
         }
+        let shared = map_shared()?;
+        SHARED.store(shared, Ordering::SeqCst);
         let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         PIPE[0].store(read_end.as_raw_fd(), Ordering::SeqCst);
         PIPE[1].store(write_end.as_raw_fd(), Ordering::SeqCst);
+        // No signal may reach the guard before it has its own session and mask: every signal
+        // is blocked across the clone (the guard sets its own mask).
+        let all = nix::sys::signal::SigSet::all();
+        let mut old = nix::sys::signal::SigSet::empty();
+        nix::sys::signal::pthread_sigmask(
+            nix::sys::signal::SigmaskHow::SIG_SETMASK,
+            Some(&all),
+            Some(&mut old),
+        )?;
         // SAFETY: `guard` makes raw system calls only, on the pipe's descriptors (its own
-        // copies: no CLONE_FILES), and reads statics; its stack is `STACK`, used by nothing else.
-        // Exit signal 0: the guard's end sends no SIGCHLD, and waits that do not ask for
-        // `__WALL` or `__WCLONE` do not see it, so it does not count among the launcher's
-        // children ("no child left" is then one `waitid`, see [`crate::adopted`]).
+        // copies: no CLONE_FILES), and reads statics and the shared mapping; its stack is
+        // `STACK`, used by nothing else. Exit signal 0: the guard's end sends no SIGCHLD, and
+        // waits that do not ask for `__WALL` or `__WCLONE` do not see it, so it does not count
+        // among the launcher's children ("no child left" is then one `waitid`, see
+        // [`crate::adopted`]).
         let pid = unsafe {
             let top = STACK.0.get().cast::<u8>().add(64 * 1024);
             libc::clone(guard, top.cast(), libc::CLONE_VM, std::ptr::null_mut())
         };
-        if pid == -1 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let cloned = match pid {
+            -1 => Err(std::io::Error::last_os_error()),
+            pid => Ok(pid),
+        };
+        let _ = nix::sys::signal::pthread_sigmask(
+            nix::sys::signal::SigmaskHow::SIG_SETMASK,
+            Some(&old),
+            None,
+        );
+        let pid = cloned?;
+        // SAFETY: the mapping just made.
+        unsafe { &*shared }.pid.store(pid, Ordering::SeqCst);
         drop(read_end);
         Ok(Watchdog {
             pipe: Some(write_end),
-            pid,
         })
-    }
-
-    /// The guard's pid (a child of the launcher that must be left alone).
-    pub fn pid(&self) -> i32 {
-        self.pid
     }
 
     /// From now on, kill group `pgid` if the launcher dies.
     pub fn watch(&mut self, pgid: i32) {
-        let taken = GROUPS.iter().any(|slot| {
+        let Some(shared) = shared() else { return };
+        let taken = shared.groups.iter().any(|slot| {
             slot.compare_exchange(0, pgid, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
         });
@@ -101,7 +141,12 @@ impl Watchdog {
 
     /// The group is gone (torn down and reaped); stop watching it.
     pub fn forget(&mut self, pgid: i32) {
-        if let Some(slot) = GROUPS.iter().find(|s| s.load(Ordering::SeqCst) == pgid) {
+        let Some(shared) = shared() else { return };
+        if let Some(slot) = shared
+            .groups
+            .iter()
+            .find(|s| s.load(Ordering::SeqCst) == pgid)
+        {
             slot.store(0, Ordering::SeqCst);
         }
     }
@@ -109,53 +154,110 @@ impl Watchdog {
     /// Normal exit: the guard leaves without killing anything. It is not waited for: `launch`
     /// exits next, and whoever adopts the guard then reaps it.
     pub fn disarm(mut self) {
-        DISARMED.store(true, Ordering::SeqCst);
+        if let Some(shared) = shared() {
+            shared.disarmed.store(true, Ordering::SeqCst);
+        }
         self.pipe = None;
     }
 }
 
-/// The guard: set-up, a blocking read until the launcher's end closes, then kill or leave.
+/// A zeroed `MAP_SHARED` mapping for [`Shared`] (all zeros is its empty state), never unmapped.
+fn map_shared() -> std::io::Result<*mut Shared> {
+    // SAFETY: a fresh anonymous mapping of the struct's size; atomics of zero are valid.
+    let mapped = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            std::mem::size_of::<Shared>(),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if mapped == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(mapped.cast())
+}
+
+/// The guard: set-up, a wait until the launcher's end of the pipe closes (forking a copy
+/// with its own memory once the launcher has run a while), then kill or leave.
 extern "C" fn guard(_: *mut libc::c_void) -> libc::c_int {
     let (read_fd, write_fd) = (
         PIPE[0].load(Ordering::SeqCst),
         PIPE[1].load(Ordering::SeqCst),
     );
+    // SAFETY: the mapping made before the clone, never unmapped.
+    let Some(shared) = (unsafe { SHARED.load(Ordering::SeqCst).as_ref() }) else {
+        // SAFETY: this process's end (cannot happen: the mapping is made first).
+        unsafe { raw::exit(1) }
+    };
     // SAFETY: raw system calls on this process's own descriptors and dispositions.
     unsafe { set_up(write_fd) };
+    let ms = DETACH_AFTER.as_millis() as i64;
+    // SAFETY: a poll on this process's descriptor.
+    if unsafe { raw::wait_readable(read_fd, ms) } == 0 {
+        // SAFETY: a fork of this single-threaded process; see `detach`.
+        unsafe { detach(shared) };
+    }
     let mut byte = 0u8;
     // Nothing is ever written: this returns at end of file, when the launcher has closed its
     // end or died. Signals that could interrupt it are blocked.
     // SAFETY: reads at most one byte into `byte`.
     while unsafe { raw::read_byte(read_fd, &mut byte) } > 0 {}
-    if DISARMED.load(Ordering::SeqCst) {
-        // SAFETY: this process's end.
-        unsafe { raw::exit(0) }
+    // SAFETY: raw system calls.
+    unsafe { launcher_ended(shared) }
+}
+
+/// Forks a copy of the guard with memory of its own, a child of the launcher as the guard is
+/// and as unannounced (exit signal 0), makes it the guard and leaves; the copy returns from
+/// here and goes on waiting. Where the fork fails, this guard goes on.
+///
+/// # Safety
+/// Only in the guard, which has one thread.
+unsafe fn detach(shared: &Shared) {
+    match raw::fork_sibling_quiet() {
+        0 => {}
+        pid if pid > 0 => {
+            // Named before this one leaves: the launcher never sees a guard it does not know.
+            shared.pid.store(pid as i32, Ordering::SeqCst);
+            raw::exit(0)
+        }
+        _ => {}
     }
-    for slot in &GROUPS {
+}
+
+/// The launcher closed its end: at a normal end it said so first and the guard leaves;
+/// otherwise it kills every watched group, then execs a fresh `launch` for the sweep.
+///
+/// # Safety
+/// Only in the guard.
+unsafe fn launcher_ended(shared: &Shared) -> ! {
+    if shared.disarmed.load(Ordering::SeqCst) {
+        raw::exit(0)
+    }
+    for slot in &shared.groups {
         let pgid = slot.load(Ordering::SeqCst);
         if pgid > 0 {
-            // SAFETY: a signal to a process group.
-            unsafe { raw::kill(-pgid, libc::SIGKILL) };
+            raw::kill(-pgid, libc::SIGKILL);
         }
     }
     // The launcher is gone: from here on nothing shares this memory, and a fresh program does
     // the sweep with all of Rust at hand.
-    // SAFETY: NUL-terminated strings and null-terminated pointer arrays.
-    unsafe {
-        let argv = [
-            c"launch-watchdog".as_ptr(),
-            SWEEP_ARG.as_ptr(),
-            std::ptr::null(),
-        ];
-        let envp = [std::ptr::null()];
-        raw::execve(c"/proc/self/exe".as_ptr(), argv.as_ptr(), envp.as_ptr());
-        raw::exit(0)
-    }
+    let argv = [
+        c"launch-watchdog".as_ptr(),
+        SWEEP_ARG.as_ptr(),
+        std::ptr::null(),
+    ];
+    let envp = [std::ptr::null()];
+    raw::execve(c"/proc/self/exe".as_ptr(), argv.as_ptr(), envp.as_ptr());
+    raw::exit(0)
 }
 
 /// The guard's own set-up: its own session (`kill -9 -PGID`, a terminal's Ctrl-C / Ctrl-\ /
 /// hang-up and `timeout` signal the launcher's whole process group, and the guard must outlive
-/// the launcher to do its job), those signals blocked, the console let go of, and a name.
+/// the launcher to do its job), those signals blocked and no other, the console let go of, and
+/// a name.
 ///
 /// # Safety
 /// Only in the guard.
@@ -172,7 +274,7 @@ unsafe fn set_up(write_fd: i32) {
     ]
     .iter()
     .fold(0u64, |mask, &signal| mask | 1 << (signal - 1));
-    raw::sigprocmask(libc::SIG_BLOCK, blocked);
+    raw::sigprocmask(libc::SIG_SETMASK, blocked);
     // Do not hold the console or a test harness's pipes open.
     let null = raw::open_read_write(c"/dev/null".as_ptr()) as i32;
     if null >= 0 {

@@ -296,16 +296,43 @@ fn last_stderr_line_without_newline_is_kept() {
 /// Starts `launch` with `flags` on `script` (run id `id`), waits for `expected` processes of the
 /// run, SIGKILLs `launch` and checks that nothing of the run is left.
 fn sigkill_leaves_nothing(id: &str, flags: &[&str], script: &str, expected: usize, what: &str) {
+    sigkill_after(id, flags, script, expected, what, Duration::ZERO)
+}
+
+/// [`sigkill_leaves_nothing`], killing `launch` `after` its processes are all there.
+fn sigkill_after(
+    id: &str,
+    flags: &[&str],
+    script: &str,
+    expected: usize,
+    what: &str,
+    after: Duration,
+) {
     let mut head = vec!["--master-port", "0", "--run-id", id];
     head.extend_from_slice(flags);
     let mut child = launch_cmd(&args(&head, &sh(script))).spawn().unwrap();
     assert_eq!(wait_processes(id, expected, T).len(), expected, "{what}");
+    std::thread::sleep(after);
     kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).unwrap();
     let _ = child.wait();
     assert_eq!(
         wait_no_processes(id, Duration::from_secs(5)),
         Vec::<i32>::new(),
         "orphans survived SIGKILL of launch ({what})"
+    );
+}
+
+/// The orphan guard shares the launcher's memory at first and forks a copy with memory of its
+/// own 0.2 s in (see launcher/src/watchdog.rs): a kill after that is caught by the copy.
+#[test]
+fn sigkill_to_launch_after_the_guard_took_its_own_memory_leaves_no_worker_alive() {
+    sigkill_after(
+        &unique_run_id("orphan-late"),
+        &["--num-processes", "2"],
+        "trap '' TERM; sleep 60 & sleep 61 & wait",
+        6,
+        "2 workers + 4 sleeps, killed 1 s in",
+        Duration::from_secs(1),
     );
 }
 

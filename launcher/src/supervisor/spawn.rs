@@ -265,7 +265,7 @@ fn exit_watches(
             let tx = tx.clone();
             output::Watch {
                 fd,
-                ready: Box::new(move || report_exit(pid, local_rank, &tx, round)),
+                ready: Box::new(move || report_exit_now(pid, local_rank, tx, round)),
             }
         });
     Ok(watches.collect())
@@ -282,10 +282,34 @@ fn pidfd(pid: i32) -> std::io::Result<OwnedFd> {
     }
 }
 
+/// Reports worker `pid`'s exit, which its pidfd says happened, without waiting: one that
+/// cannot be reaped yet (a debugger still holds it) is waited for on a thread of its own.
+fn report_exit_now(pid: i32, local_rank: u32, tx: Sender<Event>, round: u32) {
+    match crate::clone_spawn::try_wait(pid) {
+        Ok(Some(status)) => send_exit(local_rank, status, &tx, round),
+        Ok(None) => {
+            let thread_tx = tx.clone();
+            let waiting = std::thread::Builder::new()
+                .name(format!("wait-{pid}"))
+                .spawn(move || report_exit(pid, local_rank, &thread_tx, round));
+            if waiting.is_err() {
+                // No thread to wait on: wait here (the output pauses meanwhile).
+                report_exit(pid, local_rank, &tx, round);
+            }
+        }
+        // Cannot happen for our own child: report it as a kill rather than lose it.
+        Err(_) => send_exit(local_rank, ExitStatus::from_raw(9), &tx, round),
+    }
+}
+
 /// Waits for worker `pid` (it has ended, or will) and sends its exit as an event.
 fn report_exit(pid: i32, local_rank: u32, tx: &Sender<Event>, round: u32) {
     // Cannot fail for our own child; report it as a kill rather than hang.
     let status = crate::clone_spawn::wait(pid).unwrap_or(ExitStatus::from_raw(9));
+    send_exit(local_rank, status, tx, round);
+}
+
+fn send_exit(local_rank: u32, status: ExitStatus, tx: &Sender<Event>, round: u32) {
     let _ = tx.send(Event::Exited {
         round,
         local_rank,
