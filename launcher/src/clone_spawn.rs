@@ -315,6 +315,28 @@ impl Setup {
     }
 }
 
+/// Runs `clone` (`-1` for an error, else the child's id) with every signal blocked in this
+/// thread, so that the child starts with all blocked; the thread's own mask is back after.
+pub fn with_signals_blocked(clone: impl FnOnce() -> libc::c_int) -> io::Result<i32> {
+    let all = nix::sys::signal::SigSet::all();
+    let mut old = nix::sys::signal::SigSet::empty();
+    nix::sys::signal::pthread_sigmask(
+        nix::sys::signal::SigmaskHow::SIG_SETMASK,
+        Some(&all),
+        Some(&mut old),
+    )?;
+    let cloned = match clone() {
+        -1 => Err(io::Error::last_os_error()),
+        pid => Ok(pid),
+    };
+    let _ = nix::sys::signal::pthread_sigmask(
+        nix::sys::signal::SigmaskHow::SIG_SETMASK,
+        Some(&old),
+        None,
+    );
+    cloned
+}
+
 /// What a child reads until it has exec'd or exited: not freed before (dropping waits).
 struct InFlight {
     setup: Box<Setup>,
@@ -327,13 +349,6 @@ impl InFlight {
         // No signal handler of the launcher may run in the child (it shares the launcher's
         // memory): every signal is blocked across the clone; the child resets the handlers to
         // their defaults before it unblocks them.
-        let all = nix::sys::signal::SigSet::all();
-        let mut old = nix::sys::signal::SigSet::empty();
-        nix::sys::signal::pthread_sigmask(
-            nix::sys::signal::SigmaskHow::SIG_SETMASK,
-            Some(&all),
-            Some(&mut old),
-        )?;
         let setup = &*self.setup as *const Setup as *mut libc::c_void;
         let running = self.setup.running.as_ptr();
         let flags =
@@ -342,7 +357,7 @@ impl InFlight {
         // is cleared (`wait`); the stack is the child's own for as long. The kernel writes the
         // child's id to `running` before clone returns and clears it at the child's exec or
         // exit.
-        let pid = unsafe {
+        with_signals_blocked(|| unsafe {
             libc::clone(
                 child,
                 self.stack.top(),
@@ -352,17 +367,7 @@ impl InFlight {
                 std::ptr::null_mut::<libc::c_void>(),
                 running,
             )
-        };
-        let cloned = match pid {
-            -1 => Err(io::Error::last_os_error()),
-            pid => Ok(pid),
-        };
-        let _ = nix::sys::signal::pthread_sigmask(
-            nix::sys::signal::SigmaskHow::SIG_SETMASK,
-            Some(&old),
-            None,
-        );
-        cloned
+        })
     }
 
     /// Until the child has exec'd or exited (at once if it was never cloned).

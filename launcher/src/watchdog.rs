@@ -92,33 +92,16 @@ impl Watchdog {
         PIPE[1].store(write_end.as_raw_fd(), Ordering::SeqCst);
         // No signal may reach the guard before it has its own session and mask: every signal
         // is blocked across the clone (the guard sets its own mask).
-        let all = nix::sys::signal::SigSet::all();
-        let mut old = nix::sys::signal::SigSet::empty();
-        nix::sys::signal::pthread_sigmask(
-            nix::sys::signal::SigmaskHow::SIG_SETMASK,
-            Some(&all),
-            Some(&mut old),
-        )?;
         // SAFETY: `guard` makes raw system calls only, on the pipe's descriptors (its own
         // copies: no CLONE_FILES), and reads statics and the shared mapping; its stack is
         // `STACK`, used by nothing else. Exit signal 0: the guard's end sends no SIGCHLD, and
         // waits that do not ask for `__WALL` or `__WCLONE` do not see it, so it does not count
         // among the launcher's children ("no child left" is then one `waitid`, see
         // [`crate::adopted`]).
-        let pid = unsafe {
+        let pid = crate::clone_spawn::with_signals_blocked(|| unsafe {
             let top = STACK.0.get().cast::<u8>().add(64 * 1024);
             libc::clone(guard, top.cast(), libc::CLONE_VM, std::ptr::null_mut())
-        };
-        let cloned = match pid {
-            -1 => Err(std::io::Error::last_os_error()),
-            pid => Ok(pid),
-        };
-        let _ = nix::sys::signal::pthread_sigmask(
-            nix::sys::signal::SigmaskHow::SIG_SETMASK,
-            Some(&old),
-            None,
-        );
-        let pid = cloned?;
+        })?;
         // SAFETY: the mapping just made.
         unsafe { &*shared }.pid.store(pid, Ordering::SeqCst);
         drop(read_end);
