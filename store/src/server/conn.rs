@@ -48,6 +48,10 @@ pub(super) struct Conn {
     written: usize,
     /// The peer closed its side (what it sent before still counts).
     pub(super) eof: bool,
+    /// The kernel said the peer closed its side: read on to the end of input even after a
+    /// short read (with edge-triggered polling, an end that arrived together with the last
+    /// bytes raises no event of its own).
+    pub(super) peer_closed: bool,
     /// Reading stopped with bytes possibly left in the socket (too much input unserved).
     pub(super) read_held: bool,
     /// When the peer last sent a byte (a frame left half sent too long ends the connection).
@@ -74,6 +78,7 @@ impl Conn {
             output: Vec::new(),
             written: 0,
             eof: false,
+            peer_closed: false,
             read_held: false,
             last_read: now,
             last_write: now,
@@ -116,7 +121,7 @@ impl Conn {
                     self.input.extend_from_slice(&chunk[..n]);
                     self.last_read = Instant::now();
                     taken += n;
-                    if n < chunk.len() {
+                    if n < chunk.len() && !self.peer_closed {
                         // A short read drained the socket; epoll reports what comes later.
                         return Ok(false);
                     }

@@ -89,6 +89,11 @@ impl EventLoop {
                         if event.is_writable() {
                             self.on_writable(id);
                         }
+                        if event.is_read_closed() || event.is_error() {
+                            if let Some(conn) = self.conns.get_mut(&id) {
+                                conn.peer_closed = true;
+                            }
+                        }
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
                             self.serve(id, true);
                         }
