@@ -170,8 +170,9 @@ extern "C" fn guard(_: *mut libc::c_void) -> libc::c_int {
         PIPE[0].load(Ordering::SeqCst),
         PIPE[1].load(Ordering::SeqCst),
     );
-    // SAFETY: the mapping made before the clone, never unmapped.
-    let Some(shared) = (unsafe { SHARED.load(Ordering::SeqCst).as_ref() }) else {
+    // The mapping is made before the clone (`shared` is a plain atomic load, no per-thread
+    // state).
+    let Some(shared) = shared() else {
         // SAFETY: this process's end (cannot happen: the mapping is made first).
         unsafe { raw::exit(1) }
     };
