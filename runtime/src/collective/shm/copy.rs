@@ -9,7 +9,7 @@
 //! rewrites its operation's descriptor while another still checks it): within an operation the
 //! next chunk goes into the other buffer while the members still copy this one out. A byte
 //! crosses memory twice (in, out), never the kernel: the socket ring sends it through loopback
-//! W-1 times.
+//! W-1 times. Large outputs are written with streaming stores ([`STREAM_FROM`]).
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -25,13 +25,66 @@ pub struct Bytes {
     pub len: usize,
 }
 
-/// Our own part into its place in the output, unless the caller gathers in place.
-pub(crate) fn copy_own(mine: Bytes, into: Bytes) {
+/// Our own part into its place in the output, unless the caller gathers in place; with
+/// streaming stores if `streaming` (see [`STREAM_FROM`]).
+pub(crate) fn copy_own(mine: Bytes, into: Bytes, streaming: bool) {
     if mine.ptr != into.ptr {
         // SAFETY: both valid for `mine.len` bytes (see Bytes); parts do not overlap unless they
         // are the same, which is skipped.
-        unsafe { std::ptr::copy_nonoverlapping(mine.ptr, into.ptr, mine.len) };
+        unsafe { copy_out(mine.ptr, into.ptr, mine.len, streaming) };
     }
+}
+
+/// Operations that write at least this many bytes of output write them with streaming stores:
+/// an output that outgrows the caches would otherwise be read into them before each line is
+/// overwritten (a third pass over memory), pushing out the chunk buffers the next copy reads.
+/// Below it the output is better left in cache for its reader (16 MiB broadcasts were 25%
+/// slower streamed on the machine of docs/figures.md; 64 MiB all-gathers 1.3x faster).
+const STREAM_FROM: usize = 32 << 20;
+
+/// Copies `n` bytes from `src` to `dst`, with streaming (non-temporal) stores if `streaming`.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping(src, dst, n)`.
+unsafe fn copy_out(src: *const u8, dst: *mut u8, n: usize, streaming: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if streaming {
+        return stream_copy(src, dst, n);
+    }
+    let _ = streaming;
+    std::ptr::copy_nonoverlapping(src, dst, n)
+}
+
+/// `copy_nonoverlapping` with SSE2's streaming stores (in every x86-64) for the 16-aligned
+/// body of `dst`, and a store fence so that the bytes are visible before any later publication.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping(src, dst, n)`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_copy(src: *const u8, dst: *mut u8, n: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    let head = dst.align_offset(16).min(n);
+    std::ptr::copy_nonoverlapping(src, dst, head);
+    let (src, dst, n) = (src.add(head), dst.add(head), n - head);
+    let body = n / 64 * 64;
+    let mut i = 0;
+    while i < body {
+        let s = src.add(i) as *const __m128i;
+        let d = dst.add(i) as *mut __m128i;
+        let (a, b, c, e) = (
+            _mm_loadu_si128(s),
+            _mm_loadu_si128(s.add(1)),
+            _mm_loadu_si128(s.add(2)),
+            _mm_loadu_si128(s.add(3)),
+        );
+        _mm_stream_si128(d, a);
+        _mm_stream_si128(d.add(1), b);
+        _mm_stream_si128(d.add(2), c);
+        _mm_stream_si128(d.add(3), e);
+        i += 64;
+    }
+    std::ptr::copy_nonoverlapping(src.add(body), dst.add(body), n - body);
+    _mm_sfence();
 }
 
 /// Calls `f((pointer, length), offset in the chunk)` for each piece of `parts` (read as one run
@@ -101,7 +154,7 @@ impl ShmGroup {
                     // SAFETY: the root published 2g+1, so its buffer holds the chunk, unchanged
                     // until we publish 2g+2.
                     each_piece(parts, start, end, |part, at| unsafe {
-                        std::ptr::copy_nonoverlapping(from.add(at), part.0, part.1)
+                        copy_out(from.add(at), part.0, part.1, total >= STREAM_FROM)
                     })
                 }
             };
@@ -136,7 +189,8 @@ impl ShmGroup {
         );
         self.describe(seq, len, ALL_GATHER);
         let me = self.me;
-        copy_own(mine, out[me]);
+        let streaming = len * members >= STREAM_FROM;
+        copy_own(mine, out[me], streaming);
         let mut start = 0;
         loop {
             let n = CHUNK_BYTES.min(len - start);
@@ -150,7 +204,7 @@ impl ShmGroup {
                     let from = group.segments[j].buffer(which) as *const u8;
                     // SAFETY: member j published 2g+1, so its buffer holds its chunk, unchanged
                     // until we publish 2g+2; `start + n <= len`, the length of out[j].
-                    unsafe { std::ptr::copy_nonoverlapping(from, out[j].ptr.add(start), n) }
+                    unsafe { copy_out(from, out[j].ptr.add(start), n, streaming) }
                 }
             };
             let last = start + n >= len;
@@ -193,5 +247,37 @@ impl ShmGroup {
             self.wait_all(2 * g + 2, deadline)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copy_out;
+
+    #[test]
+    fn streaming_copies_are_exact_at_every_alignment_and_length() {
+        let src: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+        for streaming in [false, true] {
+            for offset in 0..17 {
+                for n in [0, 1, 15, 16, 63, 64, 65, 200, 1000, 4000] {
+                    let mut dst = vec![0xAAu8; 4096 + 32];
+                    // SAFETY: `offset + n <= 4096 + 32` and `n <= 4096`; distinct vectors.
+                    unsafe { copy_out(src.as_ptr(), dst.as_mut_ptr().add(offset), n, streaming) };
+                    assert_eq!(
+                        &dst[offset..offset + n],
+                        &src[..n],
+                        "offset {offset}, n {n}"
+                    );
+                    assert!(
+                        dst[..offset].iter().all(|b| *b == 0xAA),
+                        "before, {offset}/{n}"
+                    );
+                    assert!(
+                        dst[offset + n..].iter().all(|b| *b == 0xAA),
+                        "after, {offset}/{n}"
+                    );
+                }
+            }
+        }
     }
 }

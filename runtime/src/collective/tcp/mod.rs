@@ -494,7 +494,7 @@ impl TcpCollective {
         let (mine_bytes, parts): (Bytes, Vec<Bytes>) =
             unsafe { (bytes_of(mine), out.iter().map(|t| bytes_of(t)).collect()) };
         if self.world == 1 {
-            copy_own(mine_bytes, parts[0]);
+            copy_own(mine_bytes, parts[0], false);
             return Ok(());
         }
         let deadline = Instant::now() + ctx.timeout;
@@ -522,7 +522,7 @@ impl TcpCollective {
     ) -> Result<(), CollectiveError> {
         self.handshake("all_gather", 3, mine.len as u64, ctx, deadline)?;
         let (w, r) = (self.world, self.rank);
-        copy_own(mine, parts[r]);
+        copy_own(mine, parts[r], false);
         // SAFETY: every part is `mine.len` bytes and ours alone during the operation (see
         // Bytes); the part sent and the part received differ at every step.
         unsafe {

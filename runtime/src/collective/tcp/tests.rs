@@ -255,6 +255,45 @@ fn broadcast_from_each_root_and_all_gather() {
     }
 }
 
+/// Broadcasts and all-gathers whose output outgrows the caches (written with streaming stores
+/// through shared memory) arrive exactly, with a part that does not start on 16 bytes.
+#[test]
+fn large_broadcasts_and_all_gathers_arrive_exactly() {
+    let n = (20 << 20) / 4 + 3; // 20 MiB of f32 and a bit: 40 MiB gathered
+    let value = |rank: usize, i: usize| (i * 3 + rank) as f32;
+    let results = with_ring(2, move |rank, comm| {
+        assert!(comm.uses_shared_memory());
+        let mine: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
+        let whole = Tensor::from_slice(&mine);
+        let mut t = [whole.narrow(0, 1, n as i64 - 1), Tensor::from_slice(&mine)];
+        comm.broadcast(&mut t, 1, CTX).unwrap();
+        let fresh = Tensor::from_slice(&mine); // `whole` now holds the root's values
+        let gathered = comm
+            .all_gather(&fresh.narrow(0, 1, n as i64 - 1), CTX)
+            .unwrap();
+        let as_vec = |t: &Tensor| Vec::<f32>::try_from(t).unwrap();
+        (
+            as_vec(&t[0]),
+            as_vec(&t[1]),
+            gathered.iter().map(as_vec).collect::<Vec<_>>(),
+        )
+    });
+    for (offset, second, gathered) in results {
+        assert!(offset
+            .iter()
+            .enumerate()
+            .all(|(i, v)| *v == value(1, i + 1)));
+        assert!(second.iter().enumerate().all(|(i, v)| *v == value(1, i)));
+        for (r, part) in gathered.iter().enumerate() {
+            assert_eq!(part.len(), n - 1);
+            assert!(
+                part.iter().enumerate().all(|(i, v)| *v == value(r, i + 1)),
+                "part {r}"
+            );
+        }
+    }
+}
+
 /// Ranks that disagree on a broadcast's root are told so, through shared memory too.
 #[test]
 fn a_broadcast_from_different_roots_is_reported() {
