@@ -519,35 +519,36 @@ impl Ddp {
     /// `[local loss, bad-loss flag, probe slot of each rank (with a probe), touched-row mask of
     /// each sparse table...]` (f32).
     fn summary(&mut self, local_loss: f64, bad: bool) -> Result<Tensor, DdpError> {
-        let head = Tensor::from_slice(&[local_loss as f32, if bad { 1.0 } else { 0.0 }]);
-        let mut parts = vec![head];
+        // One buffer, one tensor: a tensor per part and their concatenation were a tenth of a
+        // small model's update.
+        let rows: usize = self.sparse.iter().map(|t| t.rows as usize).sum();
+        let mut values = Vec::with_capacity(self.summary_head_len() as usize + rows);
+        values.extend([local_loss as f32, if bad { 1.0 } else { 0.0 }]);
         if let Some(probe) = self.probe.as_mut() {
-            let mut slots = vec![0f32; self.comm.world_size()];
-            slots[self.comm.rank()] = probe() as f32;
-            parts.push(Tensor::from_slice(&slots));
+            let at = values.len() + self.comm.rank();
+            values.resize(values.len() + self.comm.world_size(), 0.0);
+            values[at] = probe() as f32;
         }
         for table in &mut self.sparse {
-            parts.push(match table.used.take() {
-                Some(used) => Tensor::from_slice(&used),
-                None => touched_rows(&self.params[table.index].grad())?,
-            });
+            match table.used.take() {
+                Some(used) => values.extend_from_slice(&used),
+                None => values.extend(touched_rows(&self.params[table.index].grad())?),
+            }
         }
-        Ok(Tensor::f_cat(&parts, 0)?)
+        Ok(Tensor::from_slice(&values))
     }
 
     /// Per sparse table (in `sparse`'s order), from the reduced `summary`: the rows some rank
     /// touched (ascending), when they are at most half the table; `None` (the whole table)
     /// otherwise.
     fn unions(&self, summary: &Tensor) -> Result<Vec<Option<Vec<i64>>>, DdpError> {
-        let summary = Vec::<f32>::try_from(summary)?;
+        let summary = summary_values(summary)?;
         let mut masks = &summary[self.summary_head_len() as usize..];
         let mut unions = Vec::with_capacity(self.sparse.len());
         for table in &self.sparse {
             let (mask, rest) = masks.split_at(table.rows as usize);
             masks = rest;
-            let union: Vec<i64> = (0..table.rows)
-                .filter(|&r| mask[r as usize] > 0.0)
-                .collect();
+            let union = rows_set(mask);
             unions.push((union.len() as i64 * 2 <= table.rows).then_some(union));
         }
         Ok(unions)
@@ -750,20 +751,21 @@ pub fn give_dense_grads(params: &[Tensor]) -> Result<(), tch::TchError> {
 /// others (f32). On a contiguous f32 CPU gradient one read pass with no temporaries (tensor
 /// ops took five times as long, the largest part of the sparse exchange's cost); tensor ops
 /// otherwise.
-fn touched_rows(grad: &Tensor) -> Result<Tensor, tch::TchError> {
+fn touched_rows(grad: &Tensor) -> Result<Vec<f32>, tch::TchError> {
     let (rows, n) = (grad.size()[0], grad.numel());
     let cpu_f32 = grad.device() == tch::Device::Cpu && grad.kind() == tch::Kind::Float;
     if !cpu_f32 || !grad.is_contiguous() || n == 0 {
-        return grad
+        let mask = grad
             .f_ne(0.0)?
             .f_any_dim(1, false)?
-            .f_to_kind(tch::Kind::Float);
+            .f_to_kind(tch::Kind::Float)?;
+        return Vec::<f32>::try_from(&mask);
     }
     // SAFETY: a contiguous f32 CPU buffer of n elements, alive and unchanged for this call
     // (the step runs on the training thread, under no_grad).
     let values = unsafe { std::slice::from_raw_parts(grad.data_ptr() as *const f32, n) };
     let width = n / rows as usize;
-    let mask: Vec<f32> = values
+    Ok(values
         .chunks_exact(width)
         // The bits but the sign's: zero only for ±0.0. A fold without early exit vectorises.
         .map(|row| {
@@ -771,8 +773,37 @@ fn touched_rows(grad: &Tensor) -> Result<Tensor, tch::TchError> {
                 row.iter().fold(0, |acc, x| acc | x.to_bits() << 1) != 0,
             ))
         })
-        .collect();
-    Ok(Tensor::from_slice(&mask))
+        .collect())
+}
+
+/// The indices of the positive entries of `mask`, ascending. Without a branch per entry: whether
+/// a row was touched is a coin toss the branch predictor loses (that cost 4 ns a row).
+fn rows_set(mask: &[f32]) -> Vec<i64> {
+    let mut rows = vec![0i64; mask.len()];
+    let mut k = 0;
+    for (r, m) in mask.iter().enumerate() {
+        rows[k] = r as i64;
+        k += usize::from(*m > 0.0);
+    }
+    rows.truncate(k);
+    rows
+}
+
+/// The values of a reduced summary (as built by `Ddp::summary`): read where they lie when the
+/// summary is a contiguous f32 CPU tensor (it is, unless the backend moved it), copied
+/// otherwise.
+fn summary_values(summary: &Tensor) -> Result<std::borrow::Cow<'_, [f32]>, tch::TchError> {
+    let fits = summary.device() == tch::Device::Cpu
+        && summary.kind() == tch::Kind::Float
+        && summary.is_contiguous();
+    if !fits || summary.numel() == 0 {
+        return Ok(Vec::<f32>::try_from(summary)?.into());
+    }
+    // SAFETY: a contiguous f32 CPU buffer of numel elements, borrowed with `summary` and not
+    // written while borrowed (the step runs on the training thread).
+    let values =
+        unsafe { std::slice::from_raw_parts(summary.data_ptr() as *const f32, summary.numel()) };
+    Ok(values.into())
 }
 
 /// Groups the parameters `which` (indices into `params`) into buckets of at most

@@ -92,7 +92,7 @@ impl Ddp {
                 counts.push(0); // the whole table is reduced
                 continue;
             };
-            let touched = Vec::<f32>::try_from(touched_rows(&self.params[table.index].grad())?)?;
+            let touched = touched_rows(&self.params[table.index].grad())?;
             let outside = (0..table.rows)
                 .filter(|r| touched[*r as usize] > 0.0 && union.binary_search(r).is_err())
                 .count();

@@ -431,7 +431,7 @@ fn touched_rows_marks_rows_with_any_non_zero() {
     let _ = grad.get(3).get(0).fill_(f64::NAN);
     let _ = grad.get(4).get(1).fill_(-0.0);
     let want = vec![0.0, 1.0, 0.0, 1.0, 0.0];
-    let got = |t: &Tensor| Vec::<f32>::try_from(touched_rows(t).unwrap()).unwrap();
+    let got = |t: &Tensor| touched_rows(t).unwrap();
     assert_eq!(got(&grad), want);
     let transposed = grad.tr().contiguous().tr();
     assert!(!transposed.is_contiguous());
@@ -455,4 +455,12 @@ fn buckets_respect_the_size_and_cover_every_parameter_once() {
     // Reverse order: the last parameter is in the first bucket.
     assert_eq!(buckets[0][0], 5);
     assert_eq!(buckets.len(), 5);
+}
+
+#[test]
+fn rows_set_lists_the_positive_entries_in_order() {
+    assert_eq!(rows_set(&[0.0, 2.0, 0.0, 1.0, 1.0]), vec![1, 3, 4]);
+    assert_eq!(rows_set(&[0.0; 4]), Vec::<i64>::new());
+    assert_eq!(rows_set(&[]), Vec::<i64>::new());
+    assert_eq!(rows_set(&[3.0, 1.0]), vec![0, 1]);
 }
