@@ -77,6 +77,7 @@ impl Trainer<'_> {
             1,
             ctx,
         )?;
+        self.best_saved_at = Some(step);
         let was = previous.map_or(String::new(), |p| {
             format!(", was {:.4} at epoch {}", p.value, p.epoch)
         });
