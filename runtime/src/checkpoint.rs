@@ -213,11 +213,12 @@ impl Staged {
 
 /// Checkpoints made durable on a thread of their own, while training goes on: [`save`] there
 /// waits for each file to reach the disk (fsync) several times, milliseconds a checkpoint that
-/// nothing else needs to wait for. Each [`Background::save`] stages the files at once (the
-/// tensors as they are then) and hands them to one committing thread, which puts them in place
-/// in the order they were saved; [`Background::wait`] (or dropping it) waits until all are.
-/// At most [`Background::IN_FLIGHT`] wait to be committed: a save beyond that waits for the
-/// oldest.
+/// nothing else needs to wait for. Each [`Background::save`] keeps the tensors as they are then
+/// (a copy in memory when they are small, [`Background::COPY_BELOW`]; the files staged at once
+/// otherwise) and hands them to one committing thread, which writes what is left and puts each
+/// checkpoint in place in the order they were saved; [`Background::wait`] (or dropping it)
+/// waits until all are. At most [`Background::IN_FLIGHT`] wait to be committed: a save beyond
+/// that waits for the oldest.
 #[derive(Default)]
 pub struct Background {
     committer: Option<Committer>,
@@ -225,11 +226,41 @@ pub struct Background {
     in_flight: std::collections::VecDeque<u64>,
     /// The first commit that failed and has not been reported yet.
     failed: Option<SaveFailed>,
+    /// [`Background::COPY_BELOW`] unless a test sets another.
+    copy_below: Option<usize>,
+}
+
+/// What the committing thread gets: a checkpoint to write from copies of its tensors, or one
+/// already staged; with how many checkpoints to keep.
+enum Job {
+    Copied {
+        dir: PathBuf,
+        model: NamedTensors,
+        optimizer: NamedTensors,
+        state: Box<TrainState>,
+        keep: usize,
+    },
+    Staged(Staged, usize),
+}
+
+impl Job {
+    fn commit(self) -> Result<PathBuf, CheckpointError> {
+        match self {
+            Job::Copied {
+                dir,
+                model,
+                optimizer,
+                state,
+                keep,
+            } => stage(&dir, &model, &optimizer, &state)?.commit(keep),
+            Job::Staged(staged, keep) => staged.commit(keep),
+        }
+    }
 }
 
 /// The committing thread, its queue and its answers (one per checkpoint, in order).
 struct Committer {
-    jobs: std::sync::mpsc::Sender<(Staged, usize)>,
+    jobs: std::sync::mpsc::Sender<Job>,
     outcomes: std::sync::mpsc::Receiver<Result<PathBuf, CheckpointError>>,
     thread: std::thread::JoinHandle<()>,
 }
@@ -248,8 +279,14 @@ impl Background {
     /// checkpoint come one after the other).
     pub const IN_FLIGHT: usize = 2;
 
-    /// Stages this checkpoint and hands it over to be committed. An earlier commit that failed
-    /// is this call's error (reported once).
+    /// Checkpoints whose tensors (model and optimizer) are smaller than this are copied in
+    /// memory and written on the committing thread: writing and hashing the files was 2 ms of
+    /// each checkpoint of a small model, which every rank waited for. Larger ones are staged at
+    /// once (their copies would be memory the run's memory plan does not count).
+    pub const COPY_BELOW: usize = 64 << 20;
+
+    /// Keeps this checkpoint as it is now and hands it over to be written and committed. An
+    /// earlier commit that failed is this call's error (reported once).
     pub fn save(
         &mut self,
         dir: &Path,
@@ -267,16 +304,32 @@ impl Background {
         }
         let step = state.step;
         let failed = |source| SaveFailed { step, source };
-        let staged = stage(dir, model, optimizer, state).map_err(failed)?;
+        let bytes: usize = model
+            .iter()
+            .chain(optimizer)
+            .map(|(_, t)| tensor_bytes(t))
+            .sum();
+        let job = if bytes < self.copy_below.unwrap_or(Self::COPY_BELOW) {
+            let copied = |tensors| copy_tensors(tensors, dir);
+            Job::Copied {
+                dir: dir.to_path_buf(),
+                model: copied(model).map_err(failed)?,
+                optimizer: copied(optimizer).map_err(failed)?,
+                state: Box::new(state.clone()),
+                keep,
+            }
+        } else {
+            Job::Staged(stage(dir, model, optimizer, state).map_err(failed)?, keep)
+        };
         let committer = match self.committer.take() {
             Some(c) => c,
             None => Committer::start().map_err(|e| failed(io_err(dir)(e)))?,
         };
-        let sent = committer.jobs.send((staged, keep));
+        let sent = committer.jobs.send(job);
         self.committer = Some(committer);
-        if let Err(std::sync::mpsc::SendError((staged, keep))) = sent {
+        if let Err(std::sync::mpsc::SendError(job)) = sent {
             // The thread is gone (it cannot be, short of a panic): commit here instead.
-            return staged.commit(keep).map(drop).map_err(failed);
+            return job.commit().map(drop).map_err(failed);
         }
         self.in_flight.push_back(step);
         Ok(())
@@ -340,13 +393,13 @@ impl Background {
 
 impl Committer {
     fn start() -> std::io::Result<Committer> {
-        let (jobs, queue) = std::sync::mpsc::channel::<(Staged, usize)>();
+        let (jobs, queue) = std::sync::mpsc::channel::<Job>();
         let (answer, outcomes) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("checkpoint".into())
             .spawn(move || {
-                for (staged, keep) in queue {
-                    let committed = staged.commit(keep);
+                for job in queue {
+                    let committed = job.commit();
                     if let Ok(path) = &committed {
                         tracing::info!("checkpoint {}", path.display());
                     }
@@ -375,6 +428,30 @@ impl Drop for Background {
             let _ = thread.join();
         }
     }
+}
+
+/// Bytes of a tensor's elements.
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.numel() * t.kind().elt_size_in_bytes()
+}
+
+/// Copies of `tensors` in CPU memory, contiguous, as they are now (`dir`: the checkpoint they
+/// are for, named when a copy fails).
+fn copy_tensors(tensors: &[(String, Tensor)], dir: &Path) -> Result<NamedTensors, CheckpointError> {
+    let _guard = tch::no_grad_guard();
+    let copy = |t: &Tensor| -> Result<Tensor, tch::TchError> {
+        let out = Tensor::f_empty(t.size(), (t.kind(), tch::Device::Cpu))?;
+        out.shallow_clone().f_copy_(t)?;
+        Ok(out)
+    };
+    tensors
+        .iter()
+        .map(|(name, t)| Ok((name.clone(), copy(t)?)))
+        .collect::<Result<_, tch::TchError>>()
+        .map_err(|source| CheckpointError::Tensors {
+            path: dir.display().to_string(),
+            source,
+        })
 }
 
 /// The newest complete checkpoint under `dir`: the one `latest` names if it is complete,
@@ -779,9 +856,17 @@ mod tests {
     /// one and the newest `keep` kept; the tensors are those of the moment of each save.
     #[test]
     fn background_saves_land_in_order_with_the_tensors_of_their_moment() {
+        // Copied in memory (small tensors) and staged at once (large ones).
+        for copy_below in [None, Some(0)] {
+            saves_land_in_order_with_the_tensors_of_their_moment(copy_below);
+        }
+    }
+
+    fn saves_land_in_order_with_the_tensors_of_their_moment(copy_below: Option<usize>) {
         let dir = tempfile::tempdir().unwrap();
         let ck = dir.path().join("ck");
         let mut saver = Background::default();
+        saver.copy_below = copy_below;
         for step in 1..=5u64 {
             let model = tensors(step as f32);
             saver.save(&ck, &model, &[], &state(step), 3).unwrap();
@@ -809,11 +894,18 @@ mod tests {
     /// A commit that fails is reported with its step, by the next wait (once).
     #[test]
     fn a_background_commit_that_fails_is_reported_with_its_step() {
+        for copy_below in [None, Some(0)] {
+            a_commit_that_fails_is_reported_with_its_step(copy_below);
+        }
+    }
+
+    fn a_commit_that_fails_is_reported_with_its_step(copy_below: Option<usize>) {
         let dir = tempfile::tempdir().unwrap();
         let ck = dir.path().join("ck");
         // `latest` cannot be replaced: a directory with something in it.
         fs::create_dir_all(ck.join(LATEST).join("x")).unwrap();
         let mut saver = Background::default();
+        saver.copy_below = copy_below;
         saver.save(&ck, &tensors(1.0), &[], &state(3), 2).unwrap();
         let failed = saver.wait().unwrap_err();
         assert_eq!(failed.step, 3);
@@ -830,5 +922,25 @@ mod tests {
             .filter(|n| n.starts_with(".tmp-"))
             .collect();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// A checkpoint written from copies whose files cannot be written (its directory is a
+    /// file) is reported with its step, and saving goes on afterwards.
+    #[test]
+    fn a_copied_checkpoint_that_cannot_be_written_is_reported_with_its_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let blocked = dir.path().join("blocked");
+        fs::write(&blocked, b"a file, not a directory").unwrap();
+        let mut saver = Background::default();
+        // Handed over at once: the files are written on the committing thread.
+        saver
+            .save(&blocked, &tensors(1.0), &[], &state(7), 2)
+            .unwrap();
+        let failed = saver.wait().unwrap_err();
+        assert_eq!(failed.step, 7, "{failed}");
+        assert!(failed.to_string().contains("blocked"), "{failed}");
+        let ck = dir.path().join("ck");
+        saver.save(&ck, &tensors(3.0), &[], &state(9), 2).unwrap();
+        assert_eq!(saver.wait().unwrap(), Some(ck.join("step-000009")));
     }
 }
