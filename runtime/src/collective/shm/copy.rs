@@ -109,6 +109,16 @@ fn each_piece(
     }
 }
 
+/// Bytes a broadcast of `total` bytes moves per chunk: a quarter of it (on 4 KiB), between
+/// 256 KiB and a whole buffer, so that the root's copy in and the others' copy out of a
+/// broadcast of a few MiB overlap (a 1 MiB broadcast in one chunk took 103 µs here, in four
+/// 69 µs); every member computes the same from the same length.
+fn broadcast_piece(total: usize) -> usize {
+    (total / 4)
+        .next_multiple_of(4096)
+        .clamp(256 << 10, CHUNK_BYTES)
+}
+
 /// Operation kinds in the descriptor, beside the all-reduce's.
 pub(super) const BARRIER: u64 = 3;
 pub(super) const BROADCAST: u64 = 4;
@@ -135,13 +145,13 @@ impl ShmGroup {
     ) -> Result<(), ShmFailure> {
         let total: usize = parts.iter().map(|p| p.len).sum();
         self.describe(seq, total, BROADCAST + ((root as u64) << 8));
-        let me = self.me;
+        let (me, piece) = (self.me, broadcast_piece(total));
         let mut start = 0;
         loop {
-            let end = total.min(start + CHUNK_BYTES);
+            let end = total.min(start + piece);
             let put = |buffer: *mut u8| {
                 if me == root {
-                    // SAFETY: `end - start <= CHUNK_BYTES` bytes into our own buffer, ours to
+                    // SAFETY: `end - start <= piece <= CHUNK_BYTES` bytes into our own buffer, ours to
                     // write until we publish 2g+1; the parts are the caller's, valid (see Bytes).
                     each_piece(parts, start, end, |part, at| unsafe {
                         std::ptr::copy_nonoverlapping(part.0, buffer.add(at), part.1)
@@ -252,7 +262,17 @@ impl ShmGroup {
 
 #[cfg(test)]
 mod tests {
-    use super::copy_out;
+    use super::{broadcast_piece, copy_out, CHUNK_BYTES};
+
+    #[test]
+    fn broadcast_pieces_split_a_few_mib_in_four_and_fit_a_buffer() {
+        assert_eq!(broadcast_piece(0), 256 << 10);
+        assert_eq!(broadcast_piece(100), 256 << 10);
+        assert_eq!(broadcast_piece(1 << 20), 256 << 10);
+        assert_eq!(broadcast_piece(2 << 20), 512 << 10);
+        assert_eq!(broadcast_piece((2 << 20) + 16384), (512 << 10) + 4096);
+        assert_eq!(broadcast_piece(64 << 20), CHUNK_BYTES);
+    }
 
     #[test]
     fn streaming_copies_are_exact_at_every_alignment_and_length() {
