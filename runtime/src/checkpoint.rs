@@ -166,12 +166,17 @@ impl Staged {
         let mut state = state.clone();
         for (file, tensors) in [(MODEL_FILE, model), (OPTIMIZER_FILE, optimizer)] {
             let path = tmp.join(file);
-            Tensor::write_safetensors(tensors, &path).map_err(|source| {
-                CheckpointError::Tensors {
-                    path: path.display().to_string(),
-                    source,
-                }
-            })?;
+            let failed = |source| CheckpointError::Tensors {
+                path: path.display().to_string(),
+                source,
+            };
+            // safetensors takes contiguous tensors only (a copy in memory is one already).
+            let contiguous = tensors
+                .iter()
+                .map(|(name, t)| Ok((name.clone(), t.f_contiguous()?)))
+                .collect::<Result<Vec<_>, tch::TchError>>()
+                .map_err(failed)?;
+            Tensor::write_safetensors(&contiguous, &path).map_err(failed)?;
             state.files.insert(file.to_string(), digest(&path)?);
         }
         let state_path = tmp.join(STATE_FILE);
@@ -828,12 +833,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ck = dir.path().join("ck");
         fs::create_dir_all(&ck).unwrap();
-        // A tensor libtorch cannot write as safetensors fails the write half-way.
-        let bad = vec![(
-            "x".to_string(),
-            Tensor::from_slice(&[1i64]).view([1]).expand([3], false),
-        )];
-        // (safetensors refuses a non-contiguous tensor after the directory was made)
+        // A tensor safetensors has no type for (complex) fails the write half-way, after the
+        // temporary directory was made.
+        let complex = Tensor::zeros([2], (tch::Kind::ComplexFloat, tch::Device::Cpu));
+        let bad = vec![("x".to_string(), complex)];
         assert!(save(&ck, &bad, &[], &state(7), 2).is_err());
         let left: Vec<String> = fs::read_dir(&ck)
             .unwrap()
@@ -942,5 +945,25 @@ mod tests {
         let ck = dir.path().join("ck");
         saver.save(&ck, &tensors(3.0), &[], &state(9), 2).unwrap();
         assert_eq!(saver.wait().unwrap(), Some(ck.join("step-000009")));
+    }
+
+    /// A tensor that is not contiguous (a transposed view) is saved as its values, whether the
+    /// checkpoint is copied in memory or staged at once.
+    #[test]
+    fn tensors_that_are_not_contiguous_are_saved_on_both_paths() {
+        for copy_below in [None, Some(0)] {
+            let dir = tempfile::tempdir().unwrap();
+            let ck = dir.path().join("ck");
+            let base = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]).view([2, 3]);
+            let model = vec![("w".to_string(), base.tr())];
+            let mut saver = Background::default();
+            saver.copy_below = copy_below;
+            saver.save(&ck, &model, &[], &state(1), 2).unwrap();
+            let dir = saver.wait().unwrap().unwrap();
+            let (loaded, _, _) = load(&dir).unwrap();
+            assert_eq!(loaded[0].1.size(), vec![3, 2]);
+            let values = Vec::<f32>::try_from(loaded[0].1.flatten(0, -1)).unwrap();
+            assert_eq!(values, vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0], "{copy_below:?}");
+        }
     }
 }
