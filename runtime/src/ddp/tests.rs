@@ -456,11 +456,3 @@ fn buckets_respect_the_size_and_cover_every_parameter_once() {
     assert_eq!(buckets[0][0], 5);
     assert_eq!(buckets.len(), 5);
 }
-
-#[test]
-fn rows_set_lists_the_positive_entries_in_order() {
-    assert_eq!(rows_set(&[0.0, 2.0, 0.0, 1.0, 1.0]), vec![1, 3, 4]);
-    assert_eq!(rows_set(&[0.0; 4]), Vec::<i64>::new());
-    assert_eq!(rows_set(&[]), Vec::<i64>::new());
-    assert_eq!(rows_set(&[3.0, 1.0]), vec![0, 1]);
-}

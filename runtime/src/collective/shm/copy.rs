@@ -146,6 +146,7 @@ impl ShmGroup {
         let total: usize = parts.iter().map(|p| p.len).sum();
         self.describe(seq, total, BROADCAST + ((root as u64) << 8));
         let (me, piece) = (self.me, broadcast_piece(total));
+        let streaming = total >= STREAM_FROM;
         let mut start = 0;
         loop {
             let end = total.min(start + piece);
@@ -164,7 +165,7 @@ impl ShmGroup {
                     // SAFETY: the root published 2g+1, so its buffer holds the chunk, unchanged
                     // until we publish 2g+2.
                     each_piece(parts, start, end, |part, at| unsafe {
-                        copy_out(from.add(at), part.0, part.1, total >= STREAM_FROM)
+                        copy_out(from.add(at), part.0, part.1, streaming)
                     })
                 }
             };
