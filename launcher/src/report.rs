@@ -156,10 +156,11 @@ pub fn failure_summary(
 }
 
 /// Ranks outside `this_node` that the last stderr lines of a failed rank name (`connection to
-/// rank 3 failed`, `no answer from rank(s) [2, 3]`): the peers it lost.
+/// rank 3 failed`, `no answer from rank(s) [2, 3]`): the peers it lost. Progress and debug
+/// log lines are skipped: they name ranks that are well (`peak mem 360 MiB (rank 3)`).
 fn remote_peers(tail: &[String], own: u32, this_node: &Range<u32>) -> Vec<u32> {
     let mut peers = Vec::new();
-    for line in tail.iter().rev().take(3) {
+    for line in tail.iter().rev().take(3).filter(|l| !is_progress_log(l)) {
         let mut rest = line.as_str();
         while let Some(at) = rest.find("rank") {
             rest = &rest[at + 4..];
@@ -180,6 +181,12 @@ fn remote_peers(tail: &[String], own: u32, this_node: &Range<u32>) -> Vec<u32> {
     }
     peers.sort_unstable();
     peers
+}
+
+/// A `tracing` line below warning level (`  INFO epoch 1/2 ...`): a report, never a failure.
+fn is_progress_log(line: &str) -> bool {
+    let first = line.split_whitespace().next().unwrap_or("");
+    matches!(first, "INFO" | "DEBUG" | "TRACE")
 }
 
 #[cfg(test)]
@@ -257,6 +264,8 @@ mod tests {
         let mut lost = record(0, Ending::Code(1), None);
         lost.stderr_tail = vec![
             "INFO epoch 1/6 step 2/138 (rank 0)".into(),
+            // The rank with the peak memory, on another node, is not a lost peer.
+            " INFO epoch 1/6 step 3/138 peak mem 360 MiB (rank 5) ETA 0s".into(),
             "worker: error: training: all_reduce at step 3: connection to rank 3 failed: the peer closed the connection".into(),
         ];
         let text = failure_summary(&[lost.clone()], 0, 1, 0..2, &[]);
