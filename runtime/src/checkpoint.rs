@@ -3,12 +3,16 @@
 //! directory, fsynced and renamed into place, then `checkpoints/latest` is updated (last). The
 //! newest K are kept. A checkpoint is only ever loaded when it is complete: `state.json` records
 //! the size and SHA-256 of both tensor files, so one left half-written by a crash is skipped.
+//! A commit waits for the disk twice: once for the files (their writeback started as each is
+//! written, so that one journal commit covers them) and once for the directory after both
+//! renames. A crash before that leaves the previous checkpoint as `latest`; one during it may
+//! leave a `latest` that names a missing checkpoint or nothing, which [`find_latest`] reports
+//! before taking the newest complete one.
 //! This module reads and writes files (reading none that is not a regular file, so a FIFO in a
 //! run directory is refused, not waited on); it must not decide when to checkpoint (the trainer
 //! does).
 
 use std::fs::{self, File};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -178,16 +182,20 @@ impl Staged {
                 .map_err(failed)?;
             Tensor::write_safetensors(&contiguous, &path).map_err(failed)?;
             state.files.insert(file.to_string(), digest(&path)?);
+            start_writeback(&path);
         }
         let state_path = tmp.join(STATE_FILE);
         let json = serde_json::to_vec_pretty(&state).map_err(|e| CheckpointError::Invalid {
             path: state_path.display().to_string(),
             detail: e.to_string(),
         })?;
-        fs::write(&state_path, json).map_err(io_err(&state_path))
+        fs::write(&state_path, json).map_err(io_err(&state_path))?;
+        start_writeback(&state_path);
+        Ok(())
     }
 
-    /// The staged files synced, then renamed into place, then `latest`.
+    /// The staged files synced, then renamed into place, then `latest`, with one sync of the
+    /// directory for both renames (see the module doc for what a crash leaves).
     fn put_in_place(&self) -> Result<PathBuf, CheckpointError> {
         let (dir, tmp, name) = (&self.dir, &self.tmp, &self.name);
         for file in [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE] {
@@ -203,15 +211,16 @@ impl Staged {
             fs::rename(&final_dir, &aside).map_err(io_err(&final_dir))?;
         }
         fs::rename(tmp, &final_dir).map_err(io_err(&final_dir))?;
+        // `latest` last, itself replaced atomically; not synced on its own: a `latest` lost or
+        // emptied by a crash only makes `find_latest` report it and take the newest complete
+        // checkpoint, which this one is once the directory is synced.
+        let latest_tmp = dir.join(format!(".{LATEST}.tmp"));
+        fs::write(&latest_tmp, format!("{name}\n")).map_err(io_err(&latest_tmp))?;
+        fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io_err(dir))?;
         sync_dir(dir)?;
         if replaced {
             fs::remove_dir_all(&aside).map_err(io_err(&aside))?;
         }
-        // `latest` last, itself replaced atomically.
-        let latest_tmp = dir.join(format!(".{LATEST}.tmp"));
-        write_synced(&latest_tmp, format!("{name}\n").as_bytes())?;
-        fs::rename(&latest_tmp, dir.join(LATEST)).map_err(io_err(dir))?;
-        sync_dir(dir)?;
         Ok(final_dir)
     }
 }
@@ -610,10 +619,18 @@ fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
     })
 }
 
-fn write_synced(path: &Path, data: &[u8]) -> Result<(), CheckpointError> {
-    let mut file = File::create(path).map_err(io_err(path))?;
-    file.write_all(data).map_err(io_err(path))?;
-    file.sync_all().map_err(io_err(path))
+/// Starts writing `path`'s data to the disk without waiting: the fsyncs that follow then find
+/// every staged file's blocks already allocated, and one journal commit (on ext4) covers them
+/// all instead of one per file. Only a hint: the fsyncs still make each file durable.
+fn start_writeback(path: &Path) {
+    #[cfg(target_os = "linux")]
+    if let Ok(file) = File::open(path) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a plain syscall on an open descriptor; its failure changes nothing.
+        unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = path;
 }
 
 fn sync_file(path: &Path) -> Result<(), CheckpointError> {
@@ -826,6 +843,13 @@ mod tests {
             skipped[0].contains("names step-000232, which does not exist"),
             "{skipped:?}"
         );
+        // `latest` is not synced on its own: a crash may leave it empty.
+        save(ck, &tensors(2.0), &tensors(2.0), &state(200), 3).unwrap();
+        fs::write(ck.join(LATEST), "").unwrap();
+        let mut skipped = Vec::new();
+        let (path, _) = find_latest(ck, &mut skipped).unwrap().unwrap();
+        assert!(path.ends_with("step-000200"), "{}", path.display());
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
     }
 
     #[test]
