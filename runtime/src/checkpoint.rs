@@ -105,6 +105,40 @@ pub fn save(
     stage(dir, model, optimizer, state)?.commit(keep)
 }
 
+/// Saves into `dir` the checkpoint of `step` whose files are those of the complete checkpoint
+/// `from` (of the same step): hard links, or copies where the file system has none, so
+/// nothing is written or hashed again (the best model at an epoch's end is that epoch's
+/// checkpoint). Committed as [`save`] commits; its directory.
+pub fn save_as_links(
+    dir: &Path,
+    from: &Path,
+    step: u64,
+    keep: usize,
+) -> Result<PathBuf, CheckpointError> {
+    let staged = Staged::new(dir, step)?;
+    let linked = fs::create_dir_all(&staged.tmp)
+        .map_err(io_err(&staged.tmp))
+        .and_then(|()| {
+            [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE]
+                .iter()
+                .try_for_each(|file| link_or_copy(&from.join(file), &staged.tmp.join(file)))
+        });
+    if let Err(e) = linked {
+        let _ = fs::remove_dir_all(&staged.tmp);
+        return Err(e);
+    }
+    staged.commit(keep)
+}
+
+/// `to` as a hard link to `from`, or a copy of it where links cannot be made (another file
+/// system, or one without them).
+fn link_or_copy(from: &Path, to: &Path) -> Result<(), CheckpointError> {
+    if fs::hard_link(from, to).is_ok() {
+        return Ok(());
+    }
+    fs::copy(from, to).map(drop).map_err(io_err(from))
+}
+
 /// A checkpoint written into its temporary directory, not yet synced or in place: the tensors
 /// as they were when it was staged, whatever happens to them afterwards.
 pub struct Staged {
@@ -122,17 +156,7 @@ pub fn stage(
     optimizer: &[(String, Tensor)],
     state: &TrainState,
 ) -> Result<Staged, CheckpointError> {
-    fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let name = format!("step-{:06}", state.step);
-    // Unique within the process too: two checkpoints of one step may wait to be committed.
-    static STAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let seq = STAGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let staged = Staged {
-        tmp: dir.join(format!(".tmp-{name}-{}-{seq}", std::process::id())),
-        dir: dir.to_path_buf(),
-        name,
-        step: state.step,
-    };
+    let staged = Staged::new(dir, state.step)?;
     match staged.write_files(model, optimizer, state) {
         Ok(()) => Ok(staged),
         Err(e) => {
@@ -143,6 +167,21 @@ pub fn stage(
 }
 
 impl Staged {
+    /// A new temporary directory in `dir` for the checkpoint of `step`.
+    fn new(dir: &Path, step: u64) -> Result<Staged, CheckpointError> {
+        fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let name = format!("step-{step:06}");
+        // Unique within the process too: two checkpoints of one step may wait to be committed.
+        static STAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let seq = STAGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Staged {
+            tmp: dir.join(format!(".tmp-{name}-{}-{seq}", std::process::id())),
+            dir: dir.to_path_buf(),
+            name,
+            step,
+        })
+    }
+
     /// [`save`]'s second half: the files synced, renamed into place, `latest` updated, the
     /// newest `keep` kept. Its directory; on failure the temporary directory is removed.
     pub fn commit(self, keep: usize) -> Result<PathBuf, CheckpointError> {
@@ -255,6 +294,8 @@ enum Job {
         keep: usize,
     },
     Staged(Staged, usize),
+    /// [`save_as_links`]: (dir, from, step, keep).
+    Linked(PathBuf, PathBuf, u64, usize),
 }
 
 impl Job {
@@ -268,6 +309,7 @@ impl Job {
                 keep,
             } => stage(&dir, &model, &optimizer, &state)?.commit(keep),
             Job::Staged(staged, keep) => staged.commit(keep),
+            Job::Linked(dir, from, step, keep) => save_as_links(&dir, &from, step, keep),
         }
     }
 }
@@ -309,13 +351,7 @@ impl Background {
         state: &TrainState,
         keep: usize,
     ) -> Result<(), SaveFailed> {
-        while self.in_flight.len() >= Self::IN_FLIGHT {
-            self.hear_one();
-        }
-        self.hear_finished();
-        if let Some(failed) = self.failed.take() {
-            return Err(failed);
-        }
+        self.make_room()?;
         let step = state.step;
         let failed = |source| SaveFailed { step, source };
         let bytes: usize = model
@@ -335,6 +371,40 @@ impl Background {
         } else {
             Job::Staged(stage(dir, model, optimizer, state).map_err(failed)?, keep)
         };
+        self.hand_over(job, step, dir)
+    }
+
+    /// Hands over [`save_as_links`] of `from`, a checkpoint of `step` saved before through this
+    /// `Background` (it is in place first: checkpoints are committed in order). An earlier
+    /// commit that failed is this call's error.
+    pub fn save_linked(
+        &mut self,
+        dir: &Path,
+        from: &Path,
+        step: u64,
+        keep: usize,
+    ) -> Result<(), SaveFailed> {
+        self.make_room()?;
+        let job = Job::Linked(dir.to_path_buf(), from.to_path_buf(), step, keep);
+        self.hand_over(job, step, dir)
+    }
+
+    /// Waits until fewer than [`Background::IN_FLIGHT`] checkpoints are in flight; an earlier
+    /// commit that failed is the error (reported once).
+    fn make_room(&mut self) -> Result<(), SaveFailed> {
+        while self.in_flight.len() >= Self::IN_FLIGHT {
+            self.hear_one();
+        }
+        self.hear_finished();
+        match self.failed.take() {
+            Some(failed) => Err(failed),
+            None => Ok(()),
+        }
+    }
+
+    /// `job` (the checkpoint of `step` into `dir`) to the committing thread, started if need be.
+    fn hand_over(&mut self, job: Job, step: u64, dir: &Path) -> Result<(), SaveFailed> {
+        let failed = |source| SaveFailed { step, source };
         let committer = match self.committer.take() {
             Some(c) => c,
             None => Committer::start().map_err(|e| failed(io_err(dir)(e)))?,
@@ -916,6 +986,69 @@ mod tests {
             assert_eq!(model[0].1.double_value(&[0]), step as f64);
         }
         assert_eq!(saver.wait().unwrap(), None);
+    }
+
+    /// A checkpoint saved as links shares its source's files (nothing written twice), loads
+    /// as its source does, and outlives the source's pruning.
+    #[test]
+    fn a_checkpoint_saved_as_links_shares_the_files_and_outlives_its_source() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (ck, best) = (dir.path().join("ck"), dir.path().join("best"));
+        let mut saver = Background::default();
+        saver
+            .save(&ck, &tensors(7.0), &tensors(8.0), &state(100), 1)
+            .unwrap();
+        let from = ck.join("step-000100");
+        saver.save_linked(&best, &from, 100, 1).unwrap();
+        assert_eq!(saver.wait().unwrap(), Some(best.join("step-000100")));
+        assert_eq!(
+            fs::read_to_string(best.join(LATEST)).unwrap().trim(),
+            "step-000100"
+        );
+        for file in [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE] {
+            let ino = |d: &Path| fs::metadata(d.join(file)).unwrap().ino();
+            assert_eq!(ino(&from), ino(&best.join("step-000100")), "{file}");
+        }
+        // The source pruned (keep 1) by the next checkpoint: the links keep the files.
+        save(&ck, &tensors(1.0), &tensors(1.0), &state(200), 1).unwrap();
+        assert!(!from.exists());
+        let (model, optimizer, state) = load(&best.join("step-000100")).unwrap();
+        assert_eq!(state.step, 100);
+        assert_eq!(model[0].1.double_value(&[0]), 7.0);
+        assert_eq!(optimizer[0].1.double_value(&[0]), 8.0);
+    }
+
+    /// Where no link can be made (here: across file systems) the files are copied.
+    #[test]
+    fn a_checkpoint_saved_as_links_across_file_systems_is_copied() {
+        let Ok(shm) = tempfile::tempdir_in("/dev/shm") else {
+            eprintln!("skipped: no /dev/shm");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        save(shm.path(), &tensors(3.0), &tensors(4.0), &state(5), 1).unwrap();
+        let from = shm.path().join("step-000005");
+        let best = dir.path().join("best");
+        save_as_links(&best, &from, 5, 1).unwrap();
+        fs::remove_dir_all(&from).unwrap();
+        let (model, _, _) = load(&best.join("step-000005")).unwrap();
+        assert_eq!(model[0].1.double_value(&[0]), 3.0);
+    }
+
+    /// Links to a checkpoint that is not there fail with its step, leaving nothing behind.
+    #[test]
+    fn links_to_a_missing_checkpoint_are_reported_with_their_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let best = dir.path().join("best");
+        let mut saver = Background::default();
+        saver
+            .save_linked(&best, &dir.path().join("ck/step-000009"), 9, 1)
+            .unwrap();
+        let failed = saver.wait().unwrap_err();
+        assert_eq!(failed.step, 9);
+        assert!(failed.to_string().contains("step-000009"), "{failed}");
+        assert_eq!(fs::read_dir(&best).unwrap().count(), 0);
     }
 
     /// A commit that fails is reported with its step, by the next wait (once).

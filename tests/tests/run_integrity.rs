@@ -174,6 +174,47 @@ fn a_fresh_run_in_an_old_run_dir_reports_only_its_own_results() {
     assert_one_test_and_summary(&run_dir);
 }
 
+/// The best model is saved after its epoch's checkpoint, as hard links to that checkpoint's
+/// files. A run that stopped between the two (here: `best/` removed after a finished run) saves
+/// it again from the checkpoint when resumed, and tests it; the test line is the same.
+#[test]
+fn a_best_model_lost_after_its_checkpoint_is_saved_again_from_it() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    run_ok(2, dir.path(), "relink", &["train.epochs=1"], &[]);
+    let run_dir = dir.path().join("relink");
+    let best = steps_in(&run_dir.join("best"));
+    assert_eq!(best.len(), 1, "{best:?}");
+    let (in_best, in_checkpoint) = (
+        run_dir
+            .join("best")
+            .join(&best[0])
+            .join("model.safetensors"),
+        run_dir
+            .join("checkpoints")
+            .join(&best[0])
+            .join("model.safetensors"),
+    );
+    let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
+    assert_eq!(
+        ino(&in_best),
+        ino(&in_checkpoint),
+        "best/ is not a link to the checkpoint"
+    );
+    let tested = test_metrics(&run_dir);
+
+    std::fs::remove_dir_all(run_dir.join("best")).unwrap();
+    let again = run_ok(2, dir.path(), "relink", &["train.epochs=1"], &[]);
+    let step = best[0].trim_start_matches("step-").trim_start_matches('0');
+    again.assert_stderr(format!(
+        "the best model (step {step}) was not saved before the run stopped: saved now from {}",
+        run_dir.join("checkpoints").join(&best[0]).display()
+    ));
+    assert!(in_best.is_file());
+    assert_one_test_and_summary(&run_dir);
+    assert_eq!(test_metrics(&run_dir), tested);
+}
+
 /// A second run in a run directory that is in use refuses before writing anything, naming the
 /// holder; the first goes on undisturbed.
 #[test]

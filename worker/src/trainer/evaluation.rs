@@ -4,13 +4,11 @@
 
 use std::time::Instant;
 
+use super::{
+    broadcast_json, eval_record, resume, save_linked, BestRecord, Split, TrainError, Trainer,
+};
 use common::memory::{Phase, PhaseSink as _};
 use recommender::eval::Metrics;
-use runtime::checkpoint::TrainState;
-
-use super::{
-    broadcast_json, eval_record, resume, save_checkpoint, BestRecord, Split, TrainError, Trainer,
-};
 
 impl Trainer<'_> {
     /// Validation every `eval.every_n_epochs` (and after the last epoch), before the epoch's
@@ -36,15 +34,16 @@ impl Trainer<'_> {
         }
         let value = m.get(&self.metric).unwrap_or(f64::NAN);
         if self.eval.best.as_ref().is_none_or(|b| value > b.value) {
-            self.new_best(m, value, secs)
+            self.new_best(m, value, secs);
         } else {
             self.no_improvement(&m, value, secs);
-            Ok(())
         }
+        Ok(())
     }
 
-    /// Saves the model as the best one (`<run dir>/best/`).
-    pub(super) fn new_best(&mut self, m: Metrics, value: f64, secs: f64) -> Result<(), TrainError> {
+    /// Records a new best model; [`Trainer::save_best`] saves it once its epoch's checkpoint is
+    /// saved (as links to that checkpoint's files: nothing written twice).
+    pub(super) fn new_best(&mut self, m: Metrics, value: f64, secs: f64) {
         let (done, step) = (self.progress.epochs_done, self.progress.step);
         let line = format!("valid epoch {done}: {} ({secs:.1} s)", m.summary_line());
         let previous = self.eval.best.replace(BestRecord {
@@ -55,33 +54,24 @@ impl Trainer<'_> {
             valid: m,
         });
         self.eval.evals_since_best = 0;
-        let state = TrainState {
-            epoch: done,
-            step,
-            samples_in_epoch: 0,
-            trainer: resume::EvalProgress {
-                best: self.eval.best.clone(),
-                ..resume::EvalProgress::from_state(&self.start)?
-            }
-            .to_state(),
-            ..self.start.clone()
-        };
-        let ctx = self.slow_ctx(step);
-        let best_dir = self.setup.run_dir.join("best");
-        save_checkpoint(
-            &mut self.ddp,
-            &mut self.saver,
-            &[],
-            &best_dir,
-            state,
-            1,
-            ctx,
-        )?;
-        self.best_saved_at = Some(step);
+        self.best_to_save = Some(step);
         let was = previous.map_or(String::new(), |p| {
             format!(", was {:.4} at epoch {}", p.value, p.epoch)
         });
         self.say(format!("{line} — new best {} {value:.4}{was}", self.metric));
+    }
+
+    /// The best model found at `step`, if any, into `<run dir>/best/` as links to the files of
+    /// the checkpoint of `step` (saved just before, which records it as the best).
+    pub(super) fn save_best(&mut self, step: u64) -> Result<(), TrainError> {
+        let Some(best) = self.best_to_save.take() else {
+            return Ok(());
+        };
+        let from = self.checkpoints().join(format!("step-{best:06}"));
+        let best_dir = self.setup.run_dir.join("best");
+        let ctx = self.slow_ctx(step);
+        save_linked(&mut self.ddp, &mut self.saver, &best_dir, &from, best, ctx)?;
+        self.best_saved_at = Some(best);
         Ok(())
     }
 

@@ -40,7 +40,7 @@ use logging::{new_bar, progress_bar_wanted};
 pub use rank_time::{lines as rank_time_lines, straggler, RankTime};
 use resume::EvalProgress;
 pub use resume::{load_best, BestRecord};
-use sync::{broadcast_json, save_checkpoint};
+use sync::{broadcast_json, save_checkpoint, save_linked};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -235,6 +235,9 @@ struct Trainer<'t> {
     /// The step at which this process saved the best model: until another step runs, the
     /// parameters are the best model's (testing need not read it back).
     best_saved_at: Option<u64>,
+    /// The step of a best model found and not yet saved: it is saved as links to the files of
+    /// its epoch's checkpoint, once that is saved.
+    best_to_save: Option<u64>,
 }
 
 impl<'t> Trainer<'t> {
@@ -352,6 +355,7 @@ impl<'t> Trainer<'t> {
             trace: trace::SampleTrace::from_env(rank),
             saver: checkpoint::Background::default(),
             best_saved_at: None,
+            best_to_save: None,
         })
     }
 
@@ -398,7 +402,7 @@ impl<'t> Trainer<'t> {
         let path = run_dir.join("config.resolved.toml");
         std::fs::write(&path, resolved).map_err(|e| io(&path, e))?;
         self.earlier_summary =
-            resume::own_the_run_dir(run_dir, &self.start, self.resumed_from.is_some())?;
+            resume::own_the_run_dir(run_dir, &self.start, self.resumed_from.as_deref())?;
         let mut metrics = MetricsLog::open(&run_dir.join("metrics.jsonl"))?;
         if let (None, Some(baseline)) = (&self.resumed_from, &self.setup.baseline) {
             metrics.append(baseline)?;
@@ -421,6 +425,7 @@ impl<'t> Trainer<'t> {
             self.validate_if_due()?;
             let step = self.progress.step;
             self.checkpoint(epoch + 1, step, 0)?;
+            self.save_best(step)?;
             if self.eval.stopped_early {
                 break;
             }

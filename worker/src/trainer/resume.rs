@@ -343,14 +343,16 @@ pub(super) const RNG_SCHEME: &str = "torch generator reseeded before every optim
 
 /// Rank 0, once the start is known: moves aside what this run does not own (checkpoints above
 /// its start, a best model its state does not name, an earlier run's metrics on a fresh start),
-/// points `latest` at the checkpoint it resumed from, and cuts `metrics.jsonl` back to the
-/// records up to the start (whole lines only).
+/// points `latest` at the checkpoint it resumed from (`resumed_from`), saves the best model
+/// from it when that checkpoint is the best one's and the run stopped before `best/` had it,
+/// and cuts `metrics.jsonl` back to the records up to the start (whole lines only).
 /// Returns the summary of the run that ended where this one starts, if there was one.
 pub(super) fn own_the_run_dir(
     run_dir: &Path,
     start: &TrainState,
-    resumed: bool,
+    resumed_from: Option<&Path>,
 ) -> Result<Option<serde_json::Value>, TrainError> {
+    let resumed = resumed_from.is_some();
     let best_step = EvalProgress::from_state(start)?.best.map(|b| b.step);
     if let Some((to, moved)) = crate::run_dir::set_aside(run_dir, start.step, best_step)? {
         warn!(
@@ -370,6 +372,9 @@ pub(super) fn own_the_run_dir(
     if resumed {
         crate::run_dir::point_latest(&run_dir.join("checkpoints"), start.step)?;
     }
+    if let Some(from) = resumed_from.filter(|_| best_step == Some(start.step)) {
+        best_from_checkpoint(run_dir, from, start.step)?;
+    }
     let metrics = run_dir.join("metrics.jsonl");
     let (dropped, summary) = crate::run_dir::repair_metrics(&metrics, start.step)?;
     if dropped > 0 {
@@ -379,6 +384,22 @@ pub(super) fn own_the_run_dir(
         );
     }
     Ok(summary)
+}
+
+/// The best model is saved after its epoch's checkpoint, as links to its files: a run that
+/// stopped between the two resumes from that checkpoint with `best/` behind it, and the best
+/// model is saved again from the checkpoint (`from`, of `step`).
+fn best_from_checkpoint(run_dir: &Path, from: &Path, step: u64) -> Result<(), TrainError> {
+    let best = run_dir.join("best");
+    if best.join(format!("step-{step:06}")).is_dir() {
+        return Ok(());
+    }
+    checkpoint::save_as_links(&best, from, step, 1)?;
+    warn!(
+        "the best model (step {step}) was not saved before the run stopped: saved now from {}",
+        from.display()
+    );
+    Ok(())
 }
 
 impl Trainer<'_> {

@@ -48,6 +48,24 @@ pub(super) fn save_checkpoint(
     agree_on_failure(ddp, saved, ctx)
 }
 
+/// Rank 0 hands over the checkpoint of `step` into `dir` as links to the files of `from`, a
+/// checkpoint it saved before ([`checkpoint::Background::save_linked`]); then every rank learns
+/// whether that, and the checkpoint before it, succeeded.
+pub(super) fn save_linked(
+    ddp: &mut Ddp,
+    saver: &mut checkpoint::Background,
+    dir: &Path,
+    from: &Path,
+    step: u64,
+    ctx: OpContext,
+) -> Result<(), TrainError> {
+    let saved = match ddp.rank() {
+        0 => saver.save_linked(dir, from, step, 1),
+        _ => Ok(()),
+    };
+    agree_on_failure(ddp, saved, ctx)
+}
+
 /// Every rank waits until rank 0's checkpoints are on disk (`saver`) and learns whether they
 /// are.
 pub(super) fn checkpoints_on_disk(
