@@ -231,13 +231,21 @@ impl Recommender {
     /// embedding and, with a text tower, the projected text. A cold item's ID part is zero; a
     /// cold user's is the mean of the warm users' embeddings (the average taste).
     fn parts(&self, side: Side, ids: &Tensor, train: bool) -> (Tensor, Option<Tensor>) {
+        (
+            self.id_part(side, ids, train),
+            self.text_part(side, ids, train),
+        )
+    }
+
+    /// The ID embeddings [b, dim] of rows `ids`, cold rows as [`Recommender::parts`] says.
+    fn id_part(&self, side: Side, ids: &Tensor, train: bool) -> Tensor {
         let (table, n, warm) = match side {
             Side::User => (&self.user_id, self.config.n_users, self.config.n_warm_users),
             Side::Item => (&self.item_id, self.config.n_items, self.config.n_warm_items),
         };
         let id_emb = table.forward(ids);
         // Training sees warm ids only; an embedding training never touched is noise.
-        let id_emb = if warm < n && !train {
+        if warm < n && !train {
             let is_warm = ids.lt(warm).unsqueeze(-1);
             let stand_in = match side {
                 Side::User if warm > 0 => {
@@ -251,15 +259,18 @@ impl Recommender {
             id_emb.where_self(&is_warm, &stand_in.expand_as(&id_emb))
         } else {
             id_emb
-        };
-        let text = match (self.text_rows(side, ids, train), &self.proj) {
+        }
+    }
+
+    /// The projected text parts [b, dim] of rows `ids`, or `None` without a text tower.
+    fn text_part(&self, side: Side, ids: &Tensor, train: bool) -> Option<Tensor> {
+        match (self.text_rows(side, ids, train), &self.proj) {
             (Some(rows), Some((up, ip))) => Some(match side {
                 Side::User => up.forward(&rows),
                 Side::Item => ip.forward(&rows),
             }),
             _ => None,
-        };
-        (id_emb, text)
+        }
     }
 
     /// Representations [b, dim] of rows `ids`: ID part + text part.
@@ -288,28 +299,35 @@ impl Recommender {
     }
 
     /// Representations of every user and every item ([n_users, dim], [n_items, dim]) without
-    /// gradients, for evaluation: in dynamic mode GPT-2 encodes every text once here.
+    /// gradients, for evaluation: in dynamic mode GPT-2 encodes every text once here. The ID
+    /// parts are looked up in one go (the cold rows' stand-in computed once); the text parts go
+    /// [`ENCODE_ROWS`] rows at a time. The values are those of [`Recommender::repr`], bit for bit.
     pub fn tables(&self, device: tch::Device) -> (Tensor, Tensor) {
         let _guard = tch::no_grad_guard();
-        let all = |n: i64, side: Side| {
-            let parts: Vec<Tensor> = (0..n)
-                .step_by(ENCODE_ROWS as usize)
-                .map(|start| {
-                    let len = ENCODE_ROWS.min(n - start);
-                    let ids = Tensor::arange_start(start, start + len, (Kind::Int64, device));
-                    self.repr(side, &ids, false)
-                })
-                .collect();
-            if parts.is_empty() {
-                Tensor::zeros([0, self.config.dim], (Kind::Float, device))
-            } else {
-                Tensor::cat(&parts, 0)
-            }
-        };
         (
-            all(self.config.n_users, Side::User),
-            all(self.config.n_items, Side::Item),
+            self.table(Side::User, self.config.n_users, device),
+            self.table(Side::Item, self.config.n_items, device),
         )
+    }
+
+    /// The representations of rows `0..n` of one side (see [`Recommender::tables`]).
+    fn table(&self, side: Side, n: i64, device: tch::Device) -> Tensor {
+        let ids = Tensor::arange(n, (Kind::Int64, device));
+        let id_part = self.id_part(side, &ids, false);
+        let text: Option<Vec<Tensor>> = (0..n)
+            .step_by(ENCODE_ROWS as usize)
+            .map(|start| {
+                self.text_part(
+                    side,
+                    &ids.narrow(0, start, ENCODE_ROWS.min(n - start)),
+                    false,
+                )
+            })
+            .collect();
+        match text {
+            Some(parts) if !parts.is_empty() => id_part + Tensor::cat(&parts, 0),
+            _ => id_part,
+        }
     }
 
     /// Representations [b, dim] of users training never saw, from their text alone (the
@@ -580,6 +598,52 @@ mod tests {
             .double_value(&[]);
         assert!(diff < 1e-6, "{diff}");
         assert!(ci.narrow(0, 5, 2).abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    }
+
+    /// The tables (ID parts in one go) hold exactly what `repr` gives chunk by chunk, cold rows
+    /// and text included, over more rows than one chunk.
+    #[test]
+    fn tables_are_the_representations_bit_for_bit() {
+        for text in [false, true] {
+            tch::manual_seed(3);
+            let vs = nn::VarStore::new(tch::Device::Cpu);
+            let (n_users, n_items) = (300i64, 260i64);
+            let config = RecConfig {
+                n_users,
+                n_items,
+                n_warm_users: 250,
+                n_warm_items: 200,
+                dim: 8,
+                scorer: Scorer::Dot,
+                text_l2: 0.0,
+                zero_text_proj: false,
+            };
+            let features = Text::Cached(TextFeatures {
+                users: Tensor::randn([n_users, 12], (Kind::Float, tch::Device::Cpu)),
+                items: Tensor::randn([n_items, 12], (Kind::Float, tch::Device::Cpu)),
+            });
+            let m = Recommender::new(&vs.root(), config, if text { features } else { Text::None });
+            let (users, items) = m.tables(tch::Device::Cpu);
+            let _guard = tch::no_grad_guard();
+            for (side, n, table) in [(Side::User, n_users, users), (Side::Item, n_items, items)] {
+                let chunks: Vec<Tensor> = (0..n)
+                    .step_by(ENCODE_ROWS as usize)
+                    .map(|start| {
+                        let len = ENCODE_ROWS.min(n - start);
+                        m.repr(
+                            side,
+                            &Tensor::arange_start(
+                                start,
+                                start + len,
+                                (Kind::Int64, tch::Device::Cpu),
+                            ),
+                            false,
+                        )
+                    })
+                    .collect();
+                assert!(table.equal(&Tensor::cat(&chunks, 0)), "text {text}");
+            }
+        }
     }
 
     #[test]
