@@ -105,10 +105,11 @@ pub fn save(
     stage(dir, model, optimizer, state)?.commit(keep)
 }
 
-/// Saves into `dir` the checkpoint of `step` whose files are those of the complete checkpoint
-/// `from` (of the same step): hard links, or copies where the file system has none, so
-/// nothing is written or hashed again (the best model at an epoch's end is that epoch's
-/// checkpoint). Committed as [`save`] commits; its directory.
+/// Saves into `dir` the model of the complete checkpoint `from` (of `step`) as a checkpoint of
+/// its own, without optimizer state (an empty file), as the best model is kept: the model file
+/// is a hard link to `from`'s (a copy where the file system makes none), so it is not written
+/// or hashed again; `from`'s state is kept but for the optimizer file's digest. Committed as
+/// [`save`] commits; its directory.
 pub fn save_as_links(
     dir: &Path,
     from: &Path,
@@ -116,25 +117,26 @@ pub fn save_as_links(
     keep: usize,
 ) -> Result<PathBuf, CheckpointError> {
     let staged = Staged::new(dir, step)?;
-    let linked = fs::create_dir_all(&staged.tmp)
-        .map_err(io_err(&staged.tmp))
-        .and_then(|()| {
-            [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE]
-                .iter()
-                .try_for_each(|file| link_or_copy(&from.join(file), &staged.tmp.join(file)))
-        });
-    if let Err(e) = linked {
+    if let Err(e) = staged.link_model_of(from) {
         let _ = fs::remove_dir_all(&staged.tmp);
         return Err(e);
     }
     staged.commit(keep)
 }
 
-/// `to` as a hard link to `from`, or a copy of it where links cannot be made (another file
-/// system, or one without them).
+/// `to` as a hard link to `from`; a copy only where the file system cannot link them (another
+/// file system, no links, too many): any other failure (`to` exists) is an error, never a
+/// copy over a file another checkpoint may share.
 fn link_or_copy(from: &Path, to: &Path) -> Result<(), CheckpointError> {
-    if fs::hard_link(from, to).is_ok() {
+    let Err(e) = fs::hard_link(from, to) else {
         return Ok(());
+    };
+    let unlinkable = [libc::EXDEV, libc::EPERM, libc::EOPNOTSUPP, libc::EMLINK];
+    if !e
+        .raw_os_error()
+        .is_some_and(|code| unlinkable.contains(&code))
+    {
+        return Err(io_err(to)(e));
     }
     fs::copy(from, to).map(drop).map_err(io_err(from))
 }
@@ -201,14 +203,10 @@ impl Staged {
         optimizer: &[(String, Tensor)],
         state: &TrainState,
     ) -> Result<(), CheckpointError> {
-        let tmp = &self.tmp;
-        if tmp.exists() {
-            fs::remove_dir_all(tmp).map_err(io_err(tmp))?;
-        }
-        fs::create_dir_all(tmp).map_err(io_err(tmp))?;
+        self.fresh_tmp()?;
         let mut state = state.clone();
         for (file, tensors) in [(MODEL_FILE, model), (OPTIMIZER_FILE, optimizer)] {
-            let path = tmp.join(file);
+            let path = self.tmp.join(file);
             let failed = |source| CheckpointError::Tensors {
                 path: path.display().to_string(),
                 source,
@@ -223,8 +221,41 @@ impl Staged {
             state.files.insert(file.to_string(), digest(&path)?);
             start_writeback(&path);
         }
-        let state_path = tmp.join(STATE_FILE);
-        let json = serde_json::to_vec_pretty(&state).map_err(|e| CheckpointError::Invalid {
+        self.write_state(&state)
+    }
+
+    /// The model file of the complete checkpoint `from` linked in (see [`save_as_links`]), an
+    /// empty optimizer file, and `from`'s state with that file's digest.
+    fn link_model_of(&self, from: &Path) -> Result<(), CheckpointError> {
+        self.fresh_tmp()?;
+        let mut state = read_state(from)?;
+        link_or_copy(&from.join(MODEL_FILE), &self.tmp.join(MODEL_FILE))?;
+        let path = self.tmp.join(OPTIMIZER_FILE);
+        Tensor::write_safetensors::<&str, Tensor, _>(&[], &path).map_err(|source| {
+            CheckpointError::Tensors {
+                path: path.display().to_string(),
+                source,
+            }
+        })?;
+        state
+            .files
+            .insert(OPTIMIZER_FILE.to_string(), digest(&path)?);
+        start_writeback(&path);
+        self.write_state(&state)
+    }
+
+    /// The temporary directory, empty (a leftover of the same name removed first).
+    fn fresh_tmp(&self) -> Result<(), CheckpointError> {
+        let tmp = &self.tmp;
+        if tmp.exists() {
+            fs::remove_dir_all(tmp).map_err(io_err(tmp))?;
+        }
+        fs::create_dir_all(tmp).map_err(io_err(tmp))
+    }
+
+    fn write_state(&self, state: &TrainState) -> Result<(), CheckpointError> {
+        let state_path = self.tmp.join(STATE_FILE);
+        let json = serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::Invalid {
             path: state_path.display().to_string(),
             detail: e.to_string(),
         })?;
@@ -577,13 +608,8 @@ pub fn find_latest(
 /// that is not a regular file (a FIFO planted in a run directory is refused, not waited on),
 /// and a tensor file of another size than recorded is refused without being read.
 pub fn verify(path: &Path) -> Result<TrainState, CheckpointError> {
+    let state = read_state(path)?;
     let state_path = path.join(STATE_FILE);
-    let text = common::files::read_input(&state_path, MAX_STATE_FILE)?;
-    let state: TrainState =
-        serde_json::from_slice(&text).map_err(|e| CheckpointError::Invalid {
-            path: state_path.display().to_string(),
-            detail: format!("unreadable state ({e}): incomplete checkpoint"),
-        })?;
     for file in [MODEL_FILE, OPTIMIZER_FILE] {
         let expected = state
             .files
@@ -595,6 +621,16 @@ pub fn verify(path: &Path) -> Result<TrainState, CheckpointError> {
         check_file(&path.join(file), expected)?;
     }
     Ok(state)
+}
+
+/// The `state.json` of the checkpoint at `path`, read, not checked against its files.
+fn read_state(path: &Path) -> Result<TrainState, CheckpointError> {
+    let state_path = path.join(STATE_FILE);
+    let text = common::files::read_input(&state_path, MAX_STATE_FILE)?;
+    serde_json::from_slice(&text).map_err(|e| CheckpointError::Invalid {
+        path: state_path.display().to_string(),
+        detail: format!("unreadable state ({e}): incomplete checkpoint"),
+    })
 }
 
 /// The file at `path` has the recorded size and digest (the size compared before reading).
@@ -988,10 +1024,10 @@ mod tests {
         assert_eq!(saver.wait().unwrap(), None);
     }
 
-    /// A checkpoint saved as links shares its source's files (nothing written twice), loads
-    /// as its source does, and outlives the source's pruning.
+    /// A checkpoint saved as links shares its source's model file (nothing written twice), has
+    /// no optimizer state, loads as a checkpoint, and outlives the source's pruning.
     #[test]
-    fn a_checkpoint_saved_as_links_shares_the_files_and_outlives_its_source() {
+    fn a_checkpoint_saved_as_links_shares_the_model_and_outlives_its_source() {
         use std::os::unix::fs::MetadataExt;
         let dir = tempfile::tempdir().unwrap();
         let (ck, best) = (dir.path().join("ck"), dir.path().join("best"));
@@ -1006,17 +1042,26 @@ mod tests {
             fs::read_to_string(best.join(LATEST)).unwrap().trim(),
             "step-000100"
         );
-        for file in [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE] {
-            let ino = |d: &Path| fs::metadata(d.join(file)).unwrap().ino();
-            assert_eq!(ino(&from), ino(&best.join("step-000100")), "{file}");
-        }
-        // The source pruned (keep 1) by the next checkpoint: the links keep the files.
+        let ino = |d: &Path| fs::metadata(d.join(MODEL_FILE)).unwrap().ino();
+        assert_eq!(ino(&from), ino(&best.join("step-000100")));
+        // The source pruned (keep 1) by the next checkpoint: the link keeps the model.
         save(&ck, &tensors(1.0), &tensors(1.0), &state(200), 1).unwrap();
         assert!(!from.exists());
         let (model, optimizer, state) = load(&best.join("step-000100")).unwrap();
         assert_eq!(state.step, 100);
         assert_eq!(model[0].1.double_value(&[0]), 7.0);
-        assert_eq!(optimizer[0].1.double_value(&[0]), 8.0);
+        assert!(optimizer.is_empty());
+    }
+
+    /// A file in the way is an error, never a copy over it (it may be another checkpoint's).
+    #[test]
+    fn a_link_onto_an_existing_file_fails_and_leaves_it_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let (from, to) = (dir.path().join("a"), dir.path().join("b"));
+        fs::write(&from, b"model").unwrap();
+        fs::hard_link(&from, &to).unwrap();
+        assert!(link_or_copy(&from, &to).is_err());
+        assert_eq!(fs::read(&from).unwrap(), b"model");
     }
 
     /// Where no link can be made (here: across file systems) the files are copied.

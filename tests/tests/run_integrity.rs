@@ -174,9 +174,10 @@ fn a_fresh_run_in_an_old_run_dir_reports_only_its_own_results() {
     assert_one_test_and_summary(&run_dir);
 }
 
-/// The best model is saved after its epoch's checkpoint, as hard links to that checkpoint's
-/// files. A run that stopped between the two (here: `best/` removed after a finished run) saves
-/// it again from the checkpoint when resumed, and tests it; the test line is the same.
+/// The best model is saved after its epoch's checkpoint, its model file a hard link to that
+/// checkpoint's. A run that stopped between the two (here: `best/` removed after a finished
+/// run) saves it again from the checkpoint when resumed, and tests it; the test line is the
+/// same.
 #[test]
 fn a_best_model_lost_after_its_checkpoint_is_saved_again_from_it() {
     use std::os::unix::fs::MetadataExt;
@@ -207,7 +208,8 @@ fn a_best_model_lost_after_its_checkpoint_is_saved_again_from_it() {
     let again = run_ok(2, dir.path(), "relink", &["train.epochs=1"], &[]);
     let step = best[0].trim_start_matches("step-").trim_start_matches('0');
     again.assert_stderr(format!(
-        "the best model (step {step}) was not saved before the run stopped: saved now from {}",
+        "the best model (step {step}) was not in {}: saved again from {}",
+        run_dir.join("best").display(),
         run_dir.join("checkpoints").join(&best[0]).display()
     ));
     assert!(in_best.is_file());

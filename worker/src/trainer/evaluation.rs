@@ -42,7 +42,7 @@ impl Trainer<'_> {
     }
 
     /// Records a new best model; [`Trainer::save_best`] saves it once its epoch's checkpoint is
-    /// saved (as links to that checkpoint's files: nothing written twice).
+    /// saved (its model file a link to that checkpoint's: nothing written twice).
     pub(super) fn new_best(&mut self, m: Metrics, value: f64, secs: f64) {
         let (done, step) = (self.progress.epochs_done, self.progress.step);
         let line = format!("valid epoch {done}: {} ({secs:.1} s)", m.summary_line());
@@ -61,7 +61,7 @@ impl Trainer<'_> {
         self.say(format!("{line} — new best {} {value:.4}{was}", self.metric));
     }
 
-    /// The best model found at `step`, if any, into `<run dir>/best/` as links to the files of
+    /// The best model found at `step`, if any, into `<run dir>/best/`, its model file a link to
     /// the checkpoint of `step` (saved just before, which records it as the best).
     pub(super) fn save_best(&mut self, step: u64) -> Result<(), TrainError> {
         let Some(best) = self.best_to_save.take() else {

@@ -235,7 +235,7 @@ struct Trainer<'t> {
     /// The step at which this process saved the best model: until another step runs, the
     /// parameters are the best model's (testing need not read it back).
     best_saved_at: Option<u64>,
-    /// The step of a best model found and not yet saved: it is saved as links to the files of
+    /// The step of a best model found and not yet saved: its model file is a link to the one of
     /// its epoch's checkpoint, once that is saved.
     best_to_save: Option<u64>,
 }

@@ -344,8 +344,7 @@ pub(super) const RNG_SCHEME: &str = "torch generator reseeded before every optim
 /// Rank 0, once the start is known: moves aside what this run does not own (checkpoints above
 /// its start, a best model its state does not name, an earlier run's metrics on a fresh start),
 /// points `latest` at the checkpoint it resumed from (`resumed_from`), saves the best model
-/// from it when that checkpoint is the best one's and the run stopped before `best/` had it,
-/// and cuts `metrics.jsonl` back to the records up to the start (whole lines only).
+/// again from its checkpoint when `best/` lacks it ([`best_from_checkpoint`]), and cuts `metrics.jsonl` back to the records up to the start (whole lines only).
 /// Returns the summary of the run that ended where this one starts, if there was one.
 pub(super) fn own_the_run_dir(
     run_dir: &Path,
@@ -372,8 +371,9 @@ pub(super) fn own_the_run_dir(
     if resumed {
         crate::run_dir::point_latest(&run_dir.join("checkpoints"), start.step)?;
     }
-    if let Some(from) = resumed_from.filter(|_| best_step == Some(start.step)) {
-        best_from_checkpoint(run_dir, from, start.step)?;
+    if let Some(best) = best_step {
+        let resumed_at_best = resumed_from.filter(|_| best == start.step);
+        best_from_checkpoint(run_dir, resumed_at_best, best)?;
     }
     let metrics = run_dir.join("metrics.jsonl");
     let (dropped, summary) = crate::run_dir::repair_metrics(&metrics, start.step)?;
@@ -386,17 +386,32 @@ pub(super) fn own_the_run_dir(
     Ok(summary)
 }
 
-/// The best model is saved after its epoch's checkpoint, as links to its files: a run that
-/// stopped between the two resumes from that checkpoint with `best/` behind it, and the best
-/// model is saved again from the checkpoint (`from`, of `step`).
-fn best_from_checkpoint(run_dir: &Path, from: &Path, step: u64) -> Result<(), TrainError> {
-    let best = run_dir.join("best");
-    if best.join(format!("step-{step:06}")).is_dir() {
+/// The best model is saved after its epoch's checkpoint, as a link to its model file: a run
+/// that stopped before that save (or whose save failed) left `best/` without the best model
+/// its state names (`step`). It is saved again from that checkpoint, the run's own or the one
+/// resumed from (`resumed_at_best`, when that is of `step`), if one is still there and
+/// complete; otherwise testing reports the best model missing, as before.
+fn best_from_checkpoint(
+    run_dir: &Path,
+    resumed_at_best: Option<&Path>,
+    step: u64,
+) -> Result<(), TrainError> {
+    let (best, name) = (run_dir.join("best"), format!("step-{step:06}"));
+    if best.join(&name).is_dir() {
         return Ok(());
     }
+    let own = run_dir.join("checkpoints").join(&name);
+    let Some(from) = [Some(own.as_path()), resumed_at_best]
+        .into_iter()
+        .flatten()
+        .find(|from| checkpoint::verify(from).is_ok())
+    else {
+        return Ok(());
+    };
     checkpoint::save_as_links(&best, from, step, 1)?;
     warn!(
-        "the best model (step {step}) was not saved before the run stopped: saved now from {}",
+        "the best model (step {step}) was not in {}: saved again from {}",
+        best.display(),
         from.display()
     );
     Ok(())
@@ -578,6 +593,42 @@ impl Trainer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn state(step: u64) -> TrainState {
+        TrainState {
+            epoch: 1,
+            step,
+            samples_in_epoch: 0,
+            seed: 1,
+            world_size: 2,
+            global_batch: 8,
+            model_hash: "m".into(),
+            rng: String::new(),
+            files: Default::default(),
+            trainer: Default::default(),
+            schedule_steps: None,
+        }
+    }
+
+    /// The best model missing from `best/` is saved again from the run's checkpoint of its step
+    /// (the newest checkpoint or an older one), and only from a complete one.
+    #[test]
+    fn a_missing_best_model_is_saved_again_from_its_complete_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path();
+        let model = vec![("w".to_string(), Tensor::from_slice(&[3.0f32]))];
+        for step in [100, 200] {
+            checkpoint::save(&run.join("checkpoints"), &model, &model, &state(step), 3).unwrap();
+        }
+        best_from_checkpoint(run, None, 100).unwrap();
+        let (loaded, optimizer, saved) = checkpoint::load(&run.join("best/step-000100")).unwrap();
+        assert_eq!((saved.step, loaded.len(), optimizer.len()), (100, 1, 0));
+        // Already there: left alone. A damaged checkpoint is not a source.
+        best_from_checkpoint(run, None, 100).unwrap();
+        std::fs::write(run.join("checkpoints/step-000200/model.safetensors"), b"x").unwrap();
+        best_from_checkpoint(run, None, 200).unwrap();
+        assert!(!run.join("best/step-000200").exists());
+    }
 
     /// A data part that differs is told apart from a model that differs; a checkpoint from
     /// before fingerprints had a data part is compared on the model alone.

@@ -48,7 +48,8 @@ pub(super) fn save_checkpoint(
     agree_on_failure(ddp, saved, ctx)
 }
 
-/// Rank 0 hands over the checkpoint of `step` into `dir` as links to the files of `from`, a
+/// Rank 0 hands over the model of `from` into `dir` as a checkpoint of `step` whose model file
+/// is a link to `from`'s, a
 /// checkpoint it saved before ([`checkpoint::Background::save_linked`]); then every rank learns
 /// whether that, and the checkpoint before it, succeeded.
 pub(super) fn save_linked(
