@@ -3,8 +3,8 @@
 //! directory, fsynced and renamed into place, then `checkpoints/latest` is updated (last). The
 //! newest K are kept. A checkpoint is only ever loaded when it is complete: `state.json` records
 //! the size and SHA-256 of both tensor files, so one left half-written by a crash is skipped.
-//! A commit waits for the disk twice: once for the files (their writeback started as each is
-//! written, so that one journal commit covers them) and once for the directory after both
+//! A commit waits for the disk twice: once for the files (the writeback of all of them started
+//! before the first fsync, so that one journal commit covers them) and once for the directory after both
 //! renames. A crash before that leaves the previous checkpoint as `latest`; one during it may
 //! leave a `latest` that names a missing checkpoint or nothing, which [`find_latest`] reports
 //! before taking the newest complete one.
@@ -219,7 +219,6 @@ impl Staged {
                 .map_err(failed)?;
             Tensor::write_safetensors(&contiguous, &path).map_err(failed)?;
             state.files.insert(file.to_string(), digest(&path)?);
-            start_writeback(&path);
         }
         self.write_state(&state)
     }
@@ -240,7 +239,6 @@ impl Staged {
         state
             .files
             .insert(OPTIMIZER_FILE.to_string(), digest(&path)?);
-        start_writeback(&path);
         self.write_state(&state)
     }
 
@@ -259,17 +257,19 @@ impl Staged {
             path: state_path.display().to_string(),
             detail: e.to_string(),
         })?;
-        fs::write(&state_path, json).map_err(io_err(&state_path))?;
-        start_writeback(&state_path);
-        Ok(())
+        fs::write(&state_path, json).map_err(io_err(&state_path))
     }
 
     /// The staged files synced, then renamed into place, then `latest`, with one sync of the
     /// directory for both renames (see the module doc for what a crash leaves).
     fn put_in_place(&self) -> Result<PathBuf, CheckpointError> {
         let (dir, tmp, name) = (&self.dir, &self.tmp, &self.name);
-        for file in [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE] {
-            sync_file(&tmp.join(file))?;
+        let files = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE].map(|file| tmp.join(file));
+        // All three on their way to the disk before the first fsync waits: one journal commit
+        // then covers them (here, on the committing thread: starting writeback can block).
+        files.iter().for_each(|file| start_writeback(file));
+        for file in &files {
+            sync_file(file)?;
         }
         sync_dir(tmp)?;
         let final_dir = dir.join(name);
@@ -725,9 +725,10 @@ fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
     })
 }
 
-/// Starts writing `path`'s data to the disk without waiting: the fsyncs that follow then find
-/// every staged file's blocks already allocated, and one journal commit (on ext4) covers them
-/// all instead of one per file. Only a hint: the fsyncs still make each file durable.
+/// Starts writing `path`'s data to the disk without waiting for it: the fsyncs that follow
+/// then find every staged file's blocks already allocated, and one journal commit (on ext4)
+/// covers them all instead of one per file. Only a hint: the fsyncs still make each file
+/// durable.
 fn start_writeback(path: &Path) {
     #[cfg(target_os = "linux")]
     if let Ok(file) = File::open(path) {
