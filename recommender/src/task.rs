@@ -41,6 +41,9 @@ pub struct RecTask {
     /// The ID rows the last micro-batch looked up: its users, and its positive and negative
     /// items ([`RecTask::rows_used`]).
     last_rows: Option<(Vec<i64>, Vec<i64>)>,
+    /// While [`RecTask::hold_tables`] holds them: the user and item tables of the first
+    /// evaluation since, used by the ones after it (the parameters do not change meanwhile).
+    held: Option<Option<(Tensor, Tensor)>>,
 }
 
 impl RecTask {
@@ -127,6 +130,7 @@ impl RecTask {
             bf16: config.train.bf16 && device.is_cuda(),
             data_time: std::time::Duration::ZERO,
             last_rows: None,
+            held: None,
         })
     }
 }
@@ -253,6 +257,8 @@ impl RecTask {
     pub fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
         // A previous micro-batch abandoned before its backward leaves nothing behind.
         self.model.discard_pending();
+        // Training changes the parameters: tables held for evaluation are stale.
+        self.held = None;
         let started = std::time::Instant::now();
         // Negatives come from torch's generator, which the trainer reseeds every step: the
         // same numbers after a resume, different ones every batch.
@@ -369,6 +375,13 @@ impl RecTask {
         self.hash.clone()
     }
 
+    /// While `hold` (until called again with `false`), evaluations reuse the user and item
+    /// tables of the first one (in dynamic mode, every text encoded once for all of them): the
+    /// caller promises that the parameters do not change meanwhile.
+    pub fn hold_tables(&mut self, hold: bool) {
+        self.held = hold.then_some(None);
+    }
+
     /// Full-ranking metrics of the current model on `split`; every rank calls it together.
     pub fn evaluate(
         &mut self,
@@ -376,7 +389,15 @@ impl RecTask {
         comm: &mut dyn Collective,
         ctx: OpContext,
     ) -> Result<Metrics, RecError> {
-        let (users, items) = self.model.tables(self.device);
+        let (users, items) = match &mut self.held {
+            Some(Some((users, items))) => (users.shallow_clone(), items.shallow_clone()),
+            Some(held) => {
+                let (users, items) = self.model.tables(self.device);
+                *held = Some((users.shallow_clone(), items.shallow_clone()));
+                (users, items)
+            }
+            None => self.model.tables(self.device),
+        };
         let lists = split_lists(&self.ds, &self.train_valid, split);
         let model = &self.model;
         let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
@@ -413,12 +434,7 @@ mod tests {
         #[test]
         fn negatives_are_never_train_items_and_change_every_batch() {
             let dir = tempfile::tempdir().unwrap();
-            let d = tiny_data(&dir.path().join("d"));
-            let mut config = Config::default();
-            config.model.kind = ModelKind::Bpr;
-            let vs = nn::VarStore::new(Device::Cpu);
-            let mut comm = with_single();
-            let mut task = RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX, &()).unwrap();
+            let (_vs, _comm, mut task) = crate::task::tests::bpr_task(dir.path());
             let idx: Vec<usize> = (0..task.train_len()).step_by(7).collect();
             // Recompute the negatives the loss drew by replaying torch's generator.
             for seed in [1i64, 2] {
@@ -446,6 +462,53 @@ mod tests {
         let comm = TcpCollective::connect(&env, store, Duration::from_secs(5)).unwrap();
         std::mem::forget(server);
         Box::new(comm)
+    }
+
+    /// A BPR task on the tiny data in `dir`, with its variables and a world of one.
+    pub(super) fn bpr_task(dir: &std::path::Path) -> (nn::VarStore, Box<dyn Collective>, RecTask) {
+        let d = tiny_data(&dir.join("d"));
+        let mut config = Config::default();
+        config.model.kind = ModelKind::Bpr;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut comm = with_single();
+        let task = RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX, &()).unwrap();
+        (vs, comm, task)
+    }
+
+    /// Held tables serve every evaluation until released, or until training changes the
+    /// parameters (a loss is computed).
+    #[test]
+    fn held_tables_serve_evaluations_until_released_or_trained() {
+        let dir = tempfile::tempdir().unwrap();
+        let (vs, mut comm, mut task) = bpr_task(dir.path());
+        let mut test = |task: &mut RecTask| task.evaluate(Split::Test, comm.as_mut(), CTX).unwrap();
+        let before = test(&mut task);
+        // The item table negated: every score negated, another ranking.
+        let scale = |by: f64| {
+            let _guard = tch::no_grad_guard();
+            for (name, mut v) in vs.variables() {
+                if name.starts_with("item_id") {
+                    let _ = v.f_mul_scalar_(by).unwrap();
+                }
+            }
+        };
+        task.hold_tables(true);
+        assert_eq!(test(&mut task), before);
+        scale(-1.0);
+        assert_eq!(test(&mut task), before, "the held tables were not used");
+        task.hold_tables(false);
+        let after = test(&mut task);
+        assert_ne!(after, before);
+        task.hold_tables(true);
+        assert_eq!(test(&mut task), after);
+        scale(-1.0);
+        let idx: Vec<usize> = (0..4).collect();
+        let _ = task.loss(&idx).unwrap();
+        assert_eq!(
+            test(&mut task),
+            before,
+            "training did not release the held tables"
+        );
     }
 
     #[test]

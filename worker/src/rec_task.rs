@@ -46,6 +46,10 @@ impl Task for RecTask {
         RecTask::test_splits(self)
     }
 
+    fn hold_evaluation_state(&mut self, hold: bool) {
+        RecTask::hold_tables(self, hold);
+    }
+
     fn evaluate(
         &mut self,
         split: Split,

@@ -116,6 +116,15 @@ impl Trainer<'_> {
             self.checkpoints_on_disk(step)?;
             self.load_best(step)?;
         }
+        // The splits are evaluated with the same parameters: what they share is computed once.
+        self.task.hold_evaluation_state(true);
+        let tested = self.test_splits(step, done);
+        self.task.hold_evaluation_state(false);
+        tested
+    }
+
+    /// Every split of [`Task::test_splits`](super::Task::test_splits), each recorded.
+    fn test_splits(&mut self, step: u64, done: u64) -> Result<Vec<(Split, Metrics)>, TrainError> {
         let mut results = Vec::new();
         for split in self.task.test_splits() {
             let t0 = Instant::now();

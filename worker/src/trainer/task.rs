@@ -50,6 +50,10 @@ pub trait Task {
     fn test_splits(&self) -> Vec<Split> {
         vec![Split::Test]
     }
+    /// While `hold` (until called again with `false`), the evaluations may reuse what the first
+    /// one computed from the parameters (the trainer does not change them meanwhile). Default:
+    /// nothing held.
+    fn hold_evaluation_state(&mut self, _hold: bool) {}
     /// Metrics of the current model on `split`. Every rank calls it together (the task may
     /// split the work and reduce). `None` (the default): the task has nothing to evaluate.
     fn evaluate(
