@@ -4,8 +4,8 @@
 //! newest K are kept. A checkpoint is only ever loaded when it is complete: `state.json` records
 //! the size and SHA-256 of both tensor files, so one left half-written by a crash is skipped.
 //! A commit waits for the disk twice: once for the files (the writeback of all of them started
-//! before the first fsync, so that one journal commit covers them) and once for the directory after both
-//! renames. A crash before that leaves the previous checkpoint as `latest`; one during it may
+//! before the first fsync, so that one journal commit covers them) and once for the directory
+//! after both renames. A crash before that leaves the previous checkpoint as `latest`; one during it may
 //! leave a `latest` that names a missing checkpoint or nothing, which [`find_latest`] reports
 //! before taking the newest complete one.
 //! This module reads and writes files (reading none that is not a regular file, so a FIFO in a
@@ -105,12 +105,17 @@ pub fn save(
     stage(dir, model, optimizer, state)?.commit(keep)
 }
 
+/// The name of the directory of the checkpoint of `step` (`step-000123`).
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:06}")
+}
+
 /// Saves into `dir` the model of the complete checkpoint `from` (of `step`) as a checkpoint of
 /// its own, without optimizer state (an empty file), as the best model is kept: the model file
 /// is a hard link to `from`'s (a copy where the file system makes none), so it is not written
 /// or hashed again; `from`'s state is kept but for the optimizer file's digest. Committed as
 /// [`save`] commits; its directory.
-pub fn save_as_links(
+pub fn save_linked(
     dir: &Path,
     from: &Path,
     step: u64,
@@ -172,7 +177,7 @@ impl Staged {
     /// A new temporary directory in `dir` for the checkpoint of `step`.
     fn new(dir: &Path, step: u64) -> Result<Staged, CheckpointError> {
         fs::create_dir_all(dir).map_err(io_err(dir))?;
-        let name = format!("step-{step:06}");
+        let name = step_dir_name(step);
         // Unique within the process too: two checkpoints of one step may wait to be committed.
         static STAGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let seq = STAGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -223,7 +228,7 @@ impl Staged {
         self.write_state(&state)
     }
 
-    /// The model file of the complete checkpoint `from` linked in (see [`save_as_links`]), an
+    /// The model file of the complete checkpoint `from` linked in (see [`save_linked`]), an
     /// empty optimizer file, and `from`'s state with that file's digest.
     fn link_model_of(&self, from: &Path) -> Result<(), CheckpointError> {
         self.fresh_tmp()?;
@@ -264,12 +269,17 @@ impl Staged {
     /// directory for both renames (see the module doc for what a crash leaves).
     fn put_in_place(&self) -> Result<PathBuf, CheckpointError> {
         let (dir, tmp, name) = (&self.dir, &self.tmp, &self.name);
-        let files = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE].map(|file| tmp.join(file));
+        let files = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE]
+            .map(|name| tmp.join(name))
+            .into_iter()
+            .map(|path| File::open(&path).map(|file| (file, path)))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(io_err(tmp))?;
         // All three on their way to the disk before the first fsync waits: one journal commit
         // then covers them (here, on the committing thread: starting writeback can block).
-        files.iter().for_each(|file| start_writeback(file));
-        for file in &files {
-            sync_file(file)?;
+        files.iter().for_each(|(file, _)| start_writeback(file));
+        for (file, path) in &files {
+            file.sync_all().map_err(io_err(path))?;
         }
         sync_dir(tmp)?;
         let final_dir = dir.join(name);
@@ -325,8 +335,13 @@ enum Job {
         keep: usize,
     },
     Staged(Staged, usize),
-    /// [`save_as_links`]: (dir, from, step, keep).
-    Linked(PathBuf, PathBuf, u64, usize),
+    /// [`save_linked`].
+    Linked {
+        dir: PathBuf,
+        from: PathBuf,
+        step: u64,
+        keep: usize,
+    },
 }
 
 impl Job {
@@ -340,7 +355,12 @@ impl Job {
                 keep,
             } => stage(&dir, &model, &optimizer, &state)?.commit(keep),
             Job::Staged(staged, keep) => staged.commit(keep),
-            Job::Linked(dir, from, step, keep) => save_as_links(&dir, &from, step, keep),
+            Job::Linked {
+                dir,
+                from,
+                step,
+                keep,
+            } => save_linked(&dir, &from, step, keep),
         }
     }
 }
@@ -405,7 +425,7 @@ impl Background {
         self.hand_over(job, step, dir)
     }
 
-    /// Hands over [`save_as_links`] of `from`, a checkpoint of `step` saved before through this
+    /// Hands over [`save_linked`] of `from`, a checkpoint of `step` saved before through this
     /// `Background` (it is in place first: checkpoints are committed in order). An earlier
     /// commit that failed is this call's error.
     pub fn save_linked(
@@ -416,7 +436,12 @@ impl Background {
         keep: usize,
     ) -> Result<(), SaveFailed> {
         self.make_room()?;
-        let job = Job::Linked(dir.to_path_buf(), from.to_path_buf(), step, keep);
+        let job = Job::Linked {
+            dir: dir.to_path_buf(),
+            from: from.to_path_buf(),
+            step,
+            keep,
+        };
         self.hand_over(job, step, dir)
     }
 
@@ -500,7 +525,7 @@ impl Background {
 
     fn lost(step: u64) -> CheckpointError {
         CheckpointError::Invalid {
-            path: format!("step-{step:06}"),
+            path: step_dir_name(step),
             detail: "the thread writing it ended before it".into(),
         }
     }
@@ -725,25 +750,19 @@ fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
     })
 }
 
-/// Starts writing `path`'s data to the disk without waiting for it: the fsyncs that follow
+/// Starts writing `file`'s data to the disk without waiting for it: the fsyncs that follow
 /// then find every staged file's blocks already allocated, and one journal commit (on ext4)
 /// covers them all instead of one per file. Only a hint: the fsyncs still make each file
 /// durable.
-fn start_writeback(path: &Path) {
+fn start_writeback(file: &File) {
     #[cfg(target_os = "linux")]
-    if let Ok(file) = File::open(path) {
+    {
         use std::os::fd::AsRawFd;
         // SAFETY: a plain syscall on an open descriptor; its failure changes nothing.
         unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = path;
-}
-
-fn sync_file(path: &Path) -> Result<(), CheckpointError> {
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(io_err(path))
+    let _ = file;
 }
 
 fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
@@ -1076,7 +1095,7 @@ mod tests {
         save(shm.path(), &tensors(3.0), &tensors(4.0), &state(5), 1).unwrap();
         let from = shm.path().join("step-000005");
         let best = dir.path().join("best");
-        save_as_links(&best, &from, 5, 1).unwrap();
+        save_linked(&best, &from, 5, 1).unwrap();
         fs::remove_dir_all(&from).unwrap();
         let (model, _, _) = load(&best.join("step-000005")).unwrap();
         assert_eq!(model[0].1.double_value(&[0]), 3.0);

@@ -212,7 +212,8 @@ pub fn set_aside(
 /// `latest` never names a directory that was moved aside).
 pub fn point_latest(checkpoints: &Path, step: u64) -> Result<(), RunDirError> {
     let tmp = checkpoints.join(".latest.tmp");
-    fs::write(&tmp, format!("step-{step:06}\n")).map_err(io_err(&tmp))?;
+    let name = runtime::checkpoint::step_dir_name(step);
+    fs::write(&tmp, format!("{name}\n")).map_err(io_err(&tmp))?;
     let latest = checkpoints.join("latest");
     fs::rename(&tmp, &latest).map_err(io_err(&latest))
 }

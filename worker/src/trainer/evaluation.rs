@@ -9,6 +9,7 @@ use super::{
 };
 use common::memory::{Phase, PhaseSink as _};
 use recommender::eval::Metrics;
+use runtime::checkpoint;
 
 impl Trainer<'_> {
     /// Validation every `eval.every_n_epochs` (and after the last epoch), before the epoch's
@@ -67,7 +68,7 @@ impl Trainer<'_> {
         let Some(best) = self.best_to_save.take() else {
             return Ok(());
         };
-        let from = self.checkpoints().join(format!("step-{best:06}"));
+        let from = self.checkpoints().join(checkpoint::step_dir_name(best));
         let best_dir = self.setup.run_dir.join("best");
         let ctx = self.slow_ctx(step);
         save_linked(&mut self.ddp, &mut self.saver, &best_dir, &from, best, ctx)?;

@@ -566,7 +566,7 @@ impl<'t> Trainer<'t> {
             self.setup.plan.config.checkpoint.keep as usize,
             ctx,
         )?;
-        let path = checkpoints.join(format!("step-{step:06}"));
+        let path = checkpoints.join(runtime::checkpoint::step_dir_name(step));
         self.setup
             .memory
             .update(|f| f.last_checkpoint = Some(path.display().to_string()));

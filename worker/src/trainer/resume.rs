@@ -396,7 +396,7 @@ fn best_from_checkpoint(
     resumed_at_best: Option<&Path>,
     step: u64,
 ) -> Result<(), TrainError> {
-    let (best, name) = (run_dir.join("best"), format!("step-{step:06}"));
+    let (best, name) = (run_dir.join("best"), checkpoint::step_dir_name(step));
     if best.join(&name).is_dir() {
         return Ok(());
     }
@@ -408,7 +408,7 @@ fn best_from_checkpoint(
     else {
         return Ok(());
     };
-    checkpoint::save_as_links(&best, from, step, 1)?;
+    checkpoint::save_linked(&best, from, step, 1)?;
     warn!(
         "the best model (step {step}) was not in {}: saved again from {}",
         best.display(),

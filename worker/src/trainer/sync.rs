@@ -41,17 +41,17 @@ pub(super) fn save_checkpoint(
     ctx: OpContext,
 ) -> Result<(), TrainError> {
     state.world_size = ddp.world_size() as u64;
-    let saved = match ddp.rank() {
-        0 => saver.save(dir, &ddp.named_variables(), optimizer_state, &state, keep),
-        _ => Ok(()),
-    };
-    agree_on_failure(ddp, saved, ctx)
+    saved_by_rank_0(
+        ddp,
+        |ddp| saver.save(dir, &ddp.named_variables(), optimizer_state, &state, keep),
+        ctx,
+    )
 }
 
-/// Rank 0 hands over the model of `from` into `dir` as a checkpoint of `step` whose model file
-/// is a link to `from`'s, a
-/// checkpoint it saved before ([`checkpoint::Background::save_linked`]); then every rank learns
-/// whether that, and the checkpoint before it, succeeded.
+/// Rank 0 hands over the model of `from`, a checkpoint of `step` it saved before, into `dir`
+/// as a checkpoint whose model file is a link to `from`'s
+/// ([`checkpoint::Background::save_linked`]); then every rank learns whether that, and the
+/// checkpoint before it, succeeded.
 pub(super) fn save_linked(
     ddp: &mut Ddp,
     saver: &mut checkpoint::Background,
@@ -60,8 +60,17 @@ pub(super) fn save_linked(
     step: u64,
     ctx: OpContext,
 ) -> Result<(), TrainError> {
+    saved_by_rank_0(ddp, |_| saver.save_linked(dir, from, step, 1), ctx)
+}
+
+/// `save` on rank 0 (nothing elsewhere), then every rank learns whether it failed.
+fn saved_by_rank_0(
+    ddp: &mut Ddp,
+    save: impl FnOnce(&Ddp) -> Result<(), checkpoint::SaveFailed>,
+    ctx: OpContext,
+) -> Result<(), TrainError> {
     let saved = match ddp.rank() {
-        0 => saver.save_linked(dir, from, step, 1),
+        0 => save(ddp),
         _ => Ok(()),
     };
     agree_on_failure(ddp, saved, ctx)
