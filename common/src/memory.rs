@@ -322,10 +322,12 @@ pub fn mib_text(bytes: u64) -> String {
 pub const CPU_RUNTIME_BYTES: u64 = 349 << 20;
 /// GPT-2's BPE tables in tiktoken-rs (host memory). Measured: 9 MiB.
 pub const TOKENIZER_BYTES: u64 = 9 << 20;
-/// CUDA context and libtorch's kernels on the device: about 500 MiB on recent GPUs with
-/// CUDA 12's lazy module loading (PyTorch's documentation and common measurements; not measured
-/// here: no GPU was available).
-pub const CUDA_CONTEXT_BYTES: u64 = 500 << 20;
+/// CUDA context, libtorch's kernels, cuBLAS's workspace and a one-rank NCCL communicator on the
+/// device. Measured on an H100 80GB (CUDA 13.0, PyTorch 2.11.0, NCCL 2.28.9;
+/// `scripts/gpu/check.sh`, 2026-11-27; the same on an H200): workers whose tensors take a few
+/// MiB peaked at 1,214 MiB (ID embeddings alone) to 1,322 MiB (the default config, whose GPT-2
+/// kernels load too) by NVML. Other GPUs and CUDA versions differ by a few hundred MiB.
+pub const CUDA_CONTEXT_BYTES: u64 = 1_300 << 20;
 /// The caching allocator keeps freed blocks and rounds sizes up; what it holds beyond the live
 /// tensors, as a fraction of them (a planning margin, not a measurement).
 pub const CUDA_ALLOCATOR_RESERVE: f64 = 0.15;
@@ -346,6 +348,15 @@ const HOST_BYTES_PER_INTERACTION: u64 = 50;
 /// copies, the attention output, the MLP's 4d input and GELU output, dropout outputs and masks
 /// and the residual sums;
 const BLOCK_ACTIVATION_COPIES: u64 = 26;
+/// The same on CUDA, where libtorch's kernels keep fewer intermediates (fused attention, no
+/// freed blocks held back between layers). Measured on an H100 (`scripts/gpu/check.sh`,
+/// 2026-11-27): GPT-2 small, 12 blocks training, micro 192: 10,736 MiB of device memory, which
+/// leaves about 14 copies per block after the context, the weights, AdamW and the allocator's
+/// reserve; 16 keeps a margin.
+const CUDA_BLOCK_ACTIVATION_COPIES: u64 = 16;
+/// The same under bf16 autocast on CUDA, in bf16 values (layer norms, softmax and the residual
+/// stream stay f32): measured 19 in the run above with `train.bf16 = true` (8,776 MiB).
+const CUDA_BF16_BLOCK_ACTIVATION_COPIES: u64 = 22;
 /// f32 values per token and unit of width that activation checkpointing holds besides the
 /// block inputs while it recomputes: the gradients at a block's output and at its input.
 const CHECKPOINT_BOUNDARY_COPIES: u64 = 2;
@@ -355,6 +366,10 @@ const CHECKPOINT_BOUNDARY_COPIES: u64 = 2;
 /// sample of micro batch; 5 copies per block, one block's working set and the embeddings give
 /// 27; with 1 copy the estimate was 13).
 const CHECKPOINT_COPIES_PER_BLOCK: u64 = 5;
+/// The same on CUDA, where the caching allocator reuses the recompute's blocks: the saved
+/// input alone. Measured on an H100 (the run above with activation checkpointing: 3,944 MiB,
+/// about 13 copies in all for 12 blocks, their recompute and the embeddings).
+const CUDA_CHECKPOINT_COPIES_PER_BLOCK: u64 = 1;
 /// The same per attention score (per head, per query and key): scores, softmax output, dropout
 /// output and mask.
 const ATTENTION_SCORE_COPIES: u64 = 4;
@@ -764,13 +779,20 @@ mod tests {
         // micro 16: 16 x 16 user tokens + 32 x 40 item tokens = 1536 token rows.
         let tokens = 16 * 16 + 2 * 16 * 40;
         let scores = 16 * 16 * 16 + 2 * 16 * 40 * 40;
-        let block = tokens * 768 * BLOCK_ACTIVATION_COPIES * 4 + scores * 12 * 4 * 4;
+        let block = tokens * 768 * CUDA_BLOCK_ACTIVATION_COPIES * 4 + scores * 12 * 4 * 4;
         assert_eq!(
             act(&c, 16),
             12 * block + tokens * 768 * EMBEDDING_COPIES * 4
         );
         // Linear in the micro batch.
         assert_eq!(act(&c, 32), 2 * act(&c, 16));
+        // The CPU keeps more copies per block (its allocator holds freed blocks back).
+        let on_cpu = estimate(&c, &plan(192, 16, 12, 1), &data, DeviceKind::Cpu);
+        assert_eq!(
+            on_cpu.term("activations (GPT-2)"),
+            12 * (tokens * 768 * BLOCK_ACTIVATION_COPIES * 4 + scores * 12 * 4 * 4)
+                + tokens * 768 * EMBEDDING_COPIES * 4
+        );
         // Only the trained blocks keep activations.
         c.model.trainable_layers = Some(3);
         assert_eq!(act(&c, 16), 3 * block + tokens * 768 * EMBEDDING_COPIES * 4);
@@ -786,10 +808,11 @@ mod tests {
         c.model.trainable_layers = None;
         c.model.freeze_gpt2 = true;
         assert_eq!(act(&c, 16), block);
-        // bf16 halves the block copies.
+        // bf16: its own copies, in 2 bytes each.
         c.model.freeze_gpt2 = false;
         c.train.bf16 = true;
-        let bf = block - tokens * 768 * BLOCK_ACTIVATION_COPIES * 2;
+        let bf = block - tokens * 768 * CUDA_BLOCK_ACTIVATION_COPIES * 4
+            + tokens * 768 * CUDA_BF16_BLOCK_ACTIVATION_COPIES * 2;
         assert_eq!(act(&c, 16), 12 * bf + tokens * 768 * EMBEDDING_COPIES * 4);
         assert!(
             estimate(&c, &plan(192, 16, 12, 1), &data, DeviceKind::Cuda).term("bf16 weight copies")
@@ -797,16 +820,16 @@ mod tests {
         );
         c.train.bf16 = false;
         c.model.activation_checkpointing = true;
-        // Checkpointing: 5 f32 copies per trained block, two gradients, one block's copies.
+        // Checkpointing on CUDA: each trained block's input, two gradients, one block's copies.
         assert_eq!(
             act(&c, 16),
-            (12 * 5 + 2) * tokens * 768 * 4 + block + tokens * 768 * EMBEDDING_COPIES * 4
+            (12 + 2) * tokens * 768 * 4 + block + tokens * 768 * EMBEDDING_COPIES * 4
         );
         assert_eq!(act(&c, 32), 2 * act(&c, 16));
         c.model.trainable_layers = Some(3);
         assert_eq!(
             act(&c, 16),
-            (3 * 5 + 2) * tokens * 768 * 4 + block + tokens * 768 * EMBEDDING_COPIES * 4
+            (3 + 2) * tokens * 768 * 4 + block + tokens * 768 * EMBEDDING_COPIES * 4
         );
         // Never more than without it: with 1 trained block it saves nothing by the estimate.
         c.model.trainable_layers = Some(1);

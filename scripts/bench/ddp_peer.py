@@ -14,7 +14,11 @@ constants in cached mode, so their values do not change the work.
 Prints one line on rank 0: `peer samples/s N` (training samples of all ranks per second of
 training steps, evaluation excluded, as our trainer's `samples_per_s`).
 
-Usage: ddp_peer.py DATA_DIR MODEL(bpr|cached) EPOCHS GLOBAL MICRO
+On a GPU (`PEER_DEVICE=cuda`) each rank trains on `cuda:LOCAL_RANK` with the nccl backend, as a
+plain eager script does: the batch is indexed on the host, negatives drawn in Python, and each
+micro batch copied to the device.
+
+Usage: [PEER_DEVICE=cuda] ddp_peer.py DATA_DIR MODEL(bpr|cached) EPOCHS GLOBAL MICRO
 """
 import os
 import random
@@ -96,14 +100,19 @@ def negatives(users, owned, n_items, rng):
 
 def main():
     data_dir, kind, epochs, global_batch, micro = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-    dist.init_process_group("gloo")
+    on_gpu = os.environ.get("PEER_DEVICE", "cpu") == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if global_batch % (micro * world):
         sys.exit(f"global {global_batch} is not divisible by micro {micro} x world {world}")
     accum = global_batch // (micro * world)
     torch.manual_seed(SEED)
     pairs, owned, n_users, n_items = read_train(data_dir)
-    model = DDP(Recommender(n_users, n_items, kind == "cached"))
+    model = Recommender(n_users, n_items, kind == "cached").to(device)
+    model = DDP(model, device_ids=[device.index] if on_gpu else None)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     sampler = DistributedSampler(range(len(pairs)), world, rank, shuffle=True, seed=SEED, drop_last=True)
     rng = random.Random(SEED + rank)
@@ -119,7 +128,8 @@ def main():
             for a in range(accum):
                 idx = order[(s * accum + a) * micro:(s * accum + a + 1) * micro]
                 users, pos = pairs[idx, 0], pairs[idx, 1]
-                neg = negatives(users, owned, n_items, rng)
+                neg = negatives(users, owned, n_items, rng).to(device)
+                users, pos = users.to(device), pos.to(device)
                 if a + 1 < accum:
                     with model.no_sync():
                         (model(users, pos, neg) / accum).backward()
@@ -128,6 +138,8 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if on_gpu:
+            torch.cuda.synchronize(device)
         dist.barrier()
         seconds += time.perf_counter() - t0
         samples += steps * per_step * world

@@ -252,3 +252,30 @@ fn sbatch_commands_run_one_launch_per_node() {
         }
     }
 }
+
+const GPU_CHECK: &str = "scripts/gpu/check.sh";
+
+/// The GPU check (README "On a GPU") runs its steps in order, goes on after one fails and says
+/// how each ended. Without a GPU here: its dry run, its two-rank step on the TCP ring
+/// (`CHECK_BACKEND=tcp`) and a step it does not know.
+#[test]
+fn gpu_check_runs_its_steps_and_says_how_each_ended() {
+    let out_dir = tempfile::tempdir().expect("tempdir");
+    let mut cmd = Command::new("bash");
+    cmd.env("GPTREC_BIN", bin_dir())
+        .env("CHECK_OUT", out_dir.path())
+        .env("CHECK_BACKEND", "tcp")
+        .env("PEER_DEVICE", "cpu")
+        .env("STEPS", "dry bogus two");
+    let out = run(cmd, GPU_CHECK, &repo_root());
+    out.assert_code(0);
+    out.assert_stdout_all(&[
+        "== dry: ok in ",
+        "launch plan (dry run: nothing was started)",
+        "unknown step bogus",
+        "== two-on-one: ok in ",
+        "summary: ",
+        &format!("logs in {}", out_dir.path().display()),
+    ]);
+    assert!(out_dir.path().join("two-on-one.log").is_file());
+}

@@ -55,7 +55,7 @@ pub fn classify_probe<T>(
         Ok(Err(e)) => e.to_string(),
         Err(payload) => panic_text(payload.as_ref()),
     };
-    let line = first_line(&text).to_string();
+    let line = first_line(&text);
     if is_oom(&text) {
         ProbeOutcome::OutOfMemory(line)
     } else {
@@ -286,13 +286,41 @@ pub fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-pub(crate) fn first_line(text: &str) -> &str {
-    text.lines().next().unwrap_or(text).trim()
+/// The first line of libtorch's message. tch's infallible calls panic with the error's `Debug`
+/// form (`called `Result::unwrap()` on an `Err` value: Torch("CUDA out of memory. ...\n...")`,
+/// all on one line, as seen on an H200); that wrapper is taken off and the message cut at its
+/// first escaped line break.
+pub(crate) fn first_line(text: &str) -> String {
+    const WRAPPER: &str = "called `Result::unwrap()` on an `Err` value: Torch(\"";
+    let line = text.lines().next().unwrap_or(text).trim();
+    match line.strip_prefix(WRAPPER) {
+        Some(inner) => {
+            let inner = inner.split("\\n").next().unwrap_or(inner);
+            let inner = inner.strip_suffix("\")").unwrap_or(inner);
+            inner.replace("\\\"", "\"").trim().to_string()
+        }
+        None => line.to_string(),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn libtorch_s_message_is_taken_out_of_tch_s_panic() {
+        // As a real CUDA out-of-memory in a forward pass reached the report (H200, 2026-11-27).
+        let panic = r#"called `Result::unwrap()` on an `Err` value: Torch("CUDA out of memory. Tried to allocate 3.38 GiB. GPU 0 has a total capacity of 139.80 GiB of which 1.67 GiB is free. See \"Memory Management\"\nException raised from malloc at /pytorch/c10/cuda/CUDACachingAllocator.cpp:1487 (most recent call first):\nframe #0: ...")"#;
+        assert_eq!(
+            first_line(panic),
+            r#"CUDA out of memory. Tried to allocate 3.38 GiB. GPU 0 has a total capacity of 139.80 GiB of which 1.67 GiB is free. See "Memory Management""#
+        );
+        assert_eq!(
+            first_line(r#"called `Result::unwrap()` on an `Err` value: Torch("short")"#),
+            "short"
+        );
+        assert_eq!(first_line("  plain text\nsecond line"), "plain text");
+    }
 
     #[test]
     fn allocation_failures_are_recognised() {

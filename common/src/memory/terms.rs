@@ -54,7 +54,7 @@ pub(super) fn runtime_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
         },
         held: Held::Always,
         detail: if cuda {
-            "context and kernels, assumed".into()
+            "context, kernels and libraries, measured on an H100".into()
         } else {
             "process baseline, measured".into()
         },
@@ -339,9 +339,18 @@ pub(super) fn gpt2_activations(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
     let token_rows = b * lu + 2 * b * li;
     let score_rows = b * lu * lu + 2 * b * li * li;
     let kept = trained_blocks.max(1);
-    let dtype = if x.bf16 { 2 } else { F32 };
-    let per_block = token_rows * d * BLOCK_ACTIVATION_COPIES * dtype
-        + score_rows * gpt2.n_head * ATTENTION_SCORE_COPIES * F32;
+    let (copies, dtype) = match (x.cuda, x.bf16) {
+        (false, _) => (BLOCK_ACTIVATION_COPIES, F32),
+        (true, false) => (CUDA_BLOCK_ACTIVATION_COPIES, F32),
+        (true, true) => (CUDA_BF16_BLOCK_ACTIVATION_COPIES, 2),
+    };
+    let per_input = if x.cuda {
+        CUDA_CHECKPOINT_COPIES_PER_BLOCK
+    } else {
+        CHECKPOINT_COPIES_PER_BLOCK
+    };
+    let per_block =
+        token_rows * d * copies * dtype + score_rows * gpt2.n_head * ATTENTION_SCORE_COPIES * F32;
     let embed = if trained_blocks > 0 {
         token_rows * d * EMBEDDING_COPIES * F32
     } else {
@@ -351,18 +360,18 @@ pub(super) fn gpt2_activations(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
     let (bytes, detail) = if x.config.model.activation_checkpointing && trained_blocks > 0 {
         // Each trained block keeps its f32 input; backward recomputes one block at a time
         // and passes the gradient at its input and output on. Never more than without.
-        let copies = trained_blocks * CHECKPOINT_COPIES_PER_BLOCK + CHECKPOINT_BOUNDARY_COPIES;
+        let inputs = trained_blocks * per_input + CHECKPOINT_BOUNDARY_COPIES;
         (
-            (copies * token_rows * d * F32 + per_block + embed).min(kept * per_block + embed),
+            (inputs * token_rows * d * F32 + per_block + embed).min(kept * per_block + embed),
             format!(
-                "checkpointed: micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x ({trained_blocks} blocks x {CHECKPOINT_COPIES_PER_BLOCK} + {CHECKPOINT_BOUNDARY_COPIES} copies) + one block x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
+                "checkpointed: micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x ({trained_blocks} blocks x {per_input} + {CHECKPOINT_BOUNDARY_COPIES} copies) + one block x {copies} copies{in_bf16}"
             ),
         )
     } else {
         (
             kept * per_block + embed,
             format!(
-                "micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x {kept} block(s) x {BLOCK_ACTIVATION_COPIES} copies{in_bf16}"
+                "micro {b} x ({lu} + 2 x {li} tokens) x {d} wide x {kept} block(s) x {copies} copies{in_bf16}"
             ),
         )
     };

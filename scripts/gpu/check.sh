@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# The GPU check of the whole project (issue "On a lent GPU"): runs, on a machine with one or more
+# NVIDIA GPUs and PyTorch 2.11.0 but no Rust, every path that only a GPU takes, and prints what
+# each measured. Binaries built elsewhere are pointed at this machine's libtorch and NCCL.
+#
+#   GPTREC_BIN   directory holding launch, worker and gen-data (default: target/release)
+#   CHECK_OUT    where the runs and logs go (default: $OUT/gpu-check when OUT is set, else a
+#                fresh temporary directory); every step's full output is in CHECK_OUT/NAME.log
+#   SIZES        data sizes of the vs_peer step (default: small full)
+#   CHECK_BACKEND, PEER_DEVICE   nccl and cuda (defaults); tcp and cpu try the script on a CPU
+#   STEPS        which steps to run (default: all, in this order): env dry default dynamic
+#                precision oom probe auto two vs_peer
+#
+# Each step has its own time limit and the script goes on after a failed step; a step's
+# result line starts with "== NAME" and says "ok" or "FAILED (exit N)".
+set -u
+cd "$(dirname "$0")/../.."
+repo=$PWD
+bin=$(cd "${GPTREC_BIN:-target/release}" && pwd)
+out=${CHECK_OUT:-${OUT:+$OUT/gpu-check}}
+out=${out:-$(mktemp -d)}
+mkdir -p "$out"
+steps=${STEPS:-env dry default dynamic precision oom probe auto two vs_peer}
+python=${PYTHON:-python3}
+launch="$bin/launch"
+
+# libtorch and NCCL from this machine's PyTorch, when the binaries' own run path is not here.
+torch_lib=$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null)
+nccl_so=$("$python" -c 'import glob, os, nvidia.nccl as n; print(glob.glob(os.path.join(list(n.__path__)[0], "lib", "libnccl.so*"))[0])' 2>/dev/null)
+mkdir -p "$out/nccl-lib"
+[ -n "$nccl_so" ] && ln -sf "$nccl_so" "$out/nccl-lib/libnccl.so"
+export LD_LIBRARY_PATH="${torch_lib}:$out/nccl-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export RUST_LOG=${RUST_LOG:-info}
+cd "$out"
+
+# step NAME LIMIT_S COMMAND...: runs COMMAND into NAME.log with a time limit, says how it ended.
+step() {
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s%N)
+  timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  echo "== $name: $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") in $((($(date +%s%N) - start) / 1000000)) ms"
+  return $rc
+}
+
+# The lines of a run's log worth reading here: device, plan, summary, memory, errors.
+digest() {
+  grep -a -E 'device|batch.micro|micro [0-9]+ x|summary:|memory:|estimate|peak|error|warning|out of memory|root cause|exits with|ndcg@10:|NCCL|nccl|activation|bf16|  libtorch said|nearest plans|exit code' "$out/$1.log" \
+    | grep -a -v ' INFO epoch .* step ' | cut -c1-400 | head -"${2:-40}"
+}
+
+# An NVML sampler of this job's GPU memory (every process, 100 ms), for the peak seen from outside.
+smi_start() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$out/$1.smi" 2>/dev/null & smi_pid=$!; }
+smi_stop() {
+  kill "$smi_pid" 2>/dev/null
+  wait "$smi_pid" 2>/dev/null
+  echo "   NVML memory.used on the GPU, max over the run: $(sort -n "$out/$1.smi" | tail -1) MiB (before: $(head -1 "$out/$1.smi") MiB)"
+}
+
+# run NAME LIMIT LAUNCH_ARGS...: a training run of ours with the sampler and its digest.
+run() {
+  local name=$1 limit=$2
+  shift 2
+  smi_start "$name"
+  step "$name" "$limit" "$launch" --master-port 0 "$@" --set run.output_dir=\""$out/runs"\" \
+    --set run.name=\""$name"\" --set checkpoint.resume=\"never\"
+  local rc=$?
+  smi_stop "$name"
+  digest "$name"
+  return $rc
+}
+
+backend=${CHECK_BACKEND:-nccl}
+base=("$repo/configs/default.toml" --set dist.backend=\"$backend\")
+dyn=("$repo/configs/dynamic.toml" --set dist.backend=\"$backend\")
+# GPT-2 small (124M, random weights), every block training, on the tiny data (about 3,600 samples an epoch).
+gpt2=(--set model.preset=\"gpt2\" --set model.trainable_layers=12 --set data.synthetic=\"tiny\" --set train.epochs=2 --set eval.patience=0)
+gpt2auto=("${gpt2[@]}" --set batch.max_micro=192)
+
+for s in $steps; do
+  case $s in
+  env)
+    step env 60 bash -c "nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv; \
+      $python -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"nccl\", torch.cuda.nccl.version(), torch.cuda.get_device_name(0))'; \
+      echo LD_LIBRARY_PATH=\$LD_LIBRARY_PATH; ldd $bin/worker | grep -E 'not found|torch|c10' ; nproc"
+    cat "$out/env.log"
+    ;;
+  dry)
+    step dry 60 "$launch" --num-processes auto --dry-run "${base[@]}" --set batch.micro=\"auto\"
+    grep -a -v '^\s*$' "$out/dry.log" | head -60
+    ;;
+  default)
+    # The built-in default on one GPU, nccl backend, micro chosen by the probe.
+    run default 120 --num-processes auto "${base[@]}" --set batch.micro=\"auto\"
+    [ -f "$out/runs/default/memory.json" ] && head -c 3000 "$out/runs/default/memory.json" && echo
+    ;;
+  dynamic)
+    run dynamic-tiny 120 --num-processes 1 "${dyn[@]}" --set train.epochs=1
+    run dynamic-gpt2 180 --num-processes 1 "${dyn[@]}" "${gpt2auto[@]}"
+    ;;
+  precision)
+    # bf16 autocast and activation checkpointing on GPT-2 small, against dynamic-gpt2 above.
+    run dynamic-gpt2-bf16 180 --num-processes 1 "${dyn[@]}" "${gpt2auto[@]}" --set train.bf16=true
+    run dynamic-gpt2-ckpt 180 --num-processes 1 "${dyn[@]}" "${gpt2auto[@]}" --set model.activation_checkpointing=true
+    ;;
+  oom)
+    # A real CUDA out-of-memory in training: a micro batch far beyond the card (all 12 blocks train).
+    GPTREC_MEMORY_LIMIT_MB=100000000 run oom-train 120 --num-processes 1 --force "${base[@]}" "${gpt2[@]}" \
+      --set model.text_mode=\"dynamic\" --set model.max_text_tokens=32 \
+      --set batch.global=3072 --set batch.micro=3072
+    ;;
+  probe)
+    # A real out-of-memory in the auto-micro probe: the planner is told the card is huge, so the
+    # probe's first candidates really fail and it moves on to smaller ones.
+    GPTREC_MEMORY_LIMIT_MB=100000000 run oom-probe 180 --num-processes 1 --force "${dyn[@]}" "${gpt2[@]}" \
+      --set batch.global=3072 --set batch.max_micro=3072 --set train.epochs=1
+    ;;
+  auto)
+    # batch.micro = "auto" on the real card alone: the largest micro the estimate allows, probed.
+    run auto-gpt2 180 --num-processes 1 "${dyn[@]}" "${gpt2[@]}" \
+      --set batch.global=3072 --set batch.max_micro=3072 --set train.epochs=1
+    ;;
+  two)
+    # Two ranks on one GPU: NCCL refuses a communicator with one GPU twice; the error must be clear.
+    run two-on-one 60 --num-processes 2 "${base[@]}" --set data.synthetic=\"tiny\"
+    ;;
+  vs_peer)
+    # Ours against the plain PyTorch eager DDP script on the same GPU (as scripts/bench/vs_pytorch.sh).
+    echo "| data | model | ours (samples/s) | PyTorch eager nccl (samples/s) | ours / PyTorch | ours: estimate / measured peak |"
+    echo "|---|---|---|---|---|---|"
+    for size in ${SIZES:-small full}; do
+      [ -f "$out/data-$size/ratings.dat" ] || "$bin/gen-data" --size $size "$out/data-$size" >/dev/null
+      epochs=1
+      for model in bpr cached; do
+        kind=gpt2rec
+        [ $model = bpr ] && kind=bpr
+        name=ours-$size-$model
+        run $name 180 --num-processes 1 "${base[@]}" \
+          --set data.dir=\""$out/data-$size"\" --set model.kind=\"$kind\" --set model.text_mode=\"cached\" \
+          --set train.epochs=$epochs --set eval.patience=0 --set batch.global=256 --set batch.micro=64 >/dev/null
+        ours=$("$python" -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(next(x for x in r if x.get("kind")=="summary")["samples_per_s"]))' "$out/runs/$name/metrics.jsonl" 2>/dev/null)
+        mem=$(grep -a -o 'estimated peak .*' "$out/$name.log" | head -1 | cut -c1-120)
+        PEER_DEVICE=${PEER_DEVICE:-cuda} step peer-$size-$model 240 "$launch" --num-processes 1 --master-port 0 -- \
+          "$python" "$repo/scripts/bench/ddp_peer.py" "$out/data-$size" $model $epochs 256 64 >/dev/null
+        peer=$(sed -n -E 's/.*peer samples\/s ([0-9]+).*/\1/p' "$out/peer-$size-$model.log" | head -1)
+        ratio=$("$python" -c "print(f'{$ours/$peer:.2f}x')" 2>/dev/null)
+        echo "| $size | $model | ${ours:-?} | ${peer:-?} | ${ratio:-?} | ${mem:-?} |"
+      done
+    done
+    ;;
+  *) echo "unknown step $s" ;;
+  esac
+done
+echo "logs in $out"
