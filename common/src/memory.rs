@@ -348,14 +348,15 @@ const HOST_BYTES_PER_INTERACTION: u64 = 50;
 /// copies, the attention output, the MLP's 4d input and GELU output, dropout outputs and masks
 /// and the residual sums;
 const BLOCK_ACTIVATION_COPIES: u64 = 26;
-/// The same on CUDA, where libtorch's kernels keep fewer intermediates (fused attention, no
-/// freed blocks held back between layers). Measured on an H100 (`scripts/gpu/check.sh`,
-/// 2026-11-27): GPT-2 small, 12 blocks training, micro 192: 10,736 MiB of device memory, which
-/// leaves about 14 copies per block after the context, the weights, AdamW and the allocator's
-/// reserve; 16 keeps a margin.
+/// The same on CUDA, measured on an H100 (`scripts/gpu/check.sh`, 2026-11-27): GPT-2 small, 12
+/// blocks training, micro 192, 10,736 MiB of device memory. Less the context, the allocator's
+/// 15%, the weights, gradients, AdamW and its temporaries, that leaves about 6.3 GiB, or about 14
+/// copies per block: fewer than the CPU's 26, likely because the caching allocator reuses freed
+/// blocks where the CPU's allocator holds them. 16 keeps a margin.
 const CUDA_BLOCK_ACTIVATION_COPIES: u64 = 16;
 /// The same under bf16 autocast on CUDA, in bf16 values (layer norms, softmax and the residual
-/// stream stay f32): measured 19 in the run above with `train.bf16 = true` (8,776 MiB).
+/// stream stay f32): about 19 by the same arithmetic on the run with `train.bf16 = true`
+/// (8,776 MiB, which also holds autocast's bf16 copies of the weights).
 const CUDA_BF16_BLOCK_ACTIVATION_COPIES: u64 = 22;
 /// f32 values per token and unit of width that activation checkpointing holds besides the
 /// block inputs while it recomputes: the gradients at a block's output and at its input.
@@ -366,9 +367,10 @@ const CHECKPOINT_BOUNDARY_COPIES: u64 = 2;
 /// sample of micro batch; 5 copies per block, one block's working set and the embeddings give
 /// 27; with 1 copy the estimate was 13).
 const CHECKPOINT_COPIES_PER_BLOCK: u64 = 5;
-/// The same on CUDA, where the caching allocator reuses the recompute's blocks: the saved
-/// input alone. Measured on an H100 (the run above with activation checkpointing: 3,944 MiB,
-/// about 13 copies in all for 12 blocks, their recompute and the embeddings).
+/// The same on CUDA: the saved input alone. With activation checkpointing the run above measured
+/// 3,944 MiB, which leaves 0.4 to 0.7 GiB (as the allocator's 15% is or is not held) for every
+/// block's input, one block's recompute and the embeddings together: less than this estimate's
+/// 12 + 2 + 16 + 5 copies, which errs on the safe side.
 const CUDA_CHECKPOINT_COPIES_PER_BLOCK: u64 = 1;
 /// The same per attention score (per head, per query and key): scores, softmax output, dropout
 /// output and mask.

@@ -16,7 +16,11 @@
 set -u
 cd "$(dirname "$0")/../.."
 repo=$PWD
-bin=$(cd "${GPTREC_BIN:-target/release}" && pwd)
+bin=$(cd "${GPTREC_BIN:-target/release}" 2>/dev/null && pwd)
+if [ ! -x "$bin/launch" ] || [ ! -x "$bin/worker" ]; then
+  echo "check.sh: error: no launch and worker in ${GPTREC_BIN:-target/release}; build them (cargo build --release) or set GPTREC_BIN" >&2
+  exit 2
+fi
 out=${CHECK_OUT:-${OUT:+$OUT/gpu-check}}
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
@@ -29,7 +33,7 @@ torch_lib=$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(t
 nccl_so=$("$python" -c 'import glob, os, nvidia.nccl as n; print(glob.glob(os.path.join(list(n.__path__)[0], "lib", "libnccl.so*"))[0])' 2>/dev/null)
 mkdir -p "$out/nccl-lib"
 [ -n "$nccl_so" ] && ln -sf "$nccl_so" "$out/nccl-lib/libnccl.so"
-export LD_LIBRARY_PATH="${torch_lib}:$out/nccl-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="${torch_lib:+$torch_lib:}$out/nccl-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export RUST_LOG=${RUST_LOG:-info}
 cd "$out"
 
@@ -122,8 +126,10 @@ for s in $steps; do
       --set batch.global=3072 --set batch.max_micro=3072 --set train.epochs=1
     ;;
   two)
-    # Two ranks on one GPU: NCCL refuses a communicator with one GPU twice; the error must be clear.
-    run two-on-one 60 --num-processes 2 "${base[@]}" --set data.synthetic=\"tiny\"
+    # More ranks than GPUs: the worker without a GPU must say so at once (NCCL would refuse a
+    # communicator holding one GPU twice, so it is never asked).
+    run two-on-one 60 --num-processes 2 "${base[@]}" --set data.synthetic=\"tiny\" ||
+      { grep -q 'has no GPU: only' "$out/two-on-one.log" && echo "   refused as it should be: fewer GPUs than ranks"; }
     ;;
   vs_peer)
     # Ours against the plain PyTorch eager DDP script on the same GPU (as scripts/bench/vs_pytorch.sh).
@@ -138,11 +144,11 @@ for s in $steps; do
         name=ours-$size-$model
         run $name 180 --num-processes 1 "${base[@]}" \
           --set data.dir=\""$out/data-$size"\" --set model.kind=\"$kind\" --set model.text_mode=\"cached\" \
-          --set train.epochs=$epochs --set eval.patience=0 --set batch.global=256 --set batch.micro=64 >/dev/null
+          --set train.epochs=$epochs --set eval.patience=0 --set batch.global=256 --set batch.micro=64 | grep -a '^== ' 
         ours=$("$python" -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(next(x for x in r if x.get("kind")=="summary")["samples_per_s"]))' "$out/runs/$name/metrics.jsonl" 2>/dev/null)
         mem=$(grep -a -o 'estimated peak .*' "$out/$name.log" | head -1 | cut -c1-120)
         PEER_DEVICE=${PEER_DEVICE:-cuda} step peer-$size-$model 240 "$launch" --num-processes 1 --master-port 0 -- \
-          "$python" "$repo/scripts/bench/ddp_peer.py" "$out/data-$size" $model $epochs 256 64 >/dev/null
+          "$python" "$repo/scripts/bench/ddp_peer.py" "$out/data-$size" $model $epochs 256 64
         peer=$(sed -n -E 's/.*peer samples\/s ([0-9]+).*/\1/p' "$out/peer-$size-$model.log" | head -1)
         ratio=$("$python" -c "print(f'{$ours/$peer:.2f}x')" 2>/dev/null)
         echo "| $size | $model | ${ours:-?} | ${peer:-?} | ${ratio:-?} | ${mem:-?} |"

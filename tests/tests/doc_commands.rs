@@ -255,7 +255,7 @@ fn sbatch_commands_run_one_launch_per_node() {
 
 const GPU_CHECK: &str = "scripts/gpu/check.sh";
 
-/// The GPU check (README "On a GPU") runs its steps in order, goes on after one fails and says
+/// The GPU check (README "On a GPU box") runs its steps in order, goes on after one fails and says
 /// how each ended. Without a GPU here: its dry run, its two-rank step on the TCP ring
 /// (`CHECK_BACKEND=tcp`) and a step it does not know.
 #[test]

@@ -287,20 +287,38 @@ pub fn mib(bytes: u64) -> f64 {
 }
 
 /// The first line of libtorch's message. tch's infallible calls panic with the error's `Debug`
-/// form (`called `Result::unwrap()` on an `Err` value: Torch("CUDA out of memory. ...\n...")`,
-/// all on one line, as seen on an H200); that wrapper is taken off and the message cut at its
-/// first escaped line break.
+/// form, all on one line (as seen on an H200): ``called `Result::unwrap()` on an `Err` value:
+/// Torch("CUDA out of memory. ...\n...")``; that wrapper is taken off and the message read up
+/// to its first line break.
 pub(crate) fn first_line(text: &str) -> String {
     const WRAPPER: &str = "called `Result::unwrap()` on an `Err` value: Torch(\"";
     let line = text.lines().next().unwrap_or(text).trim();
     match line.strip_prefix(WRAPPER) {
-        Some(inner) => {
-            let inner = inner.split("\\n").next().unwrap_or(inner);
-            let inner = inner.strip_suffix("\")").unwrap_or(inner);
-            inner.replace("\\\"", "\"").trim().to_string()
-        }
+        Some(escaped) => unescape_first_line(escaped).trim().to_string(),
         None => line.to_string(),
     }
+}
+
+/// A `Debug`-escaped string's text up to its first line break or its closing quote.
+fn unescape_first_line(escaped: &str) -> String {
+    let mut out = String::new();
+    let mut chars = escaped.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => break,
+            '\\' => match chars.next() {
+                Some('n') | Some('r') | None => break,
+                Some('t') => out.push(' '),
+                Some(other @ ('"' | '\\' | '\'')) => out.push(other),
+                Some(other) => {
+                    out.push('\\');
+                    out.push(other);
+                }
+            },
+            _ => out.push(c),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -320,6 +338,13 @@ mod tests {
             "short"
         );
         assert_eq!(first_line("  plain text\nsecond line"), "plain text");
+        // Escaped backslashes and quotes come back as they were; a path's `\n` is no line break.
+        let message = "cannot open C:\\new\\file \"x\"\tnow\nsecond line";
+        let panic = format!(
+            "called `Result::unwrap()` on an `Err` value: {:?}",
+            tch::TchError::Torch(message.to_string())
+        );
+        assert_eq!(first_line(&panic), "cannot open C:\\new\\file \"x\" now");
     }
 
     #[test]
