@@ -1,5 +1,5 @@
-//! The runtime's build script: compiles the C++ shim `csrc/grad_hooks.cpp` (gradient-ready
-//! hooks for `ddp::overlap`) against the libtorch that `tch` links, and embeds the same rpath
+//! The runtime's build script: compiles the C++ shims `csrc/grad_hooks.cpp` (gradient-ready
+//! hooks for `ddp::overlap`) and `csrc/fused_adamw.cpp` (multi-tensor AdamW for `optim`) against the libtorch that `tch` links, and embeds the same rpath
 //! as the worker's (`../worker/build.rs`, run here as a module) so that this crate's tests find
 //! libtorch without LD_LIBRARY_PATH.
 //!
@@ -13,11 +13,14 @@ use std::path::PathBuf;
 #[path = "../worker/build.rs"]
 mod libtorch_rpath;
 
-const SHIM: &str = "csrc/grad_hooks.cpp";
+const SHIMS: [&str; 2] = ["csrc/grad_hooks.cpp", "csrc/fused_adamw.cpp"];
+const HEADERS: [&str; 1] = ["csrc/shim_error.h"];
 
 fn main() {
     libtorch_rpath::main();
-    println!("cargo:rerun-if-changed={SHIM}");
+    for file in SHIMS.iter().chain(&HEADERS) {
+        println!("cargo:rerun-if-changed={file}");
+    }
     let root = libtorch_root();
     let include = root.join("include");
     let hook_header = include.join("torch/csrc/autograd/function_hook.h");
@@ -43,8 +46,8 @@ fn main() {
         .flag(include.join("torch/csrc/api/include").display().to_string())
         .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
         .define("GLOG_USE_GLOG_EXPORT", None)
-        .file(SHIM)
-        .compile("gptrec_grad_hooks");
+        .files(SHIMS)
+        .compile("gptrec_shims");
 }
 
 /// The libtorch directory that holds `include/` (see the module comment).

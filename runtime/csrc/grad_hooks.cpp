@@ -12,6 +12,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "shim_error.h"
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -48,20 +50,6 @@ struct RustHook final : torch::autograd::PostAccumulateGradHook {
   int64_t index_;
 };
 
-// Returned when there is no memory for the message: never freed.
-char out_of_memory[] = "out of memory (while reporting an error)";
-
-// A copy of `what` that Rust frees with gptrec_free_error (never nullptr: that means success).
-char* error_copy(const char* what) noexcept {
-  size_t n = std::strlen(what);
-  char* copy = static_cast<char*>(std::malloc(n + 1));
-  if (copy == nullptr) {
-    return out_of_memory;
-  }
-  std::memcpy(copy, what, n + 1);
-  return copy;
-}
-
 }  // namespace
 
 extern "C" {
@@ -75,21 +63,21 @@ char* gptrec_set_grad_hook(const at::Tensor* tensor, gptrec_grad_ready_fn ready,
   std::unique_ptr<RustHook> hook(new (std::nothrow) RustHook(ready, release, ctx, index));
   if (!hook) {
     release(ctx);
-    return error_copy("out of memory making a gradient hook");
+    return gptrec_error_copy("out of memory making a gradient hook");
   }
   try {
     if (!tensor->defined() || !tensor->requires_grad() || !tensor->is_leaf()) {
-      return error_copy("not a leaf tensor that requires grad");
+      return gptrec_error_copy("not a leaf tensor that requires grad");
     }
     if (torch::autograd::impl::post_acc_grad_hooks(*tensor) != nullptr) {
-      return error_copy("it already has a post-accumulate-grad hook (another engine's?)");
+      return gptrec_error_copy("it already has a post-accumulate-grad hook (another engine's?)");
     }
     torch::autograd::impl::set_post_acc_grad_hooks(*tensor, std::move(hook));
     return nullptr;
   } catch (const std::exception& e) {
-    return error_copy(e.what());
+    return gptrec_error_copy(e.what());
   } catch (...) {
-    return error_copy("an unknown C++ exception");
+    return gptrec_error_copy("an unknown C++ exception");
   }
 }
 
@@ -107,14 +95,14 @@ char* gptrec_clear_grad_hook(const at::Tensor* tensor) {
     }
     return nullptr;
   } catch (const std::exception& e) {
-    return error_copy(e.what());
+    return gptrec_error_copy(e.what());
   } catch (...) {
-    return error_copy("an unknown C++ exception");
+    return gptrec_error_copy("an unknown C++ exception");
   }
 }
 
 void gptrec_free_error(char* error) {
-  if (error != out_of_memory) {
+  if (error != gptrec_out_of_memory) {
     std::free(error);
   }
 }

@@ -20,5 +20,6 @@ pub mod optim;
 pub mod rng;
 pub mod rows;
 pub mod sampler;
+mod shim;
 /// The rendezvous store, from its own crate (`launch` uses it too, without libtorch).
 pub use ::store;

@@ -15,6 +15,8 @@ use std::ops::Range;
 use tch::{Device, Kind, Tensor};
 use thiserror::Error;
 
+mod multi_tensor;
+
 /// Shape of the learning-rate curve after warm-up: `train.lr_schedule`'s own type.
 pub use common::config::LrScheduleKind as Schedule;
 
@@ -271,6 +273,8 @@ impl AdamW {
             eps: self.eps,
             neg_step: -(lr / bias_correction1),
         };
+        // Whole parameters on a GPU go to the fused kernel together, the rest one by one.
+        let mut on_gpu = multi_tensor::Batch::default();
         for (((param, exp_avg), exp_avg_sq), rows) in params
             .iter()
             .zip(&self.exp_avg)
@@ -279,6 +283,9 @@ impl AdamW {
         {
             let grad = param.grad();
             if !grad.defined() {
+                continue;
+            }
+            if rows.is_none() && on_gpu.take(param, &grad, exp_avg, exp_avg_sq) {
                 continue;
             }
             // The update is element-wise: a range of rows is updated as the whole would be.
@@ -290,6 +297,19 @@ impl AdamW {
             if !scalars.fused(&p, &g, &m, &v) {
                 scalars.with_tensor_ops(&p, &g, &mut m, &mut v);
             }
+        }
+        let hyper = multi_tensor::Hyper {
+            lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            weight_decay: self.weight_decay,
+            eps: self.eps,
+            step: self.step,
+        };
+        // As tch's own calls do, a failure (a CUDA out-of-memory) panics with libtorch's text,
+        // which the worker's out-of-memory report catches and names.
+        if let Err(e) = on_gpu.run(hyper) {
+            panic!("{e}");
         }
     }
 

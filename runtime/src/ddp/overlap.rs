@@ -15,7 +15,7 @@
 //! says so through [`super::MicroBatchLoss::backward_is_whole`]; a gradient seen to grow again
 //! after its bucket could start is an error, never a silent difference).
 
-use std::ffi::{c_char, c_void, CStr};
+use std::ffi::c_void;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -25,6 +25,7 @@ use tch::Tensor;
 
 use super::DdpError;
 use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
+use crate::shim::take_error;
 
 /// What can go wrong with overlap itself (the collectives' own errors stay theirs).
 #[derive(Debug, thiserror::Error)]
@@ -43,7 +44,7 @@ mod ffi {
 
     extern "C" {
         /// See `csrc/grad_hooks.cpp`: takes ownership of `ctx` in every case; returns null or
-        /// an error for [`gptrec_free_error`].
+        /// an error for [`crate::shim::take_error`].
         pub fn gptrec_set_grad_hook(
             tensor: *const torch_sys::C_tensor,
             ready: GradReady,
@@ -52,7 +53,6 @@ mod ffi {
             index: i64,
         ) -> *mut c_char;
         pub fn gptrec_clear_grad_hook(tensor: *const torch_sys::C_tensor) -> *mut c_char;
-        pub fn gptrec_free_error(error: *mut c_char);
     }
 }
 
@@ -370,21 +370,6 @@ extern "C" fn grad_ready(ctx: *const c_void, index: i64) {
 extern "C" fn release(ctx: *const c_void) {
     // SAFETY: the reference `hook` made with `Arc::into_raw` for this hook, released once.
     drop(unsafe { Arc::from_raw(ctx.cast::<Readiness>()) });
-}
-
-/// The shim's error, if any, as a `String` (freed on the C++ side's allocator).
-fn take_error(error: *mut c_char) -> Result<(), String> {
-    if error.is_null() {
-        return Ok(());
-    }
-    // SAFETY: a NUL-terminated string the shim malloc'd for us, read once, then freed by the
-    // shim and never used again.
-    let text = unsafe { CStr::from_ptr(error) }
-        .to_string_lossy()
-        .into_owned();
-    // SAFETY: see above.
-    unsafe { ffi::gptrec_free_error(error) };
-    Err(text)
 }
 
 #[cfg(test)]
