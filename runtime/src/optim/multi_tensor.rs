@@ -1,8 +1,8 @@
 //! AdamW over many parameters in one call of libtorch's `_fused_adamw_` (what
 //! `torch.optim.AdamW(fused=True)` runs), for parameters on a GPU. There the per-parameter
 //! update of [`super::AdamW::step`] costs about nine kernel launches per parameter: 21-22 ms
-//! per step for GPT-2 small's 148 tensors on an H100, a fifth of an f32 step
-//! (`scripts/gpu/check.sh`, 2026-11-27).
+//! of host time per step for GPT-2 small's 148 tensors on an H100, about 11% of an f32 step's
+//! phases (`scripts/gpu/check.sh`, 2026-11-27).
 //!
 //! Owns: which parameters may take the fused kernel and the call into `csrc/fused_adamw.cpp`.
 //! Must not: change the math (the kernel's formulas are `AdamW::step`'s, to float rounding) or
@@ -110,6 +110,17 @@ impl Batch {
     /// Updates every parameter taken, in place; an error is libtorch's text (e.g. an
     /// out-of-memory).
     pub fn run(self, h: Hyper) -> Result<(), String> {
+        // One launch updates all of them at once: a tensor given twice would race with itself
+        // (the var store never gives one twice; the per-parameter path would update it twice).
+        debug_assert!(
+            {
+                let mut at: Vec<usize> =
+                    self.params.iter().map(|t| t.data_ptr() as usize).collect();
+                at.sort_unstable();
+                at.windows(2).all(|w| w[0] != w[1])
+            },
+            "fused AdamW: a parameter given twice"
+        );
         fused_adamw(
             &self.params,
             &self.grads,
@@ -183,7 +194,8 @@ mod tests {
         for step in 1..=4u64 {
             let lr = 1e-2 / step as f64;
             for (a, b) in ours.iter().zip(&fused) {
-                let g = Tensor::randn(a.size(), (Kind::Float, Device::Cpu));
+                // Small gradients, so that eps (1e-8) moves the update by about 1e-3 of it.
+                let g = Tensor::randn(a.size(), (Kind::Float, Device::Cpu)) * 1e-5;
                 a.grad().copy_(&g);
                 b.grad().copy_(&g);
             }
@@ -208,6 +220,58 @@ mod tests {
                 moved > 1e-3,
                 "four steps moved the parameter by {moved} only"
             );
+        }
+    }
+
+    /// On a GPU, `AdamW::step` (the fused kernel for whole parameters, tensor ops for a
+    /// row-ranged one, nothing for one without a gradient) matches the CPU's update to float
+    /// rounding. Skipped without a GPU.
+    #[test]
+    fn on_a_gpu_the_step_matches_the_cpu_s() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipping: no CUDA device");
+            return;
+        }
+        tch::manual_seed(5);
+        let gpu = Device::Cuda(0);
+        let shapes: [&[i64]; 4] = [&[64, 8], &[8], &[6, 4], &[5]];
+        let on = |d: Device| -> Vec<Tensor> {
+            shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let t = Tensor::arange(s.iter().product::<i64>(), (Kind::Float, d))
+                        .reshape(*s)
+                        .sin()
+                        + i as f64;
+                    t.set_requires_grad(true)
+                })
+                .collect()
+        };
+        let (cpu, cuda) = (on(Device::Cpu), on(gpu));
+        // Every parameter but the last gets a gradient.
+        for t in cpu.iter().chain(&cuda).filter(|t| t.size() != [5]) {
+            t.sum(Kind::Float).backward();
+        }
+        let mut a = super::super::AdamW::new(&cpu, 0.9, 0.999, 1e-8, 0.01);
+        let mut b = super::super::AdamW::new(&cuda, 0.9, 0.999, 1e-8, 0.01);
+        let moments = |t: &Tensor| (Tensor::zeros_like(t), Tensor::zeros_like(t));
+        let (m, v) = moments(&cpu[2]);
+        a.update_rows_only(2, 1..4, m, v).expect("rows on the CPU");
+        let (m, v) = moments(&cuda[2]);
+        b.update_rows_only(2, 1..4, m, v).expect("rows on the GPU");
+        for step in 1..=4 {
+            for (x, y) in cpu.iter().zip(&cuda).filter(|(x, _)| x.grad().defined()) {
+                let g = Tensor::randn(x.size(), (Kind::Float, Device::Cpu)) * 1e-5;
+                x.grad().copy_(&g);
+                y.grad().copy_(&g.to_device(gpu));
+            }
+            a.step(&cpu, 1e-2 / step as f64);
+            b.step(&cuda, 1e-2 / step as f64);
+        }
+        for (x, y) in cpu.iter().zip(&cuda) {
+            let diff = (x - y.to_device(Device::Cpu)).abs().max().double_value(&[]);
+            assert!(diff <= 1e-5, "the GPU's update differs by {diff}");
         }
     }
 
