@@ -14,7 +14,7 @@ use common::config::{Config, ModelKind};
 use common::env_contract::WorkerEnv;
 use common::memory::{Phase, PhaseSink as _};
 use common::train_plan::TrainPlan;
-use runtime::collective::{OpContext, ReduceOp};
+use runtime::collective::{Collective, OpContext, ReduceOp};
 use runtime::job_watch::JobWatch;
 use tch::{nn, Kind, Tensor};
 use tracing::info;
@@ -161,24 +161,7 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
             tracing::debug!("keeping the data's shape for later estimates: {e}");
         }
     }
-    let (ks, users_at_once) = (&config.eval.topk, config.eval.batch_users);
-    let pop_valid = recommender::evaluate_popularity(
-        &data,
-        Split::Valid,
-        ks,
-        users_at_once,
-        comm.as_mut(),
-        ctx,
-    )
-    .context("evaluating the popularity baseline")?;
-    // The baseline on every split the model is tested on: test, then any cold-start parts.
-    let mut pop_tests = Vec::new();
-    for split in data.dataset.test_splits() {
-        let m =
-            recommender::evaluate_popularity(&data, split, ks, users_at_once, comm.as_mut(), ctx)
-                .context("evaluating the popularity baseline")?;
-        pop_tests.push((split, m));
-    }
+    let (pop_valid, pop_tests) = popularity_baselines(config, &data, comm.as_mut(), ctx)?;
     if config.model.kind == ModelKind::Pop {
         if start.leader() {
             run_report::popularity_only(&start.run_dir, config, &pop_valid, &pop_tests)?;
@@ -188,18 +171,8 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
     }
 
     milestones.data_rss = memory::rss_bytes();
-    tracker.enter(Phase::ModelBuild);
     let vs = nn::VarStore::new(start.device);
-    let built = recommender::RecTask::new(
-        config,
-        &data,
-        &vs,
-        start.device,
-        comm.as_mut(),
-        ctx,
-        tracker,
-    );
-    let mut task = tracker.check(built).context("building the model")?;
+    let mut task = build_model(&start, &data, &vs, comm.as_mut(), ctx, tracker)?;
     milestones.model_rss = memory::rss_bytes();
     milestones.model_peak = tracker.peak_bytes(start.device);
     if start.plan.config.batch.micro_auto {
@@ -251,6 +224,54 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
     }
     finish_watch(watch);
     Ok(())
+}
+
+/// The popularity baseline on validation and on every split the model is tested on (test, then
+/// any cold-start parts), each evaluated across the ranks.
+type Baselines = (
+    recommender::eval::Metrics,
+    Vec<(Split, recommender::eval::Metrics)>,
+);
+
+fn popularity_baselines(
+    config: &Config,
+    data: &recommender::RecData,
+    comm: &mut dyn Collective,
+    ctx: OpContext,
+) -> Result<Baselines> {
+    let (ks, users_at_once) = (&config.eval.topk, config.eval.batch_users);
+    let mut on = |split| {
+        recommender::evaluate_popularity(data, split, ks, users_at_once, comm, ctx)
+            .context("evaluating the popularity baseline")
+    };
+    let valid = on(Split::Valid)?;
+    let mut tests = Vec::new();
+    for split in data.dataset.test_splits() {
+        tests.push((split, on(split)?));
+    }
+    Ok((valid, tests))
+}
+
+/// The recommender built on `vs` (an out-of-memory error in the build is reported as such).
+fn build_model(
+    start: &Start,
+    data: &recommender::RecData,
+    vs: &nn::VarStore,
+    comm: &mut dyn Collective,
+    ctx: OpContext,
+    tracker: &PhaseTracker,
+) -> Result<recommender::RecTask> {
+    tracker.enter(Phase::ModelBuild);
+    let built = recommender::RecTask::new(
+        &start.plan.config,
+        data,
+        vs,
+        start.device,
+        comm,
+        ctx,
+        tracker,
+    );
+    tracker.check(built).context("building the model")
 }
 
 /// Contract, config, batch plan and device, checked; rank 0 takes the run directory before

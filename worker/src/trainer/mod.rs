@@ -178,7 +178,109 @@ fn peak_memory_probe(memory: PhaseTracker, device: Device) -> runtime::ddp::Step
     })
 }
 
+/// What the engine is told of the run: the batch plan's accumulation and the `[dist]` keys.
+fn ddp_config(setup: &TrainSetup<'_>, task: &dyn Task, timeout: Duration) -> DdpConfig {
+    let (config, batch) = (&setup.plan.config, setup.plan.batch);
+    DdpConfig {
+        grad_accum: batch.grad_accum as usize,
+        bucket_bytes: (config.dist.bucket_mb * 1024.0 * 1024.0) as usize,
+        max_grad_norm: config.train.max_grad_norm,
+        check_params_every: config.dist.check_params_every,
+        timeout,
+        sparse: if config.dist.sparse_embeddings {
+            task.embedding_tables()
+        } else {
+            Vec::new()
+        },
+        shared_tables: config.dist.shared_tables,
+        shard_optimizer: config.dist.shard_optimizer,
+        overlap_backward: config.dist.overlap_backward,
+    }
+}
+
+/// The fault-injection hooks the tests set for this rank (`GPTREC_FAULT_SLOW`, `_STOP`, `_DIE`).
+struct Faults {
+    slow: Option<Duration>,
+    stop_before: Option<u64>,
+    die_before: Option<u64>,
+}
+
+impl Faults {
+    fn from_env(rank: usize) -> Result<Faults, TrainError> {
+        let var = |name: &str| std::env::var(name).unwrap_or_default();
+        let slow = task::slow_fault(&var("GPTREC_FAULT_SLOW"), rank).map_err(TrainError::Plan)?;
+        let stop_before =
+            task::stop_fault(&var("GPTREC_FAULT_STOP"), rank).map_err(TrainError::Plan)?;
+        let die_before = task::stop_fault(&var("GPTREC_FAULT_DIE"), rank)
+            .map_err(|e| TrainError::Plan(e.replace("GPTREC_FAULT_STOP", "GPTREC_FAULT_DIE")))?;
+        Ok(Faults {
+            slow,
+            stop_before,
+            die_before,
+        })
+    }
+}
+
+/// Optimizer steps in one epoch of this rank's shard; an error when not even one global batch
+/// fits in the training data.
+fn steps_per_epoch(
+    setup: &TrainSetup<'_>,
+    task: &dyn Task,
+    sampler: &DistributedSampler,
+) -> Result<u64, TrainError> {
+    let batch = setup.plan.batch;
+    let per_rank_step = (batch.micro * batch.grad_accum) as usize;
+    let steps = (sampler.num_samples() / per_rank_step) as u64;
+    if steps == 0 {
+        return Err(TrainError::Plan(format!(
+            "{} training samples are fewer than one global batch of {} ({}); lower batch.global",
+            task.train_len(),
+            batch.global,
+            batch.derivation()
+        )));
+    }
+    Ok(steps)
+}
+
+/// The state of a run that starts at step 0 (what a checkpoint of it will carry).
+fn fresh_state(
+    setup: &TrainSetup<'_>,
+    task: &dyn Task,
+    world: usize,
+    total_steps: u64,
+) -> TrainState {
+    let config = &setup.plan.config;
+    TrainState {
+        epoch: 0,
+        step: 0,
+        samples_in_epoch: 0,
+        seed: config.run.seed,
+        world_size: world as u64,
+        global_batch: setup.plan.batch.global,
+        model_hash: task.model_hash(),
+        rng: resume::RNG_SCHEME.to_string(),
+        files: Default::default(),
+        trainer: Default::default(),
+        schedule_steps: Some(total_steps),
+    }
+}
+
 impl Progress {
+    /// Nothing done yet; the clock starts now.
+    fn new() -> Progress {
+        Progress {
+            step: 0,
+            last_loss: None,
+            epochs_done: 0,
+            steps_run: 0,
+            full_epochs: 0,
+            full_epoch_secs: 0.0,
+            started: Instant::now(),
+            time: Default::default(),
+            data: Duration::ZERO,
+        }
+    }
+
     /// Samples per second of this process's steps so far (`global` samples each).
     fn samples_per_s(&self, global: u64) -> f64 {
         (self.steps_run * global) as f64 / self.started.elapsed().as_secs_f64().max(1e-9)
@@ -249,75 +351,22 @@ impl<'t> Trainer<'t> {
         comm: Box<dyn Collective>,
         setup: &'t TrainSetup<'t>,
     ) -> Result<Trainer<'t>, TrainError> {
-        let (config, batch) = (&setup.plan.config, setup.plan.batch);
+        let config = &setup.plan.config;
         let timeout = Duration::from_secs(config.dist.timeout_s);
-        let mut ddp = Ddp::new(
-            comm,
-            vs,
-            DdpConfig {
-                grad_accum: batch.grad_accum as usize,
-                bucket_bytes: (config.dist.bucket_mb * 1024.0 * 1024.0) as usize,
-                max_grad_norm: config.train.max_grad_norm,
-                check_params_every: config.dist.check_params_every,
-                timeout,
-                sparse: if config.dist.sparse_embeddings {
-                    task.embedding_tables()
-                } else {
-                    Vec::new()
-                },
-                shared_tables: config.dist.shared_tables,
-                shard_optimizer: config.dist.shard_optimizer,
-                overlap_backward: config.dist.overlap_backward,
-            },
-        )?;
+        let mut ddp = Ddp::new(comm, vs, ddp_config(setup, &*task, timeout))?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
         if rank == 0 {
             log_sharing(&ddp);
         }
         ddp.set_probe(peak_memory_probe(setup.memory.clone(), vs.device()));
-        let slow = task::slow_fault(
-            &std::env::var("GPTREC_FAULT_SLOW").unwrap_or_default(),
-            rank,
-        )
-        .map_err(TrainError::Plan)?;
-        let stop_before = task::stop_fault(
-            &std::env::var("GPTREC_FAULT_STOP").unwrap_or_default(),
-            rank,
-        )
-        .map_err(TrainError::Plan)?;
-        let die_before =
-            task::stop_fault(&std::env::var("GPTREC_FAULT_DIE").unwrap_or_default(), rank)
-                .map_err(|e| {
-                    TrainError::Plan(e.replace("GPTREC_FAULT_STOP", "GPTREC_FAULT_DIE"))
-                })?;
+        let faults = Faults::from_env(rank)?;
         let sampler = DistributedSampler::new(task.train_len(), world, rank, config.run.seed)
             .map_err(|e| TrainError::Plan(e.to_string()))?;
-        let per_rank_step = (batch.micro * batch.grad_accum) as usize;
-        let steps_per_epoch = (sampler.num_samples() / per_rank_step) as u64;
-        if steps_per_epoch == 0 {
-            return Err(TrainError::Plan(format!(
-                "{} training samples are fewer than one global batch of {} ({}); lower batch.global",
-                task.train_len(),
-                batch.global,
-                batch.derivation()
-            )));
-        }
+        let steps_per_epoch = steps_per_epoch(setup, &*task, &sampler)?;
         let epochs = u64::from(config.train.epochs);
         let total_steps = epochs * steps_per_epoch;
         let optimizer = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, config.train.weight_decay);
-        let start = TrainState {
-            epoch: 0,
-            step: 0,
-            samples_in_epoch: 0,
-            seed: config.run.seed,
-            world_size: world as u64,
-            global_batch: batch.global,
-            model_hash: task.model_hash(),
-            rng: resume::RNG_SCHEME.to_string(),
-            files: Default::default(),
-            trainer: Default::default(),
-            schedule_steps: Some(total_steps),
-        };
+        let start = fresh_state(setup, &*task, world, total_steps);
         Ok(Trainer {
             schedule: lr_schedule(config, world, total_steps),
             task,
@@ -335,23 +384,13 @@ impl<'t> Trainer<'t> {
             resumed_from: None,
             earlier_summary: None,
             eval: EvalProgress::default(),
-            progress: Progress {
-                step: 0,
-                last_loss: None,
-                epochs_done: 0,
-                steps_run: 0,
-                full_epochs: 0,
-                full_epoch_secs: 0.0,
-                started: Instant::now(),
-                time: Default::default(),
-                data: Duration::ZERO,
-            },
+            progress: Progress::new(),
             metrics: None,
             bar: None,
             reports: crate::progress_channel::ProgressSender::from_env(),
-            slow,
-            stop_before,
-            die_before,
+            slow: faults.slow,
+            stop_before: faults.stop_before,
+            die_before: faults.die_before,
             trace: trace::SampleTrace::from_env(rank),
             saver: checkpoint::Background::default(),
             best_saved_at: None,
