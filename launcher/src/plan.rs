@@ -107,50 +107,14 @@ impl Plan {
         let num_processes = shape.num_processes.value;
         let want_gpus =
             cli.dry_run || num_processes == NumProcesses::Auto || flags.gpu_ids.is_some();
-        let (gpus, gpu_error) = if want_gpus {
-            match gpu::visible_gpus() {
-                Ok(gpus) => (Some(gpus), None),
-                Err(gpu::GpuError::TooMany(why)) => return Err(PlanError::Usage(why)),
-                Err(gpu::GpuError::Unavailable(why)) => (Some(Vec::new()), Some(why)),
-            }
+        let found = if want_gpus {
+            FoundGpus::look_up(flags.gpu_ids.as_deref())?
         } else {
-            (None, None)
-        };
-        let selection = match &flags.gpu_ids {
-            Some(ids) => Some(select_gpus(
-                ids,
-                gpus.as_deref().unwrap_or(&[]),
-                gpu_error.as_deref(),
-            )?),
-            None => None,
-        };
-        let gpus = match &selection {
-            Some(sel) => Some(sel.gpus.clone()),
-            None => gpus,
+            FoundGpus::default()
         };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let nproc = match num_processes {
-            NumProcesses::Count(n) => n,
-            NumProcesses::Cpu => (cores as u32).min(crate::cli::MAX_PROCESSES),
-            NumProcesses::Auto => {
-                let n = gpus.as_ref().map_or(0, Vec::len) as u32;
-                if n == 0 && matches!(cli.gpu_ids, Some(GpuIds::All)) {
-                    return Err(no_gpu_visible("all", gpu_error.as_deref()));
-                }
-                if n == 0 {
-                    if let Some(why) = &gpu_error {
-                        notices.push(format!("no GPU found ({why})"));
-                    }
-                    notices.push("--num-processes auto: no visible GPU, starting 1 process".into());
-                    1
-                } else {
-                    notices.push(format!(
-                        "--num-processes auto: {n} visible GPU(s), starting {n} process(es)"
-                    ));
-                    n
-                }
-            }
-        };
+        let nproc = found.processes(num_processes, cli, cores, &mut notices)?;
+        let (gpus, selection) = (found.gpus, found.selection);
         let world_size = job_shape::check_world(&shape.nnodes, nproc, &shape.num_processes.source)
             .map_err(|e| PlanError::Usage(e.0))?;
 
@@ -540,6 +504,74 @@ fn flags_of(cli: &Cli) -> Flags {
         gpu_ids,
         max_restarts: cli.max_restarts,
         standalone: cli.standalone,
+    }
+}
+
+/// What a plan knows of this node's GPUs, when it needed to look (`auto`, `--gpu-ids`, a dry
+/// run): the ones it uses, the selection `--gpu-ids` made, and why none could be looked up.
+#[derive(Debug, Default)]
+struct FoundGpus {
+    /// Those `--gpu-ids` selected, else every visible one; `None` when not looked up.
+    gpus: Option<Vec<Gpu>>,
+    selection: Option<GpuSelection>,
+    /// Why NVML could not tell (then `gpus` is empty).
+    error: Option<String>,
+}
+
+impl FoundGpus {
+    /// Looks the visible GPUs up and applies `--gpu-ids` (its ids, when given as a list).
+    fn look_up(ids: Option<&[u32]>) -> Result<FoundGpus, PlanError> {
+        let (visible, error) = match gpu::visible_gpus() {
+            Ok(gpus) => (gpus, None),
+            Err(gpu::GpuError::TooMany(why)) => return Err(PlanError::Usage(why)),
+            Err(gpu::GpuError::Unavailable(why)) => (Vec::new(), Some(why)),
+        };
+        let selection = match ids {
+            Some(ids) => Some(select_gpus(ids, &visible, error.as_deref())?),
+            None => None,
+        };
+        let gpus = match &selection {
+            Some(sel) => sel.gpus.clone(),
+            None => visible,
+        };
+        Ok(FoundGpus {
+            gpus: Some(gpus),
+            selection,
+            error,
+        })
+    }
+
+    /// Workers on this node for `--num-processes`: the count, the cores, or (`auto`) one per
+    /// GPU found, else 1, each with a notice saying so.
+    fn processes(
+        &self,
+        num_processes: NumProcesses,
+        cli: &Cli,
+        cores: usize,
+        notices: &mut Vec<String>,
+    ) -> Result<u32, PlanError> {
+        Ok(match num_processes {
+            NumProcesses::Count(n) => n,
+            NumProcesses::Cpu => (cores as u32).min(crate::cli::MAX_PROCESSES),
+            NumProcesses::Auto => {
+                let n = self.gpus.as_ref().map_or(0, Vec::len) as u32;
+                if n == 0 && matches!(cli.gpu_ids, Some(GpuIds::All)) {
+                    return Err(no_gpu_visible("all", self.error.as_deref()));
+                }
+                if n == 0 {
+                    if let Some(why) = &self.error {
+                        notices.push(format!("no GPU found ({why})"));
+                    }
+                    notices.push("--num-processes auto: no visible GPU, starting 1 process".into());
+                    1
+                } else {
+                    notices.push(format!(
+                        "--num-processes auto: {n} visible GPU(s), starting {n} process(es)"
+                    ));
+                    n
+                }
+            }
+        })
     }
 }
 

@@ -183,7 +183,7 @@ impl RunSummary<'_> {
             self.training_figures(),
             peak.join(", ")
         );
-        for line in crate::trainer::rank_time_lines(&r.rank_times) {
+        for line in crate::trainer::rank_time_lines(&r.rank_times, self.device.is_cuda()) {
             println!("{line}");
         }
         let measured_peak = match &r.peak_device {
