@@ -50,7 +50,7 @@ step() {
 
 # The lines of a run's log worth reading here: device, plan, summary, memory, errors.
 digest() {
-  grep -a -E 'device|batch.micro|micro [0-9]+ x|summary:|memory:|estimate|peak|error|warning|out of memory|root cause|exits with|ndcg@10:|NCCL|nccl|activation|bf16|  libtorch said|nearest plans|exit code' "$out/$1.log" \
+  grep -a -E 'device|batch.micro|micro [0-9]+ x|summary:|memory:|estimate|peak|error|warning|out of memory|root cause|exits with|ndcg@10:|NCCL|nccl|activation|bf16|  libtorch said|nearest plans|exit code|time per step|    rank [0-9]+: ' "$out/$1.log" \
     | grep -a -v ' INFO epoch .* step ' | cut -c1-400 | head -"${2:-40}"
 }
 

@@ -275,6 +275,7 @@ fn gpu_check_runs_its_steps_and_says_how_each_ended() {
         "unknown step bogus",
         "== two-on-one: ok in ",
         "summary: ",
+        "time per step by rank (ms): compute, data, collectives, update",
         &format!("logs in {}", out_dir.path().display()),
     ]);
     assert!(out_dir.path().join("two-on-one.log").is_file());
