@@ -155,25 +155,9 @@ fn kept_once_values(x: &Inputs<'_>, tables: u64, trainable: u64) -> u64 {
 /// Parameters, gradients, AdamW's state and temporaries, rank 0's checkpoint, the all-reduce
 /// and NCCL buffers, and autocast's bf16 copies.
 pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
-    let (m, d, dim) = (&x.config.model, x.d, x.dim);
-    let (users, items) = (x.data.users, x.data.items);
     let (params, trainable) = (s.params, s.trainable);
-    let mut parts = vec![format!("IDs ({users}+{items}) x {dim}")];
-    if s.proj > 0 {
-        parts.push(format!("projections 2 x {d} x {dim}"));
-    }
-    if s.mlp > 0 {
-        parts.push("MLP scorer".into());
-    }
-    if s.gpt2_params > 0 {
-        parts.push(format!("GPT-2 {} {}", m.gpt2_label(), s.gpt2_params));
-    }
-    // AdamW works parameter by parameter; three temporaries the size of the largest one.
-    let largest = [users * dim, items * dim, s.proj / 2, s.mlp]
-        .into_iter()
-        .chain((s.gpt2_trainable > 0).then_some(x.gpt2.vocab_size * d))
-        .max()
-        .unwrap_or(0);
+    let parts = parameter_parts(x, s);
+    let largest = largest_trainable(x, s);
     let shared = s.shared;
     let mut terms = vec![
         MemoryTerm {
@@ -181,11 +165,8 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
             bytes: (params - shared) * F32,
             held: Held::Always,
             detail: match shared {
-                0 => format!("{params} f32: {}", parts.join(" + ")),
-                _ => format!(
-                    "{params} f32: {}, less {shared} kept once per host",
-                    parts.join(" + ")
-                ),
+                0 => format!("{params} f32: {parts}"),
+                _ => format!("{params} f32: {parts}, less {shared} kept once per host"),
             },
         },
         MemoryTerm {
@@ -205,19 +186,7 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         },
     ];
     if shared > 0 {
-        let ranks = x.host_ranks;
-        let (name, key) = match x.config.dist.shard_optimizer {
-            true => ("shared parameters", "dist.shard_optimizer"),
-            false => ("shared tables", "dist.shared_tables"),
-        };
-        terms.push(MemoryTerm {
-            name,
-            bytes: (3 * shared * F32).div_ceil(ranks),
-            held: Held::Always,
-            detail: format!(
-                "1/{ranks} of {shared} f32 + 2 moments, kept once by the host's {ranks} ranks ({key})"
-            ),
-        });
+        terms.push(shared_term(x, shared));
     }
     terms.extend([
         MemoryTerm {
@@ -254,6 +223,54 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         });
     }
     terms
+}
+
+/// What the parameters are, for the term's detail: `IDs (6040+3629) x 64 + projections ...`.
+fn parameter_parts(x: &Inputs<'_>, s: &Sizes) -> String {
+    let (d, dim) = (x.d, x.dim);
+    let mut parts = vec![format!("IDs ({}+{}) x {dim}", x.data.users, x.data.items)];
+    if s.proj > 0 {
+        parts.push(format!("projections 2 x {d} x {dim}"));
+    }
+    if s.mlp > 0 {
+        parts.push("MLP scorer".into());
+    }
+    if s.gpt2_params > 0 {
+        parts.push(format!(
+            "GPT-2 {} {}",
+            x.config.model.gpt2_label(),
+            s.gpt2_params
+        ));
+    }
+    parts.join(" + ")
+}
+
+/// Values in the largest trainable tensor: AdamW works parameter by parameter, with three
+/// temporaries of that size.
+fn largest_trainable(x: &Inputs<'_>, s: &Sizes) -> u64 {
+    let (d, dim) = (x.d, x.dim);
+    [x.data.users * dim, x.data.items * dim, s.proj / 2, s.mlp]
+        .into_iter()
+        .chain((s.gpt2_trainable > 0).then_some(x.gpt2.vocab_size * d))
+        .max()
+        .unwrap_or(0)
+}
+
+/// This rank's share of the parameters and moments its host keeps once in shared memory.
+fn shared_term(x: &Inputs<'_>, shared: u64) -> MemoryTerm {
+    let ranks = x.host_ranks;
+    let (name, key) = match x.config.dist.shard_optimizer {
+        true => ("shared parameters", "dist.shard_optimizer"),
+        false => ("shared tables", "dist.shared_tables"),
+    };
+    MemoryTerm {
+        name,
+        bytes: (3 * shared * F32).div_ceil(ranks),
+        held: Held::Always,
+        detail: format!(
+            "1/{ranks} of {shared} f32 + 2 moments, kept once by the host's {ranks} ranks ({key})"
+        ),
+    }
 }
 
 /// The text side: cached features (and the encoder that builds them), or token tables.
