@@ -208,28 +208,8 @@ impl TcpCollective {
         let (next_nonce, next_addr) = published.split_at(nonce.len());
         let next_addr = String::from_utf8_lossy(next_addr).into_owned();
         let proof = ring_proof(&secret, next_nonce, rank, next);
-        let next_sock: SocketAddr = next_addr.parse().map_err(|e| {
-            setup(format!(
-                "rank {next_rank} published a bad address {next_addr:?}: {e}"
-            ))
-        })?;
-        let mut to_next = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(&next_sock, left.max(Duration::from_millis(10))) {
-                Ok(stream) => break stream,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(setup(format!(
-                        "cannot connect to rank {next_rank} at {next_addr}: {e}"
-                    )))
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
-        let mut greeting = (rank as u64).to_le_bytes().to_vec();
-        greeting.extend_from_slice(&proof);
-        to_next
-            .write_all(&greeting)
-            .map_err(|e| setup(format!("greeting rank {next_rank}: {e}")))?;
+        let to_next =
+            connect_next(&next_addr, next_rank, rank, &proof, deadline).map_err(&setup)?;
 
         let proof = ring_proof(&secret, &nonce, prev, rank);
         let from_prev =
@@ -243,6 +223,37 @@ impl TcpCollective {
         comm.scratch = vec![0.0; PIECE_BYTES / 4];
         Ok(comm)
     }
+}
+
+/// Connects to the next ring position at `addr` (global rank `next_rank`, named in errors),
+/// retrying until `deadline` (it may not listen yet), and greets it with our position `pos` and
+/// `proof`.
+fn connect_next(
+    addr: &str,
+    next_rank: usize,
+    pos: usize,
+    proof: &[u8],
+    deadline: Instant,
+) -> Result<TcpStream, String> {
+    let sock: SocketAddr = addr
+        .parse()
+        .map_err(|e| format!("rank {next_rank} published a bad address {addr:?}: {e}"))?;
+    let mut stream = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&sock, left.max(Duration::from_millis(10))) {
+            Ok(stream) => break stream,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(format!("cannot connect to rank {next_rank} at {addr}: {e}"))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    let mut greeting = (pos as u64).to_le_bytes().to_vec();
+    greeting.extend_from_slice(proof);
+    stream
+        .write_all(&greeting)
+        .map_err(|e| format!("greeting rank {next_rank}: {e}"))?;
+    Ok(stream)
 }
 
 /// Accepts the connection of the previous ring position `prev` (global rank `prev_rank`, named
