@@ -7,10 +7,7 @@ out="${BENCH_OUT:-$(mktemp -d)}"
 mkdir -p "$out"
 echo "runs in $out"
 
-# The training samples/s a run reported in its summary: summary_samples_per_s RUN_DIR
-summary_samples_per_s() {
-  python3 -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(next(x for x in r if x.get("kind")=="summary")["samples_per_s"]))' "$1/metrics.jsonl"
-}
+. scripts/bench/summary.sh
 
 # Runs the launcher with its output in $out/NAME.log; on failure says so with the log's tail:
 # launch_logged NAME ARGS...

@@ -27,6 +27,7 @@ mkdir -p "$out"
 steps=${STEPS:-env dry default dynamic precision oom probe auto two vs_peer}
 python=${PYTHON:-python3}
 launch="$bin/launch"
+. scripts/bench/summary.sh
 
 # libtorch and NCCL from this machine's PyTorch, when the binaries' own run path is not here.
 torch_lib=$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null)
@@ -145,7 +146,7 @@ for s in $steps; do
         run $name 180 --num-processes 1 "${base[@]}" \
           --set data.dir=\""$out/data-$size"\" --set model.kind=\"$kind\" --set model.text_mode=\"cached\" \
           --set train.epochs=$epochs --set eval.patience=0 --set batch.global=256 --set batch.micro=64 | grep -a '^== ' 
-        ours=$("$python" -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(round(next(x for x in r if x.get("kind")=="summary")["samples_per_s"]))' "$out/runs/$name/metrics.jsonl" 2>/dev/null)
+        ours=$(PYTHON=$python summary_samples_per_s "$out/runs/$name" 2>/dev/null)
         mem=$(grep -a -o 'estimated peak .*' "$out/$name.log" | head -1 | cut -c1-120)
         PEER_DEVICE=${PEER_DEVICE:-cuda} step peer-$size-$model 240 "$launch" --num-processes 1 --master-port 0 -- \
           "$python" "$repo/scripts/bench/ddp_peer.py" "$out/data-$size" $model $epochs 256 64

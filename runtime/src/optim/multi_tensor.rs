@@ -58,7 +58,7 @@ fn enabled() -> bool {
 /// The parameters of one step that go to the fused kernel together: on one GPU, f32, dense.
 #[derive(Default)]
 pub(super) struct Batch {
-    device: Option<Device>,
+    /// On the device of the first one taken.
     params: Vec<Tensor>,
     grads: Vec<Tensor>,
     exp_avgs: Vec<Tensor>,
@@ -76,14 +76,18 @@ impl Batch {
     ) -> bool {
         let device = param.device();
         let cuda = matches!(device, Device::Cuda(_));
-        if !cuda || !enabled() || self.device.is_some_and(|d| d != device) {
+        let other_gpu = self.params.first().is_some_and(|p| p.device() != device);
+        if !cuda
+            || !enabled()
+            || other_gpu
+            || !Self::fits(device, param, [grad, exp_avg, exp_avg_sq])
+        {
             return false;
         }
-        if !Self::fits(device, param, [grad, exp_avg, exp_avg_sq]) {
-            return false;
-        }
-        self.device = Some(device);
-        self.push(param, grad, exp_avg, exp_avg_sq);
+        self.params.push(param.shallow_clone());
+        self.grads.push(grad.shallow_clone());
+        self.exp_avgs.push(exp_avg.shallow_clone());
+        self.exp_avg_sqs.push(exp_avg_sq.shallow_clone());
         true
     }
 
@@ -98,13 +102,6 @@ impl Batch {
                 && !t.is_sparse()
                 && t.size() == shape
         })
-    }
-
-    fn push(&mut self, param: &Tensor, grad: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor) {
-        self.params.push(param.shallow_clone());
-        self.grads.push(grad.shallow_clone());
-        self.exp_avgs.push(exp_avg.shallow_clone());
-        self.exp_avg_sqs.push(exp_avg_sq.shallow_clone());
     }
 
     /// Updates every parameter taken, in place; an error is libtorch's text (e.g. an
