@@ -10,7 +10,9 @@
 #               they lie, then a barrier; `dist.shard_optimizer`), through its socket ring
 #               (`tcp`); gloo
 #   broadcast   from rank 0: ours through shared memory and through the socket ring; gloo
-#   all-gather  SIZE per rank (bandwidth counts the gathered bytes): the same three
+#   all-gather  SIZE per rank (bandwidth counts the gathered bytes): the same three, and ours in
+#               place (each rank's part already its slot of the output, as FSDP gathers its
+#               parameters with `all_gather_into_tensor`) through shared memory and the ring
 #   barrier     the same three
 #
 # Every variant runs REPEAT times (default 5), the runs interleaved (each round runs every
@@ -82,6 +84,7 @@ variants=(
   "ours" "ours --shared-buffer" "ours --op sharded-reduce" "ours --sockets" "gloo all-reduce"
   "ours --op broadcast" "ours --op broadcast --sockets" "gloo broadcast"
   "ours --op all-gather" "ours --op all-gather --sockets" "gloo all-gather"
+  "ours --op all-gather --in-place" "ours --op all-gather --in-place --sockets"
   "ours --op barrier" "ours --op barrier --sockets" "gloo barrier"
 )
 echo "bench: $repeat interleaved rounds of ${#variants[@]} variants, sizes $sizes"
@@ -140,11 +143,16 @@ for s in sizes:
     print(f"| {s} | {cell('shm-sharded', s)} | {cell('shm-arena', s)} | {cell('shm', s)} | {cell('tcp', s)} | {cell('gloo', s)} | {ratio('shm-sharded', 'gloo', s)} |")
 for op, gathered in (("broadcast", False), ("all-gather", True)):
     print(f"\n{op}, 2 ranks, medians of {repeat} runs" + (" (bandwidth: the gathered bytes)" if gathered else ""))
-    print("| size | ours, shared memory | ours, socket ring | gloo | shared memory vs socket ring |")
-    print("|---|---|---|---|---|")
+    extra = " in place, shared memory | in place, socket ring | in place, vs ring |" if gathered else ""
+    print("| size | ours, shared memory | ours, socket ring | gloo | shared memory vs socket ring |" + extra)
+    print("|---|---|---|---|---|" + ("---|---|---|" if gathered else ""))
     for s in sizes:
         a, b, g = f"shm {op}", f"tcp {op}", f"gloo {op}"
-        print(f"| {s} | {cell(a, s, gathered)} | {cell(b, s, gathered)} | {cell(g, s, gathered)} | {ratio(a, b, s)} |")
+        row = f"| {s} | {cell(a, s, gathered)} | {cell(b, s, gathered)} | {cell(g, s, gathered)} | {ratio(a, b, s)} |"
+        if gathered:
+            ia, ib = f"shm {op} in place", f"tcp {op} in place"
+            row += f" {cell(ia, s, gathered)} | {cell(ib, s, gathered)} | {ratio(ia, ib, s)} |"
+        print(row)
 print(f"\nbarrier, 2 ranks, medians of {repeat} runs (each a median of 1000)")
 print("| ours, shared memory | ours, socket ring | gloo |")
 print("|---|---|---|")

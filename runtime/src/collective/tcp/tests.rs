@@ -256,7 +256,8 @@ fn broadcast_from_each_root_and_all_gather() {
 }
 
 /// Broadcasts and all-gathers whose output outgrows the caches (written with streaming stores
-/// through shared memory) arrive exactly, with a part that does not start on 16 bytes.
+/// through shared memory) arrive exactly, with a part that does not start on 16 bytes, and an
+/// all-gather in place.
 #[test]
 fn large_broadcasts_and_all_gathers_arrive_exactly() {
     let n = (20 << 20) / 4 + 3; // 20 MiB of f32 and a bit: 40 MiB gathered
@@ -271,14 +272,26 @@ fn large_broadcasts_and_all_gathers_arrive_exactly() {
         let gathered = comm
             .all_gather(&fresh.narrow(0, 1, n as i64 - 1), CTX)
             .unwrap();
+        // In place: our part is already our slot of the output (as FSDP gathers).
+        let mut into: Vec<Tensor> = (0..2).map(|_| fresh.zeros_like()).collect();
+        into[rank].copy_(&fresh);
+        let slot = into[rank].shallow_clone();
+        comm.all_gather_into(&slot, &mut into, CTX).unwrap();
         let as_vec = |t: &Tensor| Vec::<f32>::try_from(t).unwrap();
         (
             as_vec(&t[0]),
             as_vec(&t[1]),
             gathered.iter().map(as_vec).collect::<Vec<_>>(),
+            into.iter().map(as_vec).collect::<Vec<_>>(),
         )
     });
-    for (offset, second, gathered) in results {
+    for (offset, second, gathered, in_place) in results {
+        for (r, part) in in_place.iter().enumerate() {
+            assert!(
+                part.iter().enumerate().all(|(i, v)| *v == value(r, i)),
+                "in place, part {r}"
+            );
+        }
         assert!(offset
             .iter()
             .enumerate()
