@@ -1,6 +1,7 @@
 //! Full-ranking evaluation across ranks: users split over the ranks, their metric sums gathered
-//! and added in rank order, so every rank returns the metrics a single process would; and the
-//! popularity baseline through the same path.
+//! and added in rank order, so every rank returns the metrics a single process would; the
+//! tables' text encoding shared out the same way; and the popularity baseline through the same
+//! path.
 
 use std::ops::Range;
 use std::time::Duration;
@@ -11,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 use crate::data::Dataset;
 use crate::eval::{add_user, MetricSums, Metrics};
 use crate::input::RecData;
-use crate::model::recommender::popularity_scores;
+use crate::model::recommender::{popularity_scores, TextChunks};
 use crate::{RecError, Split};
 
 /// The popularity baseline's metrics on `split`, through the same sharded evaluation.
@@ -142,6 +143,44 @@ pub fn evaluate_sharded(
     Ok(total.means())
 }
 
+/// Every chunk of a table's text parts
+/// ([`Recommender::tables_with`](crate::model::recommender::Recommender::tables_with)), shared out over the
+/// ranks: this rank encodes chunks `rank, rank + world, ...` (in dynamic mode each one a GPT-2
+/// pass, the bulk of an evaluation), and the others' come by one all-gather. A chunk holds the
+/// same rows wherever it is encoded, so the result is bit for bit what one process computes.
+pub fn text_chunks_shared(
+    chunks: &TextChunks<'_>,
+    comm: &mut dyn Collective,
+    ctx: OpContext,
+) -> Result<Vec<Tensor>, RecError> {
+    let (rank, world, count) = (comm.rank(), comm.world_size(), chunks.rows.len());
+    let encode = |c: usize| {
+        chunks.encode(c).ok_or_else(|| {
+            RecError::Invalid("internal error: a table's text chunks without a text tower".into())
+        })
+    };
+    if world == 1 || count == 0 {
+        return (0..count).map(encode).collect();
+    }
+    // Every rank's chunks one after another in slots of the first (longest) chunk's rows, so
+    // that all ranks gather the same shape.
+    let slot = chunks.rows[0];
+    let per_rank = count.div_ceil(world) as i64;
+    let mine = Tensor::f_zeros([per_rank * slot, chunks.dim], (Kind::Float, chunks.device))?;
+    for (k, c) in (rank..count).step_by(world).enumerate() {
+        let part = encode(c)?.f_to_kind(Kind::Float)?;
+        mine.f_narrow(0, k as i64 * slot, chunks.rows[c])?
+            .f_copy_(&part)?;
+    }
+    let gathered = comm.all_gather(&mine, ctx)?;
+    (0..count)
+        .map(|c| {
+            let from = &gathered[c % world];
+            Ok(from.f_narrow(0, (c / world) as i64 * slot, chunks.rows[c])?)
+        })
+        .collect()
+}
+
 /// Evaluation can take longer than a training collective: scoring every user.
 pub const EVAL_TIMEOUT_MIN: Duration = Duration::from_secs(600);
 
@@ -155,6 +194,54 @@ mod tests {
         step: 0,
         timeout: Duration::from_secs(20),
     };
+
+    /// Text chunks shared out over 2 and 3 ranks arrive whole and in order, bit for bit what
+    /// one process computes: a last chunk shorter than the others, ranks with more chunks than
+    /// others, ranks with none, and no chunk at all.
+    #[test]
+    fn shared_text_chunks_are_the_chunks_computed_here() {
+        // Chunk c's row j: values no other chunk or row has, in every column.
+        fn chunk_of(c: usize, rows: i64) -> Tensor {
+            let value = |j: i64, d: i64| (c as i64 * 1000 + j * 10 + d) as f32 + 0.25;
+            let v: Vec<f32> = (0..rows)
+                .flat_map(|j| (0..3).map(move |d| value(j, d)))
+                .collect();
+            Tensor::from_slice(&v).view([rows, 3])
+        }
+        for world in [2u32, 3] {
+            for rows in [vec![], vec![4], vec![4, 4], vec![4, 4, 4, 4, 2], vec![4; 7]] {
+                let expected: Vec<Vec<f32>> = rows
+                    .iter()
+                    .enumerate()
+                    .map(|(c, &r)| Vec::<f32>::try_from(chunk_of(c, r).view([-1])).unwrap())
+                    .collect();
+                let rows_here = rows.clone();
+                let results = with_ring(world, move |rank, comm| {
+                    let encoded = std::cell::RefCell::new(Vec::new());
+                    let encode = |c: usize| {
+                        encoded.borrow_mut().push(c);
+                        Some(chunk_of(c, rows_here[c]))
+                    };
+                    let chunks = TextChunks::new(rows_here.clone(), 3, Device::Cpu, &encode);
+                    let parts = text_chunks_shared(&chunks, comm, CTX).unwrap();
+                    let mine: Vec<usize> =
+                        (rank..rows_here.len()).step_by(world as usize).collect();
+                    assert_eq!(
+                        *encoded.borrow(),
+                        mine,
+                        "rank {rank} encodes its share only"
+                    );
+                    parts
+                        .iter()
+                        .map(|p| Vec::<f32>::try_from(p.contiguous().view([-1])).unwrap())
+                        .collect::<Vec<_>>()
+                });
+                for got in results {
+                    assert_eq!(got, expected, "world {world}, chunks {rows:?}");
+                }
+            }
+        }
+    }
 
     /// A deterministic, tie-free score table.
     fn score_of(u: usize, i: usize) -> f32 {

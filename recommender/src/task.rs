@@ -16,7 +16,7 @@ use crate::eval::Metrics;
 use crate::input::RecData;
 use crate::model::gpt2::Tokenizer;
 use crate::model::recommender::{NewUserText, RecConfig, Recommender, Scorer, Text};
-use crate::sharded_eval::{evaluate_sharded, split_lists, train_and_valid};
+use crate::sharded_eval::{evaluate_sharded, split_lists, text_chunks_shared, train_and_valid};
 use crate::text::{build_gpt2, cached_text_features, token_table};
 use crate::{RecError, Split};
 
@@ -389,14 +389,19 @@ impl RecTask {
         comm: &mut dyn Collective,
         ctx: OpContext,
     ) -> Result<Metrics, RecError> {
+        // Every rank encodes a share of the texts (in dynamic mode, GPT-2 over every user and
+        // item: most of an evaluation) and gathers the rest.
+        let (model, device) = (&self.model, self.device);
+        let mut tables =
+            || model.tables_with(device, |chunks| text_chunks_shared(chunks, comm, ctx));
         let (users, items) = match &mut self.held {
             Some(Some((users, items))) => (users.shallow_clone(), items.shallow_clone()),
             Some(held) => {
-                let (users, items) = self.model.tables(self.device);
+                let (users, items) = tables()?;
                 *held = Some((users.shallow_clone(), items.shallow_clone()));
                 (users, items)
             }
-            None => self.model.tables(self.device),
+            None => tables()?,
         };
         let lists = split_lists(&self.ds, &self.train_valid, split);
         let model = &self.model;

@@ -82,6 +82,46 @@ pub enum NewUserText {
 /// Rows of texts GPT-2 encodes at once when building a whole table.
 const ENCODE_ROWS: i64 = 128;
 
+/// The text parts of one side of a whole table, [`ENCODE_ROWS`] rows a chunk: what
+/// [`Recommender::tables_with`] asks its caller to compute, here or shared out over ranks.
+pub struct TextChunks<'a> {
+    /// Rows of each chunk, in order (all [`ENCODE_ROWS`] but maybe the last).
+    pub rows: Vec<i64>,
+    /// Width of a row: the embedding size.
+    pub dim: i64,
+    /// Where the chunks are computed.
+    pub device: tch::Device,
+    encode: &'a dyn Fn(usize) -> Option<Tensor>,
+}
+
+impl<'a> TextChunks<'a> {
+    /// Chunks of `rows` rows each, `dim` wide, on `device`, chunk `c` from `encode(c)`.
+    pub(crate) fn new(
+        rows: Vec<i64>,
+        dim: i64,
+        device: tch::Device,
+        encode: &'a dyn Fn(usize) -> Option<Tensor>,
+    ) -> TextChunks<'a> {
+        TextChunks {
+            rows,
+            dim,
+            device,
+            encode,
+        }
+    }
+
+    /// Chunk `c`'s text parts [rows[c], dim] (no gradient; `None` would mean no text tower,
+    /// which [`Recommender::tables_with`] never asks of).
+    pub fn encode(&self, c: usize) -> Option<Tensor> {
+        (self.encode)(c)
+    }
+
+    /// Every chunk's, here (`None`: see [`TextChunks::encode`]).
+    pub fn all_here(&self) -> Option<Vec<Tensor>> {
+        (0..self.rows.len()).map(|c| self.encode(c)).collect()
+    }
+}
+
 /// User/item ID embeddings (+ projected text features) and a scorer.
 pub struct Recommender {
     config: RecConfig,
@@ -303,31 +343,57 @@ impl Recommender {
     /// parts are looked up in one go (the cold rows' stand-in computed once); the text parts go
     /// [`ENCODE_ROWS`] rows at a time. The values are those of [`Recommender::repr`], bit for bit.
     pub fn tables(&self, device: tch::Device) -> (Tensor, Tensor) {
-        let _guard = tch::no_grad_guard();
-        (
-            self.table(Side::User, self.config.n_users, device),
-            self.table(Side::Item, self.config.n_items, device),
-        )
+        let here = |chunks: &TextChunks<'_>| {
+            Ok::<_, std::convert::Infallible>(chunks.all_here().unwrap_or_default())
+        };
+        match self.tables_with(device, here) {
+            Ok(tables) => tables,
+            Err(never) => match never {},
+        }
     }
 
-    /// The representations of rows `0..n` of one side (see [`Recommender::tables`]).
-    fn table(&self, side: Side, n: i64, device: tch::Device) -> Tensor {
+    /// [`Recommender::tables`] with each side's text parts computed by `text` (called only with
+    /// a text tower), which gets the side's chunks and returns every chunk's text parts in
+    /// order: all of them here, or each rank encoding a share and gathering the others' (a
+    /// chunk encoded anywhere holds the same bits, so the tables do too).
+    pub fn tables_with<E>(
+        &self,
+        device: tch::Device,
+        mut text: impl FnMut(&TextChunks<'_>) -> Result<Vec<Tensor>, E>,
+    ) -> Result<(Tensor, Tensor), E> {
+        let _guard = tch::no_grad_guard();
+        Ok((
+            self.table(Side::User, self.config.n_users, device, &mut text)?,
+            self.table(Side::Item, self.config.n_items, device, &mut text)?,
+        ))
+    }
+
+    /// The representations of rows `0..n` of one side (see [`Recommender::tables_with`]).
+    fn table<E>(
+        &self,
+        side: Side,
+        n: i64,
+        device: tch::Device,
+        text: &mut impl FnMut(&TextChunks<'_>) -> Result<Vec<Tensor>, E>,
+    ) -> Result<Tensor, E> {
         let ids = Tensor::arange(n, (Kind::Int64, device));
         let id_part = self.id_part(side, &ids, false);
-        let text: Option<Vec<Tensor>> = (0..n)
-            .step_by(ENCODE_ROWS as usize)
-            .map(|start| {
-                self.text_part(
-                    side,
-                    &ids.narrow(0, start, ENCODE_ROWS.min(n - start)),
-                    false,
-                )
-            })
-            .collect();
-        match text {
-            Some(parts) if !parts.is_empty() => id_part + Tensor::cat(&parts, 0),
-            _ => id_part,
+        if self.proj.is_none() || matches!(self.text, Text::None) {
+            return Ok(id_part); // no text tower
         }
+        let starts: Vec<i64> = (0..n).step_by(ENCODE_ROWS as usize).collect();
+        let encode = |c: usize| {
+            let rows = ENCODE_ROWS.min(n - starts[c]);
+            self.text_part(side, &ids.narrow(0, starts[c], rows), false)
+        };
+        let rows = starts.iter().map(|s| ENCODE_ROWS.min(n - s)).collect();
+        let chunks = TextChunks::new(rows, self.config.dim, device, &encode);
+        let parts = text(&chunks)?;
+        Ok(if parts.is_empty() {
+            id_part
+        } else {
+            id_part + Tensor::cat(&parts, 0)
+        })
     }
 
     /// Representations [b, dim] of users training never saw, from their text alone (the
