@@ -41,9 +41,19 @@ pub struct RecTask {
     /// The ID rows the last micro-batch looked up: its users, and its positive and negative
     /// items ([`RecTask::rows_used`]).
     last_rows: Option<(Vec<i64>, Vec<i64>)>,
-    /// While [`RecTask::hold_tables`] holds them: the user and item tables of the first
-    /// evaluation since, used by the ones after it (the parameters do not change meanwhile).
-    held: Option<Option<(Tensor, Tensor)>>,
+    /// Whether evaluations reuse the first one's user and item tables
+    /// ([`RecTask::hold_tables`]).
+    held: HeldTables,
+}
+
+/// The user and item tables evaluations share while the parameters stay as they are.
+enum HeldTables {
+    /// Every evaluation computes its own.
+    Off,
+    /// Held from the next evaluation on.
+    Awaited,
+    /// The user and item tables the first evaluation since holding computed.
+    Held(Tensor, Tensor),
 }
 
 impl RecTask {
@@ -130,7 +140,7 @@ impl RecTask {
             bf16: config.train.bf16 && device.is_cuda(),
             data_time: std::time::Duration::ZERO,
             last_rows: None,
-            held: None,
+            held: HeldTables::Off,
         })
     }
 }
@@ -258,7 +268,7 @@ impl RecTask {
         // A previous micro-batch abandoned before its backward leaves nothing behind.
         self.model.discard_pending();
         // Training changes the parameters: tables held for evaluation are stale.
-        self.held = None;
+        self.held = HeldTables::Off;
         let started = std::time::Instant::now();
         // Negatives come from torch's generator, which the trainer reseeds every step: the
         // same numbers after a resume, different ones every batch.
@@ -379,7 +389,11 @@ impl RecTask {
     /// tables of the first one (in dynamic mode, every text encoded once for all of them): the
     /// caller promises that the parameters do not change meanwhile.
     pub fn hold_tables(&mut self, hold: bool) {
-        self.held = hold.then_some(None);
+        self.held = if hold {
+            HeldTables::Awaited
+        } else {
+            HeldTables::Off
+        };
     }
 
     /// Full-ranking metrics of the current model on `split`; every rank calls it together.
@@ -394,14 +408,14 @@ impl RecTask {
         let (model, device) = (&self.model, self.device);
         let mut tables =
             || model.tables_with(device, |chunks| text_chunks_shared(chunks, comm, ctx));
-        let (users, items) = match &mut self.held {
-            Some(Some((users, items))) => (users.shallow_clone(), items.shallow_clone()),
-            Some(held) => {
+        let (users, items) = match &self.held {
+            HeldTables::Held(users, items) => (users.shallow_clone(), items.shallow_clone()),
+            HeldTables::Awaited => {
                 let (users, items) = tables()?;
-                *held = Some((users.shallow_clone(), items.shallow_clone()));
+                self.held = HeldTables::Held(users.shallow_clone(), items.shallow_clone());
                 (users, items)
             }
-            None => tables()?,
+            HeldTables::Off => tables()?,
         };
         let lists = split_lists(&self.ds, &self.train_valid, split);
         let model = &self.model;
