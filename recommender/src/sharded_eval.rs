@@ -172,7 +172,12 @@ pub fn text_chunks_shared(
         mine.f_narrow(0, k as i64 * slot, chunks.rows[c])?
             .f_copy_(&part)?;
     }
-    let gathered = comm.all_gather(&mine, ctx)?;
+    // Back where the tables are: `tcp` gathers CUDA tensors through host memory.
+    let gathered = comm
+        .all_gather(&mine, ctx)?
+        .iter()
+        .map(|part| part.f_to_device(chunks.device))
+        .collect::<Result<Vec<_>, _>>()?;
     (0..count)
         .map(|c| {
             let from = &gathered[c % world];

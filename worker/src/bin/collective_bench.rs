@@ -82,6 +82,10 @@ enum Op {
 
 fn main() -> Result<()> {
     let cli = <Cli as clap::Parser>::parse();
+    anyhow::ensure!(
+        !cli.in_place || cli.op == Op::AllGather,
+        "--in-place applies to --op all-gather only"
+    );
     let (sockets, shared) = (cli.sockets, cli.shared_buffer);
     let sizes = if cli.sizes.is_empty() {
         vec![64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]

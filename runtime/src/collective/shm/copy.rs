@@ -185,7 +185,7 @@ impl ShmGroup {
     }
 
     /// Every member's `mine` (the same length on all) into `out[j]` for member `j` (each as long
-    /// as `mine`; ours is copied too), as operation `seq`.
+    /// as `mine`; ours is copied too, unless `mine` is `out[me]` itself), as operation `seq`.
     pub fn all_gather(
         &mut self,
         mine: Bytes,
@@ -202,9 +202,9 @@ impl ShmGroup {
         let me = self.me;
         let streaming = len * members >= STREAM_FROM;
         // A large output takes our own part from our buffer, chunk by chunk, where it was just
-        // put (in the cache): one read of `mine` from memory instead of two (64 MiB parts 10%
-        // faster). A small one copies it first, while the others still put their first chunk
-        // (1 MiB parts 12% faster so).
+        // put (in the cache): one read of `mine` from memory instead of two (64 MiB parts in
+        // about 14% less time). A small one copies it first, while the others still put their
+        // first chunk (1 MiB parts took about 12% longer the other way).
         let own = streaming && mine.ptr != out[me].ptr;
         if !streaming {
             copy_own(mine, out[me], false);
