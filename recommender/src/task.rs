@@ -418,7 +418,6 @@ impl RecTask {
             HeldTables::Off => tables()?,
         };
         let lists = split_lists(&self.ds, &self.train_valid, split);
-        let model = &self.model;
         let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
             let _guard = tch::no_grad_guard();
             let ids: Vec<i64> = batch.iter().map(|&u| u as i64).collect();

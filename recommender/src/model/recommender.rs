@@ -381,13 +381,16 @@ impl Recommender {
         if self.proj.is_none() || matches!(self.text, Text::None) {
             return Ok(id_part); // no text tower
         }
-        let starts: Vec<i64> = (0..n).step_by(ENCODE_ROWS as usize).collect();
+        let rows: Vec<i64> = (0..n)
+            .step_by(ENCODE_ROWS as usize)
+            .map(|start| ENCODE_ROWS.min(n - start))
+            .collect();
+        // Every chunk but maybe the last is ENCODE_ROWS long.
         let encode = |c: usize| {
-            let rows = ENCODE_ROWS.min(n - starts[c]);
-            self.text_part(side, &ids.narrow(0, starts[c], rows), false)
+            let start = c as i64 * ENCODE_ROWS;
+            self.text_part(side, &ids.narrow(0, start, rows[c]), false)
         };
-        let rows = starts.iter().map(|s| ENCODE_ROWS.min(n - s)).collect();
-        let chunks = TextChunks::new(rows, self.config.dim, device, &encode);
+        let chunks = TextChunks::new(rows.clone(), self.config.dim, device, &encode);
         let parts = text(&chunks)?;
         Ok(if parts.is_empty() {
             id_part

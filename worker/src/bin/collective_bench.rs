@@ -115,21 +115,7 @@ fn main() -> Result<()> {
     let ctx = OpContext { step: 0, timeout };
     let leader = env.rank == 0;
     if leader {
-        let bytes = 64usize << 20;
-        let src = vec![1u8; bytes];
-        let mut dst = vec![0u8; bytes];
-        let mut best = f64::MAX;
-        for _ in 0..5 {
-            let t = Instant::now();
-            dst.copy_from_slice(&src);
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        std::hint::black_box(&dst);
-        println!(
-            "memcpy 64 MiB (one thread): {:.1} ms, {:.2} GiB/s",
-            best * 1e3,
-            bytes as f64 / best / (1u64 << 30) as f64
-        );
+        print_memcpy_bandwidth();
     }
     for bytes in sizes {
         let iters = match bytes >> 20 {
@@ -177,6 +163,26 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The single-thread `memcpy` bandwidth of this machine (the ceiling for any intra-host
+/// scheme), on stdout.
+fn print_memcpy_bandwidth() {
+    let bytes = 64usize << 20;
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    println!(
+        "memcpy 64 MiB (one thread): {:.1} ms, {:.2} GiB/s",
+        best * 1e3,
+        bytes as f64 / best / (1u64 << 30) as f64
+    );
 }
 
 /// Times `iters` all-reduces of `n` ones in a private tensor (after two warm-up runs) and checks
