@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One-time set-up: installs PyTorch 2.11.0 (the libtorch that `tch` 0.24 builds against) into a
-# cache directory outside the repository, reuses it on later runs, and writes the git-ignored
+# One-time set-up: installs PyTorch 2.11.0 (the libtorch that `tch` 0.24 builds against), and
+# tqdm, accelerate and TensorBoard (the drop-in tests run them), into a cache directory outside
+# the repository, reuses it on later runs, and writes the git-ignored
 # `.cargo/config.toml` that tells `cargo build` where libtorch is. Safe to run repeatedly.
 #
 #   GPTREC_CACHE   where the cache lives (default: ${XDG_CACHE_HOME:-$HOME/.cache}/gptrec)
@@ -37,6 +38,21 @@ gptrec_setup() {
     fi
     touch "$marker"
     echo "setup: torch $torch_version installed"
+  fi
+
+  # The tools our users run beside launch, which the drop-in tests run for real (tqdm's bars,
+  # accelerate's launcher and config file, TensorBoard's event reader). Small next to torch;
+  # without them those tests skip with one line.
+  local peers="tqdm==4.70.1 accelerate==1.15.0 tensorboard==2.21.0"
+  local peers_marker="$venv/.gptrec-peers-1"
+  if [ ! -f "$peers_marker" ]; then
+    # shellcheck disable=SC2086
+    if "$venv/bin/python" -m pip install --quiet --progress-bar off $peers; then
+      touch "$peers_marker"
+      echo "setup: installed $peers"
+    else
+      echo "setup: warning: 'pip install $peers' failed; the tests that run them will skip" >&2
+    fi
   fi
 
   site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

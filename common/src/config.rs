@@ -427,6 +427,11 @@ pub struct DistConfig {
     /// CPU machine, it pays only where the all-reduce mostly waits, as on a network, and the
     /// dense gradients are large: see docs/figures.md).
     pub overlap_backward: bool,
+    /// Refuse to run when the run id is no secret (a multi-node run given none, so torchrun's
+    /// public `none`, or one derived from the Slurm job), instead of warning that anyone who
+    /// reaches the rendezvous can join. `launch` checks it before starting, the worker again
+    /// (under torchrun too). Default: `false`.
+    pub require_secret: bool,
 }
 
 impl DistConfig {
@@ -458,6 +463,7 @@ impl Default for DistConfig {
             shared_tables: true,
             shard_optimizer: true,
             overlap_backward: false,
+            require_secret: false,
         }
     }
 }
@@ -869,7 +875,7 @@ timeout_s = 60
         assert_errors(&[
             (
                 "[batch]\nmicro = 4\n\n[dist]\n  backnd = \"tcp\"\n",
-                "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward)",
+                "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret)",
             ),
             (
                 "[batch]\nmicro = 4\n[optim]\nlr = 1\n",
@@ -1353,7 +1359,7 @@ timeout_s = 60
             timeout_s in 1u64..=u64::MAX,
             rendezvous_timeout_s in prop::option::of(1u64..=u64::MAX),
             (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
-            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>()),
+            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>()),
             (every_n_steps, keep, resume, load_optimizer) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"], any::<bool>()),
             (scorer, l2, max_text_tokens, trainable_layers) in (prop_oneof![Just(ScorerKind::Dot), Just(ScorerKind::Mlp)], prop_oneof![Just(0.0f64), 0.0f64..1.0], 1usize..=1024, prop::option::of(0u32..=48)),
             (topk, every_n_epochs, patience, batch_users, cold_items, cold_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096, prop_oneof![Just(0.0f64), 0.0f64..=0.5], prop_oneof![Just(0.0f64), 0.0f64..=0.5]),
@@ -1378,7 +1384,7 @@ timeout_s = 60
                 model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
-                dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward },
+                dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret },
                 checkpoint: CheckpointConfig { every_n_steps, keep, resume, load_optimizer },
                 eval: EvalConfig { topk, every_n_epochs, metric, patience, batch_users },
             }

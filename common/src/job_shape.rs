@@ -39,6 +39,26 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 pub const RUN_ID_VAR: &str = "LAUNCH_RUN_ID";
 /// Our variable naming a file that holds the run id (see `--run-id-file`).
 pub const RUN_ID_FILE_VAR: &str = "LAUNCH_RUN_ID_FILE";
+/// Our variable that makes a run without a secret run id an error (see `--require-secret`).
+pub const REQUIRE_SECRET_VAR: &str = "LAUNCH_REQUIRE_SECRET";
+/// torchrun's default run id, which several nodes given no secret use too: anyone can present
+/// it, so it keeps nobody out.
+pub const PUBLIC_RUN_ID: &str = "none";
+
+/// Whether `LAUNCH_REQUIRE_SECRET` asks for a secret: `1`/`true`/`yes`/`on` or
+/// `0`/`false`/`no`/`off`/empty; anything else is an error naming the variable.
+pub fn require_secret_from_env(env: &Env) -> Result<bool, ShapeError> {
+    let Some(text) = env.get(REQUIRE_SECRET_VAR) else {
+        return Ok(false);
+    };
+    match text.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "" | "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(ShapeError(format!(
+            "environment variable {REQUIRE_SECRET_VAR}={text:?}: expected 1 or 0 (true/false, yes/no)"
+        ))),
+    }
+}
 
 /// Parses `N`, `auto`, `gpu` or `cpu`.
 pub fn parse_num_processes(text: &str) -> Result<NumProcesses, String> {
@@ -143,8 +163,6 @@ pub struct JobShape {
     /// `--nnodes MIN:MAX` (or `PET_NNODES`) with `MIN < MAX`: the rendezvous decides the node
     /// count and this node's rank at every (re)start; `nnodes` is then `MAX`.
     pub elastic: Option<Elastic>,
-    /// One-line notices for the user (e.g. a run id others can guess).
-    pub notices: Vec<String>,
 }
 
 /// A bad value in the command line or the environment: one line naming the flag or variable.
@@ -166,7 +184,6 @@ pub fn process_env() -> Env {
 pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
     let slurm = SlurmStep::from_env(env)?;
     let pet = Pet { env };
-    let mut notices = Vec::new();
     let (nnodes, range) = resolve_nnodes(flags, &slurm, &pet)?;
     let node_rank = resolve_node_rank(flags, &slurm, &pet, &nnodes)?;
     let multi = nnodes.value > 1;
@@ -175,15 +192,6 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
     let master = (&master_addr, &master_port);
     let elastic = elastic::resolve(flags, &pet, range, master, by_rendezvous)?;
     let run_id = resolve_run_id(flags, env, &slurm, &pet, multi)?;
-    if multi && matches!(run_id.source, Source::Slurm(_)) {
-        notices.push(format!(
-            "the run id {:?} [{}] can be guessed by anyone who can reach {}:{}; export {RUN_ID_VAR}=<a secret> on every node to keep others out (scripts/slurm/train.sbatch does)",
-            run_id.value.as_deref().unwrap_or(""),
-            run_id.source,
-            master_addr.value,
-            master_port.value
-        ));
-    }
     let num_processes = resolve_num_processes(flags, &slurm, &pet)?;
     let max_restarts = match flags.max_restarts {
         Some(n) => Sourced::new(n, Source::Flag("--max-restarts")),
@@ -201,7 +209,6 @@ pub fn resolve(flags: &Flags, env: &Env) -> Result<JobShape, ShapeError> {
         max_restarts,
         slurm,
         elastic,
-        notices,
     })
 }
 
@@ -411,15 +418,43 @@ fn resolve_run_id(
 }
 
 impl JobShape {
-    /// Several nodes and no run id given: every node must be given the same secret (a
-    /// predictable one would let anyone who can reach the master in). The one-line fix.
-    pub fn needs_run_id(&self) -> Option<String> {
-        (self.nnodes.value > 1 && matches!(self.run_id.source, Source::Default(_))).then(|| {
-            format!(
-                "a run on {} nodes needs a secret run id shared by every node (a derived one would let anyone who can reach {}:{} join): give every node the same --run-id-file PATH on a shared filesystem (node 0 writes a fresh secret there), or export {RUN_ID_VAR}=<secret> on every node (e.g. $(openssl rand -hex 16)), or pass --run-id",
-                self.nnodes.value, self.master_addr.value, self.master_port.value
-            )
-        })
+    /// The run id this shape uses when nothing gives one: torchrun's public default on several
+    /// nodes (with [`JobShape::without_secret`]'s warning), `None` (a fresh secret) otherwise.
+    pub fn default_run_id(&self) -> Option<&'static str> {
+        (self.nnodes.value > 1 && matches!(self.run_id.source, Source::Default(_)))
+            .then_some(PUBLIC_RUN_ID)
+    }
+
+    /// Several nodes whose run id is no secret (none given, so torchrun's `none`, or one derived
+    /// from the Slurm job): the one-line warning that anyone who reaches the rendezvous endpoint
+    /// can join, and how to share a secret. `None` on one node or with a secret.
+    pub fn without_secret(&self) -> Option<String> {
+        if self.nnodes.value <= 1 {
+            return None;
+        }
+        let what = match &self.run_id.source {
+            Source::Default(_) => format!(
+                "no secret run id was given (the run id is torchrun's default {PUBLIC_RUN_ID:?})"
+            ),
+            Source::Slurm(_) => format!(
+                "the run id {:?} [{}] is derived from the Slurm job, not a secret",
+                self.run_id.value.as_deref().unwrap_or(""),
+                self.run_id.source
+            ),
+            _ => return None,
+        };
+        let (host, port) = match &self.elastic {
+            Some(e) => (e.endpoint.value.0.as_str(), e.endpoint.value.1),
+            None => (self.master_addr.value.as_str(), self.master_port.value),
+        };
+        let endpoint = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        Some(format!(
+            "{what}: this run's traffic is unauthenticated, anyone who can reach {endpoint} can join it and read or change what its ranks exchange; share a secret with every node: --run-id-file PATH on a shared filesystem (node 0 writes one), export {RUN_ID_VAR}=$(openssl rand -hex 16), or --run-id (--require-secret makes this an error)"
+        ))
     }
 }
 

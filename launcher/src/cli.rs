@@ -139,7 +139,8 @@ pub struct Cli {
 
     /// Job id shared by every worker (TORCHELASTIC_RUN_ID); the rendezvous store checks it, so
     /// it is a secret. Default: `LAUNCH_RUN_ID`, `--run-id-file`, the Slurm job id,
-    /// `PET_RDZV_ID`; a fresh random id on a single node; several nodes must be given one.
+    /// `PET_RDZV_ID`; a fresh random id on a single node; on several nodes torchrun's `none`,
+    /// with a warning that the run is unauthenticated (see --require-secret).
     #[arg(
         long = "run-id",
         alias = "rdzv-id",
@@ -147,6 +148,12 @@ pub struct Cli {
         alias = "run_id"
     )]
     pub run_id: Option<String>,
+
+    /// Refuse to start when the run id is no secret (several nodes given none, so torchrun's
+    /// `none`, or one derived from the Slurm job) instead of warning that the run's traffic is
+    /// unauthenticated. Also `LAUNCH_REQUIRE_SECRET=1` or `dist.require_secret = true`.
+    #[arg(long = "require-secret")]
+    pub require_secret: bool,
 
     /// A file holding the run id, on a filesystem every node shares: node 0 writes a fresh
     /// secret there (mode 0600) when it does not exist, the other nodes wait for it. Also

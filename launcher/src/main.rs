@@ -160,6 +160,9 @@ fn launch(cli: &Cli) -> i32 {
     for notice in &plan.notices {
         info!("{notice}");
     }
+    if let Some(warning) = &plan.secret_warning {
+        tracing::warn!("{warning}");
+    }
     if let Some((threads, cores)) = plan.omp_threads {
         if plan.nproc > 1 {
             info!(

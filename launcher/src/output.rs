@@ -1,7 +1,9 @@
-//! Worker output: every line a worker writes reaches the console whole, prefixed with its rank,
-//! on the stream it was written to (stdout stays stdout, stderr stays stderr), and optionally a
-//! per-rank log file. It keeps the last stderr lines of each rank for the failure summary. It must
-//! not interpret what workers print.
+//! Worker output: every line a worker writes reaches the console prefixed with its rank, on the
+//! stream it was written to (stdout stays stdout, stderr stays stderr), and optionally a per-rank
+//! log file. A line ending in `\r` (a progress bar redrawn in place, as tqdm does) and a partial
+//! line that has waited [`PARTIAL_WAIT`] are shown as they come, so bars move; another rank's
+//! output first ends such an open line, so ranks never interleave mid-line. It keeps the last
+//! stderr lines of each rank for the failure summary. It must not interpret what workers print.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -9,11 +11,16 @@ use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::console::Muting;
 
 /// Lines longer than this are cut into pieces so one runaway line cannot exhaust memory.
 const MAX_LINE: usize = 1 << 20;
+/// How long the start of a line may wait for its end before it is shown anyway (a prompt, a
+/// progress bar drawn without `\r` at its end): short enough to look live, long enough that a
+/// line written in two pieces almost always arrives whole.
+pub const PARTIAL_WAIT: Duration = Duration::from_millis(100);
 /// Stderr lines kept per rank for the failure summary.
 pub const TAIL_LINES: usize = 20;
 /// Of each kept line, at most this many bytes (the whole line went to the console and log).
@@ -32,41 +39,114 @@ pub type Tail = Arc<Mutex<VecDeque<String>>>;
 /// The console for all ranks. One lock covers both streams, so lines never interleave mid-line,
 /// not even when the user merges them with `2>&1`.
 pub struct Sinks {
-    console: Mutex<()>,
+    /// The line left open on the console (a bar after its `\r`, a partial line), if any.
+    console: Mutex<Option<OpenLine>>,
     /// Width the rank number is padded to, so columns line up.
     rank_width: usize,
+}
+
+/// A rank's line that the console's cursor is still on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OpenLine {
+    stream: Stream,
+    rank: u32,
+    /// Its last byte was `\r`: the next text redraws the line from its start.
+    redraw: bool,
 }
 
 impl Sinks {
     pub fn new(world_size: u32) -> Arc<Sinks> {
         Arc::new(Sinks {
-            console: Mutex::new(()),
+            console: Mutex::new(None),
             rank_width: world_size.saturating_sub(1).to_string().len(),
         })
     }
 
-    fn write_line(&self, stream: Stream, rank: u32, line: &[u8]) {
-        let mut buf = Vec::with_capacity(line.len() + 16);
-        let _ = write!(buf, "[rank {rank:>width$}] ", width = self.rank_width);
-        buf.extend_from_slice(line);
-        buf.push(b'\n');
-        // One write_all under the console lock: the whole line or nothing (a closed console
-        // must not kill the launcher, so errors are ignored), above the progress display if
-        // one is up.
-        let _guard = self
+    /// Shows `piece` of `rank`'s `stream` ([`render`]). One write under the console lock: the
+    /// whole piece or nothing (a closed console must not kill the launcher, so errors are
+    /// ignored), above the progress display if one is up (which needs whole lines).
+    fn write_piece(&self, stream: Stream, rank: u32, piece: &Piece<'_>) {
+        let mut open = self
             .console
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        crate::progress::on_console(|| match stream {
-            Stream::Stdout => {
-                let mut out = std::io::stdout().lock();
-                let _ = out.write_all(&buf);
-                let _ = out.flush();
+        let whole_lines = crate::progress::is_up();
+        let (close, bytes) = render(&mut open, stream, rank, self.rank_width, piece, whole_lines);
+        crate::progress::on_console(|| {
+            if let Some(other) = close {
+                write_all(other, b"\n");
             }
-            Stream::Stderr => {
-                let _ = std::io::stderr().lock().write_all(&buf);
-            }
+            write_all(stream, &bytes);
         });
+    }
+}
+
+/// What the console gets for `piece` of `rank`'s `stream`, given the line left `open` (which it
+/// updates): the stream whose open line must first be ended (another rank's or stream's), then
+/// the bytes. The piece's text not shown yet is labelled with the rank where it starts a line on
+/// the console or redraws one after `\r`; an empty piece that only ends what was shown gets no
+/// label. With `whole_lines`, every piece ends its line.
+fn render(
+    open: &mut Option<OpenLine>,
+    stream: Stream,
+    rank: u32,
+    width: usize,
+    piece: &Piece<'_>,
+    whole_lines: bool,
+) -> (Option<Stream>, Vec<u8>) {
+    let end = if whole_lines { End::Newline } else { piece.end };
+    let (mine, close) = match *open {
+        Some(o) if o.stream == stream && o.rank == rank => (Some(o), None),
+        Some(o) => (None, Some(o.stream)),
+        None => (None, None),
+    };
+    let text = piece.unshown();
+    let continues = mine.is_some_and(|o| !o.redraw);
+    // The line this piece belongs to was shown in part, then ended by another rank's output.
+    let cut_off = piece.shown > 0 && mine.is_none();
+    let only_ends = text.is_empty() && (mine.is_some() || cut_off);
+    let nothing = text.is_empty() && mine.is_none() && (end == End::Return || cut_off);
+    let mut buf = Vec::with_capacity(text.len() + 16);
+    if !continues && !only_ends && !nothing {
+        let _ = write!(buf, "[rank {rank:>width$}] ");
+    }
+    buf.extend_from_slice(text);
+    *open = match end {
+        _ if nothing => None,
+        End::Newline => {
+            buf.push(b'\n');
+            None
+        }
+        End::Return => {
+            buf.push(b'\r');
+            Some(OpenLine {
+                stream,
+                rank,
+                redraw: true,
+            })
+        }
+        End::Open => Some(OpenLine {
+            stream,
+            rank,
+            redraw: false,
+        }),
+    };
+    (close, buf)
+}
+
+fn write_all(stream: Stream, bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    match stream {
+        Stream::Stdout => {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(bytes);
+            let _ = out.flush();
+        }
+        Stream::Stderr => {
+            let _ = std::io::stderr().lock().write_all(bytes);
+        }
     }
 }
 
@@ -121,18 +201,19 @@ pub fn forward(sources: Vec<Source>, watches: Vec<Watch>) -> std::io::Result<()>
 }
 
 /// Reads whatever source has data (each in turn, so none starves the others) and passes on
-/// its whole lines; a source that ends is finished and dropped; then the watches that are
-/// ready.
+/// its pieces of lines; a source that ends is finished and dropped; then the watches that are
+/// ready; then the partial lines that have waited long enough.
 fn forward_all(sources: Vec<Source>, mut watches: Vec<Watch>) {
     use nix::errno::Errno;
     let mut open: Vec<(Source, Lines)> =
         sources.into_iter().map(|s| (s, Lines::default())).collect();
     let mut buf = vec![0u8; 64 * 1024];
     while !open.is_empty() || !watches.is_empty() {
+        let due = open.iter().filter_map(|(_, lines)| lines.due()).min();
         // Polling cannot fail on descriptors we hold; if it did, blocking reads still get
         // every line (a watch is never waited for blocking: that would stop the output).
-        let (ready, ready_watches) =
-            readable(&open, &watches).unwrap_or_else(|_| ((0..open.len()).collect(), Vec::new()));
+        let (ready, ready_watches) = readable(&open, &watches, due)
+            .unwrap_or_else(|_| ((0..open.len()).collect(), Vec::new()));
         // The watches first, in their order: a worker's exit is seen (and timed) as soon as
         // the poll says so, not after this round's lines, and the first of several that end
         // together is the first told.
@@ -140,15 +221,21 @@ fn forward_all(sources: Vec<Source>, mut watches: Vec<Watch>) {
         for i in ready.into_iter().rev() {
             let (source, lines) = &mut open[i];
             match nix::unistd::read(&source.pipe, &mut buf) {
-                Ok(n) if n > 0 => lines.feed(&buf[..n], |line| deliver(&source.route, line)),
+                Ok(n) if n > 0 => lines.feed(&buf[..n], Instant::now(), |piece| {
+                    deliver(&source.route, &piece)
+                }),
                 Err(Errno::EINTR | Errno::EAGAIN) => {}
                 _ => {
                     // Its end (or a pipe that cannot be read).
                     let (source, mut lines) = open.swap_remove(i);
-                    lines.finish(|line| deliver(&source.route, line));
+                    lines.finish(|piece| deliver(&source.route, &piece));
                     (source.done)();
                 }
             }
+        }
+        let now = Instant::now();
+        for (source, lines) in &mut open {
+            lines.flush_waited(now, |piece| deliver(&source.route, &piece));
         }
     }
 }
@@ -168,8 +255,12 @@ fn fire(watches: &mut Vec<Watch>, ready: &[usize]) {
 }
 
 /// The indices of the sources with data (or at their end) and of the watches that are ready,
-/// waiting until there is one.
-fn readable(open: &[(Source, Lines)], watches: &[Watch]) -> nix::Result<(Vec<usize>, Vec<usize>)> {
+/// waiting until there is one, or until `due` (then none may be).
+fn readable(
+    open: &[(Source, Lines)],
+    watches: &[Watch],
+    due: Option<Instant>,
+) -> nix::Result<(Vec<usize>, Vec<usize>)> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     use std::os::fd::AsFd;
     loop {
@@ -178,7 +269,18 @@ fn readable(open: &[(Source, Lines)], watches: &[Watch]) -> nix::Result<(Vec<usi
             .chain(watches.iter().map(|w| w.fd.as_fd()))
             .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
             .collect();
-        match poll(&mut fds, PollTimeout::NONE) {
+        let timeout = match due {
+            // Rounded up: a poll that wakes a little early would only spin.
+            Some(at) => {
+                let ms = at
+                    .saturating_duration_since(Instant::now())
+                    .as_micros()
+                    .div_ceil(1000);
+                PollTimeout::try_from(ms.min(60_000) as i32).unwrap_or(PollTimeout::MAX)
+            }
+            None => PollTimeout::NONE,
+        };
+        match poll(&mut fds, timeout) {
             Ok(_) => {}
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(e),
@@ -194,69 +296,162 @@ fn readable(open: &[(Source, Lines)], watches: &[Watch]) -> nix::Result<(Vec<usi
     }
 }
 
-/// One line (its newline, if any, still on) to the console, the log file and the tail.
-fn deliver(route: &Route, line: &[u8]) {
-    let line = line.strip_suffix(b"\n").unwrap_or(line);
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
+/// One piece of a line to the console, the log file and (once the line is whole) the tail.
+fn deliver(route: &Route, piece: &Piece<'_>) {
     match &route.console {
         Some((sinks, muting)) if muting.is_shown() => {
-            sinks.write_line(route.stream, route.rank, line)
+            sinks.write_piece(route.stream, route.rank, piece)
         }
-        Some((_, muting)) => muting.hold(route.stream, tail_entry(line)),
-        None => {}
+        // A hidden rank's whole lines are held (a bar redrawn in place is not a line).
+        Some((_, muting)) if piece.end == End::Newline => {
+            muting.hold(route.stream, tail_entry(piece.text))
+        }
+        _ => {}
     }
     if let Some(log) = &route.log {
         if let Ok(mut file) = log.lock() {
-            let _ = file.write_all(line);
-            let _ = file.write_all(b"\n");
+            let _ = file.write_all(piece.unshown());
+            let _ = file.write_all(piece.end.bytes());
         }
     }
     if let Some(tail) = &route.tail {
-        if let Ok(mut tail) = tail.lock() {
+        if let (Ok(mut tail), End::Newline) = (tail.lock(), piece.end) {
             if tail.len() == TAIL_LINES {
                 tail.pop_front();
             }
-            tail.push_back(tail_entry(line));
+            tail.push_back(tail_entry(piece.text));
         }
     }
 }
 
-/// A stream's bytes, as they come, cut into whole lines: each up to and including its newline,
-/// or [`MAX_LINE`] bytes of a longer one.
+/// How a piece of a line ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// `\n` (or `\r\n`, or the stream's end, or a runaway line's cut): the line is whole.
+    Newline,
+    /// `\r`: the line is to be redrawn from its start (a progress bar).
+    Return,
+    /// Not ended: the start of a line that has waited [`PARTIAL_WAIT`] for its end.
+    Open,
+}
+
+impl End {
+    /// What the log file gets after the piece's text.
+    fn bytes(self) -> &'static [u8] {
+        match self {
+            End::Newline => b"\n",
+            End::Return => b"\r",
+            End::Open => b"",
+        }
+    }
+}
+
+/// A line, or its start, as it is passed on: its text since the line began (no terminator),
+/// how much of it was shown already, and how it ends.
+#[derive(Debug, PartialEq, Eq)]
+struct Piece<'a> {
+    text: &'a [u8],
+    shown: usize,
+    end: End,
+}
+
+impl Piece<'_> {
+    /// The text not shown yet.
+    fn unshown(&self) -> &[u8] {
+        &self.text[self.shown.min(self.text.len())..]
+    }
+}
+
+/// A stream's bytes, as they come, cut into pieces of lines: each whole line (up to `\n`, or
+/// [`MAX_LINE`] bytes of a longer one), each line ended by `\r`, and the start of a line that
+/// has waited [`PARTIAL_WAIT`] for its end.
 #[derive(Default)]
 struct Lines {
+    /// The current line's bytes so far.
     partial: Vec<u8>,
+    /// How many of them were passed on already (as an [`End::Open`] piece).
+    shown: usize,
+    /// When the first byte not passed on arrived.
+    since: Option<Instant>,
 }
 
 impl Lines {
-    /// Takes in `bytes`; passes on every line they complete.
-    fn feed(&mut self, mut bytes: &[u8], mut emit: impl FnMut(&[u8])) {
+    /// Takes in `bytes` (arrived at `now`); passes on every piece they end.
+    fn feed(&mut self, mut bytes: &[u8], now: Instant, mut emit: impl FnMut(Piece<'_>)) {
         while !bytes.is_empty() {
             let room = MAX_LINE - self.partial.len();
-            let (take, complete) = match memchr(bytes, room) {
-                Some(pos) => (pos + 1, true),
-                None => (bytes.len().min(room), bytes.len() >= room),
+            let found = bytes
+                .iter()
+                .take(room)
+                .position(|&b| b == b'\n' || b == b'\r');
+            let (text, used, end) = match found {
+                // `\r\n` is one line end.
+                Some(pos) if bytes[pos] == b'\r' && bytes.get(pos + 1) == Some(&b'\n') => {
+                    (&bytes[..pos], pos + 2, Some(End::Newline))
+                }
+                Some(pos) if bytes[pos] == b'\r' => (&bytes[..pos], pos + 1, Some(End::Return)),
+                Some(pos) => (&bytes[..pos], pos + 1, Some(End::Newline)),
+                None if bytes.len() >= room => (&bytes[..room], room, Some(End::Newline)),
+                None => (bytes, bytes.len(), None),
             };
-            let (line, rest) = bytes.split_at(take);
-            bytes = rest;
-            if complete && self.partial.is_empty() {
-                emit(line); // the common case: no copy
+            bytes = &bytes[used..];
+            let Some(end) = end else {
+                self.partial.extend_from_slice(text);
+                self.since.get_or_insert(now);
+                continue;
+            };
+            if self.partial.is_empty() {
+                emit(Piece {
+                    text,
+                    shown: 0,
+                    end,
+                }); // the common case: no copy
                 continue;
             }
-            self.partial.extend_from_slice(line);
-            if complete {
-                emit(&self.partial);
-                self.partial.clear();
-            }
+            self.partial.extend_from_slice(text);
+            emit(Piece {
+                text: &self.partial,
+                shown: self.shown,
+                end,
+            });
+            self.clear();
+        }
+    }
+
+    /// When the waiting start of a line is due to be shown, if one waits.
+    fn due(&self) -> Option<Instant> {
+        self.since.map(|since| since + PARTIAL_WAIT)
+    }
+
+    /// Passes on the start of a line that has waited [`PARTIAL_WAIT`] by `now`.
+    fn flush_waited(&mut self, now: Instant, mut emit: impl FnMut(Piece<'_>)) {
+        if self.due().is_some_and(|due| due <= now) {
+            emit(Piece {
+                text: &self.partial,
+                shown: self.shown,
+                end: End::Open,
+            });
+            self.shown = self.partial.len();
+            self.since = None;
         }
     }
 
     /// At the stream's end: passes on a last line that had no newline.
-    fn finish(&mut self, mut emit: impl FnMut(&[u8])) {
+    fn finish(&mut self, mut emit: impl FnMut(Piece<'_>)) {
         if !self.partial.is_empty() {
-            emit(&self.partial);
-            self.partial.clear();
+            emit(Piece {
+                text: &self.partial,
+                shown: self.shown,
+                end: End::Newline,
+            });
+            self.clear();
         }
+    }
+
+    fn clear(&mut self) {
+        self.partial.clear();
+        self.shown = 0;
+        self.since = None;
     }
 }
 
@@ -274,21 +469,20 @@ fn tail_entry(line: &[u8]) -> String {
     )
 }
 
-fn memchr(buf: &[u8], limit: usize) -> Option<usize> {
-    buf.iter().take(limit).position(|&b| b == b'\n')
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The lines of `input` arriving in pieces of `chunk` bytes.
-    fn lines_of(input: &[u8], chunk: usize) -> Vec<Vec<u8>> {
+    /// The pieces of `input` arriving in chunks of `chunk` bytes, all at once: text (what was not
+    /// shown yet) and end.
+    fn lines_of(input: &[u8], chunk: usize) -> Vec<(Vec<u8>, End)> {
         let (mut lines, mut out) = (Lines::default(), Vec::new());
+        let now = Instant::now();
+        let mut keep = |p: Piece<'_>| out.push((p.unshown().to_vec(), p.end));
         for piece in input.chunks(chunk) {
-            lines.feed(piece, |l| out.push(l.to_vec()));
+            lines.feed(piece, now, &mut keep);
         }
-        lines.finish(|l| out.push(l.to_vec()));
+        lines.finish(&mut keep);
         out
     }
 
@@ -310,15 +504,111 @@ mod tests {
 
     #[test]
     fn splits_on_newlines_across_buffer_refills() {
-        let lines = lines_of(b"first line\nsecond, longer line\nno newline at end", 7);
+        let lines = lines_of(b"first line\nsecond, longer line\r\nno newline at end", 7);
         assert_eq!(
             lines,
             vec![
-                b"first line\n".to_vec(),
-                b"second, longer line\n".to_vec(),
-                b"no newline at end".to_vec()
+                (b"first line".to_vec(), End::Newline),
+                (b"second, longer line".to_vec(), End::Newline),
+                (b"no newline at end".to_vec(), End::Newline)
             ]
         );
+    }
+
+    /// tqdm's way, `\rbar 1/5\rbar 2/5...\n`: each redraw is a piece of its own.
+    #[test]
+    fn a_carriage_return_ends_a_piece() {
+        let lines = lines_of(b"\rbar 1/3\rbar 2/3\rbar 3/3\n", 4);
+        assert_eq!(
+            lines,
+            vec![
+                (b"".to_vec(), End::Return),
+                (b"bar 1/3".to_vec(), End::Return),
+                (b"bar 2/3".to_vec(), End::Return),
+                (b"bar 3/3".to_vec(), End::Newline),
+            ]
+        );
+    }
+
+    /// The start of a line is passed on once it has waited [`PARTIAL_WAIT`], not before; its
+    /// end then brings only the rest, and the whole line for the tail.
+    #[test]
+    fn a_partial_line_is_shown_after_its_wait() {
+        let start = Instant::now();
+        let mut lines = Lines::default();
+        let mut out = Vec::new();
+        lines.feed(b"Password: ", start, |_| panic!("nothing is due yet"));
+        assert_eq!(lines.due(), Some(start + PARTIAL_WAIT));
+        lines.flush_waited(start + PARTIAL_WAIT / 2, |_| panic!("not yet"));
+        lines.flush_waited(start + PARTIAL_WAIT, |p| {
+            out.push((p.unshown().to_vec(), p.end))
+        });
+        assert_eq!(out, vec![(b"Password: ".to_vec(), End::Open)]);
+        assert_eq!(lines.due(), None);
+        lines.feed(b"ok\n", start + PARTIAL_WAIT * 3, |p| {
+            assert_eq!(p.text, b"Password: ok");
+            out.push((p.unshown().to_vec(), p.end))
+        });
+        assert_eq!(out[1], (b"ok".to_vec(), End::Newline));
+        assert_eq!(lines.due(), None);
+    }
+
+    /// The console for a sequence of pieces: `(stream, rank, text, shown, end)`.
+    fn console_of(pieces: &[(Stream, u32, &str, usize, End)]) -> String {
+        let mut open = None;
+        let mut out = Vec::new();
+        for &(stream, rank, text, shown, end) in pieces {
+            let piece = Piece {
+                text: text.as_bytes(),
+                shown,
+                end,
+            };
+            let (close, bytes) = render(&mut open, stream, rank, 1, &piece, false);
+            if close.is_some() {
+                out.push(b'\n');
+            }
+            out.extend(bytes);
+        }
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn a_bar_is_redrawn_in_place_and_ended_by_another_ranks_line() {
+        use End::*;
+        let o = Stream::Stderr;
+        // tqdm: `\r` first, then a bar per redraw; rank 1's line ends the open bar first.
+        let console = console_of(&[
+            (o, 0, "", 0, Return),
+            (o, 0, "bar 1/3", 0, Return),
+            (o, 0, "bar 2/3", 0, Return),
+            (Stream::Stdout, 1, "hello", 0, Newline),
+            (o, 0, "bar 3/3", 0, Newline),
+        ]);
+        assert_eq!(
+            console,
+            "[rank 0] bar 1/3\r[rank 0] bar 2/3\r\n[rank 1] hello\n[rank 0] bar 3/3\n"
+        );
+        // A partial line shown after its wait, then its rest: one label; cut off by another
+        // rank, its rest gets a label of its own and an empty end adds nothing.
+        let console = console_of(&[
+            (o, 0, "Loading", 0, Open),
+            (o, 0, "Loading...", 7, Open),
+            (o, 0, "Loading... done", 10, Newline),
+            (o, 0, "step", 0, Open),
+            (o, 1, "x", 0, Newline),
+            (o, 0, "step 2", 4, Newline),
+            (o, 0, "half", 0, Open),
+            (o, 1, "y", 0, Newline),
+            (o, 0, "half", 4, Newline),
+            (o, 0, "", 0, Newline),
+        ]);
+        assert_eq!(
+            console,
+            "[rank 0] Loading... done\n[rank 0] step\n[rank 1] x\n[rank 0]  2\n[rank 0] half\n[rank 1] y\n[rank 0] \n"
+        );
+        // `text\r` then `\n` (a line end split between reads): the line, once.
+        let console = console_of(&[(o, 0, "a", 0, Return), (o, 0, "", 0, Newline)]);
+        assert_eq!(console, "[rank 0] a\r\n");
     }
 
     #[test]
@@ -326,8 +616,8 @@ mod tests {
         let long = vec![b'x'; MAX_LINE + 10];
         let lines = lines_of(&long, 64 * 1024);
         assert_eq!(lines.len(), 2);
-        assert_eq!(lines[0].len(), MAX_LINE);
-        assert_eq!(lines[1].len(), 10);
+        assert_eq!(lines[0].0.len(), MAX_LINE);
+        assert_eq!(lines[1].0.len(), 10);
     }
 
     /// One thread follows sources and watches: a watch's `ready` runs once its descriptor is

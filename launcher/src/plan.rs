@@ -75,6 +75,8 @@ pub struct Plan {
     pub shape: JobShape,
     /// One-line notices to show before starting (e.g. "no GPU found, using 1 process").
     pub notices: Vec<String>,
+    /// The warning that the run id keeps nobody out (several nodes, no secret), said once.
+    pub secret_warning: Option<String>,
     /// Elastic jobs: the address other nodes reach this one at (`--local-addr`).
     pub local_addr: String,
     /// The rendezvous port's listening socket ([`Plan::resolve_port`]), held from before anything
@@ -94,7 +96,7 @@ impl Plan {
     pub fn from_cli_and_env(cli: &Cli, env: &job_shape::Env) -> Result<Plan, PlanError> {
         let flags = flags_of(cli);
         let shape = job_shape::resolve(&flags, env).map_err(|e| PlanError::Usage(e.0))?;
-        let mut notices = shape.notices.clone();
+        let mut notices = Vec::new();
         let nnodes = shape.nnodes.value;
         let elastic = shape.elastic.is_some();
         if nnodes > 1 && !elastic && is_loopback_name(&shape.master_addr.value) {
@@ -132,8 +134,14 @@ impl Plan {
         } else {
             None
         };
-        let run_id = crate::secret::run_id_of(&shape, cli.dry_run, &mut notices)
-            .map_err(PlanError::Usage)?;
+        let require_secret = cli.require_secret
+            || job_shape::require_secret_from_env(env).map_err(|e| PlanError::Usage(e.0))?
+            || config
+                .as_ref()
+                .is_some_and(|t| t.config.dist.require_secret);
+        let (run_id, secret_warning) =
+            crate::secret::run_id_of(&shape, cli.dry_run, require_secret, &mut notices)
+                .map_err(PlanError::Usage)?;
         Ok(Plan {
             nnodes,
             node_rank: shape.node_rank.value,
@@ -157,6 +165,7 @@ impl Plan {
             store_listener: None,
             shape,
             notices,
+            secret_warning,
         })
     }
 
@@ -356,6 +365,9 @@ impl Plan {
         }
         for notice in &self.notices {
             let _ = writeln!(out, "  note:         {notice}");
+        }
+        if let Some(warning) = &self.secret_warning {
+            let _ = writeln!(out, "  warning:      {warning}");
         }
         for local_rank in 0..self.nproc {
             self.describe_rank(&mut out, local_rank);
@@ -733,6 +745,41 @@ mod tests {
         let env = p.worker_env(2, 0);
         assert_eq!((env.rank, env.local_rank, env.group_rank), (5, 2, 1));
         assert_eq!(p.run_id, "shared-secret");
+        assert_eq!(p.secret_warning, None);
+    }
+
+    /// torchrun's static multi-node line, with no secret anywhere, runs as under torchrun (run
+    /// id `none`) with a warning; asking for a secret (flag or variable) makes it an error.
+    #[test]
+    fn several_nodes_without_a_secret_run_with_a_warning_unless_one_is_required() {
+        let args = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29611",
+            "--nproc-per-node",
+            "1",
+            "--",
+            "true",
+        ];
+        let p = plan(&args).unwrap();
+        assert_eq!(p.run_id, "none");
+        let warning = p.secret_warning.expect("a warning");
+        assert!(warning.contains("127.0.0.1:29611"), "{warning}");
+        let cli = crate::cli::parse_from(
+            std::iter::once("launch")
+                .chain(args)
+                .map(OsString::from)
+                .collect(),
+        )
+        .unwrap();
+        let env = job_shape::Env::from([("LAUNCH_REQUIRE_SECRET".into(), "1".into())]);
+        let e = Plan::from_cli_and_env(&cli, &env).unwrap_err().to_string();
+        assert!(e.contains("LAUNCH_REQUIRE_SECRET"), "{e}");
     }
 
     #[test]
@@ -754,10 +801,11 @@ mod tests {
                     "0",
                     "--master-addr",
                     "10.0.0.1",
+                    "--require-secret",
                     "--",
                     "true",
                 ],
-                "needs a secret run id shared by every node",
+                "this run's traffic is unauthenticated",
             ),
             (
                 &["--nnodes", "2", "--master-port", "0", "--", "true"],

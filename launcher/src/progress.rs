@@ -71,6 +71,11 @@ pub fn on_console<R>(write: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Whether a display is up (lines then land above it whole: it is redrawn below each).
+pub fn is_up() -> bool {
+    lock(&ACTIVE).is_some()
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()

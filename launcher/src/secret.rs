@@ -11,33 +11,38 @@ use std::time::{Duration, Instant};
 
 use common::job_shape::{JobShape, Source};
 
-/// The run id the plan uses: given, read from (or, on node 0, written into) the run id file,
-/// or fresh on a single node. Several nodes with none given is an error (a notice in a dry run,
-/// which writes nothing).
+/// The run id the plan uses, and the warning to print when it is no secret: given (a Slurm
+/// job's derived id is no secret), read from (or, on node 0, written into) the run id file,
+/// torchrun's public `none` on several nodes given nothing, or fresh on a single node. With
+/// `require_secret`, a run id that is no secret is an error instead of a warning.
 pub fn run_id_of(
     shape: &JobShape,
     dry_run: bool,
+    require_secret: bool,
     notices: &mut Vec<String>,
-) -> Result<String, String> {
+) -> Result<(String, Option<String>), String> {
+    let warning = shape.without_secret();
+    if let (Some(why), true) = (&warning, require_secret) {
+        return Err(why.replace(
+            " (--require-secret makes this an error)",
+            " (--require-secret, LAUNCH_REQUIRE_SECRET or dist.require_secret asked for one)",
+        ));
+    }
     if let Some(id) = &shape.run_id.value {
-        return Ok(id.clone());
+        return Ok((id.clone(), warning));
     }
     if let Source::File(path) = &shape.run_id.source {
         if dry_run {
-            return Ok(format!("<read from {path} at start>"));
+            return Ok((format!("<read from {path} at start>"), None));
         }
         let (id, notice) = from_file(Path::new(path), shape.node_rank.value == 0, FILE_WAIT)?;
         notices.extend(notice);
-        return Ok(id);
+        return Ok((id, None));
     }
-    if let Some(why) = shape.needs_run_id() {
-        if dry_run {
-            notices.push(why);
-            return Ok("<none: see the note>".into());
-        }
-        return Err(why);
+    if let Some(id) = shape.default_run_id() {
+        return Ok((id.to_string(), warning));
     }
-    fresh_run_id()
+    Ok((fresh_run_id()?, None))
 }
 
 /// `bytes` random bytes as hex.

@@ -524,7 +524,7 @@ fn rendezvous_with(
         let client = StoreClient::connect_agent_store(&addr, &env.run_id, &prefix, timeout)?;
         // A second connection of this rank (`StoreClient::connect`) speaks PyTorch's protocol too.
         c10d::remember_agent_store(&addr, &prefix);
-        if env.rank == 0 {
+        if env.local_rank == 0 {
             say_agent_store(&addr, &env.run_id);
         }
         return Ok((None, client));
@@ -546,8 +546,8 @@ fn rendezvous_with(
     }
 }
 
-/// Rank 0's line about torchrun's agent store, and a warning when the run id that seals the
-/// values is torchrun's public default.
+/// Each node's line about torchrun's agent store (from its local rank 0), and a warning when
+/// the run id that seals the values is torchrun's public default.
 fn say_agent_store(addr: &str, run_id: &str) {
     tracing::info!(
         "rendezvous through torchrun's agent store at {addr} (TORCHELASTIC_USE_AGENT_STORE): \
@@ -555,9 +555,11 @@ fn say_agent_store(addr: &str, run_id: &str) {
     );
     if run_id.is_empty() || run_id == "none" {
         tracing::warn!(
-            "the run id is torchrun's default {run_id:?}, so anyone who can reach {addr} can read \
-             and forge what the ranks exchange there and join their collectives; give torchrun a \
-             secret id (--standalone draws one; PET_RDZV_ID=... is not shown by ps)"
+            "the run id is torchrun's default {run_id:?}: this run's traffic is unauthenticated, \
+             anyone who can reach {addr} can read and forge what the ranks exchange there and \
+             join their collectives; give torchrun a secret id (--standalone draws one; \
+             PET_RDZV_ID=... is not shown by ps; LAUNCH_REQUIRE_SECRET=1 or \
+             dist.require_secret = true makes this an error)"
         );
     }
 }

@@ -695,7 +695,10 @@ fn bad_cli_input_is_rejected_without_panic() {
             "expected a positive number",
         ),
         (&["--nnodes", "3:1", "--", "true"], "above the maximum"),
-        (&["--nnodes", "1:3", "--", "true"], "secret run id"),
+        (
+            &["--nnodes", "1:3", "--require-secret", "--", "true"],
+            "traffic is unauthenticated",
+        ),
         (
             &["--nnodes", "2", "--", "true"],
             "2 nodes (flag --nnodes) but no node rank: give each node its own --node-rank (0..1)",

@@ -23,8 +23,8 @@ fn tiny_args(out: &std::path::Path, extra: &[&str]) -> Vec<String> {
 }
 
 /// Two nodes (two `launch` processes on loopback) given only `--run-id-file`: node 0 writes a
-/// private secret there, node 1 waits for it, and they train as one world. Without any run id,
-/// a multi-node launch refuses in one line that says how to share one.
+/// private secret there, node 1 waits for it, and they train as one world. Asked to require a
+/// secret and given none, a multi-node launch refuses in one line that says how to share one.
 #[test]
 fn several_nodes_share_a_secret_through_a_run_id_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -73,15 +73,62 @@ fn several_nodes_share_a_secret_through_a_run_id_file() {
         "0",
         "--master-addr",
         "127.0.0.1",
+        "--require-secret",
         "--",
         "true",
     ];
     let out = launch(&bare, Duration::from_secs(30));
     out.assert_code(2);
-    out.assert_stderr_all(&[
-        "needs a secret run id shared by every node",
-        "--run-id-file",
-    ]);
+    out.assert_stderr_all(&["traffic is unauthenticated", "--run-id-file"]);
+}
+
+/// torchrun's static multi-node line with no secret anywhere (`--nnodes 2 --node-rank R
+/// --master-addr --master-port --nproc-per-node 1`): the two nodes train as one world, as under
+/// torchrun, and each says once that the run is unauthenticated, naming the endpoint given.
+#[test]
+fn torchruns_multi_node_line_runs_without_a_secret_and_warns_once_per_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let args = tiny_args(dir.path(), &[]);
+    let nodes: Vec<_> = [0u32, 1]
+        .iter()
+        .map(|node| {
+            let rank = node.to_string();
+            let mut all: Vec<&str> = vec![
+                "--nnodes",
+                "2",
+                "--node-rank",
+                &rank,
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+                "--nproc-per-node",
+                "1",
+            ];
+            all.extend(args.iter().map(String::as_str));
+            launch_cmd(&all)
+                .env_remove("LAUNCH_RUN_ID")
+                .spawn()
+                .expect("start launch")
+        })
+        .collect();
+    let endpoint = format!("anyone who can reach 127.0.0.1:{port} can join it");
+    for (node, child) in nodes.into_iter().enumerate() {
+        let out = wait_output(child, Duration::from_secs(300));
+        assert_eq!(out.code(), Some(0), "node {node}:\n{}", out.stderr);
+        assert_eq!(
+            out.stderr.matches("traffic is unauthenticated").count(),
+            1,
+            "node {node}:\n{}",
+            out.stderr
+        );
+        assert!(
+            out.stderr.contains(&endpoint),
+            "node {node}:\n{}",
+            out.stderr
+        );
+    }
 }
 
 /// A running job's store under a flood — 300 silent sockets and 8 that announce 63 MiB frames —

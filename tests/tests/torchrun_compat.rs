@@ -62,6 +62,11 @@ dist.destroy_process_group()\n";
 /// `torchrun ARGS --no-python --nproc-per-node 2 worker configs/default.toml` on the tiny
 /// synthetic data for one epoch, its files in `output_dir`; killed after 120 s.
 fn torchrun_worker(venv: &Path, args: &[&str], output_dir: &Path) -> Output {
+    torchrun_worker_with(venv, args, output_dir, &[])
+}
+
+/// [`torchrun_worker`] with `sets` added to the worker's command line.
+fn torchrun_worker_with(venv: &Path, args: &[&str], output_dir: &Path, sets: &[&str]) -> Output {
     let output_dir = format!("run.output_dir={:?}", output_dir.display().to_string());
     let child = Command::new(venv.join("bin/torchrun"))
         .args(args)
@@ -75,6 +80,7 @@ fn torchrun_worker(venv: &Path, args: &[&str], output_dir: &Path) -> Output {
             "--set",
             "train.epochs=1",
         ])
+        .args(sets.iter().flat_map(|set| ["--set", set]))
         .current_dir(repo_root())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -128,6 +134,15 @@ fn worker_runs_under_torchrun() {
     // torchrun's default run id is "none", which seals nothing: rank 0 says so, once.
     let warning = "the run id is torchrun's default \"none\"";
     assert_eq!(out.stderr.matches(warning).count(), 1, "{}", out.all());
+
+    // Asked to require a secret, the worker refuses that public id before it joins.
+    let dir = tempfile::tempdir().unwrap();
+    let master_port = free_port().to_string();
+    let args = ["--master-addr", "127.0.0.1", "--master-port", &master_port];
+    let out = torchrun_worker_with(&venv, &args, dir.path(), &["dist.require_secret=true"]);
+    assert_ne!(out.code(), Some(0), "{}", out.all());
+    let refusal = "the run id is \"none\", which anyone can present, and dist.require_secret asks for a secret";
+    assert!(out.stderr.contains(refusal), "{}", out.all());
 }
 
 /// torchrun's c10d rendezvous (`--standalone`: a free port, a random run id), ten runs in a row:

@@ -407,11 +407,32 @@ fn finish_watch(watch: Option<JobWatch>) {
     }
 }
 
+/// `dist.require_secret` or `LAUNCH_REQUIRE_SECRET`: a run id anyone can present (torchrun's
+/// default `none`, or none at all) is refused before this rank talks to anyone.
+fn require_secret(config: &common::config::Config, env: &WorkerEnv) -> anyhow::Result<()> {
+    let vars = common::job_shape::process_env();
+    let from_env = common::job_shape::require_secret_from_env(&vars)?;
+    let public = env.run_id.trim().is_empty() || env.run_id == common::job_shape::PUBLIC_RUN_ID;
+    if public && (from_env || config.dist.require_secret) {
+        let asked = if from_env {
+            "LAUNCH_REQUIRE_SECRET"
+        } else {
+            "dist.require_secret"
+        };
+        anyhow::bail!(
+            "the run id is {:?}, which anyone can present, and {asked} asks for a secret: give every node the same secret run id (torchrun: --rdzv-id or PET_RDZV_ID, or --standalone on one node; launch: LAUNCH_RUN_ID or --run-id-file)",
+            env.run_id
+        );
+    }
+    Ok(())
+}
+
 /// The distributed runtime: rendezvous, then the collective, checked with one all-reduce.
 fn connect(start: &Start) -> Result<Runtime, Failure> {
     let (env, config, device) = (&start.env, &start.plan.config, start.device);
     let flight_entries =
         runtime::collective::flight::entries_from_env().map_err(|e| usage(e.into()))?;
+    require_secret(config, env).map_err(usage)?;
     let (setup_timeout, limit_key) = config.dist.rendezvous_timeout();
     let within = || format!("(within {limit_key} = {} s)", setup_timeout.as_secs());
     let (store_server, mut store) = runtime::store::rendezvous(env, setup_timeout)

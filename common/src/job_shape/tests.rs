@@ -114,7 +114,7 @@ fn defaults_without_flags_or_environment() {
     assert_eq!(s.max_restarts.value, 0);
     assert!(matches!(s.nnodes.source, Source::Default(_)));
     assert!(s.slurm.is_none());
-    assert!(s.notices.is_empty());
+    assert_eq!(s.without_secret(), None);
 }
 
 #[test]
@@ -134,10 +134,10 @@ fn slurm_gives_the_shape_inside_a_step() {
     assert_eq!(s.master_port.value, slurm_port(4242, Some(0)));
     assert_eq!(s.run_id.value.as_deref(), Some("slurm-4242.0"));
     // A run id derived from the job id can be guessed: say so, with the way out.
+    let warning = s.without_secret().expect("a derived id is no secret");
     assert!(
-        s.notices.iter().any(|n| n.contains(RUN_ID_VAR)),
-        "{:?}",
-        s.notices
+        warning.contains(RUN_ID_VAR) && warning.contains("derived from the Slurm job"),
+        "{warning}"
     );
     // No GPUs in the job: one process unless a flag says more.
     assert_eq!(s.num_processes.value, NumProcesses::Count(1));
@@ -180,7 +180,7 @@ fn flags_beat_slurm_which_beats_pet_which_beats_defaults() {
     assert_eq!(s.run_id.value.as_deref(), Some("mine"));
     assert_eq!(s.num_processes.value, NumProcesses::Count(8));
     assert_eq!(s.max_restarts.source, Source::Flag("--max-restarts"));
-    assert!(s.notices.is_empty(), "{:?}", s.notices);
+    assert_eq!(s.without_secret(), None);
 
     let s = shape(&Flags::default(), &pet());
     assert_eq!((s.nnodes.value, s.node_rank.value), (3, 2));
@@ -205,7 +205,7 @@ fn our_run_id_variable_wins_over_derived_ids() {
         Some("slurm-4242-5eb63bbbe01eeed093cb22bb8f5acdc3")
     );
     assert_eq!(s.run_id.source, Source::Env(RUN_ID_VAR.into()));
-    assert!(s.notices.is_empty(), "{:?}", s.notices);
+    assert_eq!(s.without_secret(), None);
     let flags = Flags {
         run_id: Some("flag".into()),
         ..Flags::default()
@@ -233,18 +233,24 @@ fn pet_rendezvous_endpoint_and_fixed_elastic_ranges() {
 }
 
 #[test]
-fn multi_node_without_an_id_derives_none_and_says_how_to_share_one() {
+fn multi_node_without_an_id_uses_none_and_says_how_to_share_one() {
     let flags = Flags {
         nnodes: Some(2),
         node_rank: Some(0),
         master_addr: Some("10.1.1.1".into()),
+        master_port: Some(29611),
         ..Flags::default()
     };
     let s = shape(&flags, &[]);
     assert_eq!(s.run_id.value, None);
-    let why = s.needs_run_id().expect("a multi-node run without an id");
+    assert_eq!(s.default_run_id(), Some(PUBLIC_RUN_ID));
+    let why = s.without_secret().expect("a multi-node run without an id");
     assert!(
-        why.contains("--run-id-file") && why.contains("LAUNCH_RUN_ID"),
+        why.contains("unauthenticated")
+            && why.contains("10.1.1.1:29611")
+            && why.contains("--run-id-file")
+            && why.contains("LAUNCH_RUN_ID")
+            && why.contains("--require-secret"),
         "{why}"
     );
     // A run id file, flag or variable satisfies it; one node never needs one.
@@ -254,16 +260,45 @@ fn multi_node_without_an_id_derives_none_and_says_how_to_share_one() {
     };
     let s = shape(&with_file, &[]);
     assert_eq!(s.run_id.source, Source::File("/shared/id".into()));
-    assert_eq!(s.needs_run_id(), None);
+    assert_eq!((s.without_secret(), s.default_run_id()), (None, None));
     assert_eq!(
-        shape(&flags, &[("LAUNCH_RUN_ID_FILE", "/x")]).needs_run_id(),
+        shape(&flags, &[("LAUNCH_RUN_ID_FILE", "/x")]).without_secret(),
         None
     );
     assert_eq!(
-        shape(&flags, &[("LAUNCH_RUN_ID", "s")]).needs_run_id(),
+        shape(&flags, &[("LAUNCH_RUN_ID", "s")]).without_secret(),
         None
     );
-    assert_eq!(shape(&Flags::default(), &[]).needs_run_id(), None);
+    let one = shape(&Flags::default(), &[]);
+    assert_eq!((one.without_secret(), one.default_run_id()), (None, None));
+}
+
+/// torchrun's c10d form (`--rdzv-endpoint`, no node rank): the warning names that endpoint, not
+/// the master defaults.
+#[test]
+fn the_warning_names_the_rendezvous_endpoint_given() {
+    let flags = Flags {
+        nnodes: Some(2),
+        rdzv_endpoint: Some("127.0.0.1:29615".into()),
+        ..Flags::default()
+    };
+    let why = shape(&flags, &[]).without_secret().unwrap();
+    assert!(why.contains("127.0.0.1:29615"), "{why}");
+    assert!(!why.contains("29500"), "{why}");
+}
+
+#[test]
+fn require_secret_reads_its_variable() {
+    let env = |v: &str| Env::from([(REQUIRE_SECRET_VAR.to_string(), v.to_string())]);
+    assert!(!require_secret_from_env(&Env::new()).unwrap());
+    for yes in ["1", "true", "YES", "on"] {
+        assert!(require_secret_from_env(&env(yes)).unwrap(), "{yes}");
+    }
+    for no in ["0", "false", "", "off"] {
+        assert!(!require_secret_from_env(&env(no)).unwrap(), "{no}");
+    }
+    let e = require_secret_from_env(&env("maybe")).unwrap_err().0;
+    assert!(e.contains("LAUNCH_REQUIRE_SECRET=\"maybe\""), "{e}");
 }
 
 #[test]
