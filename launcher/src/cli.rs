@@ -213,9 +213,26 @@ pub struct Cli {
     #[arg(long)]
     pub force: bool,
 
-    /// Do not pin workers to CPUs. By default each worker runs on its own disjoint set of the
-    /// CPUs `launch` may use (a NUMA node's kept together), with OMP_NUM_THREADS to match.
-    #[arg(long = "no-pin")]
+    /// torchrun's `--numa-binding`: pin each worker to CPUs (from before it starts, so its
+    /// threads and the processes it starts, DataLoader workers included, stay there).
+    /// `exclusive` or `core-complex`: its own disjoint share of the CPUs `launch` may use, in
+    /// NUMA order; `node` or `socket`: every CPU of the NUMA node(s) its share lies on. Default:
+    /// not pinned, as torchrun.
+    #[arg(
+        long = "numa-binding",
+        alias = "numa_binding",
+        value_name = "MODE",
+        value_parser = ["node", "socket", "exclusive", "core-complex"]
+    )]
+    pub numa_binding: Option<String>,
+
+    /// Pin each worker to its own CPUs (`--numa-binding exclusive`).
+    #[arg(long, conflicts_with = "numa_binding")]
+    pub pin: bool,
+
+    /// Do not pin workers to CPUs: the default (kept for command lines written when `launch`
+    /// pinned by default).
+    #[arg(long = "no-pin", conflicts_with_all = ["pin", "numa_binding"])]
     pub no_pin: bool,
 
     /// torchrun's `-m`: run the script as a Python module (`python3 -m SCRIPT ARGS...`).

@@ -1,9 +1,11 @@
-//! Which CPUs each worker of this node runs on: the CPUs `launch` itself may use (its affinity,
-//! so Slurm's or a container's limits hold) split into disjoint sets, one per local rank, in the
-//! order of their NUMA nodes so that a set stays on one node where the counts allow.
+//! Which CPUs each worker of this node runs on when the user asks for pinning (torchrun's
+//! `--numa-binding`, our `--pin`): the CPUs `launch` itself may use (its affinity, so Slurm's or
+//! a container's limits hold) split into disjoint sets, one per local rank, in the order of their
+//! NUMA nodes so that a set stays on one node where the counts allow; or, binding by node, every
+//! allowed CPU of the NUMA node(s) a rank's share lies on.
 //!
 //! Owns: reading the affinity and the NUMA layout, and the split. Must not: pin anything (the
-//! spawn does, between fork and exec) or decide whether to pin (`--no-pin` is the plan's).
+//! spawn does, between fork and exec) or decide whether to pin (the plan's: only when asked).
 
 use std::fmt::Write as _;
 
@@ -12,6 +14,8 @@ use std::fmt::Write as _;
 pub struct CpuMap {
     pub sets: Vec<Vec<usize>>,
     pub nodes: Vec<Vec<usize>>,
+    /// The sets are disjoint (each rank's own CPUs), so `OMP_NUM_THREADS` can be a set's size.
+    pub exclusive: bool,
 }
 
 impl CpuMap {
@@ -32,11 +36,63 @@ impl CpuMap {
     }
 }
 
+/// torchrun's `--numa-binding` modes, as `launch` applies them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Binding {
+    /// `exclusive` (and `core-complex`, and our `--pin`): each rank its own disjoint share.
+    Exclusive,
+    /// `node` (and `socket`): every allowed CPU of the NUMA node(s) of the rank's share, shared
+    /// with the other ranks there.
+    Node,
+}
+
+impl Binding {
+    /// `--numa-binding`'s value, as torchrun 2.11 spells its modes.
+    pub fn parse(mode: &str) -> Result<Binding, String> {
+        match mode {
+            "exclusive" | "core-complex" => Ok(Binding::Exclusive),
+            "node" | "socket" => Ok(Binding::Node),
+            other => Err(format!(
+                "expected node, socket, exclusive or core-complex (torchrun's modes), got {other:?}"
+            )),
+        }
+    }
+}
+
 /// The map for `nproc` workers on this machine; `None` when there are fewer usable CPUs than
 /// workers (nothing to split) or the affinity cannot be read.
-pub fn plan(nproc: u32) -> Option<CpuMap> {
+pub fn plan(nproc: u32, binding: Binding) -> Option<CpuMap> {
     let allowed = allowed_cpus()?;
-    split(&allowed, &numa_nodes(), nproc as usize)
+    let numa = numa_nodes();
+    let map = split(&allowed, &numa, nproc as usize)?;
+    Some(match binding {
+        Binding::Exclusive => map,
+        Binding::Node => widen_to_nodes(map, &allowed, &numa),
+    })
+}
+
+/// Each rank's set widened to every allowed CPU of its NUMA node(s) (unchanged without a NUMA
+/// layout to read).
+fn widen_to_nodes(map: CpuMap, allowed: &[usize], numa: &[(usize, Vec<usize>)]) -> CpuMap {
+    if numa.is_empty() {
+        return map;
+    }
+    let sets = map
+        .nodes
+        .iter()
+        .map(|nodes| {
+            let of_nodes = |c: &usize| {
+                numa.iter()
+                    .any(|(n, cpus)| nodes.contains(n) && cpus.contains(c))
+            };
+            allowed.iter().copied().filter(of_nodes).collect()
+        })
+        .collect();
+    CpuMap {
+        sets,
+        nodes: map.nodes,
+        exclusive: false,
+    }
 }
 
 /// Splits `allowed` into `nproc` disjoint sets of consecutive CPUs in NUMA order (`numa`:
@@ -68,7 +124,11 @@ fn split(allowed: &[usize], numa: &[(usize, Vec<usize>)], nproc: usize) -> Optio
             n
         })
         .collect();
-    Some(CpuMap { sets, nodes })
+    Some(CpuMap {
+        sets,
+        nodes,
+        exclusive: true,
+    })
 }
 
 /// The CPUs this process may run on.
@@ -159,11 +219,34 @@ mod tests {
     }
 
     #[test]
+    fn binding_by_node_gives_each_rank_its_whole_node() {
+        let numa = vec![(0, vec![0, 1, 2, 3]), (1, vec![4, 5, 6, 7])];
+        let all: Vec<usize> = (0..8).collect();
+        let map = widen_to_nodes(split(&all, &numa, 4).unwrap(), &all, &numa);
+        assert_eq!(
+            map.sets,
+            vec![
+                vec![0, 1, 2, 3],
+                vec![0, 1, 2, 3],
+                vec![4, 5, 6, 7],
+                vec![4, 5, 6, 7]
+            ]
+        );
+        // Only CPUs this process may use, even of its node.
+        let allowed = [1, 2, 5, 6];
+        let map = widen_to_nodes(split(&allowed, &numa, 2).unwrap(), &allowed, &numa);
+        assert_eq!(map.sets, vec![vec![1, 2], vec![5, 6]]);
+        assert_eq!(Binding::parse("socket"), Ok(Binding::Node));
+        assert_eq!(Binding::parse("core-complex"), Ok(Binding::Exclusive));
+        assert!(Binding::parse("rack").is_err());
+    }
+
+    #[test]
     fn this_process_has_an_affinity() {
         let cpus = allowed_cpus().expect("sched_getaffinity");
         assert!(!cpus.is_empty());
         assert_eq!(
-            plan(cpus.len() as u32).map(|m| m.sets.len()),
+            plan(cpus.len() as u32, Binding::Exclusive).map(|m| m.sets.len()),
             Some(cpus.len())
         );
     }

@@ -63,8 +63,10 @@ pub struct Plan {
     pub command: Vec<OsString>,
     /// `OMP_NUM_THREADS` we set because the user did not (value, cores it was derived from).
     pub omp_threads: Option<(usize, usize)>,
-    /// The CPUs each local rank is pinned to (`None`: not pinned, `--no-pin` or too few CPUs).
+    /// The CPUs each local rank is pinned to (`None`: not pinned, not asked or too few CPUs).
     pub cpu_map: Option<crate::cpus::CpuMap>,
+    /// The flag that asked for pinning, as written (`--numa-binding node`, `--pin`).
+    pub pinning: Option<String>,
     /// The config and its batch derivation, when running the worker on a config.
     pub config: Option<TrainPlan>,
     /// Visible GPUs, when they were looked up (`auto` or a dry run).
@@ -157,7 +159,8 @@ impl Plan {
             console: console_policy(cli, nproc)?,
             command,
             omp_threads,
-            cpu_map: (!cli.no_pin).then(|| crate::cpus::plan(nproc)).flatten(),
+            pinning: binding_of(cli).map(|(asked, _)| asked),
+            cpu_map: binding_of(cli).and_then(|(_, b)| crate::cpus::plan(nproc, b)),
             config,
             gpus,
             cuda_visible_devices: selection.map(|s| s.cuda_visible_devices),
@@ -352,13 +355,18 @@ impl Plan {
                 self.nproc
             );
         }
-        let _ = match &self.cpu_map {
-            Some(map) => writeln!(
+        let _ = match (&self.cpu_map, &self.pinning) {
+            (Some(map), Some(asked)) => {
+                writeln!(out, "  cpus:         {}  [{asked}]", map.describe())
+            }
+            (_, Some(asked)) => writeln!(
                 out,
-                "  cpus:         {}  [--no-pin: not pinned]",
-                map.describe()
+                "  cpus:         not pinned: fewer usable CPUs than workers  [{asked}]"
             ),
-            None => writeln!(out, "  cpus:         not pinned"),
+            (_, None) => writeln!(
+                out,
+                "  cpus:         not pinned (--numa-binding MODE or --pin pins each worker)"
+            ),
         };
         if let Some(dir) = &self.log_dir {
             let _ = writeln!(out, "  logs:         {}/rank-N.log", dir.display());
@@ -493,6 +501,20 @@ fn above_handed_down(listener: TcpListener) -> Result<TcpListener, PlanError> {
 }
 
 /// What the command line gave explicitly, for the job shape's precedence rules.
+/// The pinning the command line asked for (`--numa-binding MODE`, `--pin`), as written and as
+/// applied; none unless asked.
+fn binding_of(cli: &Cli) -> Option<(String, crate::cpus::Binding)> {
+    use crate::cpus::Binding;
+    match (&cli.numa_binding, cli.pin) {
+        (Some(mode), _) => {
+            let binding = Binding::parse(mode).unwrap_or(Binding::Exclusive);
+            Some((format!("--numa-binding {mode}"), binding))
+        }
+        (None, true) => Some(("--pin".to_string(), Binding::Exclusive)),
+        (None, false) => None,
+    }
+}
+
 fn flags_of(cli: &Cli) -> Flags {
     let (gpu_ids, num_processes) = match &cli.gpu_ids {
         Some(GpuIds::List(ids)) => (Some(ids.clone()), cli.num_processes),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# What pinning workers to CPUs (launch's default: disjoint CPU sets per local rank, OMP_NUM_THREADS
-# to match) does to the 2-process training figures on this machine, against `--no-pin`, with a
-# 1-process run for the 2 / 1 ratio. bpr and gpt2rec (cached) on the default ("small") data,
+# What pinning workers to CPUs (`--pin`: disjoint CPU sets per local rank, OMP_NUM_THREADS to
+# match) does to the 2-process training figures on this machine, against the default (not
+# pinned, as torchrun), with a 1-process run for the 2 / 1 ratio. bpr and gpt2rec (cached) on the default ("small") data,
 # global 256, micro 64, the shipped dist settings, `checkpoint.resume = never`. samples/s is the
 # trainer's summary figure; each cell is the median of REPEAT runs (default 3), interleaved.
 #
@@ -16,7 +16,7 @@ run() { # model procs pin repeat -> the run directory
   local model=$1 procs=$2 pin=$3 again=$4 kind=gpt2rec
   [ "$model" = bpr ] && kind=bpr
   local name="$model-p$procs-$pin-$again" flags=()
-  [ "$pin" = nopin ] && flags=(--no-pin)
+  [ "$pin" = pin ] && flags=(--pin)
   launch_logged "$name" --num-processes "$procs" "${flags[@]}" configs/default.toml \
     --set run.output_dir=\""$out"\" --set run.name=\""$name"\" --set model.kind=\""$kind"\" \
     --set train.epochs=2 --set checkpoint.resume=\"never\" --set eval.patience=0 \
@@ -27,7 +27,7 @@ run() { # model procs pin repeat -> the run directory
 median() { python3 -c 'import statistics,sys; print(round(statistics.median(int(x) for x in sys.stdin.read().split())))'; }
 
 ways=("1 pin" "2 pin" "2 nopin")
-echo "| model | 1 process | 2, pinned (default) | 2, --no-pin | 2 / 1 pinned | 2 / 1 --no-pin |"
+echo "| model | 1 process | 2, --pin | 2, not pinned (default) | 2 / 1 --pin | 2 / 1 not pinned |"
 echo "|---|---|---|---|---|---|"
 for model in $models; do
   rm -f "$out"/pin-*

@@ -205,17 +205,18 @@ fn pass_store_listener(command: &mut Command, plan: &Plan, env: &WorkerEnv) {
     command.hand_down(listener.as_raw_fd(), STORE_FD);
 }
 
-/// Pins the worker to its CPUs of the plan's map (from before it execs, so its threads all
-/// start there), with `OMP_NUM_THREADS` set to their number unless the user set it.
+/// Pins the worker to its CPUs of the plan's map, when the user asked for one (from before it
+/// execs, so its threads all start there), with `OMP_NUM_THREADS` set to their number unless the
+/// user set it or the sets are shared.
 fn pin_to_cpus(command: &mut Command, plan: &Plan, local_rank: u32) {
-    let Some(cpus) = plan
-        .cpu_map
-        .as_ref()
-        .and_then(|m| m.sets.get(local_rank as usize))
-    else {
+    let Some(map) = plan.cpu_map.as_ref() else {
         return;
     };
-    if plan.omp_threads.is_some() {
+    let Some(cpus) = map.sets.get(local_rank as usize) else {
+        return;
+    };
+    // Shared sets (binding by node) keep the cores / processes default.
+    if plan.omp_threads.is_some() && map.exclusive {
         command.env("OMP_NUM_THREADS", cpus.len().to_string());
     }
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it (CPU ids come
