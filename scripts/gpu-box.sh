@@ -12,7 +12,7 @@
 #    CUDA_VISIBLE_DEVICES set, only the GPUs it lists are candidates, and launch gets their
 #    positions in that list. Too few idle GPUs: every GPU is listed with its usage and why it was
 #    skipped, and the script exits with 2 without starting anything.
-# 2. Runs `launch --gpu-ids IDS --log-dir LOGS CONFIG [launch options...]`: one worker per picked
+# 2. Runs `launch --gpu-ids IDS --rank-logs LOGS CONFIG [launch options...]`: one worker per picked
 #    GPU; every rank's lines also go to LOGS/rank-N.log, where LOGS is a fresh dated directory
 #    ${LOG_ROOT:-<repo>/logs}/<config file stem>/<YYYYmmdd-HHMMSS>. The script then *is* launch
 #    (exec): Ctrl-C and signals reach it directly, and its exit code is the script's.
@@ -41,7 +41,7 @@ usage() {
     cat <<EOF
 usage: scripts/gpu-box.sh [-n N|auto] [--max-mem-mib M] [--max-util P] CONFIG [launch options...]
 
-Runs \`launch --gpu-ids IDS --log-dir LOGS CONFIG [launch options...]\` on the idle GPUs of this box.
+Runs \`launch --gpu-ids IDS --rank-logs LOGS CONFIG [launch options...]\` on the idle GPUs of this box.
 
   -n, --num-gpus N|auto  GPUs to use: the N least used idle ones, or every idle one (default auto)
   --max-mem-mib M        idle means at most M MiB of GPU memory used (default 1024)
@@ -120,8 +120,8 @@ for arg in "$@"; do
     --gpu-ids | --gpu_ids | --gpu-ids=* | --gpu_ids=*)
         die "$arg: gpu-box picks the GPUs (use -n N, or CUDA_VISIBLE_DEVICES to limit the candidates; or run launch directly)"
         ;;
-    --log-dir | --log_dir | --log-dir=* | --log_dir=*)
-        die "$arg: gpu-box picks the log directory (set LOG_ROOT instead)"
+    --rank-logs | --rank-logs=*)
+        die "$arg: gpu-box picks the rank logs directory (set LOG_ROOT instead)"
         ;;
     esac
 done
@@ -322,7 +322,7 @@ until mkdir -- "$log_dir" 2>/dev/null; do # two runs in the same second get -2, 
 done
 echo "$me: logs go to $log_dir/rank-N.log" >&2
 
-cmd=("$launch" --gpu-ids "$ids" --log-dir "$log_dir" "$config" "$@")
+cmd=("$launch" --gpu-ids "$ids" --rank-logs "$log_dir" "$config" "$@")
 shown=""
 for arg in "${cmd[@]}"; do # the command as one could paste it
     if [[ $arg =~ ^[A-Za-z0-9_./,:=@%+-]+$ ]]; then shown+=" $arg"; else shown+=" $(printf '%q' "$arg")"; fi

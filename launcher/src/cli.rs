@@ -102,12 +102,21 @@ pub struct Cli {
     #[arg(long = "grace-period", value_name = "SECS", default_value = "10", value_parser = parse_seconds)]
     pub grace_period: Duration,
 
-    /// Also write each rank's output to DIR/rank-N.log.
+    /// torchrun's `--log-dir`: also write each worker's streams in torchrun's layout,
+    /// `DIR/<run>_<random>/attempt_<restart>/<local rank>/{stdout,stderr}.log`, beside its
+    /// `error.json` (`TORCHELASTIC_ERROR_FILE`). `<run>` is the run id's fingerprint (`none`
+    /// as itself). Default: error files only, in a temporary directory removed at the end.
     #[arg(long = "log-dir", alias = "log_dir", value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
 
+    /// Also append each rank's lines, both streams in the order written, to
+    /// `DIR/rank-N.log` (N the global rank), across restarts and requeues: one file per rank
+    /// for a job's whole history (our Slurm and GPU-box scripts use it).
+    #[arg(long = "rank-logs", value_name = "DIR")]
+    pub rank_logs: Option<PathBuf>,
+
     /// Show only these local ranks' output on the console, e.g. `0` or `0,3` (torchrun's
-    /// spelling); every rank still goes to --log-dir. A hidden rank that fails is shown again,
+    /// spelling); every rank still goes to --log-dir and --rank-logs. A hidden rank that fails is shown again,
     /// with the last lines it wrote.
     #[arg(
         long = "local-ranks-filter",
@@ -119,12 +128,13 @@ pub struct Cli {
 
     /// torchrun's `--tee`: these streams go to the console and to --log-dir (0 none, 1 stdout,
     /// 2 stderr, 3 both; or per local rank, `0:3,1:2`). With --log-dir every stream does
-    /// already; needs --log-dir.
+    /// already; without it, as torchrun, a temporary directory is made, kept and named.
     #[arg(long, short = 't', value_name = "STREAMS", value_parser = crate::console::parse_streams)]
     pub tee: Option<crate::console::Streams>,
 
     /// torchrun's `--redirects`: these streams go to --log-dir only, not to the console (same
-    /// values as --tee); needs --log-dir.
+    /// values as --tee); without --log-dir, as torchrun, to a temporary directory, kept and
+    /// named at the start.
     #[arg(long, short = 'r', value_name = "STREAMS", value_parser = crate::console::parse_streams)]
     pub redirects: Option<crate::console::Streams>,
 
@@ -234,6 +244,73 @@ pub struct Cli {
     /// pinned by default).
     #[arg(long = "no-pin", conflicts_with_all = ["pin", "numa_binding"])]
     pub no_pin: bool,
+
+    /// torchrun's `--role`: the workers' `ROLE_NAME`. Default: `default`.
+    #[arg(long, value_name = "NAME")]
+    pub role: Option<String>,
+
+    /// torchrun's `--signals-to-handle`: passed on as `TORCHELASTIC_SIGNALS_TO_HANDLE`. `launch`
+    /// itself handles SIGINT, SIGTERM and SIGHUP (the workers are stopped as one group, SIGTERM
+    /// then SIGKILL), whatever the list. Default: `SIGTERM,SIGINT,SIGHUP,SIGQUIT`.
+    #[arg(
+        long = "signals-to-handle",
+        alias = "signals_to_handle",
+        value_name = "SIGNALS",
+        value_parser = parse_signals
+    )]
+    pub signals_to_handle: Option<String>,
+
+    /// torchrun's `--virtual-local-rank`: every worker of a program (not our worker, which
+    /// picks its GPU by LOCAL_RANK) gets `LOCAL_RANK=0` and only its own GPU in
+    /// `CUDA_VISIBLE_DEVICES`.
+    #[arg(long = "virtual-local-rank", alias = "virtual_local_rank")]
+    pub virtual_local_rank: bool,
+
+    /// torchrun's `--monitor-interval`: accepted, no effect (`launch` learns of a worker's end
+    /// at once, from the kernel, instead of polling).
+    #[arg(long = "monitor-interval", alias = "monitor_interval", value_name = "SECS", value_parser = parse_seconds)]
+    pub monitor_interval: Option<Duration>,
+
+    /// torchrun's `--start-method` (`spawn`, `fork`, `forkserver`): accepted, no effect (each
+    /// worker is a process of its own, started directly).
+    #[arg(long = "start-method", alias = "start_method", value_name = "METHOD", value_parser = ["spawn", "fork", "forkserver"])]
+    pub start_method: Option<String>,
+
+    /// torchrun's `--event-log-handler`: accepted, no effect (torchrun's event handlers are
+    /// Python objects; `launch` reports through its summary and exit code).
+    #[arg(
+        long = "event-log-handler",
+        alias = "event_log_handler",
+        value_name = "NAME"
+    )]
+    pub event_log_handler: Option<String>,
+
+    /// torchrun's `--logs-specs`: accepted; `launch` writes torchrun's default layout (a
+    /// Python entry point of another name cannot be loaded here, and a line says so).
+    #[arg(long = "logs-specs", alias = "logs_specs", value_name = "NAME")]
+    pub logs_specs: Option<String>,
+
+    /// torchrun's `--duplicate-stdout-filters`: accepted, not applied (a line says so); every
+    /// line is in --log-dir's stdout.log.
+    #[arg(
+        long = "duplicate-stdout-filters",
+        alias = "duplicate_stdout_filters",
+        value_name = "FILTERS"
+    )]
+    pub duplicate_stdout_filters: Option<String>,
+
+    /// torchrun's `--duplicate-stderr-filters`: as `--duplicate-stdout-filters`, for stderr.
+    #[arg(
+        long = "duplicate-stderr-filters",
+        alias = "duplicate_stderr_filters",
+        value_name = "FILTERS"
+    )]
+    pub duplicate_stderr_filters: Option<String>,
+
+    /// torchrun's `--run-path`: run the script with `python3` (torchrun runs it in its own
+    /// interpreter; the script sees the same).
+    #[arg(long = "run-path", alias = "run_path")]
+    pub run_path: bool,
 
     /// torchrun's `-m`: run the script as a Python module (`python3 -m SCRIPT ARGS...`).
     #[arg(short = 'm', long = "module")]
@@ -375,6 +452,22 @@ pub struct RdzvConf(pub Vec<(String, Duration)>);
 
 fn parse_conf(text: &str) -> Result<RdzvConf, String> {
     parse_rdzv_conf(text).map(RdzvConf)
+}
+
+/// `--signals-to-handle`: signal names separated by commas, as torchrun takes them.
+fn parse_signals(text: &str) -> Result<String, String> {
+    let known = [
+        "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2",
+    ];
+    for name in text.split(',').map(str::trim) {
+        if !known.contains(&name) {
+            return Err(format!(
+                "unknown signal {name:?}: expected some of {} separated by commas",
+                known.join(", ")
+            ));
+        }
+    }
+    Ok(text.split(',').map(str::trim).collect::<Vec<_>>().join(","))
 }
 
 fn parse_seconds(text: &str) -> Result<Duration, String> {
@@ -545,6 +638,49 @@ mod tests {
             one_line("error: invalid value 'a\nb' for '--x': bad\n\nFor more information, try '--help'.\n"),
             "error: invalid value 'a\\nb' for '--x': bad"
         );
+    }
+
+    /// Every flag of torchrun 2.11 is accepted, in both spellings, before the script.
+    #[test]
+    fn every_torchrun_flag_is_accepted() {
+        let cli = parse(&[
+            "--monitor-interval",
+            "0.5",
+            "--start_method",
+            "fork",
+            "--event-log-handler",
+            "null",
+            "--role",
+            "trainer",
+            "--run-path",
+            "--logs_specs",
+            "default",
+            "--numa-binding",
+            "node",
+            "--signals-to-handle",
+            "SIGTERM,SIGUSR1",
+            "--virtual-local-rank",
+            "--duplicate-stdout-filters",
+            "loss",
+            "--duplicate_stderr_filters",
+            "error",
+            "--local-addr",
+            "10.0.0.2",
+            "--redirects",
+            "3",
+            "--tee",
+            "1",
+            "train.py",
+            "--lr",
+            "1",
+        ])
+        .unwrap();
+        assert_eq!(cli.role.as_deref(), Some("trainer"));
+        assert_eq!(cli.signals_to_handle.as_deref(), Some("SIGTERM,SIGUSR1"));
+        assert!(cli.virtual_local_rank && cli.run_path);
+        assert_eq!(cli.script, ["train.py", "--lr", "1"].map(OsString::from));
+        assert!(parse(&["--signals-to-handle", "SIGKILL", "x.py"]).is_err());
+        assert!(parse(&["--start-method", "thread", "x.py"]).is_err());
     }
 
     #[test]

@@ -18,6 +18,7 @@ mod elastic;
 mod event;
 mod gpu;
 mod hostfile;
+mod logs;
 mod output;
 mod plan;
 mod port;
@@ -153,9 +154,15 @@ fn launch(cli: &Cli) -> i32 {
             return bad_input(&e);
         }
     };
-    if let Err(e) = plan.resolve_port() {
+    if let Err(e) = plan.resolve_port().and_then(|()| plan.prepare_logs()) {
         watchdog.disarm();
         return bad_input(&e);
+    }
+    if let Some(layout) = plan.layout.as_ref().filter(|l| l.streams) {
+        info!(
+            "logs: {}/attempt_N/<local rank>/{{stdout,stderr}}.log",
+            layout.run_dir().display()
+        );
     }
     for notice in &plan.notices {
         info!("{notice}");

@@ -167,7 +167,8 @@ pub struct Route {
     /// The console, unless the stream goes to the log file only (`--redirects`); while the
     /// worker is hidden (`--local-ranks-filter`) its lines are held instead.
     pub console: Option<(Arc<Sinks>, Muting)>,
-    pub log: Option<Arc<Mutex<File>>>,
+    /// The files its lines go to (`--rank-logs`, torchrun's layout of `--log-dir`).
+    pub logs: Vec<Arc<Mutex<File>>>,
     /// The last lines kept for the failure summary (stderr).
     pub tail: Option<Tail>,
 }
@@ -308,7 +309,7 @@ fn deliver(route: &Route, piece: &Piece<'_>) {
         }
         _ => {}
     }
-    if let Some(log) = &route.log {
+    for log in &route.logs {
         if let Ok(mut file) = log.lock() {
             let _ = file.write_all(piece.unshown());
             let _ = file.write_all(piece.end.bytes());
@@ -638,7 +639,7 @@ mod tests {
                 stream: Stream::Stdout,
                 rank: 0,
                 console: None,
-                log: Some(log),
+                logs: vec![log],
                 tail: None,
             },
             done: Box::new(move || done.send("done").unwrap()),

@@ -57,6 +57,14 @@ pub struct Plan {
     pub max_restarts: u32,
     pub grace_period: Duration,
     pub log_dir: Option<PathBuf>,
+    /// `--rank-logs`: each rank's lines appended to `DIR/rank-N.log`.
+    pub rank_logs: Option<PathBuf>,
+    /// Whether the workers' streams go to files of torchrun's layout (`--log-dir`, `--tee`,
+    /// `--redirects`).
+    pub log_streams: bool,
+    /// torchrun's log layout (error files, and logs when asked), made at the start
+    /// ([`Plan::prepare_logs`]; `None` in a dry run).
+    pub layout: Option<Arc<crate::logs::Layout>>,
     /// Which workers' output reaches the console (`--local-ranks-filter`, `--redirects`).
     pub console: crate::console::Policy,
     /// Program and arguments every worker runs.
@@ -79,6 +87,12 @@ pub struct Plan {
     pub notices: Vec<String>,
     /// The warning that the run id keeps nobody out (several nodes, no secret), said once.
     pub secret_warning: Option<String>,
+    /// `--role`: the workers' `ROLE_NAME` (default `default`).
+    pub role: Option<String>,
+    /// `TORCHELASTIC_SIGNALS_TO_HANDLE` (`--signals-to-handle`, or torchrun's default list).
+    pub signals_to_handle: String,
+    /// `--virtual-local-rank` for a program: each worker sees `LOCAL_RANK=0` and its own GPU only.
+    pub virtual_local_rank: bool,
     /// Elastic jobs: the address other nodes reach this one at (`--local-addr`).
     pub local_addr: String,
     /// The rendezvous port's listening socket ([`Plan::resolve_port`]), held from before anything
@@ -141,6 +155,7 @@ impl Plan {
             || config
                 .as_ref()
                 .is_some_and(|t| t.config.dist.require_secret);
+        notices.extend(torchrun_notices(cli));
         let (run_id, secret_warning) =
             crate::secret::run_id_of(&shape, cli.dry_run, require_secret, &mut notices)
                 .map_err(PlanError::Usage)?;
@@ -156,6 +171,9 @@ impl Plan {
             max_restarts: shape.max_restarts.value,
             grace_period: cli.grace_period,
             log_dir: cli.log_dir.clone(),
+            rank_logs: cli.rank_logs.clone(),
+            log_streams: cli.log_dir.is_some() || cli.tee.is_some() || cli.redirects.is_some(),
+            layout: None,
             console: console_policy(cli, nproc)?,
             command,
             omp_threads,
@@ -169,6 +187,10 @@ impl Plan {
             shape,
             notices,
             secret_warning,
+            role: cli.role.clone(),
+            signals_to_handle: (cli.signals_to_handle.clone())
+                .unwrap_or_else(|| "SIGTERM,SIGINT,SIGHUP,SIGQUIT".to_string()),
+            virtual_local_rank: cli.virtual_local_rank && cli.config.is_none(),
         })
     }
 
@@ -207,6 +229,15 @@ impl Plan {
         if std::env::var_os("PYTHONUNBUFFERED").is_none() {
             vars.push(("PYTHONUNBUFFERED", "1".to_string()));
         }
+        // As torchrun sets them: its agent's signal list, and NCCL's error handling on unless
+        // the user chose.
+        vars.push((
+            "TORCHELASTIC_SIGNALS_TO_HANDLE",
+            self.signals_to_handle.clone(),
+        ));
+        if std::env::var_os("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none() {
+            vars.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".to_string()));
+        }
         // Growable segments in libtorch's CUDA caching allocator (a user's own setting passes
         // through unchanged).
         if let Some((name, value)) =
@@ -215,6 +246,24 @@ impl Plan {
             vars.push((name, value.to_string()));
         }
         vars
+    }
+
+    /// Makes torchrun's log layout ([`crate::logs::Layout`]): where the workers' error files,
+    /// and their streams when asked, go.
+    pub fn prepare_logs(&mut self) -> Result<(), PlanError> {
+        let layout =
+            crate::logs::Layout::create(self.log_dir.as_deref(), &self.run_id, self.log_streams)
+                .map_err(|e| {
+                    let dir = self
+                        .log_dir
+                        .as_ref()
+                        .map_or("a temporary directory".into(), |d| {
+                            format!("--log-dir {}", d.display())
+                        });
+                    PlanError::Usage(format!("cannot make the log directory in {dir}: {e}"))
+                })?;
+        self.layout = Some(Arc::new(layout));
+        Ok(())
     }
 
     /// Binds the rendezvous port on the node that hosts the store: port 0 (a single node's
@@ -368,8 +417,20 @@ impl Plan {
                 "  cpus:         not pinned (--numa-binding MODE or --pin pins each worker)"
             ),
         };
-        if let Some(dir) = &self.log_dir {
-            let _ = writeln!(out, "  logs:         {}/rank-N.log", dir.display());
+        if self.log_streams {
+            let dir = self
+                .log_dir
+                .as_ref()
+                .map_or("<a temporary directory>".into(), |d| {
+                    d.display().to_string()
+                });
+            let _ = writeln!(
+                out,
+                "  logs:         {dir}/<run>_<random>/attempt_N/<local rank>/{{stdout,stderr}}.log"
+            );
+        }
+        if let Some(dir) = &self.rank_logs {
+            let _ = writeln!(out, "  rank logs:    {}/rank-N.log", dir.display());
         }
         for notice in &self.notices {
             let _ = writeln!(out, "  note:         {notice}");
@@ -411,6 +472,19 @@ impl Plan {
             Source::Env(var) if var == RUN_ID_VAR => format!("<hidden: ${RUN_ID_VAR}>"),
             Source::File(path) => format!("<hidden: in {path}>"),
             _ => self.run_id.clone(),
+        }
+    }
+
+    /// The `CUDA_VISIBLE_DEVICES` entry `local_rank` would use as `cuda:LOCAL_RANK`: the
+    /// `--gpu-ids` selection, else the inherited list, else the index itself.
+    pub fn visible_device(&self, local_rank: u32) -> Option<String> {
+        let list = (self.cuda_visible_devices.clone())
+            .or_else(|| std::env::var("CUDA_VISIBLE_DEVICES").ok());
+        match list {
+            Some(list) => (list.split(','))
+                .nth(local_rank as usize)
+                .map(|d| d.trim().to_string()),
+            None => Some(local_rank.to_string()),
         }
     }
 
@@ -463,13 +537,6 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// `--local-ranks-filter`, `--tee` and `--redirects`, checked against this node's local ranks
 /// and the log directory the last two write to.
 fn console_policy(cli: &Cli, nproc: u32) -> Result<crate::console::Policy, PlanError> {
-    for (flag, given) in [("--tee", &cli.tee), ("--redirects", &cli.redirects)] {
-        if given.is_some() && cli.log_dir.is_none() {
-            return Err(PlanError::Usage(format!(
-                "{flag} writes streams to --log-dir: give one (e.g. --log-dir logs)"
-            )));
-        }
-    }
     let filter = cli.local_ranks_filter.as_ref().map(|r| r.0.clone());
     if let Some(rank) = filter.iter().flatten().find(|&&r| r >= nproc) {
         return Err(PlanError::Usage(format!(
@@ -501,6 +568,33 @@ fn above_handed_down(listener: TcpListener) -> Result<TcpListener, PlanError> {
 }
 
 /// What the command line gave explicitly, for the job shape's precedence rules.
+/// One line for each torchrun flag given that `launch` accepts but does not apply as torchrun
+/// would (the reference lists those that have no effect at all and need no line).
+fn torchrun_notices(cli: &Cli) -> Vec<String> {
+    let mut notices = Vec::new();
+    if let Some(name) = cli.logs_specs.as_deref().filter(|n| *n != "default") {
+        notices.push(format!(
+            "--logs-specs {name}: launch writes torchrun's default layout (it cannot load a Python entry point)"
+        ));
+    }
+    for (flag, given) in [
+        ("--duplicate-stdout-filters", &cli.duplicate_stdout_filters),
+        ("--duplicate-stderr-filters", &cli.duplicate_stderr_filters),
+    ] {
+        if given.is_some() {
+            notices.push(format!(
+                "{flag}: not applied by launch; every line is in --log-dir's logs"
+            ));
+        }
+    }
+    if cli.virtual_local_rank && cli.config.is_some() {
+        notices.push(
+            "--virtual-local-rank: not applied to our worker, which picks its GPU by LOCAL_RANK among the visible ones".into(),
+        );
+    }
+    notices
+}
+
 /// The pinning the command line asked for (`--numa-binding MODE`, `--pin`), as written and as
 /// applied; none unless asked.
 fn binding_of(cli: &Cli) -> Option<(String, crate::cpus::Binding)> {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
+pub mod error_file;
 pub mod flight;
 
 /// How one worker ended.
@@ -57,6 +58,9 @@ pub struct WorkerRecord {
     /// The signal the launcher sent it during teardown, if any.
     pub sent_by_launcher: Option<Signal>,
     pub stderr_tail: Vec<String>,
+    /// torchrun's error file of this worker (`TORCHELASTIC_ERROR_FILE`), where it may have
+    /// recorded its exception.
+    pub error_file: Option<std::path::PathBuf>,
 }
 
 /// The multi-line summary after a failure. `root` indexes `records`; `this_node` holds the
@@ -100,6 +104,9 @@ pub fn failure_summary(
             "  rank {} lost rank(s) {list}, which run on another node: the first failure is probably there (that node's launch names it)",
             r.rank
         );
+    }
+    if let Some(recorded) = r.error_file.as_deref().and_then(error_file::read) {
+        out.push_str(&recorded.lines());
     }
     if r.stderr_tail.is_empty() {
         let _ = writeln!(out, "  rank {} wrote nothing to stderr", r.rank);
@@ -206,6 +213,7 @@ mod tests {
             } else {
                 vec![]
             },
+            error_file: None,
         }
     }
 

@@ -288,6 +288,15 @@ impl Group<'_> {
     ) -> (Vec<(WorkerEnv, Running)>, Option<NotStarted>) {
         let mut starting = Vec::with_capacity(self.plan.nproc as usize);
         let mut not_started = None;
+        if let Some(layout) = &self.plan.layout {
+            if let Err(e) = layout.begin_attempt(self.round, self.plan.nproc) {
+                warn!(
+                    "cannot make attempt_{} under {}: {e}",
+                    self.round,
+                    layout.run_dir().display()
+                );
+            }
+        }
         for local_rank in 0..self.plan.nproc {
             let env = self.plan.worker_env(local_rank, self.round);
             match start_worker(self.plan, &env, display) {
@@ -719,6 +728,8 @@ impl Group<'_> {
                         .lock()
                         .map(|t| t.iter().cloned().collect())
                         .unwrap_or_default(),
+                    error_file: (self.plan.layout.as_ref())
+                        .map(|l| l.error_file(self.round, w.local_rank)),
                 }
             })
             .collect();

@@ -121,7 +121,7 @@ for i in $(seq "$runs"); do
   t0=$(now_us)
   for r in 0 1; do
     "$launch" --nnodes 2 --node-rank $r --master-addr 127.0.0.1 \
-      --master-port "$port" --run-id "$rid" --log-dir "$logs" "${tiny[@]}" --set "run.output_dir=\"$tmp/runs-hand-$i\"" \
+      --master-port "$port" --run-id "$rid" --rank-logs "$logs" "${tiny[@]}" --set "run.output_dir=\"$tmp/runs-hand-$i\"" \
       --set "run.name=\"hand-$i\"" >"$tmp/hand-$i-$r.out" 2>&1 &
   done
   t1=$(wait_for "$logs/rank-0.log" "$step_re" 120) || { cat "$tmp/hand-$i-0.out" >&2; fail "by hand: no step line within 120 s"; }

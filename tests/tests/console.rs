@@ -1,5 +1,5 @@
 //! Whose output reaches the console: `--local-ranks-filter` (torchrun's spelling) shows only the
-//! listed local ranks while every rank still goes to `--log-dir`, a hidden rank that fails is
+//! listed local ranks while every rank still goes to `--log-dir` (torchrun's layout), a hidden rank that fails is
 //! shown with the last lines it wrote, and `--redirects` / `--tee` as torchrun spells them.
 
 mod support;
@@ -16,6 +16,18 @@ fn run(n: &str, extra: &[&str], script: &str) -> Output {
     args.extend(extra);
     args.extend(["--", "sh", "-c", script]);
     launch(&args, T)
+}
+
+/// The file of torchrun's layout under `root` (one launch's run directory) for `local_rank`'s
+/// `name` (`stdout.log`, `stderr.log`) in attempt 0.
+fn layout_file(root: &std::path::Path, local_rank: u32, name: &str) -> std::path::PathBuf {
+    let runs: Vec<_> = std::fs::read_dir(root).unwrap().flatten().collect();
+    assert_eq!(runs.len(), 1, "one run directory under {}", root.display());
+    let path = runs[0]
+        .path()
+        .join(format!("attempt_0/{local_rank}/{name}"));
+    assert!(path.is_file(), "{} is missing", path.display());
+    path
 }
 
 fn ranks_on_console(out: &Output) -> Vec<u32> {
@@ -43,12 +55,12 @@ fn only_the_filtered_ranks_reach_the_console_and_every_rank_its_log() {
         out.stdout,
         out.stderr
     );
+    // torchrun's layout: the streams apart, per attempt and local rank, with its error file's
+    // directory; no secret run id in the path.
     for rank in 0..4 {
-        let log = std::fs::read_to_string(logs.path().join(format!("rank-{rank}.log"))).unwrap();
-        assert!(
-            log.contains(&format!("out {rank}")) && log.contains(&format!("err {rank}")),
-            "{log}"
-        );
+        let read = |name| std::fs::read_to_string(layout_file(logs.path(), rank, name)).unwrap();
+        assert_eq!(read("stdout.log"), format!("out {rank}\n"));
+        assert_eq!(read("stderr.log"), format!("err {rank}\n"));
     }
 }
 
@@ -99,22 +111,44 @@ fn redirected_streams_go_to_the_log_only() {
     assert!(out.stdout.contains("[rank 1] out 1"), "{}", out.stdout);
     assert!(out.stderr.contains("[rank 0] err 0"), "{}", out.stderr);
     assert!(!out.stderr.contains("err 1"), "{}", out.stderr);
-    let log = std::fs::read_to_string(logs.path().join("rank-1.log")).unwrap();
-    assert!(log.contains("err 1"), "{log}");
+    let log = std::fs::read_to_string(layout_file(logs.path(), 1, "stderr.log")).unwrap();
+    assert_eq!(log, "err 1\n");
+    let logs = tempfile::tempdir().unwrap();
+    let dir = logs.path().to_str().unwrap();
     run("2", &["-t", "3", "-r", "0", "--log-dir", dir], script).assert_code(0);
+    // Without --log-dir, as torchrun: a temporary directory, kept and named at the start.
+    let out = run("2", &["--redirects", "2"], script);
+    out.assert_code(0);
+    let said = out
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("launch: logs: "))
+        .unwrap_or_else(|| panic!("where the logs are is not said:\n{}", out.stderr));
+    let run_dir = std::path::PathBuf::from(said.split("/attempt_N/").next().unwrap());
+    let log = std::fs::read_to_string(run_dir.join("attempt_0/0/stderr.log")).unwrap();
+    assert_eq!(log, "err 0\n");
+    std::fs::remove_dir_all(run_dir.parent().unwrap()).unwrap();
+}
+
+/// `--rank-logs DIR`: each rank's lines, both streams, appended to `DIR/rank-N.log`.
+#[test]
+fn rank_logs_hold_both_streams_of_each_rank() {
+    let logs = tempfile::tempdir().unwrap();
+    let dir = logs.path().to_str().unwrap();
+    let script = "echo out $RANK; echo err $RANK >&2";
+    for _ in 0..2 {
+        run("2", &["--rank-logs", dir], script).assert_code(0);
+    }
+    for rank in 0..2 {
+        let log = std::fs::read_to_string(logs.path().join(format!("rank-{rank}.log"))).unwrap();
+        assert_eq!(log.matches(&format!("out {rank}\n")).count(), 2, "{log}");
+        assert_eq!(log.matches(&format!("err {rank}\n")).count(), 2, "{log}");
+    }
 }
 
 #[test]
 fn bad_console_flags_are_one_line_errors() {
     for (extra, want) in [
-        (
-            &["--tee", "3"][..],
-            "launch: error: --tee writes streams to --log-dir: give one",
-        ),
-        (
-            &["--redirects", "2"][..],
-            "launch: error: --redirects writes streams to --log-dir",
-        ),
         (
             &["--local-ranks-filter", "2"][..],
             "--local-ranks-filter 2: this node runs local ranks 0..1",

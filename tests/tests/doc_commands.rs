@@ -163,7 +163,7 @@ fn gpu_box_commands_start_launch_on_the_idle_gpus() {
             4,
             "{command}: all 4 idle GPUs: {args:?}"
         );
-        assert_eq!(args[2], "--log-dir", "{command}: {args:?}");
+        assert_eq!(args[2], "--rank-logs", "{command}: {args:?}");
         let documented = args_after(command, "scripts/gpu-box.sh");
         let documented = &documented[documented
             .iter()
@@ -239,7 +239,7 @@ fn sbatch_commands_run_one_launch_per_node() {
                 (node.to_string().as_str(), gpus),
                 "{command}: {calls:?}"
             );
-            assert_eq!(args[0], "--log-dir", "{command}: {args:?}");
+            assert_eq!(args[0], "--rank-logs", "{command}: {args:?}");
             assert!(
                 args[3].starts_with("run.name=\"slurm-"),
                 "{command}: {args:?}"

@@ -86,11 +86,20 @@ fn help_flags(name: &str) -> BTreeMap<String, Option<String>> {
         Some(rest.split(']').next()?.to_string())
     };
     let mut flags = BTreeMap::new();
-    for line in text
-        .lines()
-        .map(str::trim_start)
-        .filter(|l| l.starts_with('-'))
-    {
+    // clap puts a flag's help, with its `[default: X]` and `[alias: ...]`, on the flag's line
+    // or, when some flags are long, on the lines under it: read each flag's lines together.
+    let mut entries: Vec<String> = Vec::new();
+    for line in text.lines().map(str::trim_start) {
+        match entries.last_mut() {
+            _ if line.starts_with('-') => entries.push(line.to_string()),
+            Some(entry) if !line.is_empty() => {
+                entry.push(' ');
+                entry.push_str(line);
+            }
+            _ => {}
+        }
+    }
+    for line in &entries {
         let default = bracket(line, "[default: ");
         let mut words = line
             .split_whitespace()

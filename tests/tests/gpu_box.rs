@@ -376,7 +376,7 @@ fn least_used_first_options_pass_through_and_launch_exit_code_is_kept() {
         [
             "--gpu-ids",
             "0",
-            "--log-dir",
+            "--rank-logs",
             dirs[0].to_str().unwrap(),
             "configs/default.toml",
             "--set",

@@ -499,12 +499,12 @@ fn lines_are_never_interleaved_and_streams_stay_apart() {
 }
 
 #[test]
-fn log_dir_gets_one_file_per_rank() {
+fn rank_logs_get_one_file_per_rank() {
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
     let script = sh("echo out-$RANK; echo err-$RANK >&2");
     let out = launch(
-        &flags("2", &["--log-dir", logs.to_str().unwrap()], &script),
+        &flags("2", &["--rank-logs", logs.to_str().unwrap()], &script),
         T,
     );
     out.assert_code(0);

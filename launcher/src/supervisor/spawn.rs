@@ -151,9 +151,13 @@ fn output_sources(
     tx: &Sender<Event>,
     round: u32,
 ) -> [output::Source; 2] {
-    let log = rank_log(plan, env.rank);
+    let rank_log = rank_log(plan, env.rank);
     [(stdout, Stream::Stdout), (stderr, Stream::Stderr)].map(|(pipe, stream)| {
         let (tx, closing) = (tx.clone(), worker.muting.clone());
+        let logs = rank_log
+            .iter()
+            .cloned()
+            .chain(stream_log(plan, env, stream));
         output::Source {
             pipe,
             route: output::Route {
@@ -161,7 +165,7 @@ fn output_sources(
                 rank: env.rank,
                 console: (plan.console.route(env.local_rank, stream, &worker.muting))
                     .map(|m| (sinks.clone(), m)),
-                log: log.clone(),
+                logs: logs.collect(),
                 tail: (stream == Stream::Stderr).then(|| worker.tail.clone()),
             },
             done: Box::new(move || {
@@ -179,9 +183,22 @@ fn worker_command(plan: &Plan, env: &WorkerEnv) -> std::io::Result<Command> {
     command
         // Our workers rendezvous through our store: a torchrun setting inherited from where
         // `launch` runs (inside a torchrun job) must not send them to torchrun's.
-        .env_remove("TORCHELASTIC_USE_AGENT_STORE")
+        .env("TORCHELASTIC_USE_AGENT_STORE", "False")
         .envs(env.to_vars())
         .envs(plan.extra_env());
+    if let Some(layout) = &plan.layout {
+        let file = layout.error_file(env.restart_count, env.local_rank);
+        command.env("TORCHELASTIC_ERROR_FILE", file);
+    }
+    if let Some(role) = &plan.role {
+        command.env("ROLE_NAME", role);
+    }
+    if plan.virtual_local_rank {
+        command.env("LOCAL_RANK", "0");
+        if let Some(gpu) = plan.visible_device(env.local_rank) {
+            command.env("CUDA_VISIBLE_DEVICES", gpu);
+        }
+    }
     // Our worker takes SIGUSR1 as "stop at your next checkpoint" (elastic re-forming); until
     // its handler is installed the signal must not kill it (the supervisor repeats the
     // request).
@@ -228,13 +245,27 @@ fn pin_to_cpus(command: &mut Command, plan: &Plan, local_rank: u32) {
     command.pin(set);
 }
 
-/// `--log-dir`'s file for `rank` (a warning, and no file, when it cannot be opened).
+/// `--rank-logs`'s file for `rank` (a warning, and no file, when it cannot be opened).
 fn rank_log(plan: &Plan, rank: u32) -> Option<Arc<Mutex<std::fs::File>>> {
-    let dir = plan.log_dir.as_ref()?;
+    let dir = plan.rank_logs.as_ref()?;
     match output::open_log(dir, rank) {
         Ok(log) => Some(log),
         Err(e) => {
             warn!("cannot write {}/rank-{rank}.log: {e}", dir.display());
+            None
+        }
+    }
+}
+
+/// The file of torchrun's layout that `stream` of this worker goes to, when streams are
+/// written (a warning, and no file, when it cannot be made).
+fn stream_log(plan: &Plan, env: &WorkerEnv, stream: Stream) -> Option<Arc<Mutex<std::fs::File>>> {
+    let layout = plan.layout.as_ref()?;
+    let path = layout.stream_file(env.restart_count, env.local_rank, stream)?;
+    match std::fs::File::create(&path) {
+        Ok(file) => Some(Arc::new(Mutex::new(file))),
+        Err(e) => {
+            warn!("cannot write {}: {e}", path.display());
             None
         }
     }
