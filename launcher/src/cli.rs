@@ -98,8 +98,15 @@ pub struct Cli {
     #[arg(long = "max-restarts", alias = "max_restarts")]
     pub max_restarts: Option<u32>,
 
-    /// Seconds between SIGTERM and SIGKILL when tearing workers down.
-    #[arg(long = "grace-period", value_name = "SECS", default_value = "10", value_parser = parse_seconds)]
+    /// Seconds between SIGTERM and SIGKILL when tearing workers down; on a SIGTERM to `launch`
+    /// (preemption), the time our worker has to finish its step and write its checkpoint.
+    #[arg(
+        long = "grace-period",
+        visible_alias = "term-timeout",
+        value_name = "SECS",
+        default_value = "10",
+        value_parser = parse_seconds
+    )]
     pub grace_period: Duration,
 
     /// torchrun's `--log-dir`: also write each worker's streams in torchrun's layout,

@@ -681,7 +681,15 @@ impl Group<'_> {
                 }
             }
             None => return GroupEnd::Success,
-            Some((Cause::Signal(signal), _)) => return GroupEnd::Interrupted { signal },
+            Some((Cause::Signal(signal), _)) => {
+                let all_checkpointed = self.workers.iter().all(|w| {
+                    matches!(w.ending, Some((Ending::Code(c), _)) if c == common::env_contract::EXIT_REGROUP)
+                });
+                if all_checkpointed && !self.workers.is_empty() {
+                    info!("every worker stopped at a checkpoint (exit code 75: preempted, resumable): run the same command again to resume");
+                }
+                return GroupEnd::Interrupted { signal };
+            }
             Some((Cause::Regroup | Cause::StoreLost, _)) if self.interrupted.is_some() => {
                 return GroupEnd::Interrupted {
                     signal: self.interrupted.unwrap_or(15),

@@ -136,6 +136,9 @@ pub struct StepStats {
     /// The largest number the ranks' [`StepProbe`]s gave this step, and the rank that gave it
     /// (`None` without a probe).
     pub probed_max: Option<(usize, f64)>,
+    /// Some rank's stop flag ([`Ddp::set_stop_flag`]) was up when this step began its
+    /// summary: every rank learns it at the same step, so they can stop there together.
+    pub stop_requested: bool,
 }
 
 /// Samples one number on each rank after the step's backward passes (its peak memory, say).
@@ -192,6 +195,8 @@ pub struct Ddp {
     sparse: Vec<SparseTable>,
     config: DdpConfig,
     probe: Option<StepProbe>,
+    /// Raised (by a signal handler, say) to have every rank told at the next step.
+    stop_flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     /// The sparse tables, when they live in shared memory.
     shared: Option<SharedTables>,
     /// Every trainable parameter, when they live in shared memory ([`DdpConfig::shard_optimizer`]).
@@ -247,6 +252,7 @@ impl Ddp {
             sparse,
             config,
             probe: None,
+            stop_flag: None,
             shared: None,
             shards: None,
             param_names,
@@ -275,6 +281,13 @@ impl Ddp {
     /// [`StepStats::probed_max`]. Set it on every rank or on none (the summary's layout follows).
     pub fn set_probe(&mut self, probe: StepProbe) {
         self.probe = Some(probe);
+    }
+
+    /// From now on each step's summary carries `flag` (raised by a signal handler, say), and
+    /// [`StepStats::stop_requested`] says whether it was up on any rank: an agreement at no
+    /// extra collective, so that every rank stops after the same step.
+    pub fn set_stop_flag(&mut self, flag: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        self.stop_flag = Some(flag);
     }
 
     pub fn rank(&self) -> usize {
@@ -413,6 +426,7 @@ impl Ddp {
         self.comm.all_reduce(&mut summary, ReduceOp::Sum, ctx)?;
         let global_loss = summary[0].f_double_value(&[0])? / self.world_size() as f64;
         let probed_max = self.probed_max(&summary[0])?;
+        let stop_requested = summary[0].f_double_value(&[2])? > 0.0;
         if summary[0].f_double_value(&[1])? > 0.0 {
             return Err(DdpError::Loss {
                 step: step + 1,
@@ -442,6 +456,7 @@ impl Ddp {
             grad_norm,
             time,
             probed_max,
+            stop_requested,
         };
         if self.check_due(step) {
             self.check_params(step)?;

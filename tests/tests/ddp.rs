@@ -182,6 +182,42 @@ fn crash_mid_epoch_then_resume_is_exact() {
     assert_same_run(dir.path(), "crash", "whole");
 }
 
+/// Preemption: `launch` gets SIGTERM in the middle of an epoch (as Slurm or Kubernetes send it;
+/// here from rank 0 after step 30) and passes it on; every rank finishes its step, they agree to
+/// stop after the same one, rank 0 checkpoints it and they exit "preempted, resumable". The
+/// rerun resumes from that step and ends exactly as an uninterrupted run does.
+#[test]
+fn sigterm_mid_epoch_checkpoints_and_the_rerun_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = write_config(dir.path(), "whole", 2, "");
+    fixture_ok(2, &whole, &[], &[]);
+
+    let preempted = write_config(dir.path(), "preempted", 2, "");
+    let out = fixture(2, &preempted, &[], &[("GPTREC_FAULT_TERM_LAUNCH", "30")]);
+    out.assert_code(143);
+    out.assert_stderr_all(&[
+        "preempted (SIGTERM): stopped after step ",
+        "run the same command again to resume",
+    ]);
+    let checkpoints = dir.path().join("runs/preempted/checkpoints");
+    let latest = std::fs::read_to_string(checkpoints.join("latest")).unwrap();
+    let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
+    assert!(
+        (31..60).contains(&step),
+        "checkpoint {latest} is not mid-epoch"
+    );
+    // No rank is reported as failed: they stopped as asked.
+    assert!(
+        !out.stderr.contains("worker group failed"),
+        "{}",
+        out.stderr
+    );
+
+    let out = fixture_ok(2, &preempted, &[], &[]);
+    out.assert_stderr(format!("{} (epoch 1, step {step}", latest.trim()));
+    assert_same_run(dir.path(), "preempted", "whole");
+}
+
 /// Resuming with another world size is allowed when the global batch is unchanged; another
 /// global batch or another model config is refused with a clear message.
 #[test]

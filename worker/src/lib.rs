@@ -10,6 +10,7 @@ pub mod auto_micro;
 pub mod curves;
 pub mod error_line;
 pub mod memory;
+pub mod preempt;
 pub mod progress_channel;
 pub mod rec_task;
 pub mod regroup;

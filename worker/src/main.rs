@@ -43,6 +43,7 @@ fn main() -> ExitCode {
     let alloc_conf_set = set_alloc_conf_default();
     worker::run_report::init_logging();
     worker::regroup::install();
+    worker::preempt::install();
     // The one out-of-memory tracker of this process: handed down to everything that runs a
     // phase, and held by the panic hook.
     let tracker = PhaseTracker::new();
@@ -66,7 +67,7 @@ fn main() -> ExitCode {
         Ok(Err(e))
             if e.error
                 .downcast_ref::<trainer::TrainError>()
-                .is_some_and(|t| matches!(t, trainer::TrainError::Regroup { .. })) =>
+                .is_some_and(trainer::TrainError::is_planned_stop) =>
         {
             tracing::info!("{:#}", e.error);
             return ExitCode::from(common::env_contract::EXIT_REGROUP as u8);
@@ -201,8 +202,11 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
     };
     let trained = trainer::train(&mut task, &vs, comm, &setup);
     let mut watch = watch;
-    if matches!(&trained, Err(trainer::TrainError::Regroup { .. })) {
-        // Every rank stops at this checkpoint to re-form: a planned end.
+    if trained
+        .as_ref()
+        .is_err_and(trainer::TrainError::is_planned_stop)
+    {
+        // Every rank stops at this checkpoint (to re-form, or preempted): a planned end.
         finish_watch(watch.take());
     }
     let report = trained.context("training")?;

@@ -18,11 +18,23 @@ use crate::trainer::{eval_record, TrainReport};
 use recommender::eval::Metrics;
 use recommender::Split;
 
-/// The exit code of a helper binary (`program`) whose `run` gave `result`: 0, or 1 after one
-/// `program: error: ...` line with the whole chain of causes.
+/// The exit code of a helper binary (`program`) whose `run` gave `result`: 0; 75
+/// (`EXIT_REGROUP`) when training stopped at a checkpoint to be resumed (preempted,
+/// re-forming); or 1 after one `program: error: ...` line with the whole chain of causes.
 pub fn exit_code(program: &str, result: anyhow::Result<()>) -> std::process::ExitCode {
+    let planned = |e: &anyhow::Error| {
+        e.chain().any(|c| {
+            c.downcast_ref::<crate::trainer::TrainError>()
+                .is_some_and(crate::trainer::TrainError::is_planned_stop)
+        })
+    };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // Stopped together at a checkpoint (preempted, re-forming): resumable, not a failure.
+        Err(e) if planned(&e) => {
+            eprintln!("{program}: {e:#}");
+            std::process::ExitCode::from(common::env_contract::EXIT_REGROUP as u8)
+        }
         Err(e) => {
             eprintln!("{program}: error: {e:#}");
             std::process::ExitCode::from(1)

@@ -1,5 +1,5 @@
 //! The step's summary: the one small all-reduce that opens every optimizer step, with each
-//! rank's loss, a "bad loss" flag, the straggler probe's slots and each row-sparse table's
+//! rank's loss, a "bad loss" flag, a "stop requested" flag, the straggler probe's slots and each row-sparse table's
 //! touched-row mask; and how the reduced summary is read (the union of touched rows, the
 //! slowest rank). Must not: reduce gradients or step the optimizer (the engine does).
 
@@ -8,14 +8,20 @@ use tch::Tensor;
 use super::{Ddp, DdpError};
 
 impl Ddp {
-    /// `[local loss, bad-loss flag, probe slot of each rank (with a probe), touched-row mask of
-    /// each sparse table...]` (f32).
+    /// `[local loss, bad-loss flag, stop flag, probe slot of each rank (with a probe),
+    /// touched-row mask of each sparse table...]` (f32).
     pub(super) fn summary(&mut self, local_loss: f64, bad: bool) -> Result<Tensor, DdpError> {
         // One buffer, one tensor: a tensor per part and their concatenation were a tenth of a
         // small model's update.
         let rows: usize = self.sparse.iter().map(|t| t.rows as usize).sum();
         let mut values = Vec::with_capacity(self.summary_head_len() as usize + rows);
-        values.extend([local_loss as f32, if bad { 1.0 } else { 0.0 }]);
+        let stop =
+            (self.stop_flag.as_ref()).is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed));
+        values.extend([
+            local_loss as f32,
+            f32::from(u8::from(bad)),
+            f32::from(u8::from(stop)),
+        ]);
         if let Some(probe) = self.probe.as_mut() {
             let at = values.len() + self.comm.rank();
             values.resize(values.len() + self.comm.world_size(), 0.0);
@@ -48,7 +54,7 @@ impl Ddp {
 
     /// Where the sparse tables' masks start in the summary.
     fn summary_head_len(&self) -> i64 {
-        2 + if self.probe.is_some() {
+        3 + if self.probe.is_some() {
             self.comm.world_size() as i64
         } else {
             0
@@ -61,7 +67,7 @@ impl Ddp {
             return Ok(None);
         }
         let world = self.comm.world_size();
-        let slots = Vec::<f32>::try_from(summary.f_narrow(0, 2, world as i64)?)?;
+        let slots = Vec::<f32>::try_from(summary.f_narrow(0, 3, world as i64)?)?;
         Ok(slots
             .iter()
             .enumerate()

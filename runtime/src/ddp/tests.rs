@@ -245,6 +245,9 @@ fn train_embeddings_kept(
         if sparse {
             ddp.set_probe(Box::new(move || probed(rank)));
         }
+        // The last rank raises its stop flag before step 3: every rank is told at that step.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        ddp.set_stop_flag(stop.clone());
         let mut adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.01);
         let sampler =
             crate::sampler::DistributedSampler::new(400, world as usize, rank, 9).unwrap();
@@ -256,6 +259,9 @@ fn train_embeddings_kept(
                     .map(|m| m.iter().map(|&i| i as i64).collect())
                     .collect();
                 let step = losses.len() as u64;
+                if rank == top && step == 3 {
+                    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 let stats = match ddp.step(&window, &mut model, &mut adam, 0.05, step) {
                     Ok(stats) => stats,
                     // Rows left out are not exchanged: the ranks drift apart, and the
@@ -272,6 +278,7 @@ fn train_embeddings_kept(
                 losses.push(stats.loss);
                 norms.push(stats.grad_norm);
                 assert_eq!(stats.probed_max, sparse.then(|| (top, probed(top))));
+                assert_eq!(stats.stop_requested, step >= 3, "rank {rank} step {step}");
                 if losses.len() as u64 == steps {
                     break 'train;
                 }

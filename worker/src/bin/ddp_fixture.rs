@@ -80,6 +80,7 @@ fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
 
 fn main() -> ExitCode {
     worker::run_report::init_logging();
+    worker::preempt::install();
     worker::run_report::exit_code("ddp-fixture", run())
 }
 

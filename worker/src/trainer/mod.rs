@@ -66,6 +66,21 @@ pub enum TrainError {
     /// `launch` asked the group to re-form (SIGUSR1): it stopped after this checkpoint.
     #[error("stopped after the checkpoint of step {step}: launch asked the group to re-form (a node waits to join)")]
     Regroup { step: u64 },
+    /// A SIGTERM (preemption) reached a rank during the steps: every rank stopped after this
+    /// step, checkpointed.
+    #[error("preempted (SIGTERM): stopped after step {step} with its checkpoint {checkpoint}; run the same command again to resume from it")]
+    Preempted { step: u64, checkpoint: String },
+}
+
+impl TrainError {
+    /// Every rank stopped together at a checkpoint, to be resumed (re-forming, preemption):
+    /// exit code [`common::env_contract::EXIT_REGROUP`], not a failure.
+    pub fn is_planned_stop(&self) -> bool {
+        matches!(
+            self,
+            TrainError::Regroup { .. } | TrainError::Preempted { .. }
+        )
+    }
 }
 
 /// How the run ended.
@@ -203,6 +218,9 @@ struct Faults {
     slow: Option<Duration>,
     stop_before: Option<u64>,
     die_before: Option<u64>,
+    /// `GPTREC_FAULT_TERM_LAUNCH=STEP`: rank 0 sends SIGTERM to its parent (`launch`) after
+    /// that step, as a preemption would.
+    term_launch_at: Option<u64>,
 }
 
 impl Faults {
@@ -213,10 +231,21 @@ impl Faults {
             task::stop_fault(&var("GPTREC_FAULT_STOP"), rank).map_err(TrainError::Plan)?;
         let die_before = task::stop_fault(&var("GPTREC_FAULT_DIE"), rank)
             .map_err(|e| TrainError::Plan(e.replace("GPTREC_FAULT_STOP", "GPTREC_FAULT_DIE")))?;
+        let term = var("GPTREC_FAULT_TERM_LAUNCH");
+        let term_launch_at = match term.trim() {
+            "" => None,
+            text => Some(text.parse::<u64>().map_err(|_| {
+                TrainError::Plan(format!(
+                    "GPTREC_FAULT_TERM_LAUNCH={text:?}: expected a step number"
+                ))
+            })?),
+        }
+        .filter(|_| rank == 0);
         Ok(Faults {
             slow,
             stop_before,
             die_before,
+            term_launch_at,
         })
     }
 }
@@ -330,6 +359,8 @@ struct Trainer<'t> {
     stop_before: Option<u64>,
     /// `GPTREC_FAULT_DIE`: the step (from 1) before which this rank kills itself.
     die_before: Option<u64>,
+    /// [`Faults::term_launch_at`].
+    term_launch_at: Option<u64>,
     /// `GPTREC_TRACE_SAMPLES`: the samples of every step, for tests.
     trace: Option<trace::SampleTrace>,
     /// Rank 0: checkpoints made durable while training goes on.
@@ -359,6 +390,9 @@ impl<'t> Trainer<'t> {
             log_sharing(&ddp);
         }
         ddp.set_probe(peak_memory_probe(setup.memory.clone(), vs.device()));
+        if let Some(flag) = crate::preempt::flag() {
+            ddp.set_stop_flag(flag);
+        }
         let faults = Faults::from_env(rank)?;
         let sampler = DistributedSampler::new(task.train_len(), world, rank, config.run.seed)
             .map_err(|e| TrainError::Plan(e.to_string()))?;
@@ -391,6 +425,7 @@ impl<'t> Trainer<'t> {
             slow: faults.slow,
             stop_before: faults.stop_before,
             die_before: faults.die_before,
+            term_launch_at: faults.term_launch_at,
             trace: trace::SampleTrace::from_env(rank),
             saver: checkpoint::Background::default(),
             best_saved_at: None,
@@ -506,8 +541,9 @@ impl<'t> Trainer<'t> {
         let epoch_start = Instant::now();
         // Only whole windows: the rest does not fill a global batch.
         let windows = batches.len() / grad_accum;
+        let _steps = crate::preempt::Steps::enter();
         for (w, window) in batches.chunks(grad_accum).take(windows).enumerate() {
-            self.train_step(epoch, window)?;
+            let stop_requested = self.train_step(epoch, window)?;
             if let Some(trace) = self.trace.as_mut() {
                 trace.record(epoch, self.progress.step, window);
             }
@@ -516,6 +552,9 @@ impl<'t> Trainer<'t> {
                 self.progress.step,
                 self.setup.plan.config.checkpoint.every_n_steps,
             );
+            if stop_requested {
+                return self.stop_preempted(epoch, step, samples_in_epoch);
+            }
             // The last step of an epoch is saved as the end of the epoch.
             if every > 0 && step % every == 0 && w + 1 < windows {
                 self.checkpoint(epoch, step, samples_in_epoch)?;
@@ -536,8 +575,26 @@ impl<'t> Trainer<'t> {
         Ok(())
     }
 
-    /// One optimizer step over `window` (one micro-batch per gradient-accumulation step).
-    fn train_step(&mut self, epoch: u64, window: &[Vec<usize>]) -> Result<(), TrainError> {
+    /// Preempted: a checkpoint of this step (mid-epoch, as `checkpoint.every_n_steps` makes
+    /// them), on disk on every rank's word, then the stop ([`TrainError::Preempted`]).
+    fn stop_preempted(
+        &mut self,
+        epoch: u64,
+        step: u64,
+        samples_in_epoch: u64,
+    ) -> Result<(), TrainError> {
+        self.checkpoint(epoch, step, samples_in_epoch)?;
+        self.checkpoints_on_disk(step)?;
+        let checkpoint = (self.checkpoints())
+            .join(runtime::checkpoint::step_dir_name(step))
+            .display()
+            .to_string();
+        Err(TrainError::Preempted { step, checkpoint })
+    }
+
+    /// One optimizer step over `window` (one micro-batch per gradient-accumulation step);
+    /// whether some rank asked to stop after it (preemption).
+    fn train_step(&mut self, epoch: u64, window: &[Vec<usize>]) -> Result<bool, TrainError> {
         let t0 = Instant::now();
         let step = self.progress.step;
         if self.stop_before == Some(step + 1) {
@@ -576,7 +633,12 @@ impl<'t> Trainer<'t> {
         self.progress.last_loss = Some(stats.loss);
         self.progress.time += stats.time;
         self.progress.data += self.task.take_data_time();
-        self.log_step(epoch, lr, &stats, t0.elapsed().as_secs_f64())
+        if self.term_launch_at == Some(step) {
+            // Preemption, for tests: the launcher is told to stop, as Slurm would tell it.
+            let _ = nix::sys::signal::kill(nix::unistd::getppid(), nix::sys::signal::SIGTERM);
+        }
+        self.log_step(epoch, lr, &stats, t0.elapsed().as_secs_f64())?;
+        Ok(stats.stop_requested)
     }
 
     /// A checkpoint at (epoch, step, samples consumed in that epoch), with the early-stopping
