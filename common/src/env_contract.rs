@@ -58,6 +58,13 @@ pub const STOPPED_FOR_PEER: &str = "worker: error: stopping: ";
 /// not a failure (EX_TEMPFAIL, "try again").
 pub const EXIT_REGROUP: i32 = 75;
 
+/// The variable naming the file that `launch` writes before it passes a SIGTERM it received
+/// (a preemption) on to our worker. With it, a SIGTERM during training stops every rank at a
+/// checkpoint when the file appears (within a quarter of a second), and ends the worker at once
+/// when it does not (a teardown after a failure); without it (torchrun, by hand), SIGTERM ends
+/// the worker, as it always did.
+pub const PREEMPT_FILE_VAR: &str = "LAUNCH_PREEMPT_FILE";
+
 /// The variable naming the descriptor of the rendezvous port's listening socket, which `launch`
 /// binds before it starts anything and holds for the whole job, and hands to rank 0 of our
 /// worker as its store's listener: no other process can take the port in between (two jobs

@@ -319,6 +319,97 @@ pub struct Cli {
     #[arg(long = "run-path", alias = "run_path")]
     pub run_path: bool,
 
+    /// accelerate's `--config_file`: its config (YAML or JSON, as `accelerate config` writes it)
+    /// fills what the flags leave. With any accelerate flag and no `--config_file`, accelerate's
+    /// default file is read when it exists (`$HF_HOME/accelerate/default_config.yaml`).
+    #[arg(long = "config_file", alias = "config-file", value_name = "PATH")]
+    pub config_file: Option<PathBuf>,
+
+    /// accelerate's `--num_machines`: nodes; `--num_processes` then counts every process of
+    /// the job, as in accelerate (each machine runs num_processes / num_machines).
+    #[arg(long = "num_machines", alias = "num-machines", value_name = "N")]
+    pub num_machines: Option<u32>,
+
+    /// accelerate's `--machine_rank`: this node's rank (`--node-rank`).
+    #[arg(long = "machine_rank", alias = "machine-rank", value_name = "R")]
+    pub machine_rank: Option<u32>,
+
+    /// accelerate's `--main_process_ip`: the master address (`--master-addr`).
+    #[arg(
+        long = "main_process_ip",
+        alias = "main-process-ip",
+        value_name = "HOST"
+    )]
+    pub main_process_ip: Option<String>,
+
+    /// accelerate's `--main_process_port`: the master port (`--master-port`).
+    #[arg(
+        long = "main_process_port",
+        alias = "main-process-port",
+        value_name = "PORT"
+    )]
+    pub main_process_port: Option<u16>,
+
+    /// accelerate's `--mixed_precision` (`no`, `fp16`, `bf16`, `fp8`): `ACCELERATE_MIXED_PRECISION`
+    /// for a script; for our worker `bf16` is `--set train.bf16=true` (the others: a line says
+    /// they are not applied).
+    #[arg(long = "mixed_precision", alias = "mixed-precision", value_name = "MODE", value_parser = ["no", "fp16", "bf16", "fp8"])]
+    pub mixed_precision: Option<String>,
+
+    /// accelerate's `--multi_gpu`: accepted, no effect (the process count decides).
+    #[arg(long = "multi_gpu", alias = "multi-gpu")]
+    pub multi_gpu: bool,
+
+    /// accelerate's `--same_network`: accepted, no effect (the master address is dialled
+    /// directly).
+    #[arg(long = "same_network", alias = "same-network")]
+    pub same_network: bool,
+
+    /// accelerate's `--cpu`: `ACCELERATE_USE_CPU=True` for a script.
+    #[arg(long)]
+    pub cpu: bool,
+
+    /// accelerate's `--num_cpu_threads_per_process`: `OMP_NUM_THREADS` of every worker.
+    #[arg(
+        long = "num_cpu_threads_per_process",
+        alias = "num-cpu-threads-per-process",
+        value_name = "N"
+    )]
+    pub num_cpu_threads_per_process: Option<u32>,
+
+    /// accelerate's `--dynamo_backend`: `ACCELERATE_DYNAMO_BACKEND` for a script.
+    #[arg(long = "dynamo_backend", alias = "dynamo-backend", value_name = "NAME")]
+    pub dynamo_backend: Option<String>,
+
+    /// accelerate's `--debug`: `ACCELERATE_DEBUG_MODE=true` for a script.
+    #[arg(long = "debug")]
+    pub accelerate_debug: bool,
+
+    /// accelerate's `--quiet`, `-q`: accepted, no effect.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+
+    /// accelerate's `--main_training_function`: accepted, no effect (for its notebook
+    /// launcher).
+    #[arg(
+        long = "main_training_function",
+        alias = "main-training-function",
+        value_name = "NAME"
+    )]
+    pub main_training_function: Option<String>,
+
+    /// accelerate's `--use_deepspeed`: accepted, not applied (a line says so).
+    #[arg(long = "use_deepspeed", alias = "use-deepspeed")]
+    pub use_deepspeed: bool,
+
+    /// accelerate's `--use_fsdp`: accepted, not applied (a line says so).
+    #[arg(long = "use_fsdp", alias = "use-fsdp")]
+    pub use_fsdp: bool,
+
+    /// What accelerate's flags and config file set for the workers (`ACCELERATE_*`).
+    #[arg(skip)]
+    pub accelerate_env: Vec<(String, String)>,
+
     /// torchrun's `-m`: run the script as a Python module (`python3 -m SCRIPT ARGS...`).
     #[arg(short = 'm', long = "module")]
     pub module: bool,
@@ -431,7 +522,7 @@ pub enum GpuIds {
     List(Vec<u32>),
 }
 
-fn parse_gpu_ids(text: &str) -> Result<GpuIds, String> {
+pub(crate) fn parse_gpu_ids(text: &str) -> Result<GpuIds, String> {
     let text = text.trim();
     if text == "all" {
         return Ok(GpuIds::All);

@@ -78,6 +78,12 @@ impl Layout {
         self.run_dir.join(format!("attempt_{restart}"))
     }
 
+    /// The file whose presence tells our workers that a SIGTERM is a preemption
+    /// ([`common::env_contract::PREEMPT_FILE_VAR`]).
+    pub fn preempt_marker(&self) -> PathBuf {
+        self.run_dir.join("preempting")
+    }
+
     /// `TORCHELASTIC_ERROR_FILE` of `local_rank` in attempt `restart`.
     pub fn error_file(&self, restart: u32, local_rank: u32) -> PathBuf {
         self.attempt(restart)

@@ -9,6 +9,7 @@
 
 #![cfg_attr(not(test), no_main)]
 
+mod accelerate;
 mod adopted;
 mod cli;
 mod clone_spawn;
@@ -114,8 +115,20 @@ fn run() -> ! {
     if std::env::args_os().nth(1).as_deref() == Some(OsStr::from_bytes(SWEEP_ARG.to_bytes())) {
         watchdog::sweep_after_kill();
     }
-    let cli = cli::parse();
+    let mut cli = cli::parse();
     init_logging();
+    match accelerate::apply(&mut cli, &common::job_shape::process_env()) {
+        Ok(applied) => {
+            for notice in &applied.notices {
+                info!("{notice}");
+            }
+            cli.accelerate_env = applied.env;
+        }
+        Err(e) => {
+            eprintln!("launch: error: {e}");
+            std::process::exit(EXIT_BAD_INPUT);
+        }
+    }
     std::process::exit(launch(&cli));
 }
 

@@ -93,6 +93,8 @@ pub struct Plan {
     pub signals_to_handle: String,
     /// `--virtual-local-rank` for a program: each worker sees `LOCAL_RANK=0` and its own GPU only.
     pub virtual_local_rank: bool,
+    /// What accelerate's flags and config file set for every worker (`ACCELERATE_*`).
+    pub accelerate_env: Vec<(String, String)>,
     /// Elastic jobs: the address other nodes reach this one at (`--local-addr`).
     pub local_addr: String,
     /// The rendezvous port's listening socket ([`Plan::resolve_port`]), held from before anything
@@ -191,6 +193,7 @@ impl Plan {
             signals_to_handle: (cli.signals_to_handle.clone())
                 .unwrap_or_else(|| "SIGTERM,SIGINT,SIGHUP,SIGQUIT".to_string()),
             virtual_local_rank: cli.virtual_local_rank && cli.config.is_none(),
+            accelerate_env: cli.accelerate_env.clone(),
         })
     }
 
@@ -246,6 +249,17 @@ impl Plan {
             vars.push((name, value.to_string()));
         }
         vars
+    }
+
+    /// Says to our workers that the SIGTERM they are about to get is a preemption (a SIGTERM to
+    /// `launch`), not a teardown of its own: they then stop at a checkpoint
+    /// ([`common::env_contract::PREEMPT_FILE_VAR`]).
+    pub fn mark_preempted(&self) {
+        if let (Some(layout), Some(_)) = (&self.layout, &self.config) {
+            if let Err(e) = std::fs::write(layout.preempt_marker(), b"SIGTERM\n") {
+                tracing::warn!("cannot tell the workers this is a preemption: {e}");
+            }
+        }
     }
 
     /// Makes torchrun's log layout ([`crate::logs::Layout`]): where the workers' error files,
@@ -452,10 +466,12 @@ impl Plan {
         if let Some(line) = self.holders_line(local_rank) {
             let _ = writeln!(out, "{line}");
         }
+        let accelerate = (self.accelerate_env.iter()).map(|(k, v)| (k.as_str(), v.clone()));
         let vars: Vec<String> = env
             .to_vars()
             .into_iter()
             .chain(self.extra_env())
+            .chain(accelerate)
             .map(|(k, v)| match k {
                 "TORCHELASTIC_RUN_ID" => format!("{k}={}", self.shown_run_id()),
                 "MASTER_PORT" if self.master_port == 0 => format!("{k}=<free port>"),

@@ -482,6 +482,11 @@ impl Group<'_> {
                         self.plan.grace_period.as_secs_f64(),
                         signal.as_str()
                     );
+                    if signal == Signal::SIGTERM {
+                        // Our worker then stops at a checkpoint (a teardown of our own, after a
+                        // failure, ends it at once).
+                        self.plan.mark_preempted();
+                    }
                     self.signal_running(signal);
                     self.kill_at = Some(Instant::now() + self.plan.grace_period);
                 } else {

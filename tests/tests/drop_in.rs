@@ -187,3 +187,128 @@ fn torchruns_environment_and_flags() {
     }
     assert!(!out.stderr.contains("error"), "{}", out.stderr);
 }
+
+/// accelerate's own test script (`accelerate test` runs it) under `launch`, with an accelerate
+/// user's command line: `--cpu --num_processes 2 --num_machines 1 --mixed_precision no
+/// --main_process_port 0 --num_cpu_threads_per_process 1 SCRIPT`. Every check of the script
+/// passes on both processes (MULTI_CPU through gloo, as accelerate's `--cpu` gives).
+#[test]
+fn accelerates_test_script_passes_under_launch() {
+    let Some(python) = venv_with("accelerate") else {
+        return;
+    };
+    let bin = python.parent().unwrap().to_path_buf();
+    let site = std::process::Command::new(&python)
+        .args([
+            "-c",
+            "import accelerate, os; print(os.path.dirname(accelerate.__file__))",
+        ])
+        .output()
+        .unwrap();
+    let site = String::from_utf8_lossy(&site.stdout).trim().to_string();
+    let script = format!("{site}/test_utils/scripts/test_script.py");
+    let work = tempfile::tempdir().unwrap();
+    let args = [
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        "0",
+        "--num_cpu_threads_per_process",
+        "1",
+        &script,
+    ];
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut cmd = launch_cmd(&args);
+    cmd.current_dir(work.path())
+        .env("PATH", path)
+        .env("HF_HOME", work.path().join("hf"));
+    let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(300));
+    out.assert_code(0);
+    out.assert_stdout_all(&[
+        "[rank 0] **Initialization**",
+        "[rank 0] Training yielded the same results on one CPU or distributed setup with batch split.",
+        "[rank 1] FP16 training check.",
+        "[rank 0] **Breakpoint trigger test**",
+    ]);
+}
+
+/// accelerate's config file (as `accelerate config` writes it, found at its default place
+/// through HF_HOME, or named by --config_file) fills what the flags leave; its settings reach the
+/// workers as accelerate's variables; what launch does not apply is said in one line.
+#[test]
+fn accelerates_config_file_and_variables() {
+    let work = tempfile::tempdir().unwrap();
+    let hf = work.path().join("hf");
+    std::fs::create_dir_all(hf.join("accelerate")).unwrap();
+    std::fs::write(
+        hf.join("accelerate/default_config.yaml"),
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_machines: 1\nnum_processes: 3\nuse_cpu: true\nfsdp_config:\n  fsdp_version: 2\n",
+    )
+    .unwrap();
+    let script =
+        "echo rank=$RANK of $WORLD_SIZE mp=$ACCELERATE_MIXED_PRECISION cpu=$ACCELERATE_USE_CPU";
+    let args = ["--multi_gpu", "--no-python", "sh", "-c", script];
+    let mut cmd = launch_cmd(&args);
+    cmd.env("HF_HOME", &hf);
+    let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(60));
+    out.assert_code(0);
+    let mut lines = rank_lines(&out.stdout);
+    lines.sort();
+    let want: Vec<(u32, String)> = (0..3)
+        .map(|r| (r, format!("rank={r} of 3 mp=bf16 cpu=True")))
+        .collect();
+    assert_eq!(lines, want, "{}", out.all());
+    out.assert_stderr("accelerate config fsdp_config: not applied by launch");
+    // A bad file: one line naming it and the key, exit 2.
+    let bad = work.path().join("bad.yaml");
+    std::fs::write(&bad, "num_processes: many\n").unwrap();
+    let bad_arg = bad.display().to_string();
+    let out = launch(
+        &["--config_file", &bad_arg, "--", "true"],
+        Duration::from_secs(30),
+    );
+    out.assert_code(2);
+    out.assert_stderr_all(&[bad_arg.as_str(), "num_processes"]);
+}
+
+/// The guide's accelerate line (docs/guide.md, "Coming from torchrun or accelerate"), run as a
+/// dry run: 16 processes over 2 machines are 8 on this one, node rank 1, the master given, and
+/// no secret: the warning.
+#[test]
+fn the_guides_accelerate_line_plans_as_accelerate_would() {
+    const LINE: &str = "launch --multi_gpu --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29500 --num_processes 16 --mixed_precision bf16 train.py --lr 3e-4";
+    let guide = std::fs::read_to_string(repo_root().join("docs/guide.md")).unwrap();
+    let block = guide
+        .split("# accelerate's two-machine line, on machine 1\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("the accelerate block in docs/guide.md");
+    let line = block.replace("\\\n", " ");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(words.join(" "), LINE, "the guide's line changed");
+    let work = tempfile::tempdir().unwrap();
+    std::fs::write(work.path().join("train.py"), "").unwrap();
+    let mut args = vec!["--dry-run"];
+    args.extend(&words[1..]);
+    let mut cmd = launch_cmd(&args);
+    cmd.current_dir(work.path())
+        .env("HF_HOME", work.path().join("hf"));
+    let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(60));
+    out.assert_code(0);
+    out.assert_stdout_all(&[
+        "world size:   16 = 2 node(s) x 8 process(es); this node: rank 1 of 2",
+        "master addr:  10.0.0.1",
+        "master port:  29500",
+        "ACCELERATE_MIXED_PRECISION=bf16",
+        "traffic is unauthenticated",
+    ]);
+}

@@ -185,10 +185,15 @@ fn worker_command(plan: &Plan, env: &WorkerEnv) -> std::io::Result<Command> {
         // `launch` runs (inside a torchrun job) must not send them to torchrun's.
         .env("TORCHELASTIC_USE_AGENT_STORE", "False")
         .envs(env.to_vars())
-        .envs(plan.extra_env());
+        .envs(plan.extra_env())
+        .envs(plan.accelerate_env.iter().map(|(k, v)| (k, v)));
     if let Some(layout) = &plan.layout {
         let file = layout.error_file(env.restart_count, env.local_rank);
         command.env("TORCHELASTIC_ERROR_FILE", file);
+    }
+    if let (Some(layout), Some(_)) = (&plan.layout, &plan.config) {
+        let marker = layout.preempt_marker();
+        command.env(common::env_contract::PREEMPT_FILE_VAR, marker);
     }
     if let Some(role) = &plan.role {
         command.env("ROLE_NAME", role);
