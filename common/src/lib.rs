@@ -40,4 +40,5 @@ pub mod job_terms;
 pub mod memory;
 pub mod progress;
 pub mod shm_segments;
+pub mod tensorboard;
 pub mod train_plan;

@@ -58,11 +58,12 @@ pub enum FetchError {
     #[error("disk full writing {path}: no space left on device; nothing was placed in {target}")]
     DiskFull { path: PathBuf, target: PathBuf },
     /// Any other I/O failure, naming what was done to which path.
-    #[error("{what} {path}: {source}")]
+    // Not a `source` (which `{:#}` would print a second time): the message holds it once.
+    #[error("{what} {path}: {error}")]
     Io {
         what: &'static str,
         path: PathBuf,
-        source: io::Error,
+        error: io::Error,
     },
 }
 
@@ -72,7 +73,7 @@ impl FetchError {
         FetchError::Io {
             what,
             path: path.to_path_buf(),
-            source,
+            error: source,
         }
     }
 
@@ -87,7 +88,7 @@ impl FetchError {
     /// The same error, where it is a full disk, naming `target` as the directory not placed.
     pub fn placing(self, target: &Path) -> FetchError {
         match self {
-            FetchError::Io { path, source, .. } if is_disk_full(&source) => FetchError::DiskFull {
+            FetchError::Io { path, error, .. } if is_disk_full(&error) => FetchError::DiskFull {
                 path,
                 target: target.to_path_buf(),
             },

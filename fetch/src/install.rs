@@ -84,6 +84,15 @@ fn guarded(
     if place::is_complete(&dir) {
         return Ok(Outcome::Already(dir));
     }
+    if placed_by_hand(&dir, entry.asset.name) {
+        // Never replaced: it may be all the user has (scripts/data/ml100k.sh writes one offline).
+        eprintln!(
+            "fetch: {} holds {}'s files, placed by hand (no fetch marker, so not checked against the pinned digest); kept as it is",
+            dir.display(),
+            entry.asset.name
+        );
+        return Ok(Outcome::Already(dir));
+    }
     let result = place::lock(&partial_root(&ctx.root), entry.asset.name).and_then(|_lock| {
         if place::is_complete(&dir) {
             return Ok(Outcome::Already(dir.clone()));
@@ -91,6 +100,13 @@ fn guarded(
         work().map(|()| Outcome::Placed(dir.clone()))
     });
     result.map_err(|e| e.placing(&dir))
+}
+
+/// A data set's directory without fetch's marker that holds every file the data set needs (as
+/// `scripts/data/ml100k.sh` writes them): placed by hand, and kept.
+pub fn placed_by_hand(dir: &Path, name: &str) -> bool {
+    let files = crate::manifest::required_files(name);
+    !files.is_empty() && !place::is_complete(dir) && files.iter().all(|f| dir.join(f).is_file())
 }
 
 /// How to get `entry` by hand when this machine is offline.
@@ -340,6 +356,17 @@ fn model_from(
 ) -> Result<(), FetchError> {
     let config_path = from.join("config.json");
     let weights = from.join("model.safetensors");
+    for (file, path) in [
+        ("config.json", &config_path),
+        ("model.safetensors", &weights),
+    ] {
+        if !path.is_file() {
+            return Err(bad(
+                &from.display().to_string(),
+                format!("no {file} there: a GPT-2 model directory holds config.json and model.safetensors (as the hub has them)"),
+            ));
+        }
+    }
     let config = fs::read(&config_path).map_err(FetchError::io_at("reading", &config_path))?;
     model::check_config(&config).map_err(|d| bad(&config_path.display().to_string(), d))?;
     model::check_safetensors(&weights).map_err(|d| bad(&weights.display().to_string(), d))?;

@@ -195,6 +195,8 @@ fn print_list(root: &Path, manifest: &Manifest) {
         let dir = install::final_dir(root, asset);
         let state = if place::is_complete(&dir) {
             "present"
+        } else if install::placed_by_hand(&dir, asset.name) {
+            "by hand"
         } else if dir.exists() {
             "incomplete"
         } else {

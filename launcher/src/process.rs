@@ -1,5 +1,5 @@
 //! What `/proc` tells of another process, for the one-line messages that name it (the holder of
-//! a port, the processes on a GPU): its command line and its user.
+//! a port, the processes on a GPU): its command line, its user, whether it is stopped.
 //!
 //! Must not: signal or wait for the process, or decide anything from what it reads.
 
@@ -19,6 +19,17 @@ pub fn command_line(pid: u32) -> String {
         Some((at, _)) => format!("{}...", &one_line[..at]),
         None => one_line,
     }
+}
+
+/// Whether `pid` is stopped (state `T`, by SIGSTOP or a job-control signal; `t`, by a debugger),
+/// as `/proc/<pid>/stat` says; false when it cannot be read.
+pub fn is_stopped(pid: i32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command name, which is in parentheses and may hold any character.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    matches!(state, Some('T' | 't'))
 }
 
 fn full_command_line(pid: u32) -> String {
@@ -81,5 +92,28 @@ mod tests {
             !shown.contains('\n') && shown.ends_with("...") && shown.len() == MAX_COMMAND + 3,
             "{shown}"
         );
+    }
+
+    #[test]
+    fn a_stopped_process_is_seen_as_stopped() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        assert!(!is_stopped(pid));
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGSTOP,
+        );
+        let started = std::time::Instant::now();
+        while !is_stopped(pid) && started.elapsed().as_secs() < 5 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let stopped = is_stopped(pid);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(stopped);
+        assert!(!is_stopped(i32::MAX));
     }
 }

@@ -57,6 +57,8 @@ pub struct WorkerRecord {
     pub after: Duration,
     /// The signal the launcher sent it during teardown, if any.
     pub sent_by_launcher: Option<Signal>,
+    /// It was stopped (SIGSTOP) when the teardown began: it had stopped answering.
+    pub was_stopped: bool,
     pub stderr_tail: Vec<String>,
     /// torchrun's error file of this worker (`TORCHELASTIC_ERROR_FILE`), where it may have
     /// recorded its exception.
@@ -133,6 +135,11 @@ pub fn failure_summary(
                 (None, ending) if !ending.is_success() => format!("{ending} (also failed)"),
                 (None, ending) => ending.to_string(),
             };
+            let how = if w.was_stopped {
+                format!("{how}; it was stopped (SIGSTOP) when the teardown began: it had stopped answering")
+            } else {
+                how
+            };
             let _ = writeln!(
                 out,
                 "    rank {} (local_rank {}, pid {}): {how} at {:.2} s",
@@ -208,6 +215,7 @@ mod tests {
             ending,
             after: Duration::from_millis(1500),
             sent_by_launcher: sent,
+            was_stopped: false,
             stderr_tail: if rank == 1 {
                 vec!["Traceback".into(), "ValueError: boom".into()]
             } else {

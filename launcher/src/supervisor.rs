@@ -176,6 +176,9 @@ struct Worker {
     pid: i32,
     ending: Option<(Ending, Instant)>,
     sent: Option<Signal>,
+    /// It was stopped (SIGSTOP, a debugger) when the teardown first signalled it: it had
+    /// stopped answering, which the summary says.
+    stopped: bool,
     tail: Tail,
     /// Whether its output reaches the console (`--local-ranks-filter`).
     muting: Muting,
@@ -355,6 +358,7 @@ impl Group<'_> {
                 pid: w.pid,
                 ending: None,
                 sent: None,
+                stopped: false,
                 tail: w.tail,
                 muting: w.muting,
             });
@@ -576,6 +580,9 @@ impl Group<'_> {
     /// Sends `signal` to the process group of every worker still running.
     fn signal_running(&mut self, signal: Signal) {
         for w in self.workers.iter_mut().filter(|w| w.ending.is_none()) {
+            if w.sent.is_none() {
+                w.stopped = crate::process::is_stopped(w.pid);
+            }
             if killpg(Pid::from_raw(w.pid), signal).is_ok() {
                 w.sent = Some(signal);
             }
@@ -736,6 +743,7 @@ impl Group<'_> {
                     ending,
                     after: at.saturating_duration_since(self.started),
                     sent_by_launcher: w.sent,
+                    was_stopped: w.stopped,
                     stderr_tail: w
                         .tail
                         .lock()

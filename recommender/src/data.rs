@@ -143,6 +143,11 @@ pub fn user_text(user: &User) -> String {
     format!("User: {gender}, aged {age}, works as {occupation}.")
 }
 
+/// The occupation a [`user_text`] names (`programmer` of `User: ..., works as programmer.`).
+pub fn occupation_of_text(text: &str) -> Option<&str> {
+    text.rsplit_once(", works as ")?.1.strip_suffix('.')
+}
+
 /// Errors reading or writing ML-1M files.
 #[derive(Debug, Error)]
 pub enum DataError {

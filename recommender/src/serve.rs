@@ -46,6 +46,27 @@ pub fn top_items(
         .collect())
 }
 
+/// [`parse_new_user`] against the data the model was trained on: with ML-100k's names, the
+/// occupation must be one that the data's users have (`user_texts`), as a name the model never
+/// saw in training would be encoded as a stranger; the error lists them.
+pub fn parse_new_user_of(spec: &str, years: bool, user_texts: &[String]) -> Result<User, String> {
+    let user = parse_new_user(spec, years)?;
+    if let Occupation::Named(name) = &user.occupation {
+        let known: std::collections::BTreeSet<&str> = user_texts
+            .iter()
+            .filter_map(|t| crate::data::occupation_of_text(t))
+            .collect();
+        if !known.is_empty() && !known.contains(name.as_str()) {
+            let list: Vec<&str> = known.into_iter().collect();
+            return Err(format!(
+                "--new-user {spec:?}: occupation {name:?} is not one of this data's: {}",
+                list.join(", ")
+            ));
+        }
+    }
+    Ok(user)
+}
+
 /// A user known only by gender, age and occupation, as `GENDER,AGE,OCCUPATION`: ML-1M's
 /// `users.dat` codes (`F,25,12`), or for a model trained on ML-100k its years and occupation
 /// names (`F,31,librarian`). `years` says which the model's data used.
@@ -189,6 +210,23 @@ mod tests {
             let err = parse_new_user(spec, false).unwrap_err();
             assert!(err.contains(why) && err.contains(spec), "{err}");
         }
+    }
+
+    #[test]
+    fn a_new_users_named_occupation_must_be_one_of_the_datas() {
+        let texts = vec![
+            "User: male, aged 24, works as technician.".to_string(),
+            "User: female, aged 53, works as other.".to_string(),
+        ];
+        let u = parse_new_user_of("F,31,Technician", true, &texts).unwrap();
+        assert_eq!(u.occupation, Occupation::Named("technician".into()));
+        let err = parse_new_user_of("F,25,12", true, &texts).unwrap_err();
+        assert!(
+            err.contains("occupation \"12\" is not one of this data's: other, technician"),
+            "{err}"
+        );
+        // ML-1M's codes are checked by the parser alone.
+        assert!(parse_new_user_of("F,25,12", false, &texts).is_ok());
     }
 
     #[test]

@@ -19,7 +19,7 @@ shift
 for d in "$@"; do
   [ -x "$d/launch" ] || { echo "ab_builds: $d/launch: not an executable" >&2; exit 2; }
 done
-. scripts/setup.sh >/dev/null
+. scripts/setup.sh >&2 # its lines (a first install of torch, about 4 GB) on stderr, the figures on stdout
 out=$(mktemp -d)
 echo "runs in $out"
 export OMP_NUM_THREADS=1

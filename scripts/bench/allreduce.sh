@@ -23,7 +23,7 @@
 # Usage: [REPEAT=5] scripts/bench/allreduce.sh [SIZE ...]   (SIZE: MiB, or KiB with a K suffix)
 set -eu
 cd "$(dirname "$0")/../.."
-. scripts/setup.sh >/dev/null
+. scripts/setup.sh >&2 # its lines (a first install of torch, about 4 GB) on stderr, the figures on stdout
 cargo build --release -p gptrec-launcher -p gptrec-worker >/dev/null 2>&1 || cargo build --release -p gptrec-launcher -p gptrec-worker
 sizes="${*:-64K 1 16 64 256}"
 repeat="${REPEAT:-5}"

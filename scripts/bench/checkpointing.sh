@@ -9,7 +9,7 @@
 # Usage: scripts/bench/checkpointing.sh [MICRO ...]     (default 4 8 16; about 3 minutes here)
 set -eu
 cd "$(dirname "$0")/../.."
-. scripts/setup.sh >/dev/null
+. scripts/setup.sh >&2 # its lines (a first install of torch, about 4 GB) on stderr, the figures on stdout
 cargo build --release -p gptrec-worker --bin gpt2-step-bench >/dev/null 2>&1 \
   || cargo build --release -p gptrec-worker --bin gpt2-step-bench
 bench="$PWD/target/release/gpt2-step-bench"

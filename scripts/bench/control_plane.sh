@@ -50,7 +50,7 @@
 #        scripts/bench/control_plane.sh
 set -eu
 cd "$(dirname "$0")/../.."
-. scripts/setup.sh >/dev/null
+. scripts/setup.sh >&2 # its lines (a first install of torch, about 4 GB) on stderr, the figures on stdout
 cargo build --release -p gptrec-store --bins >/dev/null 2>&1 || cargo build --release -p gptrec-store --bins
 elastic="${ELASTIC-16 128 1024}"
 if [ -n "$elastic" ]; then

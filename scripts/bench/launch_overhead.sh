@@ -14,7 +14,7 @@
 set -eu
 cd "$(dirname "$0")/../.."
 runs="${1:-7}"
-. scripts/setup.sh >/dev/null
+. scripts/setup.sh >&2 # its lines (a first install of torch, about 4 GB) on stderr, the figures on stdout
 cargo build --release -p gptrec-launcher >/dev/null 2>&1 || cargo build --release -p gptrec-launcher
 launch="$PWD/target/release/launch"
 torchrun="$(command -v torchrun)"

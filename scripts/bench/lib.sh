@@ -1,6 +1,6 @@
 # Sourced by the benchmarks from the repository root: the set-up, a release build, $launch (the
 # built launcher) and $out (BENCH_OUT, or a fresh temporary folder) where the runs go.
-. scripts/setup.sh >/dev/null
+. scripts/setup.sh >&2 # its lines (a first install of torch, about 4 GB) on stderr, the figures on stdout
 cargo build --release --workspace >/dev/null 2>&1 || cargo build --release --workspace
 launch="$PWD/target/release/launch"
 out="${BENCH_OUT:-$(mktemp -d)}"

@@ -8,7 +8,7 @@
 # Usage: [ROUNDS=2] scripts/bench/two_copy_floor.sh
 set -eu
 cd "$(dirname "$0")/../.."
-. scripts/setup.sh >/dev/null
+. scripts/setup.sh >&2 # its lines (a first install of torch, about 4 GB) on stderr, the figures on stdout
 cargo build --release -p gptrec-launcher -p gptrec-worker >/dev/null 2>&1 || cargo build --release -p gptrec-launcher -p gptrec-worker
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

@@ -74,7 +74,7 @@ no_cold=(--set data.cold_items=0 --set data.cold_users=0 --set data.split_seed=$
 
 # (a) the data, (b) the build and the split.
 bash scripts/data/ml100k.sh
-. scripts/setup.sh >/dev/null
+. scripts/setup.sh >&2 # its lines (a first install of torch, about 4 GB) on stderr, the figures on stdout
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   cargo build --release -p gptrec-launcher -p gptrec-worker >/dev/null 2>&1 ||
     cargo build --release -p gptrec-launcher -p gptrec-worker

@@ -312,3 +312,104 @@ fn the_guides_accelerate_line_plans_as_accelerate_would() {
         "traffic is unauthenticated",
     ]);
 }
+
+/// A run's metrics as TensorBoard scalars: the event files under `<run dir>/tensorboard`, read
+/// back by TensorBoard's own reader (`EventAccumulator`), hold every step record's loss and each
+/// evaluation's metrics at their steps, equal to `metrics.jsonl`'s.
+#[test]
+fn tensorboards_reader_reads_the_runs_scalars() {
+    let Some(python) = venv_with("tensorboard") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut args: Vec<String> = vec![
+        "--num-processes".into(),
+        "2".into(),
+        "configs/default.toml".into(),
+    ];
+    args.extend(tiny_bpr_sets(dir.path()));
+    args.extend(["--set".into(), "train.epochs=2".into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = launch(&args, Duration::from_secs(300));
+    out.assert_code(0);
+    let run = dir.path().join("default");
+    let reader = [
+        "import sys, json",
+        "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator",
+        "ea = EventAccumulator(sys.argv[1]); ea.Reload()",
+        "tags = ea.Tags()['scalars']",
+        "print(json.dumps({t: [[e.step, e.value] for e in ea.Scalars(t)] for t in tags}))",
+    ]
+    .join("\n");
+    let read = std::process::Command::new(&python)
+        .args(["-c", &reader])
+        .arg(run.join("tensorboard"))
+        .output()
+        .unwrap();
+    assert!(
+        read.status.success(),
+        "{}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    let scalars: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let of = |kind: &str, split: Option<&str>| -> Vec<&serde_json::Value> {
+        let split_is = |r: &serde_json::Value| split.is_none_or(|s| r["split"] == s);
+        records
+            .iter()
+            .filter(|r| r["kind"] == kind && split_is(r))
+            .collect()
+    };
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs().max(1.0);
+    let losses = scalars["train/loss"].as_array().expect("train/loss");
+    let steps = of("step", None);
+    assert_eq!(losses.len(), steps.len(), "{scalars}");
+    for (point, record) in losses.iter().zip(&steps) {
+        assert_eq!(point[0], record["step"]);
+        assert!(
+            close(point[1].as_f64().unwrap(), record["loss"].as_f64().unwrap()),
+            "{point} vs {record}"
+        );
+    }
+    for split in ["valid", "test"] {
+        let evals = of("eval", Some(split));
+        assert!(!evals.is_empty(), "no {split} record");
+        let points = scalars[format!("{split}/ndcg@10")].as_array().expect(split);
+        assert_eq!(points.len(), evals.len());
+        let last = evals.last().unwrap();
+        let point = points.last().unwrap();
+        assert_eq!(point[0], last["step"]);
+        assert!(close(
+            point[1].as_f64().unwrap(),
+            last["ndcg@10"].as_f64().unwrap()
+        ));
+    }
+    assert!(scalars.get("valid_pop/ndcg@10").is_some(), "{scalars}");
+}
+
+/// A rank that was stopped (SIGSTOP) when the teardown began is named as the rank that stopped
+/// answering, not only as one that launch killed.
+#[test]
+fn a_stopped_rank_is_named_as_stopped() {
+    let script = "if [ $RANK = 1 ]; then kill -STOP $$; fi; sleep 1; exit 3";
+    let args = [
+        "--num-processes",
+        "2",
+        "--grace-period",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ];
+    let out = launch(&args, Duration::from_secs(60));
+    out.assert_code(3);
+    out.assert_stderr_all(&[
+        "  root cause: rank 0 ",
+        "SIGKILL from launch after the grace period); it was stopped (SIGSTOP) when the teardown began: it had stopped answering",
+    ]);
+}

@@ -888,6 +888,32 @@ fn a_model_whose_bytes_differ_from_the_hubs_digest_is_refused() {
     assert!(!cache.join("models/gpt2").exists());
 }
 
+/// A hand-made model directory without `config.json`: one line naming the directory and what
+/// it lacks (it said "(os error 2)" twice).
+#[test]
+fn from_dir_without_config_json_says_what_is_missing_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let from = tmp.path().join("gpt2-by-hand");
+    fs::create_dir(&from).unwrap();
+    fs::write(from.join("model.safetensors"), safetensors(500)).unwrap();
+    let cache = tmp.path().join("cache");
+    let args = [
+        "--cache",
+        cache.to_str().unwrap(),
+        "--from",
+        from.to_str().unwrap(),
+        "gpt2",
+    ];
+    let out = fetch(&[], &args);
+    assert_ne!(out.code(), Some(0), "{}", out.stderr);
+    let line = last_line(&out);
+    assert!(
+        line.contains(&from.display().to_string()) && line.contains("no config.json there"),
+        "{line}"
+    );
+    assert!(!out.stderr.contains("os error"), "{}", out.stderr);
+}
+
 #[test]
 fn from_dir_installs_a_hand_downloaded_model_and_refuses_a_cut_one() {
     let tmp = tempfile::tempdir().unwrap();
@@ -956,6 +982,31 @@ fn list_shows_each_name_and_whether_the_cache_has_it() {
     assert!(line("ml-1m").contains("missing"), "{}", out.stdout);
     assert!(line("gpt2").contains("incomplete"), "{}", out.stdout);
     out.assert_stdout_all(&["MovieLens-1M", "distilgpt2", "gpt2-xl"]);
+}
+
+/// A data set written by hand into the cache (as scripts/data/ml100k.sh does, with no fetch
+/// marker) is listed "by hand", and `fetch` keeps it instead of replacing it.
+#[test]
+fn a_data_set_placed_by_hand_is_listed_and_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let placed = cache.join("data/ml-100k");
+    fs::create_dir_all(&placed).unwrap();
+    for file in ["u.data", "u.item", "u.user"] {
+        fs::write(placed.join(file), "1\t2\t3\t4\n").unwrap();
+    }
+    let out = fetch(&[], &["--list", "--cache", cache.to_str().unwrap()]);
+    out.assert_code(0);
+    let listed = format!("ml-100k      by hand    {}", placed.display());
+    assert!(out.stdout.contains(&listed), "{}", out.stdout);
+    // No network is reachable here: the data set is kept, nothing is downloaded.
+    let out = fetch(&[], &["--cache", cache.to_str().unwrap(), "ml-100k"]);
+    out.assert_code(0);
+    out.assert_stderr("placed by hand");
+    assert_eq!(
+        fs::read_to_string(placed.join("u.data")).unwrap(),
+        "1\t2\t3\t4\n"
+    );
 }
 
 #[test]

@@ -222,6 +222,8 @@ pub fn point_latest(checkpoints: &Path, step: u64) -> Result<(), RunDirError> {
 pub struct MetricsLog {
     file: File,
     path: PathBuf,
+    /// The same records' numbers as TensorBoard scalars, when its event file could be made.
+    tensorboard: Option<common::tensorboard::EventWriter>,
 }
 
 impl MetricsLog {
@@ -235,7 +237,18 @@ impl MetricsLog {
         Ok(MetricsLog {
             file,
             path: path.to_path_buf(),
+            tensorboard: None,
         })
+    }
+
+    /// Also writes each record's numbers to a new TensorBoard event file in `dir` (a warning,
+    /// and no event file, when it cannot be made).
+    pub fn with_tensorboard(mut self, dir: &Path) -> MetricsLog {
+        match common::tensorboard::EventWriter::create(dir) {
+            Ok(writer) => self.tensorboard = Some(writer),
+            Err(e) => tracing::warn!("no TensorBoard event file in {}: {e}", dir.display()),
+        }
+        self
     }
 
     /// Appends one record (a JSON object) and its newline in a single `write`, so a kill leaves
@@ -246,8 +259,47 @@ impl MetricsLog {
             source: std::io::Error::other(e),
         })?;
         line.push(b'\n');
-        self.file.write_all(&line).map_err(io_err(&self.path))
+        self.file.write_all(&line).map_err(io_err(&self.path))?;
+        if let Some(writer) = self.tensorboard.as_mut() {
+            let value = serde_json::to_value(record).unwrap_or_default();
+            let (step, scalars) = tensorboard_scalars(&value);
+            if let Err(e) = writer.scalars(step, &scalars) {
+                tracing::warn!(
+                    "TensorBoard event file {}: {e}; no more scalars there",
+                    writer.path().display()
+                );
+                self.tensorboard = None;
+            }
+        }
+        Ok(())
     }
+}
+
+/// A record's step and its numbers as TensorBoard tags: a step's `train/loss`, `train/lr`, ...;
+/// an evaluation's `valid/ndcg@10` (its split, then the metric); a baseline's `valid_pop/...`.
+/// Other records (the summary) give none.
+fn tensorboard_scalars(record: &serde_json::Value) -> (u64, Vec<(String, f64)>) {
+    let text = |key: &str| record.get(key).and_then(|v| v.as_str()).unwrap_or_default();
+    let step = record.get("step").and_then(|v| v.as_u64()).unwrap_or(0);
+    let (prefix, wanted): (String, fn(&str) -> bool) = match text("kind") {
+        "step" => ("train".into(), |k| {
+            !matches!(k, "kind" | "epoch" | "step" | "peak_mem_rank")
+        }),
+        "eval" => (text("split").to_string(), |k| k.contains('@')),
+        "baseline" => (format!("{}_{}", text("split"), text("model")), |k| {
+            k.contains('@')
+        }),
+        _ => return (step, Vec::new()),
+    };
+    let Some(map) = record.as_object() else {
+        return (step, Vec::new());
+    };
+    let scalars = map
+        .iter()
+        .filter(|(k, _)| wanted(k))
+        .filter_map(|(k, v)| Some((format!("{prefix}/{k}"), v.as_f64()?)))
+        .collect();
+    (step, scalars)
 }
 
 /// Before a resume from `step`: keeps the whole, parseable records of `path` up to `step`, drops

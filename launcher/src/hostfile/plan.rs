@@ -17,15 +17,30 @@ use crate::cli::Cli;
 pub const STOP_ON_EOF_VAR: &str = "LAUNCH_STOP_ON_STDIN_EOF";
 /// The path of `launch` on the other hosts when `--launch-path` is not given.
 pub const REMOTE_PATH_VAR: &str = "LAUNCH_REMOTE_PATH";
-/// Variables passed to every host under their own name, when set here.
+/// Variables passed to every host under their own name, when set here. `PATH` and the active
+/// virtual or conda environment too, so that a script's `python3` is the one it runs with here
+/// (the hosts share this directory, and so the environment's files, as DeepSpeed's runner
+/// assumes).
 pub const FORWARDED_VARS: &[&str] = &[
-    "PYTHONPATH",
+    "PATH",
+    "VIRTUAL_ENV",
+    "CONDA_PREFIX",
+    "CONDA_DEFAULT_ENV",
+    "LD_LIBRARY_PATH",
     "OMP_NUM_THREADS",
     "RUST_LOG",
     "RUST_BACKTRACE",
 ];
 /// Variables passed to every host when their names start with one of these.
-pub const FORWARDED_PREFIXES: &[&str] = &["NCCL_", "GPTREC_", "TORCH_", "HF_"];
+pub const FORWARDED_PREFIXES: &[&str] = &[
+    "NCCL_",
+    "GPTREC_",
+    "TORCH_",
+    "HF_",
+    "PYTHON",
+    "UCX_",
+    "ACCELERATE_",
+];
 /// Flags of ours that are not passed on: the hostfile's, and those each host gets its own of.
 const NOT_FORWARDED: &[&str] = &[
     "hostfile",
@@ -359,6 +374,8 @@ mod tests {
     fn only_chosen_one_line_variables_are_forwarded() {
         let vars = [
             ("PYTHONPATH", "/p"),
+            ("PATH", "/venv/bin:/usr/bin"),
+            ("VIRTUAL_ENV", "/venv"),
             ("NCCL_DEBUG", "INFO"),
             ("HOME", "/root"),
             ("GPTREC_X", "a\nb"),
@@ -370,7 +387,9 @@ mod tests {
             env,
             vec![
                 ("NCCL_DEBUG".to_string(), "INFO".to_string()),
-                ("PYTHONPATH".into(), "/p".into())
+                ("PATH".into(), "/venv/bin:/usr/bin".into()),
+                ("PYTHONPATH".into(), "/p".into()),
+                ("VIRTUAL_ENV".into(), "/venv".into())
             ]
         );
         assert_eq!(notices.len(), 1);

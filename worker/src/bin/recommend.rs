@@ -21,7 +21,7 @@ use anyhow::{bail, Context as _};
 use clap::Parser;
 use common::config::Config;
 use recommender::data::user_text;
-use recommender::serve::{export_vectors, parse_new_user, top_items};
+use recommender::serve::{export_vectors, parse_new_user_of, top_items};
 use recommender::{RecData, RecTask};
 use runtime::collective::OpContext;
 use tch::{nn, Device, Tensor};
@@ -87,7 +87,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
     let (_server, mut comm) = worker::single_process::single_process("recommend")?;
     let data = recommender::load_data(&config, comm.as_mut(), CTX).context("loading the data")?;
     let new_users = (cli.new_users.iter())
-        .map(|spec| parse_new_user(spec, data.format.ages_in_years()))
+        .map(|spec| parse_new_user_of(spec, data.format.ages_in_years(), &data.user_texts))
         .collect::<Result<Vec<_>, String>>()
         .map_err(anyhow::Error::msg)?;
     let vs = nn::VarStore::new(Device::Cpu);

@@ -477,7 +477,10 @@ impl<'t> Trainer<'t> {
         std::fs::write(&path, resolved).map_err(|e| io(&path, e))?;
         self.earlier_summary =
             resume::own_the_run_dir(run_dir, &self.start, self.resumed_from.as_deref())?;
-        let mut metrics = MetricsLog::open(&run_dir.join("metrics.jsonl"))?;
+        // `tensorboard --logdir <output_dir>` shows every run's curves (a new event file per
+        // start; TensorBoard reads them all).
+        let mut metrics = MetricsLog::open(&run_dir.join("metrics.jsonl"))?
+            .with_tensorboard(&run_dir.join("tensorboard"));
         if let (None, Some(baseline)) = (&self.resumed_from, &self.setup.baseline) {
             metrics.append(baseline)?;
         }
