@@ -15,11 +15,13 @@ use crate::hostlist;
 
 mod elastic;
 mod limits;
+mod secret;
 pub use elastic::{
     parse_endpoint, parse_node_range, parse_rdzv_conf, parse_secs, Elastic, NodeRange,
     DEFAULT_LAST_CALL, DEFAULT_RDZV_PORT,
 };
 pub use limits::{check_world, Count, CountError, MAX_NODES, MAX_PROCESSES, MAX_WORLD};
+pub use secret::require_secret_from_env;
 
 /// `--num-processes` as written (or as an environment gave it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,21 +46,6 @@ pub const REQUIRE_SECRET_VAR: &str = "LAUNCH_REQUIRE_SECRET";
 /// torchrun's default run id, which several nodes given no secret use too: anyone can present
 /// it, so it keeps nobody out.
 pub const PUBLIC_RUN_ID: &str = "none";
-
-/// Whether `LAUNCH_REQUIRE_SECRET` asks for a secret: `1`/`true`/`yes`/`on` or
-/// `0`/`false`/`no`/`off`/empty; anything else is an error naming the variable.
-pub fn require_secret_from_env(env: &Env) -> Result<bool, ShapeError> {
-    let Some(text) = env.get(REQUIRE_SECRET_VAR) else {
-        return Ok(false);
-    };
-    match text.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "" | "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(ShapeError(format!(
-            "environment variable {REQUIRE_SECRET_VAR}={text:?}: expected 1 or 0 (true/false, yes/no)"
-        ))),
-    }
-}
 
 /// Parses `N`, `auto`, `gpu` or `cpu`.
 pub fn parse_num_processes(text: &str) -> Result<NumProcesses, String> {
@@ -415,47 +402,6 @@ fn resolve_run_id(
         "fresh secret per run"
     };
     Ok(Sourced::new(None, Source::Default(why)))
-}
-
-impl JobShape {
-    /// The run id this shape uses when nothing gives one: torchrun's public default on several
-    /// nodes (with [`JobShape::without_secret`]'s warning), `None` (a fresh secret) otherwise.
-    pub fn default_run_id(&self) -> Option<&'static str> {
-        (self.nnodes.value > 1 && matches!(self.run_id.source, Source::Default(_)))
-            .then_some(PUBLIC_RUN_ID)
-    }
-
-    /// Several nodes whose run id is no secret (none given, so torchrun's `none`, or one derived
-    /// from the Slurm job): the one-line warning that anyone who reaches the rendezvous endpoint
-    /// can join, and how to share a secret. `None` on one node or with a secret.
-    pub fn without_secret(&self) -> Option<String> {
-        if self.nnodes.value <= 1 {
-            return None;
-        }
-        let what = match &self.run_id.source {
-            Source::Default(_) => format!(
-                "no secret run id was given (the run id is torchrun's default {PUBLIC_RUN_ID:?})"
-            ),
-            Source::Slurm(_) => format!(
-                "the run id {:?} [{}] is derived from the Slurm job, not a secret",
-                self.run_id.value.as_deref().unwrap_or(""),
-                self.run_id.source
-            ),
-            _ => return None,
-        };
-        let (host, port) = match &self.elastic {
-            Some(e) => (e.endpoint.value.0.as_str(), e.endpoint.value.1),
-            None => (self.master_addr.value.as_str(), self.master_port.value),
-        };
-        let endpoint = if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        };
-        Some(format!(
-            "{what}: this run's traffic is unauthenticated, anyone who can reach {endpoint} can join it and read or change what its ranks exchange; share a secret with every node: --run-id-file PATH on a shared filesystem (node 0 writes one), export {RUN_ID_VAR}=$(openssl rand -hex 16), or --run-id (--require-secret makes this an error)"
-        ))
-    }
 }
 
 fn resolve_num_processes(

@@ -3,7 +3,8 @@
 //! `tensorflow.Event` protocol buffers, `tensorboard/compat/proto/event.proto`): each record is
 //! its length (u64, little-endian), the masked CRC-32C of that length, the bytes, and their
 //! masked CRC-32C; the first event carries `file_version = "brain.Event:2"`, each later one a
-//! wall time, a step and a `Summary` of `(tag, simple_value)` pairs.
+//! wall time, a step and a `Summary` (field 5) of `(tag, simple_value)` pairs, or a resume's
+//! `SessionLog` (field 7) START.
 //!
 //! Owns the encoding and the file; must not decide what is logged (the trainer's).
 
@@ -21,14 +22,24 @@ pub struct EventWriter {
 
 impl EventWriter {
     /// A new event file in `dir` (made if missing), named as TensorFlow names them
-    /// (`events.out.tfevents.<seconds>.<host>.<pid>`), headed by its version event.
+    /// (`events.out.tfevents.<seconds>.<host>.<pid>`), headed by its version event. TensorBoard
+    /// reads a directory's files in name order, so the seconds are past every earlier file's
+    /// (two starts within one second would otherwise sort by their pids).
     pub fn create(dir: &Path) -> std::io::Result<EventWriter> {
         std::fs::create_dir_all(dir)?;
         let now = wall_time();
         let host = nix_hostname();
+        let latest = std::fs::read_dir(dir)?
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let rest = name.strip_prefix("events.out.tfevents.")?;
+                rest.split('.').next()?.parse::<u64>().ok()
+            })
+            .max();
+        let seconds = latest.map_or(now as u64, |l| (now as u64).max(l + 1));
         let name = format!(
-            "events.out.tfevents.{}.{host}.{}",
-            now as u64,
+            "events.out.tfevents.{seconds}.{host}.{}",
             std::process::id()
         );
         let path = dir.join(name);
@@ -42,6 +53,19 @@ impl EventWriter {
         put_bytes(&mut event, 3, b"brain.Event:2");
         writer.write_record(&event)?;
         Ok(writer)
+    }
+
+    /// Says that the run starts again at `step` (a resume): TensorBoard then drops the points at
+    /// `step` and after that earlier files hold (a `SessionLog` START, as TensorFlow writes it),
+    /// so the steps written again are not shown twice.
+    pub fn restart_at(&mut self, step: u64) -> std::io::Result<()> {
+        let mut session_log = Vec::new();
+        put_varint_field(&mut session_log, 1, 1); // status: START
+        let mut event = Vec::new();
+        put_double(&mut event, 1, wall_time());
+        put_varint_field(&mut event, 2, step);
+        put_bytes(&mut event, 7, &session_log);
+        self.write_record(&event)
     }
 
     pub fn path(&self) -> &Path {
@@ -177,5 +201,15 @@ mod tests {
         assert_eq!(records, 2, "the version event and one of scalars");
         let name = w.path().file_name().unwrap().to_str().unwrap().to_string();
         assert!(name.starts_with("events.out.tfevents."), "{name}");
+        // A second file, in the same second, sorts after the first (TensorBoard's read order).
+        let again = EventWriter::create(dir.path()).unwrap();
+        let second = again
+            .path()
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(second > name, "{second} <= {name}");
     }
 }

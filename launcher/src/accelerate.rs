@@ -56,6 +56,7 @@ fn is_accelerate_line(cli: &Cli) -> bool {
         || cli.dynamo_backend.is_some()
         || cli.use_deepspeed
         || cli.use_fsdp
+        || cli.accelerate_debug
 }
 
 /// accelerate's default config file: `$HF_HOME/accelerate/default_config.yaml` (HF_HOME
@@ -117,7 +118,12 @@ fn shape(cli: &mut Cli, s: &Settings) -> Result<(), String> {
     if machines == 0 {
         return Err("--num_machines must be at least 1".into());
     }
-    if let Some(total) = s.num_processes {
+    // A count the flag gave in another form (`--nproc-per-node auto`) wins over the file's.
+    let flag_form = matches!(
+        cli.num_processes,
+        Some(NumProcesses::Auto | NumProcesses::Cpu)
+    );
+    if let (Some(total), false) = (s.num_processes, flag_form) {
         if total % machines != 0 || total < machines {
             return Err(format!(
                 "--num_processes {total} over --num_machines {machines}: accelerate counts every process of the job, so it must be a multiple of the machines (each runs num_processes / num_machines)"

@@ -71,6 +71,29 @@ pub fn signal(pids: &[i32], signal: Signal) {
     }
 }
 
+/// The process groups that still have a member.
+pub fn alive(groups: &[Pid]) -> Vec<Pid> {
+    groups
+        .iter()
+        .copied()
+        .filter(|pg| killpg(*pg, None).is_ok())
+        .collect()
+}
+
+/// Reaps every orphaned descendant that exited (re-parented to the launcher, a child
+/// subreaper), so that dead workers' children do not linger as zombies. Only called once every
+/// worker of the group has been waited for, so it cannot take a worker's exit status from its
+/// wait thread.
+pub fn reap_all() {
+    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) | Err(_) => return,
+            Ok(_) => continue,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -260,8 +260,9 @@ fn run_rounds(
         after = Some(round.round);
         match end {
             GroupEnd::Success => return finished(rdzv, round.round, node.id),
-            GroupEnd::Interrupted { signal } => return supervisor::interrupted(signal),
+            GroupEnd::Interrupted { signal } => return crate::report::interrupted(signal),
             GroupEnd::SpawnFailed { code } => return code,
+            GroupEnd::Stopped => return crate::report::stopped_at_checkpoint(),
             GroupEnd::StoreLost { why } => {
                 warn!("{}", rdzv.lost(&why));
                 return 1;
@@ -275,7 +276,7 @@ fn run_rounds(
                 interrupted,
             } => {
                 if let Some(signal) = interrupted {
-                    return supervisor::interrupted(signal);
+                    return crate::report::interrupted(signal);
                 }
                 let r = &records[root];
                 if stopped_for_peer(r) {
@@ -327,7 +328,7 @@ fn join(
             warn!("cannot wait for the rendezvous: {e}");
             return Err(Ok(1));
         }
-        Waited::Signal(sig) => return Err(Ok(supervisor::interrupted(sig))),
+        Waited::Signal(sig) => return Err(Ok(crate::report::interrupted(sig))),
         Waited::StoreLost(why) => {
             warn!("{}", rdzv.lost(&why));
             return Err(Ok(1));
@@ -335,7 +336,7 @@ fn join(
     };
     match joined {
         Ok(round) => Ok(round),
-        Err(NotJoined::Signal(sig)) => Err(Ok(supervisor::interrupted(sig))),
+        Err(NotJoined::Signal(sig)) => Err(Ok(crate::report::interrupted(sig))),
         Err(NotJoined::Done(Done::Finished)) => {
             match after {
                 Some(round) => info!(

@@ -14,6 +14,7 @@ mod adopted;
 mod cli;
 mod clone_spawn;
 mod console;
+mod console_line;
 mod cpus;
 mod elastic;
 mod event;

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::console::Muting;
+use crate::console_line::OpenLine;
 
 /// Lines longer than this are cut into pieces so one runaway line cannot exhaust memory.
 const MAX_LINE: usize = 1 << 20;
@@ -36,28 +37,17 @@ pub enum Stream {
 /// The last stderr lines of one rank.
 pub type Tail = Arc<Mutex<VecDeque<String>>>;
 
-/// The console for all ranks. One lock covers both streams, so lines never interleave mid-line,
-/// not even when the user merges them with `2>&1`.
+/// The console for all ranks. One lock covers both streams (the open line's,
+/// [`crate::console_line`]), so lines never interleave mid-line, not even when the user merges
+/// them with `2>&1`.
 pub struct Sinks {
-    /// The line left open on the console (a bar after its `\r`, a partial line), if any.
-    console: Mutex<Option<OpenLine>>,
     /// Width the rank number is padded to, so columns line up.
     rank_width: usize,
-}
-
-/// A rank's line that the console's cursor is still on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct OpenLine {
-    stream: Stream,
-    rank: u32,
-    /// Its last byte was `\r`: the next text redraws the line from its start.
-    redraw: bool,
 }
 
 impl Sinks {
     pub fn new(world_size: u32) -> Arc<Sinks> {
         Arc::new(Sinks {
-            console: Mutex::new(None),
             rank_width: world_size.saturating_sub(1).to_string().len(),
         })
     }
@@ -66,15 +56,12 @@ impl Sinks {
     /// whole piece or nothing (a closed console must not kill the launcher, so errors are
     /// ignored), above the progress display if one is up (which needs whole lines).
     fn write_piece(&self, stream: Stream, rank: u32, piece: &Piece<'_>) {
-        let mut open = self
-            .console
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut open = crate::console_line::lock();
         let whole_lines = crate::progress::is_up();
         let (close, bytes) = render(&mut open, stream, rank, self.rank_width, piece, whole_lines);
         crate::progress::on_console(|| {
             if let Some(other) = close {
-                write_all(other, b"\n");
+                crate::console_line::end(other == Stream::Stdout);
             }
             write_all(stream, &bytes);
         });
@@ -95,24 +82,34 @@ fn render(
     whole_lines: bool,
 ) -> (Option<Stream>, Vec<u8>) {
     let end = if whole_lines { End::Newline } else { piece.end };
+    let stdout = stream == Stream::Stdout;
+    let stream_of = |o: OpenLine| {
+        if o.stdout {
+            Stream::Stdout
+        } else {
+            Stream::Stderr
+        }
+    };
     let (mine, close) = match *open {
-        Some(o) if o.stream == stream && o.rank == rank => (Some(o), None),
-        Some(o) => (None, Some(o.stream)),
+        Some(o) if o.stdout == stdout && o.rank == rank => (Some(o), None),
+        Some(o) => (None, Some(stream_of(o))),
         None => (None, None),
     };
     let text = piece.unshown();
-    let continues = mine.is_some_and(|o| !o.redraw);
     // The line this piece belongs to was shown in part, then ended by another rank's output.
     let cut_off = piece.shown > 0 && mine.is_none();
+    if text.is_empty() && mine.is_none() && (end == End::Return || cut_off) {
+        // Nothing to show, and another rank's open line stays open.
+        return (None, Vec::new());
+    }
+    let continues = mine.is_some_and(|o| !o.redraw);
     let only_ends = text.is_empty() && (mine.is_some() || cut_off);
-    let nothing = text.is_empty() && mine.is_none() && (end == End::Return || cut_off);
     let mut buf = Vec::with_capacity(text.len() + 16);
-    if !continues && !only_ends && !nothing {
+    if !continues && !only_ends {
         let _ = write!(buf, "[rank {rank:>width$}] ");
     }
     buf.extend_from_slice(text);
     *open = match end {
-        _ if nothing => None,
         End::Newline => {
             buf.push(b'\n');
             None
@@ -120,13 +117,13 @@ fn render(
         End::Return => {
             buf.push(b'\r');
             Some(OpenLine {
-                stream,
+                stdout,
                 rank,
                 redraw: true,
             })
         }
         End::Open => Some(OpenLine {
-            stream,
+            stdout,
             rank,
             redraw: false,
         }),

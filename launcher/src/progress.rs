@@ -504,6 +504,7 @@ impl Write for ConsoleWriter {
 impl Drop for ConsoleWriter {
     fn drop(&mut self) {
         if !self.buffer.is_empty() {
+            crate::console_line::end_open_line();
             on_console(|| {
                 let _ = std::io::stderr().lock().write_all(&self.buffer);
             });

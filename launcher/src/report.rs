@@ -65,6 +65,22 @@ pub struct WorkerRecord {
     pub error_file: Option<std::path::PathBuf>,
 }
 
+/// Says that every worker stopped at a checkpoint (a preemption on another node); exit code 75.
+pub fn stopped_at_checkpoint() -> i32 {
+    tracing::info!("every worker stopped at a checkpoint (exit code 75: preempted, resumable): run the same command again to resume");
+    common::env_contract::EXIT_REGROUP
+}
+
+/// Says that the launcher was stopped by `signal`; the exit code for it.
+pub fn interrupted(signal: i32) -> i32 {
+    tracing::warn!(
+        "stopped by {}: every worker was terminated; exit code {}",
+        signal_name(signal),
+        128 + signal
+    );
+    128 + signal
+}
+
 /// The multi-line summary after a failure. `root` indexes `records`; `this_node` holds the
 /// global ranks that run on this node (all of them on a single node); `flight` is what the
 /// flight recorder says ([`flight::lines`]), if anything.

@@ -59,6 +59,9 @@ pub enum GroupEnd {
     Interrupted {
         signal: i32,
     },
+    /// Every worker stopped at a checkpoint to be resumed (exit code 75) without `launch` being
+    /// signalled: a preemption reached the job on another node.
+    Stopped,
     /// A worker could not be started.
     SpawnFailed {
         code: i32,
@@ -80,7 +83,8 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
     let code = loop {
         match run_once(plan, restart, &sinks, &mut watchdog, &events) {
             GroupEnd::Success => break 0,
-            GroupEnd::Interrupted { signal } => break interrupted(signal),
+            GroupEnd::Interrupted { signal } => break report::interrupted(signal),
+            GroupEnd::Stopped => break report::stopped_at_checkpoint(),
             GroupEnd::SpawnFailed { code } => break code,
             // Only elastic jobs send the events behind these.
             GroupEnd::Regroup { .. } | GroupEnd::StoreLost { .. } => break 1,
@@ -138,21 +142,12 @@ pub fn run_once(
     end
 }
 
-/// Says that the launcher was stopped by `signal`; the exit code for it.
-pub fn interrupted(signal: i32) -> i32 {
-    warn!(
-        "stopped by {}: every worker was terminated; exit code {}",
-        report::signal_name(signal),
-        128 + signal
-    );
-    128 + signal
-}
-
 /// Prints the failure summary of a group that failed `runs` time(s); the launcher's exit code.
 pub fn report_failure(plan: &Plan, records: &[WorkerRecord], root: usize, runs: u32) -> i32 {
     let first = plan.first_rank;
     let flight = report::flight::lines(plan);
     let summary = report::failure_summary(records, root, runs, first..first + plan.nproc, &flight);
+    crate::console_line::end_open_line();
     // A closed console must not turn a failure report into a panic.
     let _ = writeln!(std::io::stderr().lock(), "{summary}");
     // A worker that "failed" with code 0 cannot be the root cause, but be safe.
@@ -451,8 +446,9 @@ impl Group<'_> {
                     return;
                 };
                 w.ending = Some((ending, at));
-                // Stopping at a checkpoint when asked to is not a failure.
-                let regrouping = self.regroup_asked.is_some()
+                // Stopping at a checkpoint is not a failure: when asked to (re-forming), and when
+                // our workers agreed to (a preemption that reached another node first).
+                let regrouping = (self.regroup_asked.is_some() || self.plan.config.is_some())
                     && ending == Ending::Code(common::env_contract::EXIT_REGROUP);
                 // Not one that ended because the teardown signalled it.
                 if !ending.is_success() && !regrouping && w.sent.is_none() {
@@ -594,8 +590,8 @@ impl Group<'_> {
     /// watchdog forgets the groups. Signals keep being handled throughout.
     fn finish(&mut self, watchdog: &mut Watchdog) {
         let groups: Vec<Pid> = self.workers.iter().map(|w| Pid::from_raw(w.pid)).collect();
-        reap_adopted();
-        let mut left = alive(&groups);
+        crate::adopted::reap_all();
+        let mut left = crate::adopted::alive(&groups);
         if !left.is_empty() {
             for pg in &left {
                 let _ = killpg(*pg, Signal::SIGTERM);
@@ -620,8 +616,8 @@ impl Group<'_> {
                     }
                     self.handle(event);
                 }
-                reap_adopted();
-                left = alive(&left);
+                crate::adopted::reap_all();
+                left = crate::adopted::alive(&left);
             }
             if !left.is_empty() {
                 warn!("process group(s) {left:?} still exist after SIGKILL; giving up on them");
@@ -692,6 +688,7 @@ impl Group<'_> {
                     reason: self.regroup_asked.unwrap_or_default(),
                 }
             }
+            None if stopped_to_regroup => return GroupEnd::Stopped,
             None => return GroupEnd::Success,
             Some((Cause::Signal(signal), _)) => {
                 let all_checkpointed = self.workers.iter().all(|w| {
@@ -780,6 +777,7 @@ fn show_hidden(w: &Worker, ending: &Ending) {
     for (_, line) in held {
         text.push_str(&format!("[rank {}] {line}\n", w.rank));
     }
+    crate::console_line::end_open_line();
     crate::progress::on_console(|| {
         let _ = std::io::stderr().lock().write_all(text.as_bytes());
     });
@@ -790,27 +788,5 @@ fn ending_of(status: ExitStatus) -> Ending {
         (Some(code), _) => Ending::Code(code),
         (None, Some(sig)) => Ending::Signal(sig),
         (None, None) => Ending::Code(1),
-    }
-}
-
-/// The process groups that still have a member.
-fn alive(groups: &[Pid]) -> Vec<Pid> {
-    groups
-        .iter()
-        .copied()
-        .filter(|pg| killpg(*pg, None).is_ok())
-        .collect()
-}
-
-/// Reaps orphaned descendants that were re-parented to the launcher (it is a child subreaper),
-/// so that dead workers' children do not linger as zombies. Only called once every worker of the
-/// group has been waited for, so it cannot take a worker's exit status from its wait thread.
-fn reap_adopted() {
-    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
-    loop {
-        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) | Err(_) => return,
-            Ok(_) => continue,
-        }
     }
 }

@@ -218,6 +218,52 @@ fn sigterm_mid_epoch_checkpoints_and_the_rerun_resumes_exactly() {
     assert_same_run(dir.path(), "preempted", "whole");
 }
 
+/// Slurm's way: SIGTERM to `launch` and to every worker at the same moment (Slurm signals every
+/// process of the step), so each worker gets two (Slurm's and the one `launch` passes on). The
+/// workers still stop together at a checkpoint, and the rerun resumes from it exactly.
+#[test]
+fn sigterm_to_launch_and_its_workers_at_once_still_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = write_config(dir.path(), "whole", 2, "");
+    fixture_ok(2, &whole, &[], &[]);
+
+    let config = write_config(dir.path(), "slurm", 2, "");
+    let run_id = unique_run_id("preempt");
+    let fixture = bin("ddp-fixture").display().to_string();
+    let config_arg = config.display().to_string();
+    let args = [
+        "--num-processes",
+        "2",
+        "--master-port",
+        "0",
+        "--run-id",
+        &run_id,
+        "--worker",
+        &fixture,
+        &config_arg,
+    ];
+    let mut cmd = launch_cmd(&args);
+    cmd.env("GPTREC_FAULT_SLOW", "10");
+    let job = Live::new(cmd.spawn().unwrap());
+    job.wait_output("step 24/120", T);
+    let workers = processes_of_run(&run_id);
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    let term = nix::sys::signal::Signal::SIGTERM;
+    let _ = nix::sys::signal::kill(job.pid(), term);
+    for pid in workers {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), term);
+    }
+    let out = job.finish(T);
+    out.assert_code(143);
+    out.assert_stderr_all(&[
+        "preempted (SIGTERM): stopped after step ",
+        "every worker stopped at a checkpoint",
+    ]);
+    let out = fixture_ok(2, &config, &[], &[]);
+    out.assert_stderr("resuming from");
+    assert_same_run(dir.path(), "slurm", "whole");
+}
+
 /// Resuming with another world size is allowed when the global batch is unchanged; another
 /// global batch or another model config is refused with a clear message.
 #[test]

@@ -315,7 +315,8 @@ fn the_guides_accelerate_line_plans_as_accelerate_would() {
 
 /// A run's metrics as TensorBoard scalars: the event files under `<run dir>/tensorboard`, read
 /// back by TensorBoard's own reader (`EventAccumulator`), hold every step record's loss and each
-/// evaluation's metrics at their steps, equal to `metrics.jsonl`'s.
+/// evaluation's metrics at their steps, equal to `metrics.jsonl`'s, each step once across a
+/// crash and its resume.
 #[test]
 fn tensorboards_reader_reads_the_runs_scalars() {
     let Some(python) = venv_with("tensorboard") else {
@@ -328,10 +329,19 @@ fn tensorboards_reader_reads_the_runs_scalars() {
         "configs/default.toml".into(),
     ];
     args.extend(tiny_bpr_sets(dir.path()));
-    args.extend(["--set".into(), "train.epochs=2".into()]);
+    for set in ["train.epochs=2", "checkpoint.every_n_steps=10"] {
+        args.extend(["--set".into(), set.into()]);
+    }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    // Rank 1 dies before step 25: steps 21-24 were logged after the checkpoint of step 20, and
+    // the rerun writes them again; TensorBoard must show each step once.
+    let mut cmd = launch_cmd(&args);
+    cmd.env("GPTREC_FAULT_DIE", "25@1");
+    let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(300));
+    assert_ne!(out.code(), Some(0), "{}", out.all());
     let out = launch(&args, Duration::from_secs(300));
     out.assert_code(0);
+    out.assert_stderr("resuming from");
     let run = dir.path().join("default");
     let reader = [
         "import sys, json",
@@ -368,6 +378,7 @@ fn tensorboards_reader_reads_the_runs_scalars() {
     let losses = scalars["train/loss"].as_array().expect("train/loss");
     let steps = of("step", None);
     assert_eq!(losses.len(), steps.len(), "{scalars}");
+    assert!(steps.len() > 25, "{} steps", steps.len());
     for (point, record) in losses.iter().zip(&steps) {
         assert_eq!(point[0], record["step"]);
         assert!(

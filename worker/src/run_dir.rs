@@ -242,9 +242,16 @@ impl MetricsLog {
     }
 
     /// Also writes each record's numbers to a new TensorBoard event file in `dir` (a warning,
-    /// and no event file, when it cannot be made).
-    pub fn with_tensorboard(mut self, dir: &Path) -> MetricsLog {
-        match common::tensorboard::EventWriter::create(dir) {
+    /// and no event file, when it cannot be made); a run resumed after step `resumed_after` first
+    /// has TensorBoard drop the later points of the earlier files (they are written again).
+    pub fn with_tensorboard(mut self, dir: &Path, resumed_after: Option<u64>) -> MetricsLog {
+        let made = common::tensorboard::EventWriter::create(dir).and_then(|mut writer| {
+            if let Some(step) = resumed_after {
+                writer.restart_at(step + 1)?;
+            }
+            Ok(writer)
+        });
+        match made {
             Ok(writer) => self.tensorboard = Some(writer),
             Err(e) => tracing::warn!("no TensorBoard event file in {}: {e}", dir.display()),
         }

@@ -271,6 +271,13 @@ fn multi_node_without_an_id_uses_none_and_says_how_to_share_one() {
     );
     let one = shape(&Flags::default(), &[]);
     assert_eq!((one.without_secret(), one.default_run_id()), (None, None));
+    // torchrun's public id given explicitly is no secret either.
+    let given = Flags {
+        run_id: Some("none".into()),
+        ..flags.clone()
+    };
+    let why = shape(&given, &[]).without_secret().expect("public id");
+    assert!(why.contains("torchrun's public default"), "{why}");
 }
 
 /// torchrun's c10d form (`--rdzv-endpoint`, no node rank): the warning names that endpoint, not

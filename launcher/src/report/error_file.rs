@@ -31,8 +31,11 @@ impl Recorded {
         for line in &self.frame {
             let _ = writeln!(out, "    | {line}");
         }
-        if let Some(at) = self.timestamp {
-            let time = UNIX_EPOCH + Duration::from_secs(at);
+        // A time past year 9999 (a file's nonsense) is left out rather than shown.
+        let time = (self.timestamp)
+            .filter(|&at| at < 253_402_300_800)
+            .and_then(|at| UNIX_EPOCH.checked_add(Duration::from_secs(at)));
+        if let Some(time) = time {
             let _ = writeln!(out, "    | at {}", humantime::format_rfc3339_seconds(time));
         }
         out
@@ -121,6 +124,8 @@ mod tests {
 
     #[test]
     fn the_newer_flat_form_and_foreign_files() {
+        let huge = parse(r#"{"message": "E: x", "timestamp": "18446744073709551615"}"#).unwrap();
+        assert!(!huge.lines().contains("| at "), "{}", huge.lines());
         let r = parse(r#"{"message": "RuntimeError: x", "timestamp": 5}"#).unwrap();
         assert_eq!(
             (r.message.as_str(), r.timestamp),

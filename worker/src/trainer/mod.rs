@@ -6,6 +6,7 @@
 //! batch of sample indices — and must not know what the model is.
 
 mod evaluation;
+mod faults;
 mod logging;
 mod rank_time;
 mod records;
@@ -36,6 +37,7 @@ pub use records::{baseline_record, eval_record, StepRecord};
 pub use sync::gather_u64;
 pub use task::Task;
 
+use faults::Faults;
 use logging::{new_bar, progress_bar_wanted};
 pub use rank_time::{lines as rank_time_lines, straggler, RankTime};
 use resume::EvalProgress;
@@ -210,43 +212,6 @@ fn ddp_config(setup: &TrainSetup<'_>, task: &dyn Task, timeout: Duration) -> Ddp
         shared_tables: config.dist.shared_tables,
         shard_optimizer: config.dist.shard_optimizer,
         overlap_backward: config.dist.overlap_backward,
-    }
-}
-
-/// The fault-injection hooks the tests set for this rank (`GPTREC_FAULT_SLOW`, `_STOP`, `_DIE`).
-struct Faults {
-    slow: Option<Duration>,
-    stop_before: Option<u64>,
-    die_before: Option<u64>,
-    /// `GPTREC_FAULT_TERM_LAUNCH=STEP`: rank 0 sends SIGTERM to its parent (`launch`) after
-    /// that step, as a preemption would.
-    term_launch_at: Option<u64>,
-}
-
-impl Faults {
-    fn from_env(rank: usize) -> Result<Faults, TrainError> {
-        let var = |name: &str| std::env::var(name).unwrap_or_default();
-        let slow = task::slow_fault(&var("GPTREC_FAULT_SLOW"), rank).map_err(TrainError::Plan)?;
-        let stop_before =
-            task::stop_fault(&var("GPTREC_FAULT_STOP"), rank).map_err(TrainError::Plan)?;
-        let die_before = task::stop_fault(&var("GPTREC_FAULT_DIE"), rank)
-            .map_err(|e| TrainError::Plan(e.replace("GPTREC_FAULT_STOP", "GPTREC_FAULT_DIE")))?;
-        let term = var("GPTREC_FAULT_TERM_LAUNCH");
-        let term_launch_at = match term.trim() {
-            "" => None,
-            text => Some(text.parse::<u64>().map_err(|_| {
-                TrainError::Plan(format!(
-                    "GPTREC_FAULT_TERM_LAUNCH={text:?}: expected a step number"
-                ))
-            })?),
-        }
-        .filter(|_| rank == 0);
-        Ok(Faults {
-            slow,
-            stop_before,
-            die_before,
-            term_launch_at,
-        })
     }
 }
 
@@ -479,8 +444,9 @@ impl<'t> Trainer<'t> {
             resume::own_the_run_dir(run_dir, &self.start, self.resumed_from.as_deref())?;
         // `tensorboard --logdir <output_dir>` shows every run's curves (a new event file per
         // start; TensorBoard reads them all).
+        let resumed_after = self.resumed_from.as_ref().map(|_| self.start.step);
         let mut metrics = MetricsLog::open(&run_dir.join("metrics.jsonl"))?
-            .with_tensorboard(&run_dir.join("tensorboard"));
+            .with_tensorboard(&run_dir.join("tensorboard"), resumed_after);
         if let (None, Some(baseline)) = (&self.resumed_from, &self.setup.baseline) {
             metrics.append(baseline)?;
         }
