@@ -149,7 +149,9 @@ pub fn step_of_name(name: &str) -> Option<u64> {
 
 /// Moves out of `run_dir` what this run does not own, into
 /// `superseded/<time>-<pid>/`: checkpoints above `start_step`, the best model unless it is the
-/// one `best_step` names, and — on a fresh start — the old `metrics.jsonl` and `latest`.
+/// one `best_step` names, and — on a fresh start — the old `metrics.jsonl`, its TensorBoard
+/// event files (`tensorboard/`: TensorBoard would draw the old run's curves as this one's) and
+/// `latest`.
 /// Returns where things went (`None` when nothing had to move).
 pub fn set_aside(
     run_dir: &Path,
@@ -182,9 +184,11 @@ pub fn set_aside(
     if best.exists() && (best_steps.len() != 1 || best_step != best_steps.first().copied()) {
         moves.push((best, PathBuf::from("best")));
     }
-    let metrics = run_dir.join("metrics.jsonl");
-    if start_step == 0 && metrics.exists() {
-        moves.push((metrics, PathBuf::from("metrics.jsonl")));
+    for name in ["metrics.jsonl", "tensorboard"] {
+        let old = run_dir.join(name);
+        if start_step == 0 && old.exists() {
+            moves.push((old, PathBuf::from(name)));
+        }
     }
     if moves.is_empty() {
         return Ok(None);
@@ -422,8 +426,10 @@ mod tests {
         fs::write(run.join("checkpoints/latest"), "step-000464\n").unwrap();
         fs::create_dir_all(run.join("best/step-000464")).unwrap();
         fs::write(run.join("metrics.jsonl"), "{}\n").unwrap();
+        fs::create_dir_all(run.join("tensorboard")).unwrap();
         let (target, moved) = set_aside(run, 0, None).unwrap().unwrap();
-        assert_eq!(moved.len(), 5, "{moved:?}");
+        assert_eq!(moved.len(), 6, "{moved:?}");
+        assert!(target.join("tensorboard").is_dir() && !run.join("tensorboard").exists());
         assert!(target.join("checkpoints/step-000464").is_dir());
         assert!(target.join("best/step-000464").is_dir());
         assert!(!run.join("best").exists() && !run.join("metrics.jsonl").exists());
@@ -441,12 +447,17 @@ mod tests {
         }
         fs::create_dir_all(run.join("best/step-000400")).unwrap();
         fs::write(run.join("metrics.jsonl"), "{}\n").unwrap();
+        fs::create_dir_all(run.join("tensorboard")).unwrap();
         let (_, moved) = set_aside(run, 400, Some(400)).unwrap().unwrap();
         assert_eq!(
             moved,
             ["checkpoints/step-000450", "checkpoints/step-000464"]
         );
         assert!(run.join("best/step-000400").is_dir() && run.join("metrics.jsonl").exists());
+        assert!(
+            run.join("tensorboard").is_dir(),
+            "a resume keeps its event files"
+        );
         // A best model the resumed state does not know is not this run's.
         fs::create_dir_all(run.join("best/step-000450")).unwrap();
         let (_, moved) = set_aside(run, 400, Some(400)).unwrap().unwrap();
