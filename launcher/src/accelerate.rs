@@ -86,7 +86,7 @@ pub fn apply(cli: &mut Cli, env: &common::job_shape::Env) -> Result<Applied, Str
     };
     let settings = merge(cli, file.unwrap_or_default());
     applied.notices.extend(settings.not_applied.iter().cloned());
-    shape(cli, &settings)?;
+    applied.notices.extend(shape(cli, &settings)?);
     worker_settings(cli, &settings, &mut applied);
     Ok(applied)
 }
@@ -112,8 +112,9 @@ fn merge(cli: &Cli, file: Settings) -> Settings {
     }
 }
 
-/// The job shape: machines are nodes, and with several of them `num_processes` is the total.
-fn shape(cli: &mut Cli, s: &Settings) -> Result<(), String> {
+/// The job shape: machines are nodes, and with several of them `num_processes` is the total;
+/// the line that says so (the dry run's sources then name our flags).
+fn shape(cli: &mut Cli, s: &Settings) -> Result<Option<String>, String> {
     let machines = s.num_machines.unwrap_or(1);
     if machines == 0 {
         return Err("--num_machines must be at least 1".into());
@@ -131,6 +132,15 @@ fn shape(cli: &mut Cli, s: &Settings) -> Result<(), String> {
         }
         cli.num_processes = Some(NumProcesses::Count(total / machines));
     }
+    let said = (machines > 1).then(|| {
+        let per_node = s.num_processes.map_or(String::new(), |total| {
+            format!(", --num_processes {total} = {} per node", total / machines)
+        });
+        format!(
+            "accelerate: --num_machines {machines} = --nnodes {machines}, --machine_rank {} = --node-rank{per_node}",
+            s.machine_rank.unwrap_or(0)
+        )
+    });
     if machines > 1 && cli.nnodes.is_none() {
         cli.nnodes = Some(common::job_shape::NodeRange {
             min: machines,
@@ -154,7 +164,7 @@ fn shape(cli: &mut Cli, s: &Settings) -> Result<(), String> {
             cli.num_processes = Some(NumProcesses::Count(ids.len() as u32));
         }
     }
-    Ok(())
+    Ok(said)
 }
 
 /// What reaches the workers: accelerate's variables, our worker's bf16, and the lines for what
@@ -341,6 +351,14 @@ mod tests {
         assert_eq!(c.node_rank, Some(1));
         assert_eq!(c.master_addr.as_deref(), Some("10.0.0.1"));
         assert_eq!(c.master_port, Some(29611));
+        assert!(
+            applied
+                .notices
+                .iter()
+                .any(|n| n.contains("--num_processes 8 = 4 per node")),
+            "{:?}",
+            applied.notices
+        );
         assert!(applied
             .env
             .contains(&("ACCELERATE_MIXED_PRECISION".into(), "bf16".into())));
