@@ -18,6 +18,15 @@ pub struct HostlistError {
 /// More hosts than this is a malformed list (`n[0-999999999]`), not a job.
 pub const MAX_HOSTS: usize = 1 << 20;
 
+/// `host:port`, bracketing a bare IPv6 address.
+pub fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 /// Every host of `list`, in Slurm's order.
 pub fn expand(list: &str) -> Result<Vec<String>, HostlistError> {
     let err = |reason: String| HostlistError {

@@ -1,7 +1,7 @@
 //! The line the console's cursor is on: a worker's line that `output` left open (a progress bar
 //! after its `\r`, the start of a line shown after its wait) until something else is written.
 //! Owns that state, so that whatever writes next, a worker's line or the launcher's own message,
-//! ends the open line first. Must not write anything but that newline.
+//! ends the open line first. Must not write anything but what it is given.
 
 use std::io::Write as _;
 use std::sync::{Mutex, MutexGuard};
@@ -34,11 +34,20 @@ pub fn end_open_line() {
 
 /// Writes the newline that ends an open line on stdout (`stdout`) or stderr.
 pub fn end(stdout: bool) {
+    write(stdout, b"\n");
+}
+
+/// Writes `bytes` to stdout (flushed) or stderr, ignoring errors: a closed console must not
+/// kill the launcher.
+pub fn write(stdout: bool, bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
     if stdout {
         let mut out = std::io::stdout().lock();
-        let _ = out.write_all(b"\n");
+        let _ = out.write_all(bytes);
         let _ = out.flush();
     } else {
-        let _ = std::io::stderr().lock().write_all(b"\n");
+        let _ = std::io::stderr().lock().write_all(bytes);
     }
 }

@@ -63,7 +63,7 @@ impl Sinks {
             if let Some(other) = close {
                 crate::console_line::end(other == Stream::Stdout);
             }
-            write_all(stream, &bytes);
+            crate::console_line::write(stream == Stream::Stdout, &bytes);
         });
     }
 }
@@ -129,22 +129,6 @@ fn render(
         }),
     };
     (close, buf)
-}
-
-fn write_all(stream: Stream, bytes: &[u8]) {
-    if bytes.is_empty() {
-        return;
-    }
-    match stream {
-        Stream::Stdout => {
-            let mut out = std::io::stdout().lock();
-            let _ = out.write_all(bytes);
-            let _ = out.flush();
-        }
-        Stream::Stderr => {
-            let _ = std::io::stderr().lock().write_all(bytes);
-        }
-    }
 }
 
 /// Opens `dir/rank-N.log` for appending (restarts append to the same file).

@@ -397,14 +397,7 @@ fn check_host_port(addr: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// `host:port`, bracketing a bare IPv6 address.
-pub fn join_host_port(host: &str, port: u16) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    }
-}
+pub use common::hostlist::join_host_port;
 
 /// What logs and refusals show instead of a run id: `sha256:` and the first 12 hex digits of its
 /// SHA-256. Equal ids give equal fingerprints, so a mismatch can be diagnosed, but a secret id

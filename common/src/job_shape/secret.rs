@@ -53,11 +53,7 @@ impl JobShape {
             Some(e) => (e.endpoint.value.0.as_str(), e.endpoint.value.1),
             None => (self.master_addr.value.as_str(), self.master_port.value),
         };
-        let endpoint = if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        };
+        let endpoint = crate::hostlist::join_host_port(host, port);
         Some(format!(
             "{what}: this run's traffic is unauthenticated, anyone who can reach {endpoint} can join it and read or change what its ranks exchange; share a secret with every node: --run-id-file PATH on a shared filesystem (node 0 writes one), export {RUN_ID_VAR}=$(openssl rand -hex 16), or --run-id (--require-secret makes this an error)"
         ))
