@@ -3,7 +3,8 @@
 //! (`collective`: a TCP ring on CPUs, NCCL on GPUs), the DDP engine (`ddp`: gradient
 //! accumulation, bucketed all-reduce), gradient clipping (`clip`), listed rows of tables (`rows`), the sharded sampler (`sampler`), AdamW and the
 //! learning-rate schedule (`optim`), checkpoints (`checkpoint`), the shared generator (`rng`)
-//! and the few CUDA runtime calls it makes itself (`cuda_runtime`). It must not know about
+//! the few CUDA runtime calls it makes itself (`cuda_runtime`) and libtorch's TF32 switch
+//! (`tf32`). It must not know about
 //! recommenders, data sets or metrics: the worker's trainer wires a model to it, and the
 //! `ddp-fixture` trains a plain MLP through it. Before any collective of a multi-node job,
 //! `agreement` checks that every rank runs the same job (terms the caller gives); `job_watch`
@@ -21,5 +22,6 @@ pub mod rng;
 pub mod rows;
 pub mod sampler;
 mod shim;
+pub mod tf32;
 /// The rendezvous store, from its own crate (`launch` uses it too, without libtorch).
 pub use ::store;

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use common::config::{Config, ModelKind};
 use common::env_contract::WorkerEnv;
@@ -193,6 +193,7 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
     if start.leader() {
         log_plan(&start, tracker, &estimate, &vs, &task);
     }
+    worker::peer_dump::from_env(plan, &data, &vs, &task, start.env.rank)?;
     let setup = TrainSetup {
         plan,
         run_dir: start.run_dir.clone(),
@@ -303,6 +304,9 @@ fn start(cli: &Cli, tracker: &PhaseTracker) -> Result<Start, Failure> {
     } else {
         None
     };
+    if device.is_cuda() {
+        runtime::tf32::set_tf32_matmuls(config.train.tf32);
+    }
     if config.train.bf16 && !device.is_cuda() && env.rank == 0 {
         tracing::warn!("train.bf16 applies to CUDA only; this run is on the CPU and stays in f32");
     }
@@ -359,6 +363,16 @@ fn print_banner(cli: &Cli, start: &Start, alloc_conf_set: bool) {
             ""
         }
     );
+    if start.device.is_cuda() {
+        println!(
+            "f32 matmuls: {}",
+            if runtime::tf32::tf32_matmuls() {
+                "TF32 tensor cores (train.tf32 = true)"
+            } else {
+                "full f32 (train.tf32 = false)"
+            }
+        );
+    }
 }
 
 /// What `connect` brings up: rank 0's store (served while it lives), this rank's collective,
@@ -592,18 +606,12 @@ fn log_plan(
     }
 }
 
-/// `cuda:LOCAL_RANK` when CUDA is usable, otherwise the CPU.
+/// The GPU of this rank when CUDA is usable ([`gpu_index`]), otherwise the CPU.
 fn pick_device(env: &WorkerEnv) -> Result<tch::Device> {
     if !tch::Cuda::is_available() {
         return Ok(tch::Device::Cpu);
     }
-    let count = tch::Cuda::device_count();
-    let index = env.local_rank as i64;
-    if index >= count {
-        bail!(
-            "LOCAL_RANK {index} has no GPU: only {count} visible (CUDA_VISIBLE_DEVICES={}); start at most {count} processes per node",
-            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
-        );
-    }
+    let visible = tch::Cuda::device_count().max(0) as u32;
+    let index = worker::gpu_index(env.local_rank, visible).map_err(|e| anyhow::anyhow!(e))?;
     Ok(tch::Device::Cuda(index as usize))
 }

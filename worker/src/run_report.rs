@@ -163,6 +163,11 @@ impl RunSummary<'_> {
             "stopped_early": r.stopped_early,
             "last_loss": r.last_loss,
             "samples_per_s": r.samples_per_s,
+            "steady_samples_per_s": r.steady_samples_per_s,
+            "seconds": {
+                "steps": r.seconds.steps, "evaluation": r.seconds.evaluation,
+                "checkpoints": r.seconds.checkpoints, "total": r.seconds.total,
+            },
             "seconds_per_epoch": r.seconds_per_epoch,
             "peak_rss_mib": peak_rss,
             "peak_device_mib": peak_device,
@@ -256,8 +261,21 @@ impl RunSummary<'_> {
             (0, None) => return "trained by an earlier run (this one only evaluated)".into(),
             _ => (r.last_loss, r.samples_per_s, r.seconds_per_epoch, ""),
         };
+        let beside = match r.steps_run {
+            0 => String::new(),
+            _ => format!(
+                " (training steps: {:.1} s{}; not counted: evaluation {:.1} s, checkpoints {:.1} s)",
+                r.seconds.steps,
+                r.steady_samples_per_s.map_or(String::new(), |s| format!(
+                    ", {s:.0} samples/s after {} warm-up steps",
+                    crate::trainer::WARM_UP_STEPS
+                )),
+                r.seconds.evaluation,
+                r.seconds.checkpoints,
+            ),
+        };
         format!(
-            "last loss {}, {rate:.0} samples/s, {} s/epoch{when}",
+            "last loss {}, {rate:.0} samples/s{beside}, {} s/epoch{when}",
             loss.map_or("-".into(), |l| format!("{l:.4}")),
             epoch_secs.map_or("-".into(), |s| format!("{s:.1}")),
         )

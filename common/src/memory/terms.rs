@@ -366,8 +366,15 @@ pub(super) fn gpt2_activations(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
     } else {
         CHECKPOINT_COPIES_PER_BLOCK
     };
-    let per_block =
-        token_rows * d * copies * dtype + score_rows * gpt2.n_head * ATTENTION_SCORE_COPIES * F32;
+    // On CUDA the fused attention (FlashAttention, memory-efficient) keeps no scores, only a
+    // row's log-sum-exp; the CPU trains through the math path (its fused kernel takes no
+    // dropout), which keeps them.
+    let scores = if x.cuda {
+        0
+    } else {
+        score_rows * gpt2.n_head * ATTENTION_SCORE_COPIES * F32
+    };
+    let per_block = token_rows * d * copies * dtype + scores;
     let embed = if trained_blocks > 0 {
         token_rows * d * EMBEDDING_COPIES * F32
     } else {

@@ -21,7 +21,8 @@ extern "C" {
     fn at_set_autocast_enabled(device_type: i8, enabled: bool);
 }
 
-/// c10's `DeviceType::CUDA` and `ScalarType::BFloat16`.
+/// c10's `DeviceType::CPU`, `DeviceType::CUDA` and `ScalarType::BFloat16`.
+const DEVICE_TYPE_CPU: i8 = 0;
 const DEVICE_TYPE_CUDA: i8 = 1;
 const SCALAR_TYPE_BFLOAT16: i8 = 15;
 
@@ -50,24 +51,41 @@ pub fn is_enabled() -> bool {
 pub struct AutocastGuard {
     /// The enabled flag before the scope; `None` when the scope changed nothing.
     previous: Option<bool>,
+    /// The c10 device type whose autocast the scope set.
+    device_type: i8,
 }
 
 impl AutocastGuard {
-    /// Sets autocast to `enabled` for the scope. Entering a disabled scope while autocast is
-    /// off is a no-op (every CPU run).
+    /// Sets CUDA autocast to `enabled` for the scope. Entering a disabled scope while autocast
+    /// is off is a no-op (every CPU run).
     pub fn enter(enabled: bool) -> AutocastGuard {
-        if !enabled && !is_enabled() {
-            return AutocastGuard { previous: None };
+        Self::enter_on(DEVICE_TYPE_CUDA, enabled)
+    }
+
+    /// [`AutocastGuard::enter`] for CPU autocast (bf16 by default in libtorch): what lets a
+    /// machine without a GPU check the mixed-precision code paths.
+    pub fn enter_cpu(enabled: bool) -> AutocastGuard {
+        Self::enter_on(DEVICE_TYPE_CPU, enabled)
+    }
+
+    fn enter_on(device_type: i8, enabled: bool) -> AutocastGuard {
+        // SAFETY: a plain getter of libtorch's thread-local autocast state.
+        if !enabled && !unsafe { at_is_autocast_enabled(device_type) } {
+            return AutocastGuard {
+                previous: None,
+                device_type,
+            };
         }
         // SAFETY: libtorch's thread-local autocast state, restored in `drop`.
         let previous = unsafe {
-            let previous = at_is_autocast_enabled(DEVICE_TYPE_CUDA);
-            at_set_autocast_enabled(DEVICE_TYPE_CUDA, enabled);
+            let previous = at_is_autocast_enabled(device_type);
+            at_set_autocast_enabled(device_type, enabled);
             torch_sys::at_autocast_increment_nesting();
             previous
         };
         AutocastGuard {
             previous: Some(previous),
+            device_type,
         }
     }
 }
@@ -82,7 +100,7 @@ impl Drop for AutocastGuard {
             if torch_sys::at_autocast_decrement_nesting() == 0 {
                 torch_sys::at_autocast_clear_cache();
             }
-            at_set_autocast_enabled(DEVICE_TYPE_CUDA, previous);
+            at_set_autocast_enabled(self.device_type, previous);
         }
     }
 }

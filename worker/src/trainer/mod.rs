@@ -105,8 +105,13 @@ pub struct TrainReport {
     pub peak_rss: Vec<u64>,
     /// Peak device memory of each rank (bytes, NVML) when training ran on GPUs.
     pub peak_device: Option<Vec<u64>>,
-    /// Mean samples per second over the steps this run took (0 when it took none).
+    /// Training samples per second over the wall time of the steps this run took (0 when it
+    /// took none): evaluations and checkpoints excluded ([`TrainReport::seconds`] has them).
     pub samples_per_s: f64,
+    /// The same after the first [`WARM_UP_STEPS`] steps (`None` without more steps than that).
+    pub steady_samples_per_s: Option<f64>,
+    /// Where this run's time went.
+    pub seconds: Seconds,
     /// Mean seconds per epoch over the epochs this run trained in full.
     pub seconds_per_epoch: Option<f64>,
     /// Each rank's time per step, in rank order (empty when this run took no step).
@@ -116,6 +121,19 @@ pub struct TrainReport {
     /// The summary record of the run that ended where this one started (rank 0), whose
     /// training figures stand when this run took no step.
     pub earlier_summary: Option<serde_json::Value>,
+}
+
+/// Wall seconds of a run (this process), by what they were spent on.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Seconds {
+    /// Optimizer steps (what training samples/s divides by).
+    pub steps: f64,
+    /// Validations and the final test evaluation.
+    pub evaluation: f64,
+    /// Saving checkpoints and the best model.
+    pub checkpoints: f64,
+    /// From the first step's start to the report (the rest: logging, regrouping checks).
+    pub total: f64,
 }
 
 /// Everything the loop needs besides the task.
@@ -151,7 +169,7 @@ pub fn train(
     trainer.resume()?;
     trainer.prepare_run_dir()?;
     trainer.fit()?;
-    let tested = trainer.test()?;
+    let tested = trainer.timed(Spent::Evaluation, Trainer::test)?;
     // A finished run's files are on disk before it reports.
     trainer.checkpoints_on_disk(trainer.progress.step)?;
     trainer.report_progress(common::progress::Phase::Done, true);
@@ -175,6 +193,25 @@ struct Progress {
     /// This rank's time in the parts of its steps, summed, and the data part of it.
     time: runtime::ddp::StepTime,
     data: Duration,
+    /// Wall time of this run's optimizer steps (what training samples/s divides by), and of
+    /// those after the first [`WARM_UP_STEPS`] (steady state).
+    step_secs: f64,
+    steady_secs: f64,
+    /// Wall time of evaluations (validation and test) and of checkpoints (saving, the best
+    /// model) in this run: reported beside the training figures, never inside them.
+    eval_secs: f64,
+    checkpoint_secs: f64,
+}
+
+/// Steps of a run that are not steady state (CUDA kernels chosen, the allocator's pools
+/// grown, caches warm): left out of the steady-state samples/s.
+pub const WARM_UP_STEPS: u64 = 3;
+
+/// What a stretch of a run outside its steps was spent on ([`Trainer::timed`]).
+#[derive(Debug, Clone, Copy)]
+enum Spent {
+    Evaluation,
+    Checkpoint,
 }
 
 /// How often the step probe measures the peak anew: on a GPU that is an NVML query, on the CPU
@@ -272,12 +309,36 @@ impl Progress {
             started: Instant::now(),
             time: Default::default(),
             data: Duration::ZERO,
+            step_secs: 0.0,
+            steady_secs: 0.0,
+            eval_secs: 0.0,
+            checkpoint_secs: 0.0,
         }
     }
 
-    /// Samples per second of this process's steps so far (`global` samples each).
+    /// Training samples per second of this process's steps so far (`global` samples each),
+    /// over the steps' own time: evaluations and checkpoints excluded, as Hugging Face's
+    /// `train_samples_per_second`.
     fn samples_per_s(&self, global: u64) -> f64 {
-        (self.steps_run * global) as f64 / self.started.elapsed().as_secs_f64().max(1e-9)
+        (self.steps_run * global) as f64 / self.step_secs.max(1e-9)
+    }
+
+    /// [`Progress::samples_per_s`] after the first [`WARM_UP_STEPS`]; `None` before any.
+    fn steady_samples_per_s(&self, global: u64) -> Option<f64> {
+        let steady = self
+            .steps_run
+            .checked_sub(WARM_UP_STEPS)
+            .filter(|&n| n > 0)?;
+        Some((steady * global) as f64 / self.steady_secs.max(1e-9))
+    }
+
+    /// One optimizer step of `secs` done.
+    fn add_step(&mut self, secs: f64) {
+        self.steps_run += 1;
+        self.step_secs += secs;
+        if self.steps_run > WARM_UP_STEPS {
+            self.steady_secs += secs;
+        }
     }
 
     /// Seconds left until `total_steps` at this process's pace so far; `None` before a step.
@@ -465,10 +526,12 @@ impl<'t> Trainer<'t> {
         };
         for epoch in first..self.epochs {
             self.run_epoch(epoch)?;
-            self.validate_if_due()?;
+            self.timed(Spent::Evaluation, Self::validate_if_due)?;
             let step = self.progress.step;
-            self.checkpoint(epoch + 1, step, 0)?;
-            self.save_best(step)?;
+            self.timed(Spent::Checkpoint, |t| {
+                t.checkpoint(epoch + 1, step, 0)?;
+                t.save_best(step)
+            })?;
             if self.eval.stopped_early {
                 break;
             }
@@ -526,7 +589,9 @@ impl<'t> Trainer<'t> {
             }
             // The last step of an epoch is saved as the end of the epoch.
             if every > 0 && step % every == 0 && w + 1 < windows {
-                self.checkpoint(epoch, step, samples_in_epoch)?;
+                self.timed(Spent::Checkpoint, |t| {
+                    t.checkpoint(epoch, step, samples_in_epoch)
+                })?;
                 self.regroup_if_asked(step)?;
             }
         }
@@ -598,7 +663,7 @@ impl<'t> Trainer<'t> {
         let step = step + 1;
         self.progress.step = step;
         self.setup.memory.set_step(step);
-        self.progress.steps_run += 1;
+        self.progress.add_step(t0.elapsed().as_secs_f64());
         self.progress.last_loss = Some(stats.loss);
         self.progress.time += stats.time;
         self.progress.data += self.task.take_data_time();
@@ -608,6 +673,22 @@ impl<'t> Trainer<'t> {
         }
         self.log_step(epoch, lr, &stats, t0.elapsed().as_secs_f64())?;
         Ok(stats.stop_requested)
+    }
+
+    /// `work` on the trainer, its wall time counted as `spent`.
+    fn timed<T>(
+        &mut self,
+        spent: Spent,
+        work: impl FnOnce(&mut Self) -> Result<T, TrainError>,
+    ) -> Result<T, TrainError> {
+        let started = Instant::now();
+        let result = work(self);
+        let secs = started.elapsed().as_secs_f64();
+        match spent {
+            Spent::Evaluation => self.progress.eval_secs += secs,
+            Spent::Checkpoint => self.progress.checkpoint_secs += secs,
+        }
+        result
     }
 
     /// A checkpoint at (epoch, step, samples consumed in that epoch), with the early-stopping
@@ -691,7 +772,7 @@ impl<'t> Trainer<'t> {
             Vec::new()
         };
         let p = &self.progress;
-        let secs = p.started.elapsed().as_secs_f64();
+        let global = self.setup.plan.batch.global;
         Ok(TrainReport {
             steps: p.step,
             epochs_done: p.epochs_done,
@@ -704,9 +785,16 @@ impl<'t> Trainer<'t> {
             peak_rss,
             peak_device,
             samples_per_s: if p.steps_run > 0 {
-                (p.steps_run * self.setup.plan.batch.global) as f64 / secs.max(1e-9)
+                p.samples_per_s(global)
             } else {
                 0.0
+            },
+            steady_samples_per_s: p.steady_samples_per_s(global),
+            seconds: Seconds {
+                steps: p.step_secs,
+                evaluation: p.eval_secs,
+                checkpoints: p.checkpoint_secs,
+                total: p.started.elapsed().as_secs_f64(),
             },
             seconds_per_epoch: (p.full_epochs > 0)
                 .then(|| p.full_epoch_secs / p.full_epochs as f64),
