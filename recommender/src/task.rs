@@ -292,7 +292,9 @@ impl RecTask {
             pos.push(i64::from(p));
             neg.push(i64::from(negative));
         }
-        let t = |v: &[i64]| Tensor::from_slice(v).to_device(self.device);
+        // On the host: the model copies them in without waiting and reads the texts' lengths
+        // from them without asking the device.
+        let t = |v: &[i64]| Tensor::from_slice(v);
         let (users_t, pos_t, neg_t) = (t(&users), t(&pos), t(&neg));
         pos.extend_from_slice(&neg);
         self.last_rows = Some((users, pos));
@@ -301,6 +303,19 @@ impl RecTask {
         Ok(crate::model::autocast::autocast(self.bf16, || {
             self.model.bpr_loss(&users, &pos, &neg, self.l2, true)
         }))
+    }
+
+    /// The loss of one micro-batch — users, positives and negatives as dense ids — with dropout
+    /// off and no gradient, in the training forward's precision: what a PyTorch peer of the
+    /// training step checks its own against (`GPTREC_DUMP_PEER`, `scripts/bench/gpt2_peer.py`).
+    pub fn eval_loss(&self, users: &[i64], pos: &[i64], neg: &[i64]) -> Result<f64, tch::TchError> {
+        let _guard = tch::no_grad_guard();
+        let t = |v: &[i64]| Tensor::from_slice(v).to_device(self.device);
+        let (users, pos, neg) = (t(users), t(pos), t(neg));
+        crate::model::autocast::autocast(self.bf16, || {
+            self.model.bpr_loss(&users, &pos, &neg, self.l2, false)
+        })
+        .f_double_value(&[])
     }
 
     /// The rows of the ID table `table` (`user_id.weight` or `item_id.weight`) that the last
@@ -555,7 +570,14 @@ mod tests {
                 }
             }
         });
+        let before = runtime::host_read::reads();
         let loss = task.loss(&[0, 1, 2, 3]).unwrap();
+        // The texts' lengths come from the host: a micro-batch asks the device for nothing.
+        assert_eq!(
+            runtime::host_read::reads(),
+            before,
+            "the loss read a value from the device"
+        );
         loss.backward();
         let g = vars["gpt2.h.1.mlp.c_fc.weight"].grad();
         assert!(g.defined() && g.abs().sum(Kind::Float).double_value(&[]) > 0.0);

@@ -102,10 +102,7 @@ pub(crate) fn token_table(
     device: Device,
 ) -> TokenTable {
     let (ids, mask) = tok.encode_batch(texts, max_len);
-    TokenTable {
-        ids: ids.to_device(device),
-        mask: mask.to_device(device),
-    }
+    TokenTable::new(&ids, &mask, device)
 }
 
 /// Rows of text GPT-2 encodes at once while caching features.

@@ -7,10 +7,11 @@
 
 use std::time::{Duration, Instant};
 
-use tch::{nn, Tensor};
+use tch::{nn, Kind, Tensor};
 
 use crate::clip::{clip_grads, ClipGrad};
 use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
+use crate::host_read;
 use crate::optim::{AdamW, OptimError};
 use crate::rows;
 
@@ -408,7 +409,7 @@ impl Ddp {
         // this rank's batches did not reach), and a sparse backward adds into a dense gradient.
         self.zero_grads()?;
         let (losses, waited) = self.run_window(window, model, ctx)?;
-        let bad_loss = losses.bad;
+        let bad_loss = losses.local.shallow_clone();
         model.phase(StepPhase::Optimizer);
         let mut time = StepTime {
             compute: started.elapsed().saturating_sub(waited),
@@ -420,31 +421,39 @@ impl Ddp {
         // (after the overlapped buckets, which every rank reduces whatever its loss), so that
         // every rank stops together when any rank's loss is not finite (instead of the others
         // waiting for its gradients), and every rank knows the union of touched rows.
-        let mut summary = [self.summary(losses.local, bad_loss.is_some())?];
+        let mut summary = [self.summary(&losses)?];
         let reducing = Instant::now();
         time.update = (reducing - started).saturating_sub(time.compute + waited);
-        self.comm.all_reduce(&mut summary, ReduceOp::Sum, ctx)?;
-        let global_loss = summary[0].f_double_value(&[0])? / self.world_size() as f64;
-        let probed_max = self.probed_max(&summary[0])?;
-        let stop_requested = summary[0].f_double_value(&[2])? > 0.0;
-        if summary[0].f_double_value(&[1])? > 0.0 {
+        // Alone, the sum is the summary itself.
+        if self.world_size() > 1 {
+            self.comm.all_reduce(&mut summary, ReduceOp::Sum, ctx)?;
+        }
+        // The step's one wait for the device before the update: the loss, the flags and the
+        // masks, read together.
+        let summary = host_read::f32s(&summary[0])?;
+        let global_loss = f64::from(summary[0]) / self.world_size() as f64;
+        let probed_max = self.probed_max(&summary);
+        let stop_requested = summary[2] > 0.0;
+        if summary[1] > 0.0 {
+            let mine = host_read::scalar(&bad_loss)?;
             return Err(DdpError::Loss {
                 step: step + 1,
-                detail: match bad_loss {
-                    Some(value) => format!(
-                        "the loss is {value} on rank {}; lower train.lr or check the data",
+                detail: if mine.is_finite() {
+                    "the loss is not finite on another rank (see its message)".to_string()
+                } else {
+                    format!(
+                        "the loss is {mine} on rank {}; lower train.lr or check the data",
                         self.rank()
-                    ),
-                    None => "the loss is not finite on another rank (see its message)".to_string(),
+                    )
                 },
             });
         }
         let grad_norm = if self.shards.is_some() {
             time.collective += reducing.elapsed();
             let check_due = self.check_due(step);
-            self.sharded_update(&summary[0], check_due, optimizer, lr, ctx, &mut time)?
+            self.sharded_update(&summary, check_due, optimizer, lr, ctx, &mut time)?
         } else {
-            self.reduce_sparse(&summary[0], ctx)?;
+            self.reduce_sparse(&summary, ctx)?;
             if self.overlap.is_none() {
                 self.reduce_buckets(ctx)?;
             }
@@ -491,6 +500,9 @@ impl Ddp {
 
     /// Averages the dense gradients over the ranks, bucket by bucket in order.
     fn reduce_buckets(&mut self, ctx: OpContext) -> Result<(), DdpError> {
+        if self.world_size() == 1 {
+            return Ok(()); // the average of one is itself: no flattening, no collective
+        }
         for bucket in &self.buckets {
             let mut grads: Vec<Tensor> = bucket.iter().map(|&i| self.params[i].grad()).collect();
             self.comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
@@ -536,8 +548,8 @@ impl Ddp {
     /// Averages each sparse table's gradient over the ranks: only the rows some rank touched
     /// (from the reduced `summary`) when they are at most half the table, otherwise all of it.
     /// Remembers the rows exchanged: the only ones not zero afterwards.
-    fn reduce_sparse(&mut self, summary: &Tensor, ctx: OpContext) -> Result<(), DdpError> {
-        let unions = self.unions(summary)?;
+    fn reduce_sparse(&mut self, summary: &[f32], ctx: OpContext) -> Result<(), DdpError> {
+        let unions = self.unions(summary);
         // The touched rows of every row-sparse table travel in one all-reduce (one
         // synchronisation of the ranks instead of one per table).
         let mut compact = Vec::new();
@@ -606,17 +618,18 @@ impl Ddp {
     }
 }
 
-/// This rank's share of a window's loss, and the first loss that was not finite (the rank then
-/// stopped computing).
+/// This rank's share of a window's loss: the micro-batches' losses / window length, summed in
+/// f64 where they were computed (read with the step's summary, not one by one: each read would
+/// be a host wait). Not finite when any of them was not.
 struct WindowLoss {
-    local: f64,
-    bad: Option<f64>,
+    local: Tensor,
 }
 
 /// Forward and backward of each micro-batch of `window` (loss / window length, gradients
 /// accumulating), marking the rows each used in `sparse`; `before_last_backward` runs just
-/// before the last backward pass with the model's [`MicroBatchLoss::backward_is_whole`]. Stops
-/// at the first loss that is not finite.
+/// before the last backward pass with the model's [`MicroBatchLoss::backward_is_whole`]. A loss
+/// that is not finite is found by the step's summary, after the window (the update is then
+/// refused on every rank).
 fn micro_batches<B>(
     window: &[B],
     model: &mut impl MicroBatchLoss<B>,
@@ -625,19 +638,19 @@ fn micro_batches<B>(
 ) -> Result<WindowLoss, DdpError> {
     let scale = 1.0 / window.len() as f64;
     let mut before_last_backward = Some(before_last_backward);
-    let mut losses = WindowLoss {
-        local: 0.0,
-        bad: None,
-    };
+    let mut local: Option<Tensor> = None;
     for (k, micro) in window.iter().enumerate() {
         model.phase(StepPhase::Forward);
         let loss = model.loss(micro)?;
-        let value = loss.f_double_value(&[])?;
-        if !value.is_finite() {
-            losses.bad = Some(value);
-            break;
-        }
-        losses.local += value * scale;
+        // As `value as f64 * scale` summed on the host was: the same f64 arithmetic.
+        let share = loss
+            .f_detach()?
+            .f_to_kind(Kind::Double)?
+            .f_mul_scalar(scale)?;
+        local = Some(match local {
+            None => share,
+            Some(sum) => sum.f_add(&share)?,
+        });
         model.phase(StepPhase::Backward);
         if k + 1 == window.len() {
             if let Some(arm) = before_last_backward.take() {
@@ -648,7 +661,11 @@ fn micro_batches<B>(
         model.finish_backward()?;
         mark_rows_used(sparse, model);
     }
-    Ok(losses)
+    let local = match local {
+        Some(sum) => sum,
+        None => Tensor::f_zeros([], (Kind::Double, tch::Device::Cpu))?,
+    };
+    Ok(WindowLoss { local })
 }
 
 /// Adds the rows the last micro-batch used to each sparse table's mask (`used` is set to all

@@ -1,7 +1,7 @@
 //! `runtime`: the distributed runtime — what any data-parallel `tch` training needs, and nothing
 //! about what is trained. It uses the rendezvous store (`store`, its own crate), owns the collectives
 //! (`collective`: a TCP ring on CPUs, NCCL on GPUs), the DDP engine (`ddp`: gradient
-//! accumulation, bucketed all-reduce), gradient clipping (`clip`), listed rows of tables (`rows`), the sharded sampler (`sampler`), AdamW and the
+//! accumulation, bucketed all-reduce), gradient clipping (`clip`), the step's counted reads of values into the host (`host_read`), listed rows of tables (`rows`), the sharded sampler (`sampler`), AdamW and the
 //! learning-rate schedule (`optim`), checkpoints (`checkpoint`), the shared generator (`rng`)
 //! the few CUDA runtime calls it makes itself (`cuda_runtime`) and libtorch's TF32 switch
 //! (`tf32`). It must not know about
@@ -16,6 +16,7 @@ pub mod clip;
 pub mod collective;
 pub mod cuda_runtime;
 pub mod ddp;
+pub mod host_read;
 pub mod job_watch;
 pub mod optim;
 pub mod rng;

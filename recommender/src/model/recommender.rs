@@ -50,10 +50,50 @@ pub struct TextFeatures {
     pub items: Tensor,
 }
 
-/// Token ids `[n, t]` (i64) and mask `[n, t]` (1 real, 0 pad) of every row's text.
+/// Token ids `[n, t]` (i64) and mask `[n, t]` (1 real, 0 pad, right-padded) of every row's
+/// text, and each row's number of real tokens on the host (so a batch is cut to its longest
+/// text without asking the device).
 pub struct TokenTable {
     pub ids: Tensor,
     pub mask: Tensor,
+    lengths: Vec<i64>,
+}
+
+impl TokenTable {
+    /// The table of `ids` and `mask` (on the CPU, as the tokenizer makes them) on `device`.
+    pub fn new(ids: &Tensor, mask: &Tensor, device: tch::Device) -> TokenTable {
+        let lengths = Vec::<i64>::try_from(mask.to_device(tch::Device::Cpu).ne(0).sum_dim_intlist(
+            -1,
+            false,
+            Kind::Int64,
+        ))
+        .unwrap_or_default();
+        TokenTable {
+            ids: ids.to_device(device),
+            mask: mask.to_device(device),
+            lengths,
+        }
+    }
+
+    /// The longest real text among rows `ids` (at least 1): from the host's lengths when the
+    /// ids are on the host, else read from the device (outside training's hot path).
+    fn longest(&self, ids: &Tensor) -> i64 {
+        let from_host = (ids.device() == tch::Device::Cpu)
+            .then(|| Vec::<i64>::try_from(ids).ok())
+            .flatten()
+            .and_then(|rows| {
+                rows.iter()
+                    .map(|&r| usize::try_from(r).ok().and_then(|r| self.lengths.get(r)))
+                    .try_fold(0i64, |m, l| l.map(|&l| m.max(l)))
+            });
+        let longest = from_host.unwrap_or_else(|| {
+            let rows = ids.to_device(self.mask.device());
+            let mask = self.mask.index_select(0, &rows);
+            let longest = mask.ne(0).sum_dim_intlist(-1, false, Kind::Int64).max();
+            runtime::host_read::scalar(&longest).map_or(1, |v| v as i64)
+        });
+        longest.max(1)
+    }
 }
 
 /// Where the text part of a representation comes from.
@@ -245,7 +285,8 @@ impl Recommender {
     }
 
     /// Text features (before projection) of rows `ids` of one side, or `None` without text.
-    /// In dynamic mode GPT-2 runs on those rows' tokens, cut to their longest real text.
+    /// In dynamic mode GPT-2 runs on those rows' tokens, cut to their longest real text. `ids`
+    /// on the host or the model's device.
     fn text_rows(&self, side: Side, ids: &Tensor, train: bool) -> Option<Tensor> {
         match &self.text {
             Text::None => None,
@@ -254,8 +295,7 @@ impl Recommender {
                     Side::User => &f.users,
                     Side::Item => &f.items,
                 };
-                let rows = table.index_select(0, &ids.to_device(table.device()));
-                Some(rows.to_device(ids.device()))
+                Some(table.index_select(0, &ids.to_device(table.device())))
             }
             Text::Dynamic { gpt2, users, items } => {
                 let table = match side {
@@ -267,14 +307,25 @@ impl Recommender {
         }
     }
 
-    /// The two parts of the representations [b, dim] of rows `ids` ([b] i64): the ID
-    /// embedding and, with a text tower, the projected text. A cold item's ID part is zero; a
-    /// cold user's is the mean of the warm users' embeddings (the average taste).
+    /// The two parts of the representations [b, dim] of rows `ids` ([b] i64, on the host or
+    /// the model's device), on the model's device: the ID embedding and, with a text tower, the
+    /// projected text. A cold item's ID part is zero; a cold user's is the mean of the warm
+    /// users' embeddings (the average taste).
     fn parts(&self, side: Side, ids: &Tensor, train: bool) -> (Tensor, Option<Tensor>) {
+        let on_device = self.on_device(ids);
         (
-            self.id_part(side, ids, train),
+            self.id_part(side, &on_device, train),
             self.text_part(side, ids, train),
         )
+    }
+
+    /// `ids` on the model's device: from the host without waiting for the device.
+    fn on_device(&self, ids: &Tensor) -> Tensor {
+        let device = self.user_id.ws.device();
+        if ids.device() == device {
+            return ids.shallow_clone();
+        }
+        runtime::host_read::to_device(ids, device).unwrap_or_else(|_| ids.to_device(device))
     }
 
     /// The ID embeddings [b, dim] of rows `ids`, cold rows as [`Recommender::parts`] says.
@@ -313,7 +364,7 @@ impl Recommender {
         }
     }
 
-    /// Representations [b, dim] of rows `ids`: ID part + text part.
+    /// Representations [b, dim] of rows `ids` (host or device): ID part + text part.
     fn repr(&self, side: Side, ids: &Tensor, train: bool) -> Tensor {
         match self.parts(side, ids, train) {
             (id_emb, Some(text)) => id_emb + text,
@@ -385,10 +436,12 @@ impl Recommender {
             .step_by(ENCODE_ROWS as usize)
             .map(|start| ENCODE_ROWS.min(n - start))
             .collect();
-        // Every chunk but maybe the last is ENCODE_ROWS long.
+        // Every chunk but maybe the last is ENCODE_ROWS long. Its ids from the host: the
+        // texts' lengths are known there.
+        let host_ids = Tensor::arange(n, (Kind::Int64, tch::Device::Cpu));
         let encode = |c: usize| {
             let start = c as i64 * ENCODE_ROWS;
-            self.text_part(side, &ids.narrow(0, start, rows[c]), false)
+            self.text_part(side, &host_ids.narrow(0, start, rows[c]), false)
         };
         let chunks = TextChunks::new(rows.clone(), self.config.dim, device, &encode);
         let parts = text(&chunks)?;
@@ -409,7 +462,7 @@ impl Recommender {
             (Text::Cached(_), NewUserText::Features(f)) => f.shallow_clone(),
             (Text::Dynamic { gpt2, .. }, NewUserText::Tokens(t)) => {
                 let n = t.ids.size()[0];
-                let ids = Tensor::arange(n, (Kind::Int64, t.ids.device()));
+                let ids = Tensor::arange(n, (Kind::Int64, tch::Device::Cpu));
                 encode_rows(gpt2.as_ref(), t, &ids, false)
             }
             _ => return None,
@@ -451,7 +504,9 @@ impl Recommender {
     /// BPR loss as REFERENCE.md gives it, `-log(1e-10 + sigmoid(pos - neg)).mean()`, plus
     /// `l2` times the squared norms of the ID embeddings used in the batch, plus the config's
     /// `text_l2` times those of their text parts, each averaged over the batch.
-    /// `train` turns GPT-2's dropout on (dynamic mode).
+    /// `train` turns GPT-2's dropout on (dynamic mode). The ids may be on the host (training
+    /// gives them so: copied in without a wait, the texts' lengths read there) or on the
+    /// model's device.
     pub fn bpr_loss(
         &self,
         users: &Tensor,
@@ -492,14 +547,13 @@ impl Recommender {
 /// scaled to norm about 1, so that the projected text starts at the scale of the ID embeddings.
 fn encode_rows(gpt2: &Gpt2, table: &TokenTable, ids: &Tensor, train: bool) -> Tensor {
     let device = table.ids.device();
-    let rows = ids.to_device(device);
-    let mask = table.mask.index_select(0, &rows);
-    let longest = mask
-        .sum_dim_intlist(-1, false, Kind::Float)
-        .max()
-        .double_value(&[])
-        .max(1.0) as i64;
-    let mask = mask.narrow(1, 0, longest);
+    let longest = table.longest(ids);
+    let rows = if ids.device() == device {
+        ids.shallow_clone()
+    } else {
+        runtime::host_read::to_device(ids, device).unwrap_or_else(|_| ids.to_device(device))
+    };
+    let mask = table.mask.index_select(0, &rows).narrow(1, 0, longest);
     let tokens = table.ids.index_select(0, &rows).narrow(1, 0, longest);
     let hidden = gpt2.forward(&tokens, &mask, train);
     let pooled = Gpt2::mean_pool(&hidden, &mask);
@@ -511,7 +565,7 @@ fn encode_rows(gpt2: &Gpt2, table: &TokenTable, ids: &Tensor, train: bool) -> Te
         1e-5,
         false,
     );
-    (normed / (width as f64).sqrt()).to_device(ids.device())
+    normed / (width as f64).sqrt()
 }
 
 /// The popularity baseline: every item scored by its number of training interactions.

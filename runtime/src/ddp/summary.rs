@@ -3,25 +3,22 @@
 //! touched-row mask; and how the reduced summary is read (the union of touched rows, the
 //! slowest rank). Must not: reduce gradients or step the optimizer (the engine does).
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
-use super::{Ddp, DdpError};
+use super::{Ddp, DdpError, WindowLoss};
 
 impl Ddp {
     /// `[local loss, bad-loss flag, stop flag, probe slot of each rank (with a probe),
-    /// touched-row mask of each sparse table...]` (f32).
-    pub(super) fn summary(&mut self, local_loss: f64, bad: bool) -> Result<Tensor, DdpError> {
+    /// touched-row mask of each sparse table...]` (f32), where the loss was computed: its first
+    /// two slots are filled there, from the loss, without reading it.
+    pub(super) fn summary(&mut self, losses: &WindowLoss) -> Result<Tensor, DdpError> {
         // One buffer, one tensor: a tensor per part and their concatenation were a tenth of a
         // small model's update.
         let rows: usize = self.sparse.iter().map(|t| t.rows as usize).sum();
         let mut values = Vec::with_capacity(self.summary_head_len() as usize + rows);
         let stop =
             (self.stop_flag.as_ref()).is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed));
-        values.extend([
-            local_loss as f32,
-            f32::from(u8::from(bad)),
-            f32::from(u8::from(stop)),
-        ]);
+        values.extend([0.0, 0.0, f32::from(u8::from(stop))]);
         if let Some(probe) = self.probe.as_mut() {
             let at = values.len() + self.comm.rank();
             values.resize(values.len() + self.comm.world_size(), 0.0);
@@ -33,14 +30,31 @@ impl Ddp {
                 None => values.extend(touched_rows(&self.params[table.index].grad())?),
             }
         }
-        Ok(Tensor::from_slice(&values))
+        let loss = &losses.local;
+        let head = Tensor::f_stack(
+            &[
+                loss.f_to_kind(Kind::Float)?,
+                loss.f_isfinite()?.f_logical_not()?.f_to_kind(Kind::Float)?,
+            ],
+            0,
+        )?;
+        let rest = Tensor::from_slice(&values[2..]);
+        let device = loss.device();
+        if device == tch::Device::Cpu {
+            let summary = Tensor::from_slice(&values);
+            summary.f_narrow(0, 0, 2)?.f_copy_(&head)?;
+            return Ok(summary);
+        }
+        Ok(Tensor::f_cat(
+            &[head, crate::host_read::to_device(&rest, device)?],
+            0,
+        )?)
     }
 
     /// Per sparse table (in `sparse`'s order), from the reduced `summary`: the rows some rank
     /// touched (ascending), when they are at most half the table; `None` (the whole table)
     /// otherwise.
-    pub(super) fn unions(&self, summary: &Tensor) -> Result<Vec<Option<Vec<i64>>>, DdpError> {
-        let summary = summary_values(summary)?;
+    pub(super) fn unions(&self, summary: &[f32]) -> Vec<Option<Vec<i64>>> {
         let mut masks = &summary[self.summary_head_len() as usize..];
         let mut unions = Vec::with_capacity(self.sparse.len());
         for table in &self.sparse {
@@ -49,7 +63,7 @@ impl Ddp {
             let union = rows_set(mask);
             unions.push((union.len() as i64 * 2 <= table.rows).then_some(union));
         }
-        Ok(unions)
+        unions
     }
 
     /// Where the sparse tables' masks start in the summary.
@@ -62,19 +76,16 @@ impl Ddp {
     }
 
     /// The largest probe slot of the reduced `summary`, with its rank (the lowest on a tie).
-    pub(super) fn probed_max(&self, summary: &Tensor) -> Result<Option<(usize, f64)>, DdpError> {
-        if self.probe.is_none() {
-            return Ok(None);
-        }
+    pub(super) fn probed_max(&self, summary: &[f32]) -> Option<(usize, f64)> {
+        self.probe.as_ref()?;
         let world = self.comm.world_size();
-        let slots = Vec::<f32>::try_from(summary.f_narrow(0, 3, world as i64)?)?;
-        Ok(slots
-            .iter()
-            .enumerate()
-            .fold(None, |best: Option<(usize, f64)>, (r, &v)| match best {
+        summary.get(3..3 + world)?.iter().enumerate().fold(
+            None,
+            |best: Option<(usize, f64)>, (r, &v)| match best {
                 Some((_, b)) if b >= f64::from(v) => best,
                 _ => Some((r, f64::from(v))),
-            }))
+            },
+        )
     }
 }
 
@@ -90,7 +101,7 @@ pub(super) fn touched_rows(grad: &Tensor) -> Result<Vec<f32>, tch::TchError> {
             .f_ne(0.0)?
             .f_any_dim(1, false)?
             .f_to_kind(tch::Kind::Float)?;
-        return Vec::<f32>::try_from(&mask);
+        return crate::host_read::f32s(&mask);
     }
     // SAFETY: a contiguous f32 CPU buffer of n elements, alive and unchanged for this call
     // (the step runs on the training thread, under no_grad).
@@ -118,23 +129,6 @@ pub(super) fn rows_set(mask: &[f32]) -> Vec<i64> {
     }
     rows.truncate(k);
     rows
-}
-
-/// The values of a reduced summary (as built by `Ddp::summary`): read where they lie when the
-/// summary is a contiguous f32 CPU tensor (it is, unless the backend moved it), copied
-/// otherwise.
-fn summary_values(summary: &Tensor) -> Result<std::borrow::Cow<'_, [f32]>, tch::TchError> {
-    let fits = summary.device() == tch::Device::Cpu
-        && summary.kind() == tch::Kind::Float
-        && summary.is_contiguous();
-    if !fits || summary.numel() == 0 {
-        return Ok(Vec::<f32>::try_from(summary)?.into());
-    }
-    // SAFETY: a contiguous f32 CPU buffer of numel elements, borrowed with `summary` and not
-    // written while borrowed (the step runs on the training thread).
-    let values =
-        unsafe { std::slice::from_raw_parts(summary.data_ptr() as *const f32, summary.numel()) };
-    Ok(values.into())
 }
 
 #[cfg(test)]

@@ -463,3 +463,137 @@ fn buckets_respect_the_size_and_cover_every_parameter_once() {
     assert_eq!(buckets[0][0], 5);
     assert_eq!(buckets.len(), 5);
 }
+
+/// A one-rank group whose every collective counts itself (and does nothing: one rank's
+/// average is itself).
+struct Alone {
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl crate::collective::Collective for Alone {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn name(&self) -> &'static str {
+        "alone"
+    }
+    fn all_reduce(
+        &mut self,
+        _: &mut [Tensor],
+        _: ReduceOp,
+        _: OpContext,
+    ) -> Result<(), CollectiveError> {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+    fn broadcast(
+        &mut self,
+        _: &mut [Tensor],
+        _: usize,
+        _: OpContext,
+    ) -> Result<(), CollectiveError> {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+    fn all_gather(&mut self, t: &Tensor, _: OpContext) -> Result<Vec<Tensor>, CollectiveError> {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(vec![t.shallow_clone()])
+    }
+    fn barrier(&mut self, _: OpContext) -> Result<(), CollectiveError> {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// A linear model of 40 parameters in 4 tensors, its loss the mean square of its output.
+struct Linear(tch::nn::Linear, tch::nn::Linear);
+
+impl MicroBatchLoss<Vec<f32>> for Linear {
+    fn loss(&mut self, micro: &Vec<f32>) -> Result<Tensor, tch::TchError> {
+        use tch::nn::Module;
+        let x = Tensor::from_slice(micro).view([-1, 4]);
+        Ok(self
+            .1
+            .forward(&self.0.forward(&x))
+            .square()
+            .mean(tch::Kind::Float))
+    }
+}
+
+fn linear_engine(
+    comm: Box<dyn crate::collective::Collective>,
+    grad_accum: usize,
+) -> (Ddp, AdamW, Linear, tch::nn::VarStore) {
+    tch::manual_seed(3);
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let model = Linear(
+        tch::nn::linear(vs.root() / "a", 4, 6, Default::default()),
+        tch::nn::linear(vs.root() / "b", 6, 2, Default::default()),
+    );
+    let config = DdpConfig {
+        grad_accum,
+        bucket_bytes: 64,
+        max_grad_norm: 0.01,
+        check_params_every: 0,
+        timeout: Duration::from_secs(20),
+        sparse: Vec::new(),
+        shared_tables: false,
+        shard_optimizer: false,
+        overlap_backward: true,
+    };
+    let ddp = Ddp::new(comm, &vs, config).unwrap();
+    let adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.0);
+    (ddp, adam, model, vs)
+}
+
+#[test]
+fn a_one_rank_group_makes_no_collective_in_a_step() {
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let comm = Box::new(Alone {
+        calls: calls.clone(),
+    });
+    let (mut ddp, mut adam, mut model, _vs) = linear_engine(comm, 2);
+    let before = calls.load(std::sync::atomic::Ordering::Relaxed);
+    let window = vec![vec![1.0f32; 8], vec![-2.0f32; 8]];
+    for step in 0..3 {
+        let stats = ddp
+            .step(&window, &mut model, &mut adam, 0.01, step)
+            .unwrap();
+        assert!(stats.loss.is_finite() && stats.grad_norm > 0.0);
+    }
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::Relaxed),
+        before,
+        "collectives called"
+    );
+}
+
+#[test]
+fn a_step_reads_the_device_once_whatever_its_micro_batches() {
+    // The counted reads of a step (host waits on a GPU): the summary, read once. On the CPU the
+    // clipping norm is summed in place (no read); where gradients live on a device it is one
+    // read more (`clip`'s own test).
+    for grad_accum in [1, 3] {
+        use crate::collective::tcp::test_ring::with_ring_owned;
+        let reads = with_ring_owned(2, move |_, ring| {
+            let (mut ddp, mut adam, mut model, _vs) = linear_engine(Box::new(ring), grad_accum);
+            let window: Vec<Vec<f32>> = (0..grad_accum).map(|k| vec![k as f32 + 0.5; 8]).collect();
+            (0..4)
+                .map(|step| {
+                    let before = crate::host_read::reads();
+                    ddp.step(&window, &mut model, &mut adam, 0.01, step)
+                        .unwrap();
+                    crate::host_read::reads() - before
+                })
+                .collect::<Vec<u64>>()
+        });
+        assert_eq!(reads, vec![vec![1; 4]; 2], "grad_accum {grad_accum}");
+    }
+}
