@@ -80,3 +80,49 @@ fn a_second_node_with_a_taken_node_rank_is_refused_and_the_job_goes_on() {
     }
     assert_no_processes(&id, Duration::from_secs(10));
 }
+
+#[test]
+fn a_rank_whose_collective_fails_to_start_stops_the_other_node_at_once() {
+    // Node 1's rank fails while setting up its collective (as an NCCL initialisation can):
+    // node 0's rank, which has joined the rendezvous, is told at once by the job watch instead
+    // of waiting for it until the set-up's timeout (600 s here).
+    let dir = tempfile::tempdir().unwrap();
+    let id = unique_run_id("collective-fails");
+    let port = free_port().to_string();
+    let sets = tiny_bpr_sets(dir.path());
+    let children: Vec<_> = ["0", "1"]
+        .iter()
+        .map(|node| {
+            let mut args: Vec<&str> = vec![
+                "--nnodes",
+                "2",
+                "--node-rank",
+                node,
+                "--num-processes",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+                "--run-id",
+                &id,
+                "configs/default.toml",
+                "--set",
+                "dist.timeout_s=600",
+            ];
+            args.extend(sets.iter().map(String::as_str));
+            let mut cmd = launch_cmd(&args);
+            cmd.env("GPTREC_FAULT_COLLECTIVE", "1");
+            cmd.spawn().expect("start launch")
+        })
+        .collect();
+    let outs: Vec<Output> = children.into_iter().map(|c| wait_output(c, T)).collect();
+    outs[1].assert_stderr("set-up failed on this rank (GPTREC_FAULT_COLLECTIVE)");
+    outs[0].assert_stderr("stopping: rank 1 (host");
+    outs[0].assert_stderr("ended before the job finished");
+    for out in &outs {
+        out.assert_code(1);
+        out.assert_ended_within(60);
+    }
+    assert_no_processes(&id, Duration::from_secs(10));
+}

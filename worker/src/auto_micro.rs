@@ -29,6 +29,29 @@ pub enum AutoMicroError {
     Failed(String),
 }
 
+/// NCCL allocates its buffers lazily, outside libtorch's allocator, when collectives of a size
+/// first run; the set-up's check reduced 4 floats. One all-reduce of a bucket's size before the
+/// memory is measured makes the probe plan with what training will hold (on GPUs, with
+/// others to talk to).
+fn warm_up_nccl(
+    comm: &mut dyn Collective,
+    bucket_mb: f64,
+    device: tch::Device,
+    ctx: OpContext,
+) -> Result<(), AutoMicroError> {
+    if !device.is_cuda() || comm.world_size() < 2 {
+        return Ok(());
+    }
+    let floats = ((bucket_mb * f64::from(1u32 << 20)) / 4.0).max(1.0) as i64;
+    let mut bucket = [Tensor::zeros([floats], (tch::Kind::Float, device))];
+    comm.all_reduce(&mut bucket, runtime::collective::ReduceOp::Sum, ctx)
+        .map_err(|e| {
+            AutoMicroError::Failed(format!(
+                "a bucket-sized all-reduce before the memory probe: {e}"
+            ))
+        })
+}
+
 /// What the probe plans for and runs on.
 #[derive(Clone, Copy)]
 pub struct Probe<'a> {
@@ -66,6 +89,7 @@ pub fn auto_micro(
         .batch
         .auto_candidates(u64::from(env.world_size))
         .map_err(|e| AutoMicroError::Usage(format!("batch.micro = \"auto\": {e}")))?;
+    warm_up_nccl(comm, config.dist.bucket_mb, device, ctx)?;
     let at = memory::placement(device, env.local_world_size);
     let name = tracker.sample(device).1;
     let Some(memory::Budget {

@@ -463,7 +463,12 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
                 _ => e.into(),
             })?;
     }
+    // Every rank has joined and runs the same job (a duplicate node refused above must not
+    // stop the job): from here on a rank that ends (its collective's set-up failed) stops the
+    // others at once, instead of leaving them waiting for it until the set-up's timeout.
     let (store_addr, agent_store) = (store.addr().to_string(), store.is_agent_store());
+    let watch = watch_the_others(env, &store_addr, agent_store)?;
+    fail_collective_if_asked(env)?;
     let comm = runtime::collective::connect(&config.dist, device, env, store, setup_timeout)
         .with_context(|| format!("connecting the collective {}", within()))?;
     // Every operation from here on is in this rank's flight record (`<run dir>/flight/`).
@@ -490,8 +495,20 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
         comm.name(),
         env.world_size
     );
-    let watch = watch_the_others(env, &store_addr, agent_store)?;
     Ok((store_server, comm, ctx, watch))
+}
+
+/// `GPTREC_FAULT_COLLECTIVE=RANK`: that rank's collective set-up fails, as an NCCL
+/// initialisation can on one rank (a test hook).
+fn fail_collective_if_asked(env: &WorkerEnv) -> Result<(), Failure> {
+    let asked = std::env::var("GPTREC_FAULT_COLLECTIVE").ok();
+    if asked.and_then(|r| r.trim().parse::<u32>().ok()) == Some(env.rank) {
+        return Err(anyhow::anyhow!(
+            "connecting the collective: set-up failed on this rank (GPTREC_FAULT_COLLECTIVE)"
+        )
+        .into());
+    }
+    Ok(())
 }
 
 /// What every rank of a multi-node job must agree on: the config (but for per-node paths),

@@ -106,11 +106,19 @@ pub struct GpuMemory {
     pub source: &'static str,
 }
 
+/// NVML, initialised once per process (on the first memory sample; every later sample, a few
+/// a second while training, reuses it); `None` where it cannot load (no NVIDIA driver).
+fn nvml() -> Option<&'static nvml_wrapper::Nvml> {
+    static NVML: std::sync::OnceLock<Option<nvml_wrapper::Nvml>> = std::sync::OnceLock::new();
+    NVML.get_or_init(|| nvml_wrapper::Nvml::init().ok())
+        .as_ref()
+}
+
 /// NVML's figures for `cuda:index`: the whole GPU, or the MIG instance `CUDA_VISIBLE_DEVICES`
 /// names (by its `MIG-<uuid>` id).
 fn nvml_memory(index: usize) -> Option<GpuMemory> {
     use common::cuda_visible::Visible;
-    let nvml = nvml_wrapper::Nvml::init().ok()?;
+    let nvml = nvml()?;
     let count = nvml.device_count().ok()?;
     let all: Vec<(u32, String)> = (0..count)
         .map(|i| {

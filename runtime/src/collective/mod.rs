@@ -200,14 +200,15 @@ const STALL_WINDOW: Duration = Duration::from_secs(3);
 /// store under `scope` and the operation's sequence number, waits a moment for the others, and
 /// names those that did not report. Positions (`me`, `upstream`, the reports) index `ranks`,
 /// the global ranks taking part (all of them, or a sub-ring's); `upstream` is the position we
-/// were waiting for, named when all report.
+/// were waiting for (a ring's neighbour), named when all report; `None` where no one rank's
+/// data is awaited (NCCL's own transport).
 pub(crate) fn silent_ranks(
     store: &mut crate::store::StoreClient,
     scope: &str,
     seq: u64,
     me: usize,
     ranks: &[usize],
-    upstream: usize,
+    upstream: Option<usize>,
 ) -> String {
     if store.set(&format!("{scope}/{seq}/{me}"), b"").is_err() {
         return "no answer from rank 0, which hosts the rendezvous store".to_string();
@@ -220,14 +221,16 @@ pub(crate) fn silent_ranks(
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-    if silent.is_empty() {
-        format!(
+    match (silent.is_empty(), upstream) {
+        (true, Some(upstream)) => format!(
             "every rank is waiting; no data arrived from rank {} (network problem?)",
             ranks[upstream]
-        )
-    } else {
-        let silent: Vec<usize> = silent.iter().map(|p| ranks[*p]).collect();
-        format!("no answer from rank(s) {silent:?}")
+        ),
+        (true, None) => "every rank entered it and is waiting in it: the transport between them stalled (network problem? NCCL_DEBUG=INFO names NCCL's connections)".to_string(),
+        (false, _) => {
+            let silent: Vec<usize> = silent.iter().map(|p| ranks[*p]).collect();
+            format!("no answer from rank(s) {silent:?} (stopped, or never entered it)")
+        }
     }
 }
 

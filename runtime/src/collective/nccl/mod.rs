@@ -82,6 +82,16 @@ fn nccl_last_error() -> String {
     c_text(unsafe { sys::ncclGetLastError(std::ptr::null_mut()) })
 }
 
+/// What usually makes NCCL's set-up fail between hosts, for the end of its error message.
+fn init_hint(socket_ifname: Option<&str>) -> String {
+    match socket_ifname {
+        Some(name) if !name.trim().is_empty() => format!(
+            " (NCCL_SOCKET_IFNAME={name}: check that every host has that interface and reaches the others through it; NCCL_DEBUG=INFO shows NCCL's choices)"
+        ),
+        _ => " (NCCL_SOCKET_IFNAME is unset, the usual cause between hosts: NCCL may have picked an interface the other hosts cannot reach, such as docker0 or a second NIC; set it to the hosts' network interface, e.g. NCCL_SOCKET_IFNAME=eth0; NCCL_DEBUG=INFO shows NCCL's choices)".to_string(),
+    }
+}
+
 /// A real communicator, created non-blocking, on CUDA device `device`.
 struct RawComm {
     comm: sys::ncclComm_t,
@@ -266,11 +276,12 @@ impl NcclCollective {
         // state): the owner below sees the error and aborts it once, so nothing leaks.
         if raw.is_null() {
             return Err(setup(format!(
-                "ncclCommInitRankConfig (rank {rank} of {world}) failed: {}",
+                "ncclCommInitRankConfig (rank {rank} of {world}) failed: {}{}",
                 CommFailure::Nccl {
                     code: r,
                     text: nccl_last_error()
-                }
+                },
+                init_hint(std::env::var("NCCL_SOCKET_IFNAME").ok().as_deref())
             )));
         }
         let raw = RawComm {
@@ -279,12 +290,13 @@ impl NcclCollective {
             runtime,
         };
         let comm = Communicator::init(raw, deadline).map_err(|f| {
+            let hint = init_hint(std::env::var("NCCL_SOCKET_IFNAME").ok().as_deref());
             setup(match f {
                 CommFailure::Timeout => format!(
-                    "NCCL communicator (rank {rank} of {world}) not ready within {:.1} s: a rank did not join",
+                    "NCCL communicator (rank {rank} of {world}) not ready within {:.1} s: a rank did not join, or NCCL could not reach it{hint}",
                     timeout.as_secs_f64()
                 ),
-                other => format!("NCCL communicator (rank {rank} of {world}): {other}"),
+                other => format!("NCCL communicator (rank {rank} of {world}): {other}{hint}"),
             })
         })?;
         Ok(NcclCollective {
@@ -321,16 +333,9 @@ impl NcclCollective {
             // The communicator is already aborted: naming the silent ranks (a few seconds of
             // store traffic) cannot race with anything.
             Err(CommFailure::Timeout) => {
-                let upstream = (self.rank + self.world - 1) % self.world;
+                // NCCL waits on no one rank in particular: the silent ranks are the news.
                 let ranks: Vec<usize> = (0..self.world).collect();
-                let who = silent_ranks(
-                    &mut self.store,
-                    "stall",
-                    self.seq,
-                    self.rank,
-                    &ranks,
-                    upstream,
-                );
+                let who = silent_ranks(&mut self.store, "stall", self.seq, self.rank, &ranks, None);
                 Err(CollectiveError::Timeout {
                     op,
                     step: ctx.step,
@@ -529,6 +534,15 @@ mod tests {
         assert_eq!(version_of(2708), (2, 7));
         assert_eq!(version_of(21403), (2, 14));
         assert_eq!(version_of(22809), (2, 28));
+    }
+
+    #[test]
+    fn a_failed_set_up_names_the_socket_interface_or_its_absence() {
+        let unset = init_hint(None);
+        assert!(unset.contains("NCCL_SOCKET_IFNAME is unset"), "{unset}");
+        assert_eq!(init_hint(Some(" ")), unset);
+        let set = init_hint(Some("ens5"));
+        assert!(set.contains("NCCL_SOCKET_IFNAME=ens5"), "{set}");
     }
 
     #[test]

@@ -189,7 +189,7 @@ impl TcpCollective {
             self.seq,
             self.rank,
             &self.ring_ranks,
-            upstream,
+            Some(upstream),
         );
         CollectiveError::Timeout {
             op,
