@@ -9,7 +9,7 @@
 #   SIZES        data sizes of the vs_peer step (default: small full)
 #   CHECK_BACKEND, PEER_DEVICE   nccl and cuda (defaults); tcp and cpu try the script on a CPU
 #   STEPS        which steps to run (default: all, in this order): env dry default dynamic
-#                precision oom probe auto two vs_peer
+#                precision oom probe auto two nccl_two vs_peer
 #
 # Each step has its own time limit and the script goes on after a failed step; a step's
 # result line starts with "== NAME" and says "ok" or "FAILED (exit N)".
@@ -24,7 +24,7 @@ fi
 out=${CHECK_OUT:-${OUT:+$OUT/gpu-check}}
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
-steps=${STEPS:-env dry default dynamic precision oom probe auto two vs_peer}
+steps=${STEPS:-env dry default dynamic precision oom probe auto two nccl_two vs_peer}
 python=${PYTHON:-python3}
 launch="$bin/launch"
 . scripts/bench/summary.sh
@@ -127,10 +127,55 @@ for s in $steps; do
       --set batch.global=3072 --set batch.max_micro=3072 --set train.epochs=1
     ;;
   two)
-    # More ranks than GPUs: the worker without a GPU must say so at once (NCCL would refuse a
-    # communicator holding one GPU twice, so it is never asked).
+    # Two ranks of one launch on one visible GPU: each process sees one GPU, so both take it (as
+    # under Slurm's per-task binding); NCCL refuses a communicator holding one GPU twice, and the
+    # worker must say so at once, naming NCCL's own error.
     run two-on-one 60 --num-processes 2 "${base[@]}" --set data.synthetic=\"tiny\" ||
-      { grep -q 'has no GPU: only' "$out/two-on-one.log" && echo "   refused as it should be: fewer GPUs than ranks"; }
+      { grep -a -E 'NCCL|nccl' "$out/two-on-one.log" | grep -a -i -E 'error|duplicate' | head -3
+        echo "   refused as it should be: one GPU twice in one communicator"; }
+    ;;
+  nccl_two)
+    # Several NCCL ranks on one GPU: two launches as two nodes, each its own NCCL_HOSTID (so
+    # NCCL's duplicate-GPU check passes), over loopback: the unique-id exchange, multi-rank
+    # non-blocking init, non-root broadcast, all-gather, averaging, the row-sparse exchange of
+    # CUDA gradients and NCCL's own stream, against the same two ranks over the TCP ring on the
+    # same GPU (the same computation, another transport: losses equal within 1e-5, relative).
+    # Then a killed rank and a stopped rank, as on the CPU (the stopped rank's node is ended
+    # by the time limit, as a scheduler would end it).
+    two_nodes() { # NAME LIMIT EXTRA_ENV... -- LAUNCH_ARGS...: both nodes' logs NAME-n0/n1.log
+      local name=$1 limit=$2 port id envs=() node
+      shift 2
+      while [ "$1" != -- ]; do envs+=("$1"); shift; done
+      shift
+      port=$((29000 + RANDOM % 2000)); id=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
+      for node in 0 1; do
+        env "${envs[@]}" CUDA_VISIBLE_DEVICES=0 NCCL_HOSTID="gptrec-check-$node" NCCL_SOCKET_IFNAME=lo \
+          NCCL_IB_DISABLE=1 LAUNCH_RUN_ID="$id" timeout -k 5 "$limit" "$launch" --nnodes 2 --node-rank $node \
+          --num-processes 1 --master-addr 127.0.0.1 --master-port $port "$@" \
+          --set run.output_dir=\""$out/runs-n$node"\" --set run.name=\""$name"\" --set checkpoint.resume=\"never\" \
+          >"$out/$name-n$node.log" 2>&1 &
+      done
+      wait
+      echo "== $name: node 0 $(tail -1 "$out/$name-n0.log" | cut -c1-150)"
+      echo "   node 1 $(tail -1 "$out/$name-n1.log" | cut -c1-150)"
+    }
+    small=(--set data.synthetic=\"tiny\" --set train.epochs=2 --set eval.patience=0)
+    two_nodes tcp-two 180 -- "${base[@]}" "${small[@]}" --set dist.backend=\"tcp\"
+    two_nodes nccl-two 180 -- "${base[@]}" "${small[@]}"
+    digest nccl-two-n0 20
+    "$python" - "$out/runs-n0/tcp-two/metrics.jsonl" "$out/runs-n0/nccl-two/metrics.jsonl" <<'PY'
+import json, sys
+def losses(path):
+    return [r["loss"] for r in map(json.loads, open(path)) if r.get("kind") == "step"]
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b) else None
+print(f"   losses of 2 ranks over tcp vs over NCCL on one GPU: {len(a)} and {len(b)} steps, largest relative difference {worst}",
+      "ok" if worst is not None and worst <= 1e-5 else "DIFFERENT")
+PY
+    two_nodes nccl-two-killed 120 GPTREC_FAULT_DIE=3@1 -- "${base[@]}" "${small[@]}"
+    grep -a -h -E 'stopping: rank 1|ended before the job finished|root cause' "$out"/nccl-two-killed-n*.log | head -3
+    two_nodes nccl-two-stopped 60 GPTREC_FAULT_STOP=3@1 -- "${base[@]}" "${small[@]}" --set dist.timeout_s=20
+    grep -a -h -E 'timed out|no answer from rank|stopped' "$out"/nccl-two-stopped-n*.log | head -3
     ;;
   vs_peer)
     # Ours against the plain PyTorch eager DDP script on the same GPU (as scripts/bench/vs_pytorch.sh).

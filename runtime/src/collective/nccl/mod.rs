@@ -18,7 +18,7 @@ use tch::{Device, Kind, Tensor};
 use super::{
     flatten_f32, silent_ranks, unflatten_into, Collective, CollectiveError, OpContext, ReduceOp,
 };
-use crate::cuda_runtime::CudaRuntime;
+use crate::cuda_runtime::{CudaRuntime, Event, Stream};
 use crate::store::StoreClient;
 use comm::{Call, CommFailure, Communicator, NcclApi};
 
@@ -97,6 +97,11 @@ struct RawComm {
     comm: sys::ncclComm_t,
     device: usize,
     runtime: CudaRuntime,
+    /// NCCL's own stream and the event that orders it after libtorch's computation, made at
+    /// the first launch: on the legacy default stream a collective would wait behind (and
+    /// hold up) every kernel queued there, and its completion would mean the whole stream's,
+    /// so buckets could not be reduced while backward goes on.
+    stream: Option<(Stream, Event)>,
 }
 
 /// How long `ncclCommAbort` may take (it joins NCCL's threads, which can hang when a peer's
@@ -142,7 +147,21 @@ impl NcclApi for RawComm {
         if self.runtime.set_device(self.device).is_err() {
             return sys::ncclResult_t::ncclUnhandledCudaError;
         }
-        let stream = std::ptr::null_mut();
+        if self.stream.is_none() {
+            match self.runtime.new_stream() {
+                Ok(made) => self.stream = Some(made),
+                Err(_) => return sys::ncclResult_t::ncclUnhandledCudaError,
+            }
+        }
+        let Some((own, ready)) = self.stream else {
+            return sys::ncclResult_t::ncclUnhandledCudaError;
+        };
+        // The collective starts once what was queued before it (the gradients, the copies
+        // into the bucket) is computed, and the computation queued after it goes on meanwhile.
+        if self.runtime.order_after_default(own, ready).is_err() {
+            return sys::ncclResult_t::ncclUnhandledCudaError;
+        }
+        let stream = own.0 as sys::cudaStream_t;
         // SAFETY: the buffers are contiguous device memory of the sizes given (see the callers),
         // the communicator is live (the owner never launches after an abort).
         unsafe {
@@ -186,7 +205,10 @@ impl NcclApi for RawComm {
     }
 
     fn stream_done(&mut self) -> Result<bool, (i32, String)> {
-        self.runtime.default_stream_done()
+        match self.stream {
+            Some((own, _)) => self.runtime.stream_done(own),
+            None => self.runtime.default_stream_done(),
+        }
     }
 
     fn finalize(&mut self) -> sys::ncclResult_t {
@@ -197,6 +219,9 @@ impl NcclApi for RawComm {
     fn destroy(&mut self) {
         // SAFETY: finalized communicator, destroyed once (the owner's state says so).
         unsafe { sys::ncclCommDestroy(self.comm) };
+        if let Some((stream, event)) = self.stream.take() {
+            self.runtime.destroy_stream(stream, event);
+        }
     }
 
     fn abort(&mut self) {
@@ -288,6 +313,7 @@ impl NcclCollective {
             comm: raw,
             device,
             runtime,
+            stream: None,
         };
         let comm = Communicator::init(raw, deadline).map_err(|f| {
             let hint = init_hint(std::env::var("NCCL_SOCKET_IFNAME").ok().as_deref());
