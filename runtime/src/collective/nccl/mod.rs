@@ -82,8 +82,15 @@ fn nccl_last_error() -> String {
     c_text(unsafe { sys::ncclGetLastError(std::ptr::null_mut()) })
 }
 
-/// What usually makes NCCL's set-up fail between hosts, for the end of its error message.
-fn init_hint(socket_ifname: Option<&str>) -> String {
+/// What usually makes NCCL's set-up fail, for the end of its error message: one GPU taken by
+/// two ranks (NCCL's `Duplicate GPU detected`), or between hosts the network interface.
+fn init_hint(socket_ifname: Option<&str>, hosts: u32, nccl_said: &str) -> String {
+    if nccl_said.contains("Duplicate GPU") {
+        return " (two ranks on one GPU: give each process its own, e.g. at most as many processes per node as GPUs; to share one GPU on purpose, start each rank as its own node with its own NCCL_HOSTID)".to_string();
+    }
+    if hosts <= 1 {
+        return String::new();
+    }
     match socket_ifname {
         Some(name) if !name.trim().is_empty() => format!(
             " (NCCL_SOCKET_IFNAME={name}: check that every host has that interface and reaches the others through it; NCCL_DEBUG=INFO shows NCCL's choices)"
@@ -306,7 +313,11 @@ impl NcclCollective {
                     code: r,
                     text: nccl_last_error()
                 },
-                init_hint(std::env::var("NCCL_SOCKET_IFNAME").ok().as_deref())
+                init_hint(
+                    std::env::var("NCCL_SOCKET_IFNAME").ok().as_deref(),
+                    env.group_world_size,
+                    &nccl_last_error()
+                )
             )));
         }
         let raw = RawComm {
@@ -316,7 +327,11 @@ impl NcclCollective {
             stream: None,
         };
         let comm = Communicator::init(raw, deadline).map_err(|f| {
-            let hint = init_hint(std::env::var("NCCL_SOCKET_IFNAME").ok().as_deref());
+            let hint = init_hint(
+                std::env::var("NCCL_SOCKET_IFNAME").ok().as_deref(),
+                env.group_world_size,
+                &f.to_string(),
+            );
             setup(match f {
                 CommFailure::Timeout => format!(
                     "NCCL communicator (rank {rank} of {world}) not ready within {:.1} s: a rank did not join, or NCCL could not reach it{hint}",
@@ -564,11 +579,22 @@ mod tests {
 
     #[test]
     fn a_failed_set_up_names_the_socket_interface_or_its_absence() {
-        let unset = init_hint(None);
+        let unset = init_hint(None, 2, "");
         assert!(unset.contains("NCCL_SOCKET_IFNAME is unset"), "{unset}");
-        assert_eq!(init_hint(Some(" ")), unset);
-        let set = init_hint(Some("ens5"));
+        assert_eq!(init_hint(Some(" "), 2, ""), unset);
+        let set = init_hint(Some("ens5"), 2, "");
         assert!(set.contains("NCCL_SOCKET_IFNAME=ens5"), "{set}");
+        // One node: the interface is not the cause.
+        assert_eq!(init_hint(None, 1, ""), "");
+        let twice = init_hint(
+            None,
+            1,
+            "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1e000",
+        );
+        assert!(
+            twice.contains("two ranks on one GPU") && twice.contains("NCCL_HOSTID"),
+            "{twice}"
+        );
     }
 
     #[test]
