@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time set-up: installs PyTorch 2.11.0 (the libtorch that `tch` 0.24 builds against), and
-# tqdm, accelerate and TensorBoard (the drop-in tests run them), into a cache directory outside
+# tqdm, accelerate and TensorBoard (the drop-in tests run them) and transformers (the GPT-2
+# peer of scripts/bench/vs_pytorch_gpt2.sh), into a cache directory outside
 # the repository, reuses it on later runs, and writes the git-ignored
 # `.cargo/config.toml` that tells `cargo build` where libtorch is. Safe to run repeatedly.
 #
@@ -41,10 +42,12 @@ gptrec_setup() {
   fi
 
   # The tools our users run beside launch, which the drop-in tests run for real (tqdm's bars,
-  # accelerate's launcher and config file, TensorBoard's event reader). Small next to torch;
-  # without them those tests skip with one line.
-  local peers="tqdm==4.70.1 accelerate==1.15.0 tensorboard==2.21.0"
-  local peers_marker="$venv/.gptrec-peers-1"
+  # accelerate's launcher and config file, TensorBoard's event reader), and transformers, whose
+  # GPT2Model the PyTorch peer of our GPT-2 training step runs (scripts/bench/gpt2_peer.py).
+  # Small next to torch; without them those tests skip with one line. A new list gets a new
+  # marker name, so that a cache made before installs it.
+  local peers="tqdm==4.70.1 accelerate==1.15.0 tensorboard==2.21.0 transformers==5.24.0"
+  local peers_marker="$venv/.gptrec-peers-2"
   if [ ! -f "$peers_marker" ]; then
     # shellcheck disable=SC2086
     if "$venv/bin/python" -m pip install --quiet --progress-bar off $peers; then

@@ -9,7 +9,9 @@
 #   SIZES        data sizes of the vs_peer step (default: small full)
 #   CHECK_BACKEND, PEER_DEVICE   nccl and cuda (defaults); tcp and cpu try the script on a CPU
 #   STEPS        which steps to run (default: all, in this order): env dry default dynamic
-#                precision oom probe auto two nccl_two vs_peer
+#                precision oom probe auto two nccl_two vs_peer_gpt2 vs_peer
+#   GPT2_MICROS  micro batches of the vs_peer_gpt2 step (default "192 1536": 192 and the
+#                largest of these that fits both sides on an 80 GB card)
 #
 # Each step has its own time limit and the script goes on after a failed step; a step's
 # result line starts with "== NAME" and says "ok" or "FAILED (exit N)".
@@ -24,7 +26,7 @@ fi
 out=${CHECK_OUT:-${OUT:+$OUT/gpu-check}}
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
-steps=${STEPS:-env dry default dynamic precision oom probe auto two nccl_two vs_peer}
+steps=${STEPS:-env dry default dynamic precision oom probe auto two nccl_two vs_peer_gpt2 vs_peer}
 python=${PYTHON:-python3}
 launch="$bin/launch"
 . scripts/bench/summary.sh
@@ -176,6 +178,15 @@ PY
     grep -a -h -E 'stopping: rank 1|ended before the job finished|root cause' "$out"/nccl-two-killed-n*.log | head -3
     two_nodes nccl-two-stopped 60 GPTREC_FAULT_STOP=3@1 -- "${base[@]}" "${small[@]}" --set dist.timeout_s=20
     grep -a -h -E 'timed out|no answer from rank|stopped' "$out"/nccl-two-stopped-n*.log | head -3
+    ;;
+  vs_peer_gpt2)
+    # GPT-2 small, 12 blocks training, against PyTorch + transformers on the same step (the
+    # same initial weights, texts and batches; the script stops if the two losses differ), in
+    # bf16, TF32 and f32: steady-state samples/s, ms per phase, MFU.
+    GPTREC_BIN=$bin PYTHON=$python PEER_DEVICE=${PEER_DEVICE:-cuda} PRESET=gpt2 PRECISION="bf16 tf32 f32" \
+      MICRO="${GPT2_MICROS:-192 1536}" BENCH_OUT="$out/vs-peer-gpt2" \
+      step vs-peer-gpt2 900 bash "$repo/scripts/bench/vs_pytorch_gpt2.sh"
+    grep -a -E '^\||parity|steady steps' "$out/vs-peer-gpt2.log"
     ;;
   vs_peer)
     # Ours against the plain PyTorch eager DDP script on the same GPU (as scripts/bench/vs_pytorch.sh).

@@ -178,6 +178,10 @@ impl RunSummary<'_> {
                 "collective": t.collective_ms, "update": t.update_ms,
             })).collect::<Vec<_>>(),
             "straggler_rank": crate::trainer::straggler(&r.rank_times).map(|s| s.0),
+            "steady_time_per_step_ms": r.steady_rank_time.map(|t| json!({
+                "compute": t.compute_ms, "data": t.data_ms,
+                "collective": t.collective_ms, "update": t.update_ms,
+            })),
         })
     }
 

@@ -8,6 +8,10 @@
 mod evaluation;
 mod faults;
 mod logging;
+mod progress;
+
+use progress::{Progress, Spent};
+pub use progress::{Seconds, WARM_UP_STEPS};
 mod rank_time;
 mod records;
 mod resume;
@@ -110,6 +114,8 @@ pub struct TrainReport {
     pub samples_per_s: f64,
     /// The same after the first [`WARM_UP_STEPS`] steps (`None` without more steps than that).
     pub steady_samples_per_s: Option<f64>,
+    /// This rank's time per step by phase after the warm-up steps (`None` as above).
+    pub steady_rank_time: Option<RankTime>,
     /// Where this run's time went.
     pub seconds: Seconds,
     /// Mean seconds per epoch over the epochs this run trained in full.
@@ -121,19 +127,6 @@ pub struct TrainReport {
     /// The summary record of the run that ended where this one started (rank 0), whose
     /// training figures stand when this run took no step.
     pub earlier_summary: Option<serde_json::Value>,
-}
-
-/// Wall seconds of a run (this process), by what they were spent on.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Seconds {
-    /// Optimizer steps (what training samples/s divides by).
-    pub steps: f64,
-    /// Validations and the final test evaluation.
-    pub evaluation: f64,
-    /// Saving checkpoints and the best model.
-    pub checkpoints: f64,
-    /// From the first step's start to the report (the rest: logging, regrouping checks).
-    pub total: f64,
 }
 
 /// Everything the loop needs besides the task.
@@ -178,41 +171,6 @@ pub fn train(
 
 /// Waits on rank 0's file work (checkpoints) get at least this long.
 const SLOW_WORK_TIMEOUT: Duration = Duration::from_secs(600);
-
-/// Counters of the run as it goes.
-#[derive(Debug)]
-struct Progress {
-    step: u64,
-    last_loss: Option<f64>,
-    epochs_done: u64,
-    /// Steps and full epochs this process ran (not those of a run it resumed).
-    steps_run: u64,
-    full_epochs: u64,
-    full_epoch_secs: f64,
-    started: Instant,
-    /// This rank's time in the parts of its steps, summed, and the data part of it.
-    time: runtime::ddp::StepTime,
-    data: Duration,
-    /// Wall time of this run's optimizer steps (what training samples/s divides by), and of
-    /// those after the first [`WARM_UP_STEPS`] (steady state).
-    step_secs: f64,
-    steady_secs: f64,
-    /// Wall time of evaluations (validation and test) and of checkpoints (saving, the best
-    /// model) in this run: reported beside the training figures, never inside them.
-    eval_secs: f64,
-    checkpoint_secs: f64,
-}
-
-/// Steps of a run that are not steady state (CUDA kernels chosen, the allocator's pools
-/// grown, caches warm): left out of the steady-state samples/s.
-pub const WARM_UP_STEPS: u64 = 3;
-
-/// What a stretch of a run outside its steps was spent on ([`Trainer::timed`]).
-#[derive(Debug, Clone, Copy)]
-enum Spent {
-    Evaluation,
-    Checkpoint,
-}
 
 /// How often the step probe measures the peak anew: on a GPU that is an NVML query, on the CPU
 /// a read of `/proc`, both too slow for every step of a fast model.
@@ -293,60 +251,6 @@ fn fresh_state(
         files: Default::default(),
         trainer: Default::default(),
         schedule_steps: Some(total_steps),
-    }
-}
-
-impl Progress {
-    /// Nothing done yet; the clock starts now.
-    fn new() -> Progress {
-        Progress {
-            step: 0,
-            last_loss: None,
-            epochs_done: 0,
-            steps_run: 0,
-            full_epochs: 0,
-            full_epoch_secs: 0.0,
-            started: Instant::now(),
-            time: Default::default(),
-            data: Duration::ZERO,
-            step_secs: 0.0,
-            steady_secs: 0.0,
-            eval_secs: 0.0,
-            checkpoint_secs: 0.0,
-        }
-    }
-
-    /// Training samples per second of this process's steps so far (`global` samples each),
-    /// over the steps' own time: evaluations and checkpoints excluded, as Hugging Face's
-    /// `train_samples_per_second`.
-    fn samples_per_s(&self, global: u64) -> f64 {
-        (self.steps_run * global) as f64 / self.step_secs.max(1e-9)
-    }
-
-    /// [`Progress::samples_per_s`] after the first [`WARM_UP_STEPS`]; `None` before any.
-    fn steady_samples_per_s(&self, global: u64) -> Option<f64> {
-        let steady = self
-            .steps_run
-            .checked_sub(WARM_UP_STEPS)
-            .filter(|&n| n > 0)?;
-        Some((steady * global) as f64 / self.steady_secs.max(1e-9))
-    }
-
-    /// One optimizer step of `secs` done.
-    fn add_step(&mut self, secs: f64) {
-        self.steps_run += 1;
-        self.step_secs += secs;
-        if self.steps_run > WARM_UP_STEPS {
-            self.steady_secs += secs;
-        }
-    }
-
-    /// Seconds left until `total_steps` at this process's pace so far; `None` before a step.
-    fn eta_s(&self, total_steps: u64) -> Option<f64> {
-        (self.steps_run > 0).then(|| {
-            let per_step = self.started.elapsed().as_secs_f64() / self.steps_run as f64;
-            per_step * total_steps.saturating_sub(self.step) as f64
-        })
     }
 }
 
@@ -663,32 +567,16 @@ impl<'t> Trainer<'t> {
         let step = step + 1;
         self.progress.step = step;
         self.setup.memory.set_step(step);
-        self.progress.add_step(t0.elapsed().as_secs_f64());
         self.progress.last_loss = Some(stats.loss);
         self.progress.time += stats.time;
         self.progress.data += self.task.take_data_time();
+        self.progress.add_step(t0.elapsed().as_secs_f64());
         if self.term_launch_at == Some(step) {
             // Preemption, for tests: the launcher is told to stop, as Slurm would tell it.
             let _ = nix::sys::signal::kill(nix::unistd::getppid(), nix::sys::signal::SIGTERM);
         }
         self.log_step(epoch, lr, &stats, t0.elapsed().as_secs_f64())?;
         Ok(stats.stop_requested)
-    }
-
-    /// `work` on the trainer, its wall time counted as `spent`.
-    fn timed<T>(
-        &mut self,
-        spent: Spent,
-        work: impl FnOnce(&mut Self) -> Result<T, TrainError>,
-    ) -> Result<T, TrainError> {
-        let started = Instant::now();
-        let result = work(self);
-        let secs = started.elapsed().as_secs_f64();
-        match spent {
-            Spent::Evaluation => self.progress.eval_secs += secs,
-            Spent::Checkpoint => self.progress.checkpoint_secs += secs,
-        }
-        result
     }
 
     /// A checkpoint at (epoch, step, samples consumed in that epoch), with the early-stopping
@@ -790,6 +678,7 @@ impl<'t> Trainer<'t> {
                 0.0
             },
             steady_samples_per_s: p.steady_samples_per_s(global),
+            steady_rank_time: p.steady_rank_time(),
             seconds: Seconds {
                 steps: p.step_secs,
                 evaluation: p.eval_secs,
