@@ -174,6 +174,18 @@ worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(
 print(f"   losses of 2 ranks over tcp vs over NCCL on one GPU: {len(a)} and {len(b)} steps, largest relative difference {worst}",
       "ok" if worst is not None and worst <= 1e-5 else "DIFFERENT")
 PY
+    # NCCL's own buffers (outside libtorch's allocator, in NVML's per-process figure): the
+    # same job's device peak over NCCL less over tcp, against the estimate's NCCL term.
+    "$python" - "$out/runs-n0/tcp-two/metrics.jsonl" "$out/runs-n0/nccl-two/metrics.jsonl" "$out/runs-n0/nccl-two/memory.json" <<'PY'
+import json, sys
+peak = lambda path: (next(r for r in map(json.loads, open(path)) if r.get("kind") == "summary")["peak_device_mib"] or [None])[0]
+tcp, nccl = peak(sys.argv[1]), peak(sys.argv[2])
+if tcp is None or nccl is None:
+    sys.exit("   no device memory figures (not on a GPU)")
+terms = json.load(open(sys.argv[3]))["estimate"]["terms"]
+term = next((t["mib"] for t in terms if t["name"] == "NCCL buffers"), 0.0)
+print(f"   device peak per rank: tcp {tcp} MiB, nccl {nccl} MiB: NCCL's own {nccl - tcp:.0f} MiB; the estimate's NCCL term {term:.0f} MiB")
+PY
     two_nodes nccl-two-killed 120 GPTREC_FAULT_DIE=3@1 -- "${base[@]}" "${small[@]}"
     grep -a -h -E 'stopping: rank 1|ended before the job finished|root cause' "$out"/nccl-two-killed-n*.log | head -3
     two_nodes nccl-two-stopped 60 GPTREC_FAULT_STOP=3@1 -- "${base[@]}" "${small[@]}" --set dist.timeout_s=20
