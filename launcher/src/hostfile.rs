@@ -37,7 +37,11 @@ pub fn main(cli: &Cli) -> i32 {
     }
     let run_id = match run_id(cli) {
         Ok(id) => id,
-        Err(e) => {
+        Err(RunIdError::Usage(e)) => {
+            eprintln!("launch: error: {e}");
+            return 2;
+        }
+        Err(RunIdError::Failed(e)) => {
             eprintln!("launch: error: {e}");
             return 1;
         }
@@ -54,14 +58,29 @@ pub fn main(cli: &Cli) -> i32 {
     run::run(&fanout, &run_id, cli.grace_period)
 }
 
-/// The job's run id: `--run-id`, `LAUNCH_RUN_ID`, or a fresh secret.
-fn run_id(cli: &Cli) -> Result<String, String> {
-    if let Some(id) = &cli.run_id {
-        return Ok(id.clone());
-    }
-    match std::env::var(RUN_ID_VAR) {
-        Ok(id) if !id.trim().is_empty() && !id.contains('\n') => Ok(id),
-        _ => crate::secret::fresh_run_id(),
+/// Why there is no run id to send: a given one that cannot travel (exit 2), or no fresh one.
+enum RunIdError {
+    Usage(String),
+    Failed(String),
+}
+
+/// The job's run id: `--run-id`, `LAUNCH_RUN_ID`, or a fresh secret. A given one travels as
+/// one `NAME=value` line of each host's environment block: a control character in it (a
+/// newline would end the line and start another variable, an empty line the block) is refused.
+fn run_id(cli: &Cli) -> Result<String, RunIdError> {
+    let given = match &cli.run_id {
+        Some(id) => Some((id.clone(), "--run-id")),
+        None => std::env::var(RUN_ID_VAR)
+            .ok()
+            .filter(|id| !id.trim().is_empty())
+            .map(|id| (id, RUN_ID_VAR)),
+    };
+    match given {
+        Some((id, from)) if id.chars().any(char::is_control) => Err(RunIdError::Usage(format!(
+            "{from}: the run id holds a control character (a newline, a tab, ...), which cannot be sent to the hosts as one line; use letters, digits and punctuation (e.g. openssl rand -hex 16)"
+        ))),
+        Some((id, _)) => Ok(id),
+        None => crate::secret::fresh_run_id().map_err(RunIdError::Failed),
     }
 }
 

@@ -355,3 +355,34 @@ fn a_dropped_ssh_connection_ends_that_hosts_workers_and_the_job() {
     cluster.assert_only_sshd(0, Duration::from_secs(10));
     assert_no_processes(&run_id, Duration::from_secs(5));
 }
+
+#[test]
+fn a_run_id_that_would_break_the_environment_block_is_refused_before_any_ssh() {
+    // A newline in the run id would end its line of each host's environment block: the rest
+    // would be exported as variables of their own, and an empty line would end the block
+    // early. Refused in one line, exit 2, before any host is contacted (no sshd needed).
+    let dir = tempfile::tempdir().unwrap();
+    let hostfile = dir.path().join("hosts");
+    std::fs::write(&hostfile, "h0 slots=1\nh1 slots=1\n").unwrap();
+    let hostfile = hostfile.display().to_string();
+    for (flag, env) in [(true, None), (false, Some("sec\nEVIL=1\n\nX=2"))] {
+        let mut args = vec!["--hostfile", hostfile.as_str()];
+        if flag {
+            args.extend(["--run-id", "sec\nEVIL=1\n\nX=2"]);
+        }
+        args.extend(["--", "true"]);
+        let mut cmd = launch_cmd(&args);
+        if let Some(value) = env {
+            cmd.env("LAUNCH_RUN_ID", value);
+        }
+        let out = wait_output(cmd.spawn().expect("start launch"), T);
+        out.assert_code(2);
+        let from = if flag { "--run-id" } else { "LAUNCH_RUN_ID" };
+        out.assert_stderr(format!(
+            "launch: error: {from}: the run id holds a control character"
+        ));
+        // "launch: 2 hosts from ..." comes just before the first ssh starts.
+        assert!(!out.stderr.contains(" hosts from "), "{}", out.stderr);
+        assert!(!out.all().contains("[h0]"), "{}", out.all());
+    }
+}

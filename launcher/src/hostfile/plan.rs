@@ -243,8 +243,10 @@ fn forwarded_env(
         if !wanted || !valid_name(&name) {
             continue;
         }
+        // One line each: no newline (it would start another variable), no other control
+        // character but the tab.
         match value.into_string() {
-            Ok(v) if !v.contains('\n') => env.push((name, v)),
+            Ok(v) if !v.chars().any(|c| c.is_control() && c != '\t') => env.push((name, v)),
             _ => notices.push(format!(
                 "{name} is not passed to the hosts: its value is not one line of UTF-8 text"
             )),
@@ -379,6 +381,8 @@ mod tests {
             ("NCCL_DEBUG", "INFO"),
             ("HOME", "/root"),
             ("GPTREC_X", "a\nb"),
+            ("GPTREC_Y", "a\rb"),
+            ("NCCL_TAB", "a\tb"),
             ("LAUNCH_RUN_ID", "secret"),
         ]
         .map(|(k, v)| (OsString::from(k), OsString::from(v)));
@@ -387,13 +391,15 @@ mod tests {
             env,
             vec![
                 ("NCCL_DEBUG".to_string(), "INFO".to_string()),
+                ("NCCL_TAB".into(), "a\tb".into()),
                 ("PATH".into(), "/venv/bin:/usr/bin".into()),
                 ("PYTHONPATH".into(), "/p".into()),
                 ("VIRTUAL_ENV".into(), "/venv".into())
             ]
         );
-        assert_eq!(notices.len(), 1);
+        assert_eq!(notices.len(), 2);
         assert!(notices[0].starts_with("GPTREC_X is not passed"));
+        assert!(notices[1].starts_with("GPTREC_Y is not passed"));
         assert_eq!(
             env_block(&[("A".into(), "1 2".into())]),
             b"A=1 2\n\n".to_vec()
