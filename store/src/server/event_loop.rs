@@ -350,9 +350,10 @@ impl EventLoop {
                 return Ok(());
             }
             Request::Get { key } => Response::Value(self.keys.get(&key).cloned()),
-            Request::GetMany { keys } => {
-                Response::Found(keys.iter().map(|k| self.keys.get(k).cloned()).collect())
-            }
+            Request::GetMany { keys } => match self.keys.too_big(&keys) {
+                Some(reason) => Response::Refused { reason },
+                None => Response::Found(keys.iter().map(|k| self.keys.get(k).cloned()).collect()),
+            },
             Request::Add { key, delta } => match self.keys.add(key, delta) {
                 Ok((next, woken)) => {
                     self.wake(woken);
@@ -360,9 +361,12 @@ impl EventLoop {
                 }
                 Err(reason) => Response::Refused { reason },
             },
-            Request::Wait { keys, timeout_ms } => match self.keys.values(&keys) {
-                Some(values) => Response::Values(values),
-                None => return self.park(id, keys, timeout_ms),
+            Request::Wait { keys, timeout_ms } => match self.keys.too_big(&keys) {
+                Some(reason) => Response::Refused { reason },
+                None => match self.keys.values(&keys) {
+                    Some(values) => Response::Values(values),
+                    None => return self.park(id, keys, timeout_ms),
+                },
             },
         };
         self.send(id, &response)
@@ -398,13 +402,15 @@ impl EventLoop {
             if wait.missing > 0 {
                 continue;
             }
-            match self.keys.values(&wait.keys) {
-                Some(values) => {
+            let answer = match self.keys.too_big(&wait.keys) {
+                Some(reason) => Some(Response::Refused { reason }),
+                None => self.keys.values(&wait.keys).map(Response::Values),
+            };
+            match answer {
+                Some(answer) => {
                     conn.wait = None;
                     // Written now: the first of many woken waits is not held behind the last.
-                    let sent = conn
-                        .send(&Response::Values(values))
-                        .and_then(|()| conn.flush());
+                    let sent = conn.send(&answer).and_then(|()| conn.flush());
                     match sent {
                         Ok(()) => self.again.push((id, false)),
                         Err(end) => self.close(id, end),

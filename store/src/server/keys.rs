@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+use crate::MAX_FRAME_BYTES;
+
 /// A connection's `wait` in progress: `id` tells it apart from the connection's earlier waits,
 /// whose registrations may still sit in [`KeySpace`] until their keys are written.
 pub(super) struct PendingWait {
@@ -86,6 +88,25 @@ impl KeySpace {
     }
 
     /// Every key's value, when every key exists now.
+    /// Why the values of `keys` (as many times as each is named) cannot be one answer: more
+    /// bytes than a message may hold. Found from the sizes, before anything is copied, so that
+    /// a key named many times costs nothing when it is refused.
+    pub(super) fn too_big(&self, keys: &[String]) -> Option<String> {
+        // A value's bytes and a little framing each.
+        let bytes = keys
+            .iter()
+            .map(|k| self.get(k).map_or(0, Vec::len).saturating_add(16))
+            .fold(0usize, usize::saturating_add);
+        (bytes > MAX_FRAME_BYTES).then(|| {
+            format!(
+                "the answer would hold about {} MiB, over the {} MiB limit of one message ({} keys asked for; name each key once, or ask for fewer at a time)",
+                bytes >> 20,
+                MAX_FRAME_BYTES >> 20,
+                keys.len()
+            )
+        })
+    }
+
     pub(super) fn values(&self, keys: &[String]) -> Option<Vec<Vec<u8>>> {
         keys.iter()
             .map(|key| self.values.get(key).cloned())

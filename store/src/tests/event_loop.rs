@@ -220,3 +220,41 @@ fn a_descriptor_limit_short_of_two_a_rank_is_named_with_what_is_needed() {
         "{warning}"
     );
 }
+
+#[test]
+fn a_key_named_many_times_is_refused_before_its_value_is_copied_and_the_connection_lives() {
+    // 100 mentions of a 1 MiB key would be a 100 MiB answer: refused from the sizes alone (the
+    // server used to build it, copying the value per mention, then close the connection).
+    let server = server("run");
+    let mut store = client(&server, "run");
+    store.set("big", &vec![7u8; 1 << 20]).unwrap();
+    let keys = vec!["big"; 100];
+    for refused in [
+        store.get_many(&keys).unwrap_err(),
+        store.wait(&keys, Duration::from_secs(5)).unwrap_err(),
+    ] {
+        let text = refused.to_string();
+        assert!(
+            text.contains("over the 64 MiB limit of one message"),
+            "{text}"
+        );
+    }
+    // A parked wait whose keys come later is refused the same way when they do.
+    let mut writer = client(&server, "run");
+    let waiting = thread::spawn(move || {
+        let mut keys = vec!["later"; 70];
+        keys.push("big");
+        let answer = store.wait(&keys, Duration::from_secs(10));
+        (answer.map(|v| v.len()), store)
+    });
+    thread::sleep(Duration::from_millis(100));
+    writer.set("later", &vec![1u8; 1 << 20]).unwrap();
+    let (answer, mut store) = waiting.join().unwrap();
+    assert!(answer
+        .unwrap_err()
+        .to_string()
+        .contains("limit of one message"));
+    // The connection still answers, and a fitting request is served.
+    assert_eq!(store.get_many(&["big", "big"]).unwrap().len(), 2);
+    assert_eq!(store.get("big").unwrap().map(|v| v.len()), Some(1 << 20));
+}
