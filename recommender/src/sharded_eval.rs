@@ -122,6 +122,16 @@ pub fn evaluate_sharded(
             )));
         }
         let flat = Vec::<f32>::try_from(scores.f_view([-1])?)?;
+        // A NaN ranks nowhere in particular: metrics of such scores would be reported as if
+        // they measured something.
+        if let Some(at) = flat.iter().position(|v| !v.is_finite()) {
+            return Err(RecError::Invalid(format!(
+                "evaluation: user {}'s score of item {} is {} (not finite): the model's parameters are not finite (a diverged run, or an edited checkpoint); no metrics are reported",
+                chunk[at / n.max(1)],
+                at % n.max(1),
+                flat[at]
+            )));
+        }
         for (row, &u) in chunk.iter().enumerate() {
             let mut s = flat[row * n + from..row * n + from + len].to_vec();
             let ex = lists.exclude.get(u).map_or(&[][..], Vec::as_slice);
@@ -316,5 +326,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn scores_that_are_not_finite_are_refused_naming_the_user_and_item() {
+        let exclude = vec![Vec::new(); 6];
+        let positives = vec![vec![1u32]; 6];
+        let results = with_ring(1, move |_, comm| {
+            let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
+                let rows: Vec<f32> = batch
+                    .iter()
+                    .flat_map(|&u| {
+                        (0..4).map(move |i| if u == 4 && i == 2 { f32::NAN } else { 0.5 })
+                    })
+                    .collect();
+                Ok(Tensor::from_slice(&rows).view([batch.len() as i64, 4]))
+            };
+            let lists = SplitLists {
+                candidates: 0..4,
+                exclude: &exclude,
+                positives: &positives,
+            };
+            evaluate_sharded(&mut score, &lists, &[1], 4, comm, CTX)
+                .err()
+                .map(|e| e.to_string())
+        });
+        let text = results[0].clone().expect("NaN scores were evaluated");
+        assert!(
+            text.contains("user 4's score of item 2 is NaN (not finite)"),
+            "{text}"
+        );
     }
 }

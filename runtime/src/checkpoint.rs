@@ -689,17 +689,51 @@ fn check_file(path: &Path, expected: &FileDigest) -> Result<(), CheckpointError>
 /// Named tensors, as stored in a safetensors file.
 pub type NamedTensors = Vec<(String, Tensor)>;
 
-/// Loads a verified checkpoint: (model tensors, optimizer tensors, state).
+/// Loads a verified checkpoint: (model tensors, optimizer tensors, state). A tensor holding a
+/// value that is not finite (NaN or infinite) is refused, naming it: the digests only say the
+/// files are as written, and a model of NaNs would otherwise be trained on or evaluated as if
+/// it were one (a diverged run, or a file edited with its digests updated).
 pub fn load(path: &Path) -> Result<(NamedTensors, NamedTensors, TrainState), CheckpointError> {
     let state = verify(path)?;
     let read = |file: &str| {
         let p = path.join(file);
-        Tensor::read_safetensors(&p).map_err(|source| CheckpointError::Tensors {
+        let named = Tensor::read_safetensors(&p).map_err(|source| CheckpointError::Tensors {
             path: p.display().to_string(),
             source,
-        })
+        })?;
+        all_finite(&p, &named)?;
+        Ok::<_, CheckpointError>(named)
     };
     Ok((read(MODEL_FILE)?, read(OPTIMIZER_FILE)?, state))
+}
+
+/// Refuses the first floating-point tensor of `named` (read from `path`) with a value that is
+/// not finite.
+fn all_finite(path: &Path, named: &NamedTensors) -> Result<(), CheckpointError> {
+    let tensors = |source| CheckpointError::Tensors {
+        path: path.display().to_string(),
+        source,
+    };
+    for (name, t) in named {
+        if !t.is_floating_point() || t.numel() == 0 {
+            continue;
+        }
+        let bad = t
+            .f_isfinite()
+            .and_then(|f| f.f_logical_not())
+            .and_then(|b| b.f_sum(tch::Kind::Int64));
+        let bad = bad.and_then(|n| n.f_int64_value(&[])).map_err(tensors)?;
+        if bad > 0 {
+            return Err(CheckpointError::Invalid {
+                path: path.display().to_string(),
+                detail: format!(
+                    "{name} holds {bad} of its {} values that are not finite (NaN or infinite): a diverged run or an edited file; resume from an earlier checkpoint",
+                    t.numel()
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The step number of a `step-000123` directory name.
@@ -821,6 +855,43 @@ mod tests {
         let (model, optim, _) = load(&path).unwrap();
         assert_eq!(model[0].1, Tensor::from_slice(&[4.0f32, 5.0]));
         assert_eq!(optim[0].0, "w");
+    }
+
+    #[test]
+    fn a_checkpoint_holding_a_nan_is_refused_naming_the_tensor() {
+        // Written by `save`, so its digests match: only the values say it is unusable.
+        let dir = tempfile::tempdir().unwrap();
+        let model = vec![
+            ("ok".to_string(), Tensor::from_slice(&[1.0f32, 2.0])),
+            (
+                "item_id.weight".to_string(),
+                Tensor::from_slice(&[1.0f32, f32::NAN, f32::INFINITY]),
+            ),
+            ("ids".to_string(), Tensor::from_slice(&[3i64, 4])),
+        ];
+        let path = save(dir.path(), &model, &tensors(0.0), &state(5), 2).unwrap();
+        let err = load(&path).err().expect("a NaN model loaded").to_string();
+        assert!(
+            err.contains("model.safetensors")
+                && err.contains("item_id.weight holds 2 of its 3 values that are not finite"),
+            "{err}"
+        );
+        let path = save(
+            dir.path(),
+            &tensors(1.0),
+            &tensors(f32::NEG_INFINITY),
+            &state(6),
+            2,
+        )
+        .unwrap();
+        let err = load(&path)
+            .err()
+            .expect("an infinite moment loaded")
+            .to_string();
+        assert!(
+            err.contains("optimizer.safetensors") && err.contains("w holds 2 of its 2"),
+            "{err}"
+        );
     }
 
     #[test]
