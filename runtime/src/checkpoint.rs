@@ -19,6 +19,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tch::Tensor;
 
+mod finite;
+
 const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const STATE_FILE: &str = "state.json";
@@ -701,39 +703,10 @@ pub fn load(path: &Path) -> Result<(NamedTensors, NamedTensors, TrainState), Che
             path: p.display().to_string(),
             source,
         })?;
-        all_finite(&p, &named)?;
+        finite::all_finite(&p, &named)?;
         Ok::<_, CheckpointError>(named)
     };
     Ok((read(MODEL_FILE)?, read(OPTIMIZER_FILE)?, state))
-}
-
-/// Refuses the first floating-point tensor of `named` (read from `path`) with a value that is
-/// not finite.
-fn all_finite(path: &Path, named: &NamedTensors) -> Result<(), CheckpointError> {
-    let tensors = |source| CheckpointError::Tensors {
-        path: path.display().to_string(),
-        source,
-    };
-    for (name, t) in named {
-        if !t.is_floating_point() || t.numel() == 0 {
-            continue;
-        }
-        let bad = t
-            .f_isfinite()
-            .and_then(|f| f.f_logical_not())
-            .and_then(|b| b.f_sum(tch::Kind::Int64));
-        let bad = bad.and_then(|n| n.f_int64_value(&[])).map_err(tensors)?;
-        if bad > 0 {
-            return Err(CheckpointError::Invalid {
-                path: path.display().to_string(),
-                detail: format!(
-                    "{name} holds {bad} of its {} values that are not finite (NaN or infinite): a diverged run or an edited file; resume from an earlier checkpoint",
-                    t.numel()
-                ),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// The step number of a `step-000123` directory name.
