@@ -43,16 +43,22 @@ pub fn f32s(t: &Tensor) -> Result<Vec<f32>, TchError> {
     Vec::<f32>::try_from(&flat)
 }
 
-/// `t` (on the CPU) on `device`: for a GPU staged in page-locked memory and copied without
-/// waiting (a copy from ordinary memory makes the host wait for the device's queue; libtorch's
-/// pinned-memory allocator keeps the staging buffer until the copy is done); `t` itself on the
-/// CPU.
-pub fn to_device(t: &Tensor, device: tch::Device) -> Result<Tensor, TchError> {
-    if device == tch::Device::Cpu {
-        return Ok(t.shallow_clone());
+/// `t` on `device`: itself where it already is; from the host to a GPU staged in page-locked
+/// memory and copied without waiting (a copy from ordinary memory makes the host wait for the
+/// device's queue; libtorch's pinned-memory allocator keeps the staging buffer until the copy
+/// is done), or copied plainly where memory cannot be pinned.
+pub fn to_device(t: &Tensor, device: tch::Device) -> Tensor {
+    if t.device() == device {
+        return t.shallow_clone();
     }
-    t.f_pin_memory(device)?
-        .f_to_device_(device, t.kind(), true, false)
+    let pinned = (t.device() == tch::Device::Cpu).then(|| {
+        t.f_pin_memory(device)
+            .and_then(|p| p.f_to_device_(device, t.kind(), true, false))
+    });
+    match pinned {
+        Some(Ok(copy)) => copy,
+        _ => t.to_device(device),
+    }
 }
 
 #[cfg(test)]

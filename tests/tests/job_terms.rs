@@ -12,6 +12,15 @@ const T: Duration = Duration::from_secs(120);
 
 /// Starts one `launch` per (node rank, extra args) of a 2-node static job on loopback.
 fn static_job(tag: &str, nodes: &[(&str, &[&str])]) -> (Vec<Output>, String) {
+    static_job_with(tag, nodes, &[])
+}
+
+/// [`static_job`] with `env` added to every node's environment.
+fn static_job_with(
+    tag: &str,
+    nodes: &[(&str, &[&str])],
+    env: &[(&str, &str)],
+) -> (Vec<Output>, String) {
     let dir = tempfile::tempdir().unwrap();
     let id = unique_run_id(tag);
     let port = free_port().to_string();
@@ -38,7 +47,9 @@ fn static_job(tag: &str, nodes: &[(&str, &[&str])]) -> (Vec<Output>, String) {
             ];
             args.extend(sets.iter().map(String::as_str));
             args.extend(extra.iter());
-            launch_cmd(&args).spawn().expect("start launch")
+            let mut cmd = launch_cmd(&args);
+            cmd.envs(env.iter().copied());
+            cmd.spawn().expect("start launch")
         })
         .collect();
     let outs = children.into_iter().map(|c| wait_output(c, T)).collect();
@@ -86,37 +97,14 @@ fn a_rank_whose_collective_fails_to_start_stops_the_other_node_at_once() {
     // Node 1's rank fails while setting up its collective (as an NCCL initialisation can):
     // node 0's rank, which has joined the rendezvous, is told at once by the job watch instead
     // of waiting for it until the set-up's timeout (600 s here).
-    let dir = tempfile::tempdir().unwrap();
-    let id = unique_run_id("collective-fails");
-    let port = free_port().to_string();
-    let sets = tiny_bpr_sets(dir.path());
-    let children: Vec<_> = ["0", "1"]
-        .iter()
-        .map(|node| {
-            let mut args: Vec<&str> = vec![
-                "--nnodes",
-                "2",
-                "--node-rank",
-                node,
-                "--num-processes",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                &port,
-                "--run-id",
-                &id,
-                "configs/default.toml",
-                "--set",
-                "dist.timeout_s=600",
-            ];
-            args.extend(sets.iter().map(String::as_str));
-            let mut cmd = launch_cmd(&args);
-            cmd.env("GPTREC_FAULT_COLLECTIVE", "1");
-            cmd.spawn().expect("start launch")
-        })
-        .collect();
-    let outs: Vec<Output> = children.into_iter().map(|c| wait_output(c, T)).collect();
+    let (outs, id) = static_job_with(
+        "collective-fails",
+        &[
+            ("0", &["--set", "dist.timeout_s=600"]),
+            ("1", &["--set", "dist.timeout_s=600"]),
+        ],
+        &[("GPTREC_FAULT_COLLECTIVE", "1")],
+    );
     outs[1].assert_stderr("set-up failed on this rank (GPTREC_FAULT_COLLECTIVE)");
     outs[0].assert_stderr("stopping: rank 1 (host");
     outs[0].assert_stderr("ended before the job finished");

@@ -312,20 +312,11 @@ impl Recommender {
     /// projected text. A cold item's ID part is zero; a cold user's is the mean of the warm
     /// users' embeddings (the average taste).
     fn parts(&self, side: Side, ids: &Tensor, train: bool) -> (Tensor, Option<Tensor>) {
-        let on_device = self.on_device(ids);
+        let on_device = runtime::host_read::to_device(ids, self.user_id.ws.device());
         (
             self.id_part(side, &on_device, train),
             self.text_part(side, ids, train),
         )
-    }
-
-    /// `ids` on the model's device: from the host without waiting for the device.
-    fn on_device(&self, ids: &Tensor) -> Tensor {
-        let device = self.user_id.ws.device();
-        if ids.device() == device {
-            return ids.shallow_clone();
-        }
-        runtime::host_read::to_device(ids, device).unwrap_or_else(|_| ids.to_device(device))
     }
 
     /// The ID embeddings [b, dim] of rows `ids`, cold rows as [`Recommender::parts`] says.
@@ -548,11 +539,7 @@ impl Recommender {
 fn encode_rows(gpt2: &Gpt2, table: &TokenTable, ids: &Tensor, train: bool) -> Tensor {
     let device = table.ids.device();
     let longest = table.longest(ids);
-    let rows = if ids.device() == device {
-        ids.shallow_clone()
-    } else {
-        runtime::host_read::to_device(ids, device).unwrap_or_else(|_| ids.to_device(device))
-    };
+    let rows = runtime::host_read::to_device(ids, device);
     let mask = table.mask.index_select(0, &rows).narrow(1, 0, longest);
     let tokens = table.ids.index_select(0, &rows).narrow(1, 0, longest);
     let hidden = gpt2.forward(&tokens, &mask, train);
