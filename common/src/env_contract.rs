@@ -74,6 +74,13 @@ pub const STORE_FD_VAR: &str = "GPTREC_STORE_FD";
 /// The descriptor number `launch` gives that socket in rank 0 (3 is the progress pipe's).
 pub const STORE_FD: i32 = 4;
 
+/// The variable giving every rank of the node whose `launch` holds that socket its address
+/// (`IP:PORT`): what accepts a connection there is rank 0's own listener even before rank 0
+/// serves it (the kernel accepts for it), so a rank that meets silence there waits for a slow
+/// or stopped rank 0 until the rendezvous deadline instead of taking it for a stranger on the
+/// port after 10 s. Absent (other nodes, torchrun): silence after 10 s is a stranger.
+pub const STORE_HELD_VAR: &str = "GPTREC_STORE_HELD";
+
 /// The variables a worker cannot do without (the others have defaults).
 const REQUIRED: [&str; 5] = [
     "RANK",

@@ -4,11 +4,11 @@
 
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::c10d::C10dClient;
-use super::connect::{connect_any, connect_with_retries, Attempt};
+use super::connect::{connect_any, connect_with_retries, Attempt, Patience, Silence};
 use super::*;
 
 /// One rank's connection to the store. Requests are answered in order, one at a time. After a
@@ -57,7 +57,7 @@ impl StoreClient {
             Some(prefix) => Link::C10d(Box::new(C10dClient::connect(
                 addr, run_id, &prefix, deadline,
             )?)),
-            None => Link::Own(OwnClient::connect(addr, run_id, deadline)?),
+            None => Link::Own(OwnClient::connect(addr, run_id, deadline, None)?),
         };
         Ok(StoreClient { link })
     }
@@ -74,8 +74,23 @@ impl StoreClient {
         source: IpAddr,
     ) -> Result<StoreClient, StoreError> {
         let client = connect_with_retries(addr, deadline, |end| {
-            OwnClient::attempt(addr, run_id, end, Some(source))
+            OwnClient::attempt(addr, run_id, end, Some(source), None)
         })?;
+        Ok(StoreClient {
+            link: Link::Own(client),
+        })
+    }
+
+    /// [`StoreClient::connect`] in our protocol to the store whose listener `launch` holds for
+    /// rank 0 at `held`: a connection that lands there and meets silence waits for rank 0 until
+    /// `deadline` ([`StoreError::NotServing`] then) instead of failing after 10 s.
+    pub(crate) fn connect_held(
+        addr: &str,
+        run_id: &str,
+        deadline: Duration,
+        held: HeldListener,
+    ) -> Result<StoreClient, StoreError> {
+        let client = OwnClient::connect(addr, run_id, deadline, Some(held))?;
         Ok(StoreClient {
             link: Link::Own(client),
         })
@@ -255,16 +270,25 @@ impl fmt::Debug for OwnClient {
 }
 
 impl OwnClient {
-    fn connect(addr: &str, run_id: &str, deadline: Duration) -> Result<OwnClient, StoreError> {
-        connect_with_retries(addr, deadline, |end| Self::attempt(addr, run_id, end, None))
+    fn connect(
+        addr: &str,
+        run_id: &str,
+        deadline: Duration,
+        held: Option<HeldListener>,
+    ) -> Result<OwnClient, StoreError> {
+        connect_with_retries(addr, deadline, |end| {
+            Self::attempt(addr, run_id, end, None, held)
+        })
     }
 
-    /// One connection and handshake, from `source` when there is one.
+    /// One connection and handshake, from `source` when there is one; `held`: where `launch`
+    /// holds rank 0's listener (silence there is waited for until `end`).
     fn attempt(
         addr: &str,
         run_id: &str,
         end: Option<Instant>,
         source: Option<IpAddr>,
+        held: Option<HeldListener>,
     ) -> Result<OwnClient, Attempt> {
         let remaining = || {
             end.map_or(Duration::MAX, |e| {
@@ -289,14 +313,14 @@ impl OwnClient {
             incoming: Vec::new(),
             read_timeout: Some(handshake_limit),
         };
-        client.handshake(run_id)?;
+        client.handshake(run_id, &mut Patience::new(held, end))?;
         tracing::debug!(addr, "connected to the rendezvous store");
         Ok(client)
     }
 
     /// The handshake (see the crate's documentation): the server proves that it knows the run id
     /// before the client proves it; only a welcome lets the connection be used.
-    fn handshake(&mut self, run_id: &str) -> Result<(), Attempt> {
+    fn handshake(&mut self, run_id: &str, patience: &mut Patience) -> Result<(), Attempt> {
         let key = auth::Key::new(run_id);
         let client_nonce = auth::nonce().map_err(|reason| {
             Attempt::Fatal(StoreError::Protocol {
@@ -308,7 +332,7 @@ impl OwnClient {
             protocol: PROTOCOL,
             nonce: client_nonce,
         })?;
-        let server_nonce = match self.read_handshake()? {
+        let server_nonce = match self.read_handshake(patience)? {
             Response::Challenge { nonce, proof, .. }
                 if key.server_proved(&client_nonce, &nonce, &proof) =>
             {
@@ -326,7 +350,7 @@ impl OwnClient {
         self.send_handshake(&Request::Proof {
             proof: key.client_proof(&client_nonce, &server_nonce),
         })?;
-        match self.read_handshake()? {
+        match self.read_handshake(patience)? {
             Response::Welcome => Ok(()),
             other => Err(self.not_a_store(other)),
         }
@@ -348,37 +372,46 @@ impl OwnClient {
 
     /// Reads one answer of the handshake. A closed connection is worth another try (a store
     /// that is full closes new connections); silence or garbage means something else holds
-    /// the port, which no retry will change.
-    fn read_handshake(&mut self) -> Result<Response, Attempt> {
+    /// the port, which no retry will change, unless it is rank 0's own listener that `launch`
+    /// holds (see [`Patience`]).
+    fn read_handshake(&mut self, patience: &mut Patience) -> Result<Response, Attempt> {
         let addr = self.addr.clone();
-        let body = match self.next_body() {
-            Ok(body) => body,
-            Err(FrameReadError::Io(err))
-                if matches!(
-                    err.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                let waited = self.stream.read_timeout().ok().flatten();
-                return Err(Attempt::Fatal(StoreError::Silent {
-                    addr,
-                    waited: waited.unwrap_or(HANDSHAKE_TIMEOUT),
-                }));
-            }
-            Err(FrameReadError::Io(err)) => {
-                return Err(Attempt::Retry(format!(
-                    "{} during the handshake",
-                    describe_io(&err)
-                )))
-            }
-            Err(FrameReadError::TooLarge(len)) => {
-                return Err(Attempt::Fatal(StoreError::Protocol {
-                    addr,
-                    detail: format!(
-                        "a {len}-byte frame in answer to the handshake; is something other than \
-                         the store listening there?"
-                    ),
-                }))
+        let body = loop {
+            match self.next_body() {
+                Ok(body) => break body,
+                Err(FrameReadError::Io(err))
+                    if matches!(
+                        err.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    let peer: Option<SocketAddr> = self.stream.peer_addr().ok();
+                    match patience.after_silence(&addr, peer) {
+                        Silence::Give(err) => return Err(Attempt::Fatal(err)),
+                        Silence::Wait(left) => {
+                            let limit = Some(left.max(Duration::from_millis(1)));
+                            self.stream
+                                .set_read_timeout(limit)
+                                .map_err(|err| Attempt::Retry(describe_io(&err)))?;
+                            self.read_timeout = limit;
+                        }
+                    }
+                }
+                Err(FrameReadError::Io(err)) => {
+                    return Err(Attempt::Retry(format!(
+                        "{} during the handshake",
+                        describe_io(&err)
+                    )))
+                }
+                Err(FrameReadError::TooLarge(len)) => {
+                    return Err(Attempt::Fatal(StoreError::Protocol {
+                        addr,
+                        detail: format!(
+                            "a {len}-byte frame in answer to the handshake; is something other \
+                             than the store listening there?"
+                        ),
+                    }))
+                }
             }
         };
         decode_body::<Response>(&body).map_err(|detail| {

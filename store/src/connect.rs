@@ -16,6 +16,95 @@ pub(crate) enum Attempt {
     Fatal(StoreError),
 }
 
+/// Where `launch` holds the store's listening socket for rank 0
+/// ([`common::env_contract::STORE_HELD_VAR`]): a connection that lands there reached rank 0's
+/// own listener (the kernel accepts for it before rank 0 serves), so a silent handshake means
+/// that rank 0 is not serving yet (still starting, stopped, a loaded machine), not a stranger
+/// on the port, and is waited for until the connect deadline instead of failing after
+/// [`HANDSHAKE_TIMEOUT`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct HeldListener {
+    pub(crate) addr: SocketAddr,
+    /// Whether this client says that it waits (one rank of a node does, not every rank).
+    pub(crate) announce: bool,
+}
+
+impl HeldListener {
+    /// Whether a connection to `peer` reached the held listener (one bound to every address of
+    /// the machine holds the port on all of them).
+    pub(crate) fn holds(&self, peer: SocketAddr) -> bool {
+        peer.port() == self.addr.port()
+            && (self.addr.ip().is_unspecified() || self.addr.ip() == peer.ip())
+    }
+}
+
+/// How long one connection's handshake may stay silent: [`HANDSHAKE_TIMEOUT`], or, on the
+/// listener `launch` holds for rank 0, until the connect deadline (said once when it starts).
+pub(crate) struct Patience {
+    pub(crate) held: Option<HeldListener>,
+    pub(crate) end: Option<Instant>,
+    pub(crate) started: Instant,
+    said: bool,
+}
+
+/// What a silent handshake comes to, from [`Patience::after_silence`].
+pub(crate) enum Silence {
+    /// Keep reading for at most this long.
+    Wait(Duration),
+    /// The final error.
+    Give(StoreError),
+}
+
+impl Patience {
+    pub(crate) fn new(held: Option<HeldListener>, end: Option<Instant>) -> Patience {
+        Patience {
+            held,
+            end,
+            started: Instant::now(),
+            said: false,
+        }
+    }
+
+    /// After a read of the handshake on the connection to `peer` timed out: wait on (the held
+    /// listener, before the deadline) or give up, naming why.
+    pub(crate) fn after_silence(&mut self, addr: &str, peer: Option<SocketAddr>) -> Silence {
+        let waited = self.started.elapsed();
+        let Some(held) = self.held.filter(|h| peer.is_some_and(|p| h.holds(p))) else {
+            return Silence::Give(StoreError::Silent {
+                addr: addr.to_string(),
+                waited,
+            });
+        };
+        let left = self.end.map_or(Duration::MAX, |end| {
+            end.saturating_duration_since(Instant::now())
+        });
+        if left.is_zero() {
+            return Silence::Give(StoreError::NotServing {
+                addr: addr.to_string(),
+                waited,
+            });
+        }
+        if !self.said {
+            self.said = true;
+            let more = self.end.map_or("for it".into(), |_| {
+                format!("{:.0} s more", left.as_secs_f64())
+            });
+            let log = format!(
+                "rank 0 has not answered the rendezvous store's handshake at {addr} after {:.0} s \
+                 (its port, held by launch, took the connection): still starting, stopped or \
+                 loaded; waiting until the rendezvous deadline ({more})",
+                waited.as_secs_f64()
+            );
+            if held.announce {
+                tracing::warn!("{log}");
+            } else {
+                tracing::debug!("{log}");
+            }
+        }
+        Silence::Wait(left.min(Duration::from_secs(3600)))
+    }
+}
+
 /// Calls `attempt` with the deadline's instant (`None`: no end) until it succeeds, fails for
 /// good, or the `deadline` passes (then [`StoreError::Unreachable`] with the last reason),
 /// sleeping with an exponential backoff between tries.

@@ -68,6 +68,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 pub use client::{StoreClient, StoreCloser};
+use connect::HeldListener;
 pub use server::StoreServer;
 
 /// The largest frame body either side sends or accepts (64 MiB); a longer frame is an error.
@@ -240,6 +241,13 @@ pub enum StoreError {
         .waited.as_secs_f64()
     )]
     Silent { addr: String, waited: Duration },
+    /// Rank 0's own listener (the port `launch` holds for it, [`common::env_contract::STORE_HELD_VAR`])
+    /// took the connection, but rank 0 did not serve it before the rendezvous deadline.
+    #[error(
+        "rank 0's rendezvous store at {addr} (the port launch holds for it) took the connection but did not answer within {:.1} s: rank 0 is stopped, stuck or still starting; see its log",
+        .waited.as_secs_f64()
+    )]
+    NotServing { addr: String, waited: Duration },
     /// `wait` gave up; `missing` are the keys that still did not exist.
     #[error(
         "timed out after {:.1} s waiting for store keys {missing:?} at {addr}",
@@ -490,6 +498,27 @@ fn inherited_listener(env: &WorkerEnv) -> Result<Option<std::net::TcpListener>, 
     Ok(Some(listener))
 }
 
+/// Where `launch` holds rank 0's listener ([`common::env_contract::STORE_HELD_VAR`]), when it
+/// says so (only on rank 0's node); local rank 1 says when it waits for rank 0 (one line, not
+/// one per rank).
+fn held_listener(env: &WorkerEnv) -> Result<Option<HeldListener>, StoreError> {
+    let var = common::env_contract::STORE_HELD_VAR;
+    let Ok(text) = std::env::var(var) else {
+        return Ok(None);
+    };
+    let addr = text
+        .trim()
+        .parse::<SocketAddr>()
+        .map_err(|_| StoreError::BadAddress {
+            addr: format!("{var}={text}"),
+            reason: "expected IP:PORT, as launch sets it".into(),
+        })?;
+    Ok(Some(HeldListener {
+        addr,
+        announce: env.local_rank == 1,
+    }))
+}
+
 /// Rank 0 starts the server on `MASTER_ADDR:MASTER_PORT`, then every rank (rank 0 included)
 /// connects a client, all within `timeout`. Rank 0 gets the server back and must keep it alive
 /// for as long as any rank may use the store.
@@ -534,7 +563,10 @@ fn rendezvous_with(
         let client = StoreClient::connect(&server.local_addr().to_string(), &env.run_id, timeout)?;
         Ok((Some(server), client))
     } else {
-        let client = StoreClient::connect(&addr, &env.run_id, timeout)?;
+        let client = match held_listener(env)? {
+            Some(held) => StoreClient::connect_held(&addr, &env.run_id, timeout, held)?,
+            None => StoreClient::connect(&addr, &env.run_id, timeout)?,
+        };
         Ok((None, client))
     }
 }

@@ -1,6 +1,7 @@
 //! Which rank is slow, end to end: two workers under `launch`, one slowed by
 //! `GPTREC_FAULT_SLOW`; the summary has a row of timings per rank and names the slow one, and
-//! so does the summary record of `metrics.jsonl`.
+//! so does the summary record of `metrics.jsonl`. A rank 0 slow to serve the rendezvous store
+//! (`GPTREC_FAULT_SLOW_START`) is waited for, not taken for a stranger on the port.
 
 mod support;
 
@@ -63,4 +64,29 @@ fn a_bad_slow_fault_is_named() {
         "{}",
         out.all()
     );
+}
+
+#[test]
+fn a_rank_0_slow_to_serve_the_store_is_waited_for_not_taken_for_a_stranger() {
+    // Rank 0 sleeps past the handshake's 10 s before it serves the store on the port launch
+    // holds for it: the old client gave up after 10 s ("another program holds that port") and
+    // the job failed; now the other rank waits, says so once, and the job finishes.
+    let dir = tempfile::tempdir().unwrap();
+    let mut args: Vec<String> = ["--num-processes", "3", "--master-port", "0"]
+        .map(String::from)
+        .to_vec();
+    args.push("configs/default.toml".into());
+    args.extend(tiny_bpr_sets(dir.path()));
+    args.extend(["--set".into(), "run.name=\"late\"".into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut cmd = launch_cmd(&args);
+    cmd.env("GPTREC_FAULT_SLOW_START", "11500@0");
+    let out = wait_output(cmd.spawn().expect("start launch"), Duration::from_secs(180));
+    out.assert_code(0);
+    let all = out.all();
+    let said = all
+        .matches("rank 0 has not answered the rendezvous store's handshake")
+        .count();
+    assert_eq!(said, 1, "{all}");
+    assert!(!all.contains("another program holds that port"), "{all}");
 }

@@ -453,6 +453,11 @@ fn connect(start: &Start) -> Result<Runtime, Failure> {
     require_secret(config, env).map_err(usage)?;
     let (setup_timeout, limit_key) = config.dist.rendezvous_timeout();
     let within = || format!("(within {limit_key} = {} s)", setup_timeout.as_secs());
+    if let Some(delay) =
+        trainer::slow_start_fault(env.rank as usize).map_err(|e| usage(anyhow::anyhow!(e)))?
+    {
+        std::thread::sleep(delay);
+    }
     let (store_server, mut store) = runtime::store::rendezvous(env, setup_timeout)
         .with_context(|| format!("rendezvous with the other ranks {}", within()))?;
     if env.group_world_size > 1 {

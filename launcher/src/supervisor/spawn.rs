@@ -215,14 +215,23 @@ fn worker_command(plan: &Plan, env: &WorkerEnv) -> std::io::Result<Command> {
 
 /// Rank 0 of our worker gets the rendezvous port's listening socket as descriptor
 /// [`STORE_FD`](common::env_contract::STORE_FD), named in its environment; nobody else gets
-/// the variable, whatever the launcher's own environment says.
+/// the variable, whatever the launcher's own environment says. Every rank of this node learns
+/// that the listener is held for rank 0 ([`STORE_HELD_VAR`](common::env_contract::STORE_HELD_VAR)),
+/// so that a slow rank 0 is waited for.
 fn pass_store_listener(command: &mut Command, plan: &Plan, env: &WorkerEnv) {
-    use common::env_contract::{STORE_FD, STORE_FD_VAR};
+    use common::env_contract::{STORE_FD, STORE_FD_VAR, STORE_HELD_VAR};
     use std::os::fd::AsRawFd;
     command.env_remove(STORE_FD_VAR);
-    let Some(listener) = plan.store_listener.as_ref().filter(|_| env.rank == 0) else {
+    command.env_remove(STORE_HELD_VAR);
+    let Some(listener) = plan.store_listener.as_ref() else {
         return;
     };
+    if let Ok(addr) = listener.local_addr() {
+        command.env(STORE_HELD_VAR, addr.to_string());
+    }
+    if env.rank != 0 {
+        return;
+    }
     command.env(STORE_FD_VAR, STORE_FD.to_string());
     command.hand_down(listener.as_raw_fd(), STORE_FD);
 }

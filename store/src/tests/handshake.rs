@@ -313,3 +313,87 @@ fn a_peer_trickling_its_hello_is_closed_at_the_deadline() {
     );
     assert_eq!(server.ungreeted(), 0);
 }
+
+/// The listener `launch` holds for rank 0, bound but not yet served, as `GPTREC_STORE_HELD` names it.
+fn held_listener() -> (TcpListener, HeldListener) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let held = HeldListener {
+        addr,
+        announce: true,
+    };
+    (listener, held)
+}
+
+#[test]
+fn a_slow_rank_0_behind_the_listener_launch_holds_is_waited_for_until_it_serves() {
+    let (listener, held) = held_listener();
+    let addr = held.addr.to_string();
+    // Rank 0 serves only after 11 s, past the handshake's 10 s limit (the old client took it
+    // for a stranger then and failed for good, whatever the deadline).
+    let rank0 = thread::spawn(move || {
+        thread::sleep(HANDSHAKE_TIMEOUT + Duration::from_secs(1));
+        StoreServer::from_listener(listener, SECRET).unwrap()
+    });
+    let started = Instant::now();
+    let mut client = StoreClient::connect_held(&addr, SECRET, Duration::from_secs(30), held)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        started.elapsed() >= HANDSHAKE_TIMEOUT,
+        "{:?}",
+        started.elapsed()
+    );
+    let _server = rank0.join().unwrap();
+    client.set("k", b"v").unwrap();
+    assert_eq!(client.get("k").unwrap(), Some(b"v".to_vec()));
+}
+
+#[test]
+fn a_held_listener_that_never_serves_fails_at_the_deadline_naming_rank_0() {
+    let (_listener, held) = held_listener();
+    let addr = held.addr.to_string();
+    let started = Instant::now();
+    let err =
+        StoreClient::connect_held(&addr, SECRET, Duration::from_millis(2500), held).unwrap_err();
+    let elapsed = started.elapsed();
+    assert!(elapsed >= Duration::from_millis(2300), "{elapsed:?}");
+    assert!(elapsed < Duration::from_millis(4500), "{elapsed:?}");
+    assert!(matches!(err, StoreError::NotServing { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.starts_with(&format!(
+            "rank 0's rendezvous store at {addr} (the port launch holds"
+        )),
+        "{text}"
+    );
+    assert!(!text.contains('\n'), "{text}");
+}
+
+#[test]
+fn a_silent_stranger_elsewhere_is_refused_as_before_when_a_listener_is_held() {
+    // launch holds one port; the address dialled is another one, silent: a stranger.
+    let (_listener, held) = held_listener();
+    let (addr, _seen, _fake) = fake_server(|_, _| thread::sleep(Duration::from_secs(4)));
+    // (With this short deadline the handshake's own limit is the deadline: the kind of error
+    // tells the two apart.)
+    let err =
+        StoreClient::connect_held(&addr, SECRET, Duration::from_millis(2000), held).unwrap_err();
+    assert!(matches!(err, StoreError::Silent { .. }), "{err:?}");
+}
+
+#[test]
+fn a_held_listener_on_every_address_holds_the_port_on_each() {
+    let any = HeldListener {
+        addr: "0.0.0.0:4000".parse().unwrap(),
+        announce: false,
+    };
+    assert!(any.holds("127.0.0.1:4000".parse().unwrap()));
+    assert!(any.holds("10.1.2.3:4000".parse().unwrap()));
+    assert!(!any.holds("127.0.0.1:4001".parse().unwrap()));
+    let one = HeldListener {
+        addr: "127.0.0.1:4000".parse().unwrap(),
+        announce: false,
+    };
+    assert!(one.holds("127.0.0.1:4000".parse().unwrap()));
+    assert!(!one.holds("127.0.0.2:4000".parse().unwrap()));
+}

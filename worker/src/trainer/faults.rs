@@ -41,3 +41,12 @@ impl Faults {
         })
     }
 }
+
+/// `GPTREC_FAULT_SLOW_START=MS[@RANK]`: how long `rank` sleeps before the rendezvous (every rank
+/// when no rank is named), a rank 0 that is slow to serve the store for tests. `None` when unset
+/// or for another rank.
+pub fn slow_start_fault(rank: usize) -> Result<Option<Duration>, String> {
+    let text = std::env::var("GPTREC_FAULT_SLOW_START").unwrap_or_default();
+    task::slow_fault(&text, rank)
+        .map_err(|e| e.replace("GPTREC_FAULT_SLOW", "GPTREC_FAULT_SLOW_START"))
+}

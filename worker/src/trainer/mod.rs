@@ -10,6 +10,7 @@ mod faults;
 mod logging;
 mod progress;
 
+pub use faults::slow_start_fault;
 use progress::{Progress, Spent};
 pub use progress::{Seconds, WARM_UP_STEPS};
 mod rank_time;
