@@ -1,8 +1,12 @@
 //! The store's key space, and which connection waits for which key: a write wakes only the
 //! connections waiting for that key (no thundering herd), and a wait costs its keys once, not
-//! once per write.
+//! once per write. A wait is registered once per distinct key however often it names it, and
+//! ending it costs its own keys, not the other waits on them (a wait naming one key 80,000 times
+//! beside another such wait used to stall the server for seconds).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+
+use indexmap::IndexSet;
 
 use crate::MAX_FRAME_BYTES;
 
@@ -11,7 +15,8 @@ use crate::MAX_FRAME_BYTES;
 pub(super) struct PendingWait {
     pub(super) id: u64,
     pub(super) keys: Vec<String>,
-    /// Registrations not yet woken: when it reaches zero every key has been written.
+    /// Registrations (distinct keys) not yet woken: when it reaches zero every key has been
+    /// written.
     pub(super) missing: usize,
     pub(super) deadline: Option<std::time::Instant>,
 }
@@ -50,7 +55,8 @@ impl Wills {
 #[derive(Default)]
 pub(super) struct KeySpace {
     values: HashMap<String, Vec<u8>>,
-    waiters: HashMap<String, Vec<Waiter>>,
+    /// Per key, the waits registered on it, in the order they came (removing one is O(1)).
+    waiters: HashMap<String, IndexSet<Waiter>>,
 }
 
 impl KeySpace {
@@ -62,7 +68,7 @@ impl KeySpace {
     pub(super) fn set(&mut self, key: String, value: Vec<u8>) -> Vec<Waiter> {
         let woken = self.waiters.remove(&key).unwrap_or_default();
         self.values.insert(key, value);
-        woken
+        woken.into_iter().collect()
     }
 
     /// Adds `delta` to the counter `key` (0 when missing; kept as decimal text, as PyTorch does);
@@ -121,24 +127,26 @@ impl KeySpace {
             .collect()
     }
 
-    /// Registers `waiter` on each key of `keys` that does not exist yet; returns how many.
+    /// Registers `waiter` once on each distinct key of `keys` that does not exist yet; returns
+    /// how many.
     pub(super) fn register(&mut self, waiter: Waiter, keys: &[String]) -> usize {
+        let mut seen = HashSet::new();
         let mut missing = 0;
         for key in keys {
-            if !self.values.contains_key(key.as_str()) {
-                self.waiters.entry(key.clone()).or_default().push(waiter);
+            if !self.values.contains_key(key.as_str()) && seen.insert(key.as_str()) {
+                self.waiters.entry(key.clone()).or_default().insert(waiter);
                 missing += 1;
             }
         }
         missing
     }
 
-    /// Drops `waiter`'s registrations on `keys` (its wait ended without them).
+    /// Drops `waiter`'s registrations on `keys` (its wait ended without them): O(1) per key.
     pub(super) fn forget(&mut self, waiter: Waiter, keys: &[String]) {
         for key in keys {
-            if let Some(list) = self.waiters.get_mut(key.as_str()) {
-                list.retain(|w| *w != waiter);
-                if list.is_empty() {
+            if let Some(set) = self.waiters.get_mut(key.as_str()) {
+                set.swap_remove(&waiter);
+                if set.is_empty() {
                     self.waiters.remove(key.as_str());
                 }
             }
@@ -148,7 +156,7 @@ impl KeySpace {
     /// Keys and registrations held now (tests).
     #[cfg(test)]
     pub(super) fn registrations(&self) -> usize {
-        self.waiters.values().map(Vec::len).sum()
+        self.waiters.values().map(IndexSet::len).sum()
     }
 }
 
@@ -174,6 +182,19 @@ mod tests {
         );
         assert_eq!(space.registrations(), 1);
         space.forget((2, 0), &keys(&["c"]));
+        assert_eq!(space.registrations(), 0);
+    }
+
+    #[test]
+    fn a_key_named_many_times_is_registered_once_and_forgotten_once() {
+        let mut space = KeySpace::default();
+        let many = vec!["k".to_string(); 1000];
+        assert_eq!(space.register((1, 0), &many), 1);
+        assert_eq!(space.register((2, 0), &many), 1);
+        assert_eq!(space.registrations(), 2);
+        space.forget((1, 0), &many);
+        assert_eq!(space.registrations(), 1);
+        assert_eq!(space.set("k".into(), vec![]), vec![(2, 0)]);
         assert_eq!(space.registrations(), 0);
     }
 

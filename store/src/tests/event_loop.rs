@@ -258,3 +258,32 @@ fn a_key_named_many_times_is_refused_before_its_value_is_copied_and_the_connecti
     assert_eq!(store.get_many(&["big", "big"]).unwrap().len(), 2);
     assert_eq!(store.get("big").unwrap().map(|v| v.len()), Some(1 << 20));
 }
+
+#[test]
+fn ending_a_wait_that_names_a_key_many_times_stalls_no_one() {
+    // Two waits name one key 80,000 times each (a 160 KB request); ending the short one used to
+    // walk the other's registrations once per mention (seconds of a stalled event loop, every
+    // client waiting with it); now it costs its own keys.
+    let server = server("run");
+    let many = vec!["never"; 80_000];
+    let mut long = client(&server, "run");
+    let parked = thread::spawn(move || {
+        let keys = vec!["never"; 80_000];
+        long.wait(&keys, Duration::from_secs(60)).map(|v| v.len())
+    });
+    thread::sleep(Duration::from_millis(300));
+    let mut short = client(&server, "run");
+    let started = Instant::now();
+    let err = short.wait(&many, Duration::from_millis(200)).unwrap_err();
+    assert!(matches!(err, StoreError::WaitTimeout { .. }), "{err:?}");
+    let mut other = client(&server, "run");
+    assert_eq!(other.get("x").unwrap(), None);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "the server stalled: {took:?}"
+    );
+    // The long wait is still registered, once, and is answered with one value per mention.
+    other.set("never", b"v").unwrap();
+    assert_eq!(parked.join().unwrap().unwrap(), 80_000);
+}
