@@ -1,6 +1,8 @@
 //! The server's defences against strangers: the connections that have not proven the run id yet
-//! (capped in all and per address; to make room, the address holding the most loses its silent
-//! and oldest first), and warnings about refused connections gathered into one line per interval.
+//! (capped in all and per address; to make room, the connection that has made the least progress
+//! in the handshake goes, silent before greeting, the oldest first, wherever it comes from: a
+//! flood from many addresses loses its own idle sockets, not the real peers of one busy
+//! address), and warnings about refused connections gathered into one line per interval.
 //! The gate only keeps the books: the event loop that owns the sockets closes the ones it names.
 
 use std::collections::{BTreeSet, HashMap};
@@ -25,6 +27,8 @@ type Place = (bool, Instant, usize);
 pub(crate) struct Gate {
     pending: HashMap<usize, (SocketAddr, Place)>,
     by_address: HashMap<IpAddr, BTreeSet<Place>>,
+    /// Every waiting connection, least progress and oldest first.
+    order: BTreeSet<Place>,
     max: usize,
     max_per_ip: usize,
 }
@@ -34,6 +38,7 @@ impl Gate {
         Gate {
             pending: HashMap::new(),
             by_address: HashMap::new(),
+            order: BTreeSet::new(),
             max: max.max(1),
             max_per_ip: max_per_ip.clamp(1, max.max(1)),
         }
@@ -55,22 +60,25 @@ impl Gate {
         let place = (false, Instant::now(), id);
         self.pending.insert(id, (peer, place));
         self.by_address.entry(peer.ip()).or_default().insert(place);
+        self.order.insert(place);
         evicted
     }
 
     /// Which waiting connection must make room for a new one from `ip`: none while there is
-    /// room; else one of `ip`'s own when it holds its share, else one of the address that holds
-    /// the most; among those, the silent before those doing the handshake, the oldest first.
+    /// room; else one of `ip`'s own when it holds its share, else any; among those, the silent
+    /// before those doing the handshake, the oldest first. (Choosing the address that holds the
+    /// most, as before, let silent sockets from many loopback addresses evict the real ranks of
+    /// the one address that was busy: any local user has all of 127/8.)
     fn victim(&self, ip: IpAddr) -> Option<usize> {
-        let held = |ip: &IpAddr| self.by_address.get(ip).map_or(0, BTreeSet::len);
-        let target = if held(&ip) >= self.max_per_ip {
-            ip
+        let held = self.by_address.get(&ip).map_or(0, BTreeSet::len);
+        let first = if held >= self.max_per_ip {
+            self.by_address[&ip].first()
         } else if self.pending.len() >= self.max {
-            *self.by_address.keys().max_by_key(|ip| held(ip))?
+            self.order.first()
         } else {
             return None;
         };
-        self.by_address[&target].first().map(|&(_, _, id)| id)
+        first.map(|&(_, _, id)| id)
     }
 
     /// The connection `id` sent its `Hello`.
@@ -80,8 +88,10 @@ impl Gate {
         };
         if let Some(queue) = self.by_address.get_mut(&peer.ip()) {
             queue.remove(place);
+            self.order.remove(place);
             place.0 = true;
             queue.insert(*place);
+            self.order.insert(*place);
         }
     }
 
@@ -90,6 +100,7 @@ impl Gate {
         let Some((peer, place)) = self.pending.remove(&id) else {
             return false;
         };
+        self.order.remove(&place);
         if let Some(queue) = self.by_address.get_mut(&peer.ip()) {
             queue.remove(&place);
             if queue.is_empty() {
@@ -187,7 +198,7 @@ mod tests {
     use std::thread;
 
     #[test]
-    fn the_address_holding_the_most_makes_room_silent_and_oldest_first() {
+    fn the_least_advanced_and_oldest_makes_room_its_own_address_first_when_full() {
         let mut gate = Gate::new(4, 3);
         let a: SocketAddr = "10.0.0.1:1".parse().unwrap();
         let b: SocketAddr = "10.0.0.2:1".parse().unwrap();
@@ -201,7 +212,7 @@ mod tests {
         assert_eq!((evicted.id, evicted.peer), (2, a));
         assert!(!gate.leave(2), "the second lost its slot");
         assert!(gate.leave(1), "the greeting one kept its slot");
-        // Full with three of `a` and one of `b`: a newcomer from `c` takes one of `a`'s.
+        // Full with three of `a` and one of `b`: a newcomer from `c` takes the oldest silent one.
         assert!(gate.admit(5, b).is_none());
         assert_eq!(gate.len(), 3);
         assert!(gate.admit(6, a).is_none());
@@ -209,6 +220,30 @@ mod tests {
         assert_eq!((evicted.id, evicted.peer), (3, a));
         assert_eq!(evicted.held_by_its_address, 3);
         assert_eq!(gate.len(), 4);
+    }
+
+    #[test]
+    fn silent_sockets_from_many_addresses_make_room_before_a_busy_address_s_real_peers() {
+        // A flood of silent sockets from distinct addresses fills the gate before one host's
+        // ranks connect; the ranks' connections are newer (and about to greet): the flood's
+        // oldest go, not the ranks of the address that holds the most.
+        let mut gate = Gate::new(4, 3);
+        let flood = |i: u8| SocketAddr::from(([127, 0, 1, i], 1));
+        let ranks: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        assert!(gate.admit(1, flood(1)).is_none());
+        assert!(gate.admit(2, flood(2)).is_none());
+        assert!(gate.admit(3, ranks).is_none());
+        assert!(gate.admit(4, ranks).is_none());
+        let evicted = gate.admit(5, flood(3)).unwrap();
+        assert_eq!((evicted.id, evicted.peer), (1, flood(1)));
+        gate.greeting(3);
+        let evicted = gate.admit(6, ranks).unwrap();
+        assert_eq!((evicted.id, evicted.peer), (2, flood(2)));
+        // Only silent ones of the ranks' address and newer floods are left to go, oldest first;
+        // the greeting one goes last.
+        let evicted = gate.admit(7, flood(4)).unwrap();
+        assert_eq!(evicted.id, 4);
+        assert!(gate.leave(3), "the greeting rank kept its slot");
     }
 
     /// Captures the lines written while `f` runs on this thread.

@@ -98,9 +98,9 @@ const HELLO_DEADLINE: Duration = Duration::from_secs(10);
 const PRE_HELLO_MAX_FRAME: usize = 4 << 10;
 /// Connections that have not yet proven the run id, at most (each costs a descriptor and a few
 /// hundred bytes until its deadline; thousands of ranks connect at once). A new connection beyond
-/// this closes one of them, of the address that holds the most, silent ones and the oldest first:
-/// a flood of idle sockets delays nobody, since a real peer finishes its handshake within
-/// milliseconds.
+/// this closes one of them, silent ones (no `Hello` yet) and the oldest first, whatever their
+/// address: a flood of idle sockets delays nobody, since a real peer greets within a millisecond
+/// and finishes its handshake within a few.
 const MAX_UNGREETED: usize = 1024;
 /// Connections from one IP address that have not yet proven the run id, at most (so that one
 /// address cannot take every slot; a host's ranks and its launcher fit well within it); a new one
