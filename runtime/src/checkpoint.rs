@@ -2,7 +2,8 @@
 //! `model.safetensors`, `optimizer.safetensors` and `state.json`, written into a temporary
 //! directory, fsynced and renamed into place, then `checkpoints/latest` is updated (last). The
 //! newest K are kept. A checkpoint is only ever loaded when it is complete: `state.json` records
-//! the size and SHA-256 of both tensor files, so one left half-written by a crash is skipped.
+//! the size and SHA-256 of both tensor files (and `state.sha256` its own), so one left
+//! half-written by a crash is skipped, and its step must agree with the directory's name.
 //! A commit waits for the disk twice: once for the files (the writeback of all of them started
 //! before the first fsync, so that one journal commit covers them) and once for the directory
 //! after both renames. A crash before that leaves the previous checkpoint as `latest`; one during it may
@@ -19,7 +20,10 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tch::Tensor;
 
+mod consistent;
 mod finite;
+
+use consistent::STATE_DIGEST_FILE;
 
 const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
@@ -258,20 +262,24 @@ impl Staged {
         fs::create_dir_all(tmp).map_err(io_err(tmp))
     }
 
+    /// `state.json`, and its digest beside it (`state.sha256`).
     fn write_state(&self, state: &TrainState) -> Result<(), CheckpointError> {
         let state_path = self.tmp.join(STATE_FILE);
         let json = serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::Invalid {
             path: state_path.display().to_string(),
             detail: e.to_string(),
         })?;
-        fs::write(&state_path, json).map_err(io_err(&state_path))
+        fs::write(&state_path, &json).map_err(io_err(&state_path))?;
+        let digest_path = self.tmp.join(STATE_DIGEST_FILE);
+        let digest = format!("{}\n", consistent::state_digest(&json));
+        fs::write(&digest_path, digest).map_err(io_err(&digest_path))
     }
 
     /// The staged files synced, then renamed into place, then `latest`, with one sync of the
     /// directory for both renames (see the module doc for what a crash leaves).
     fn put_in_place(&self) -> Result<PathBuf, CheckpointError> {
         let (dir, tmp, name) = (&self.dir, &self.tmp, &self.name);
-        let files = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE]
+        let files = [MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, STATE_DIGEST_FILE]
             .map(|name| tmp.join(name))
             .into_iter()
             .map(|path| File::open(&path).map(|file| (file, path)))
@@ -636,6 +644,7 @@ pub fn find_latest(
 /// and a tensor file of another size than recorded is refused without being read.
 pub fn verify(path: &Path) -> Result<TrainState, CheckpointError> {
     let state = read_state(path)?;
+    consistent::check_step_name(path, &state)?;
     let state_path = path.join(STATE_FILE);
     for file in [MODEL_FILE, OPTIMIZER_FILE] {
         let expected = state
@@ -650,10 +659,12 @@ pub fn verify(path: &Path) -> Result<TrainState, CheckpointError> {
     Ok(state)
 }
 
-/// The `state.json` of the checkpoint at `path`, read, not checked against its files.
+/// The `state.json` of the checkpoint at `path`, read and checked against the digest beside it,
+/// not against its files.
 fn read_state(path: &Path) -> Result<TrainState, CheckpointError> {
     let state_path = path.join(STATE_FILE);
     let text = common::files::read_input(&state_path, MAX_STATE_FILE)?;
+    consistent::check_state_digest(&state_path, &text)?;
     serde_json::from_slice(&text).map_err(|e| CheckpointError::Invalid {
         path: state_path.display().to_string(),
         detail: format!("unreadable state ({e}): incomplete checkpoint"),
@@ -694,7 +705,9 @@ pub type NamedTensors = Vec<(String, Tensor)>;
 /// Loads a verified checkpoint: (model tensors, optimizer tensors, state). A tensor holding a
 /// value that is not finite (NaN or infinite) is refused, naming it: the digests only say the
 /// files are as written, and a model of NaNs would otherwise be trained on or evaluated as if
-/// it were one (a diverged run, or a file edited with its digests updated).
+/// it were one (a diverged run, or a file edited with its digests updated). So is a state that
+/// disagrees with itself: its step with the directory's name or the optimizer's own count, its
+/// bytes with `state.sha256` (see `checkpoint/consistent.rs`).
 pub fn load(path: &Path) -> Result<(NamedTensors, NamedTensors, TrainState), CheckpointError> {
     let state = verify(path)?;
     let read = |file: &str| {
@@ -706,7 +719,9 @@ pub fn load(path: &Path) -> Result<(NamedTensors, NamedTensors, TrainState), Che
         finite::all_finite(&p, &named)?;
         Ok::<_, CheckpointError>(named)
     };
-    Ok((read(MODEL_FILE)?, read(OPTIMIZER_FILE)?, state))
+    let (model, optimizer) = (read(MODEL_FILE)?, read(OPTIMIZER_FILE)?);
+    consistent::check_optimizer_step(&path.join(OPTIMIZER_FILE), &optimizer, &state)?;
+    Ok((model, optimizer, state))
 }
 
 /// The step number of a `step-000123` directory name.
@@ -753,7 +768,7 @@ fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
     let bytes = std::io::copy(&mut file, &mut sha).map_err(io_err(path))?;
     Ok(FileDigest {
         bytes,
-        sha256: sha.finalize().iter().map(|b| format!("{b:02x}")).collect(),
+        sha256: consistent::hex(&sha.finalize()),
     })
 }
 
