@@ -38,6 +38,7 @@ pub mod hostlist;
 pub mod job_shape;
 pub mod job_terms;
 pub mod memory;
+pub mod movielens;
 pub mod progress;
 pub mod shm_segments;
 pub mod tensorboard;

@@ -161,7 +161,7 @@ fn launch(cli: &Cli) -> i32 {
         }
     };
     hostfile::stop_on_stdin_eof();
-    let mut plan = match Plan::from_cli(cli).and_then(|p| preflight_of(&p).map(|()| p)) {
+    let mut plan = match Plan::from_cli(cli).and_then(|p| preflight_of(&p).map(|_| p)) {
         Ok(plan) => plan,
         Err(e) => {
             watchdog.disarm();
@@ -248,7 +248,12 @@ fn dry_run(cli: &Cli) -> i32 {
                 .lock()
                 .write_all(plan.describe().as_bytes());
             match preflight_of(&plan) {
-                Ok(()) => 0,
+                Ok(notes) => {
+                    for note in notes {
+                        warn!("{note}");
+                    }
+                    0
+                }
                 Err(e) => bad_input(&e),
             }
         }
@@ -256,11 +261,12 @@ fn dry_run(cli: &Cli) -> i32 {
     }
 }
 
-/// The pre-flight of the plan's config (data, weights, output directory), when it runs one.
-fn preflight_of(plan: &Plan) -> Result<(), PlanError> {
+/// The pre-flight of the plan's config (data, weights, output directory), when it runs one;
+/// its notes (the workers say them again when they read the data).
+fn preflight_of(plan: &Plan) -> Result<Vec<String>, PlanError> {
     match &plan.config {
         Some(t) => preflight::check(&t.config).map_err(|e| PlanError::Usage(e.to_string())),
-        None => Ok(()),
+        None => Ok(Vec::new()),
     }
 }
 

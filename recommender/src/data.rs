@@ -1,75 +1,27 @@
-//! MovieLens-1M data: reading, implicit-feedback splitting, negative sampling and a synthetic
-//! generator that writes files in the same format.
+//! MovieLens data for the recommender: implicit-feedback splitting, negative sampling and a
+//! synthetic generator that writes files in ML-1M's format. The files themselves are read by
+//! `common::movielens` (re-exported here), which `launch` shares for its pre-flight.
 //!
-//! Owns: parsing and validating `users.dat`, `movies.dat` (ISO-8859-1) and `ratings.dat`
-//! (`::`-separated, see `shared/REFERENCE.md`); turning ratings into implicit feedback with a dense
-//! id remap and a seeded per-user 8:1:1 train/valid/test split; uniform negative sampling outside
-//! a user's train set; and a deterministic synthetic ML-1M-format generator (Tiny/Small/Full).
+//! Owns: turning ratings into implicit feedback with a dense id remap and a seeded per-user
+//! 8:1:1 train/valid/test split; uniform negative sampling outside a user's train set; the texts
+//! of users and movies; and a deterministic synthetic ML-1M-format generator
+//! (Tiny/Small/Full).
 //!
 //! Must not: know the model, tokenizers, ranks or libtorch, touch the network, or use a random
 //! source other than the local SplitMix64 (so splits are bit-identical on every rank and
 //! machine). Input errors are returned as [`DataError`] (file, line, what was wrong), never
 //! panics.
 
-mod movielens;
-mod movielens100k;
 mod split;
 mod synthetic;
 
-use std::path::{Path, PathBuf};
-
-use thiserror::Error;
-
-pub use movielens::read_ml1m;
-pub use movielens100k::read_ml100k;
+pub use common::movielens::{
+    check_positives, detect_format, duplicate_pairs, read_ml100k, read_ml1m, read_movielens, Age,
+    DataError, DataFormat, DuplicatePairs, Gender, Movie, Occupation, Rating, RawData, User,
+    AGE_CODES, GENRES,
+};
 pub use split::{build_dataset, ColdShares, Dataset};
 pub use synthetic::{generate_ml1m, GENERATOR_VERSION};
-
-pub use common::data_layout::DataFormat;
-
-/// The layout of `dir`, or an error that names both layouts' files (and the command that
-/// fetches it, for a known data set).
-pub fn detect_format(dir: &Path) -> Result<DataFormat, DataError> {
-    DataFormat::detect(dir).ok_or_else(|| DataError::NoDataSet {
-        dir: dir.to_path_buf(),
-        hint: common::assets::fetch_hint(dir, common::assets::AssetKind::Dataset),
-    })
-}
-
-/// Reads the data set in `dir`, whichever of the two layouts it has.
-pub fn read_movielens(dir: &Path) -> Result<(RawData, DataFormat), DataError> {
-    let format = detect_format(dir)?;
-    let raw = match format {
-        DataFormat::Ml1m => read_ml1m(dir)?,
-        DataFormat::Ml100k => read_ml100k(dir)?,
-    };
-    Ok((raw, format))
-}
-
-/// The 18 ML-1M genres, in the order listed in the dataset's README.
-pub const GENRES: [&str; 18] = [
-    "Action",
-    "Adventure",
-    "Animation",
-    "Children's",
-    "Comedy",
-    "Crime",
-    "Documentary",
-    "Drama",
-    "Fantasy",
-    "Film-Noir",
-    "Horror",
-    "Musical",
-    "Mystery",
-    "Romance",
-    "Sci-Fi",
-    "Thriller",
-    "War",
-    "Western",
-];
-
-/// Valid age codes of `users.dat`, in increasing order.
-pub const AGE_CODES: [u8; 7] = [1, 18, 25, 35, 45, 50, 56];
 
 const OCCUPATIONS: [&str; 21] = [
     "other/not specified",
@@ -146,103 +98,6 @@ pub fn user_text(user: &User) -> String {
 /// The occupation a [`user_text`] names (`programmer` of `User: ..., works as programmer.`).
 pub fn occupation_of_text(text: &str) -> Option<&str> {
     text.rsplit_once(", works as ")?.1.strip_suffix('.')
-}
-
-/// Errors reading or writing ML-1M files.
-#[derive(Debug, Error)]
-pub enum DataError {
-    #[error("data: missing file {}", path.display())]
-    MissingFile { path: PathBuf },
-    #[error("data: {} is {what}, not a data file", path.display())]
-    NotAFile { path: PathBuf, what: &'static str },
-    #[error("data: {} is {size} bytes, more than the {max} a data file may have", path.display())]
-    TooLarge { path: PathBuf, size: u64, max: u64 },
-    #[error(
-        "data: {} holds neither MovieLens-1M's ratings.dat, users.dat, movies.dat nor MovieLens-100k's u.data, u.user, u.item{}",
-        dir.display(),
-        hint.as_deref().map(|h| format!(" (run `{h}` to download it)")).unwrap_or_default()
-    )]
-    NoDataSet { dir: PathBuf, hint: Option<String> },
-    #[error("data: cannot read {}: {source}", path.display())]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("data: cannot write {}: {source}", path.display())]
-    Write {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("data: {}:{line}: {msg}", path.display())]
-    Parse {
-        path: PathBuf,
-        line: usize,
-        msg: String,
-    },
-}
-
-/// Gender field of `users.dat`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Gender {
-    M,
-    F,
-}
-
-/// A user's age as the data set gives it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Age {
-    /// ML-1M's age code (1, 18, 25, 35, 45, 50 or 56); see [`age_group_name`].
-    Group(u8),
-    /// Years (ML-100k).
-    Years(u8),
-}
-
-/// A user's occupation as the data set gives it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Occupation {
-    /// ML-1M's occupation code 0..=20; see [`occupation_name`].
-    Code(u8),
-    /// A name in words (ML-100k's `u.occupation`, e.g. `technician`).
-    Named(String),
-}
-
-/// One user (a row of ML-1M's `users.dat` or ML-100k's `u.user`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct User {
-    pub id: u32,
-    pub gender: Gender,
-    pub age: Age,
-    pub occupation: Occupation,
-    /// Kept verbatim (ZIP+4 and odd codes are valid).
-    pub zip: String,
-}
-
-/// One movie (a row of ML-1M's `movies.dat` or ML-100k's `u.item`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Movie {
-    pub id: u32,
-    /// Title as in the file (latin-1 decoded), including the trailing `(year)`.
-    pub title: String,
-    /// Year from the trailing `(1995)` of the title, when present.
-    pub year: Option<u16>,
-    pub genres: Vec<String>,
-}
-
-/// One rating (a row of ML-1M's `ratings.dat` or ML-100k's `u.data`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rating {
-    pub user: u32,
-    pub movie: u32,
-    pub rating: u8,
-    pub timestamp: u64,
-}
-
-/// The three ML-1M files, parsed and validated, rows in file order.
-#[derive(Debug, Clone, Default)]
-pub struct RawData {
-    pub users: Vec<User>,
-    pub movies: Vec<Movie>,
-    pub ratings: Vec<Rating>,
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -143,7 +143,10 @@ pub fn load_data(
         }
     };
     let (raw, format) = data::read_movielens(&dir)?;
-    check_positives(&raw, config.data.min_rating, &dir.join(format.files()[0]))?;
+    data::check_positives(&raw, config.data.min_rating, &dir.join(format.files()[0]))?;
+    if let Some(duplicates) = raw.duplicates.as_ref().filter(|_| comm.rank() == 0) {
+        tracing::warn!("{}", duplicates.warning(config.data.min_rating));
+    }
     let cold = ColdShares {
         items: config.data.cold_items,
         users: config.data.cold_users,
@@ -156,26 +159,6 @@ pub fn load_data(
         dir,
         format,
     ))
-}
-
-/// A data set with nothing to learn from is refused naming the file and the cause (rather than
-/// as "0 training samples" later).
-fn check_positives(raw: &RawData, min_rating: u8, ratings: &Path) -> Result<(), RecError> {
-    if raw.ratings.is_empty() {
-        return Err(RecError::Invalid(format!(
-            "{}: holds no ratings",
-            ratings.display()
-        )));
-    }
-    if !raw.ratings.iter().any(|r| r.rating >= min_rating) {
-        let best = raw.ratings.iter().map(|r| r.rating).max().unwrap_or(0);
-        return Err(RecError::Invalid(format!(
-            "{}: none of its {} ratings is at or above data.min_rating = {min_rating} (the highest is {best}); lower data.min_rating",
-            ratings.display(),
-            raw.ratings.len()
-        )));
-    }
-    Ok(())
 }
 
 /// Generates the synthetic files into `dir` unless it exists: into a temporary sibling, then
@@ -238,40 +221,6 @@ pub fn data_shape(config: &Config, data: &RecData) -> Result<DataShape, RecError
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-
-    #[test]
-    fn data_with_nothing_to_learn_is_refused_naming_the_file_and_cause() {
-        let dir = Path::new("/data/ml-1m");
-        let rating = |rating| data::Rating {
-            user: 1,
-            movie: 1,
-            rating,
-            timestamp: 0,
-        };
-        let mut raw = RawData {
-            users: Vec::new(),
-            movies: Vec::new(),
-            ratings: Vec::new(),
-        };
-        let text = check_positives(&raw, 3, &dir.join("ratings.dat"))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            text.contains("/data/ml-1m/ratings.dat: holds no ratings"),
-            "{text}"
-        );
-        raw.ratings = vec![rating(1), rating(2)];
-        let text = check_positives(&raw, 3, &dir.join("ratings.dat"))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            text.contains(
-                "none of its 2 ratings is at or above data.min_rating = 3 (the highest is 2)"
-            ),
-            "{text}"
-        );
-        assert!(check_positives(&raw, 2, &dir.join("ratings.dat")).is_ok());
-    }
 
     pub(crate) fn tiny_data(dir: &Path) -> RecData {
         data::generate_ml1m(dir, common::config::SyntheticSize::Tiny, 3).unwrap();

@@ -13,8 +13,8 @@ pub(super) const MAX_DATA_FILE: u64 = 4 << 30;
 /// Reads a whole data file. A FIFO, a device or a directory is refused without blocking on it,
 /// as is one over [`MAX_DATA_FILE`] (`common::files`).
 pub(super) fn read_file(path: &Path) -> Result<Vec<u8>, DataError> {
-    use common::files::InputError;
-    common::files::read_input(path, MAX_DATA_FILE).map_err(|e| match e {
+    use crate::files::InputError;
+    crate::files::read_input(path, MAX_DATA_FILE).map_err(|e| match e {
         InputError::Missing { path } => DataError::MissingFile { path },
         InputError::NotAFile { path, what } => DataError::NotAFile { path, what },
         InputError::TooLarge { path, size, max } => DataError::TooLarge { path, size, max },
@@ -352,11 +352,14 @@ pub(super) fn read_layout(
     let movies = (parse.movies)(&mp, &read_file(&mp)?)?;
     let user_ok = IdSet::new(users.iter().map(|u| u.id));
     let movie_ok = IdSet::new(movies.iter().map(|m| m.id));
-    let ratings = (parse.ratings)(&rp, &read_file(&rp)?, &user_ok, &movie_ok)?;
+    let bytes = read_file(&rp)?;
+    let ratings = (parse.ratings)(&rp, &bytes, &user_ok, &movie_ok)?;
+    let duplicates = super::duplicate_pairs(&rp, &bytes, &ratings);
     Ok(RawData {
         users,
         movies,
         ratings,
+        duplicates,
     })
 }
 
