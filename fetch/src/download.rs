@@ -2,7 +2,7 @@
 //! checking it: resume with `Range: bytes=N-` (a 206 appends, a 200 starts over, a 416 or a
 //! partial file longer than expected starts over cleanly), retries of cut or stalled
 //! transfers, mirrors in turn, then the size and SHA-256 check (a mismatch deletes the file).
-//! Also small files read whole (a model's `config.json`) and SHA-256 of a file.
+//! Also small files read whole (a model's `config.json`).
 //!
 //! Must not: unpack, place anything in the cache's final directories, or know about assets.
 
@@ -10,10 +10,9 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::Path;
 
-use sha2::{Digest, Sha256};
-
 use crate::error::FetchError;
 use crate::http::{Client, ContentRange, Reply};
+use crate::input::Input;
 use crate::progress::Progress;
 
 /// One file to download and what it must be.
@@ -291,9 +290,14 @@ fn open_at(part: &Path, from: u64) -> Result<File, FetchError> {
 /// What [`verify`] says after deleting a download that failed its check.
 const DELETED: &str = "; the download was deleted, rerun to start over";
 
+/// The largest partial download read back (far above any asset).
+const PART_MAX: u64 = u64::MAX;
+
 /// Checks that `part` has the wanted size and SHA-256; deletes it when not.
 pub fn verify(want: &Want, part: &Path) -> Result<(), FetchError> {
-    let result = check(want, part, DELETED);
+    let result = Input::open(part, PART_MAX)
+        .map_err(FetchError::from)
+        .and_then(|input| check(want, &input, DELETED));
     if matches!(
         result,
         Err(FetchError::Size { .. } | FetchError::Checksum { .. })
@@ -304,20 +308,17 @@ pub fn verify(want: &Want, part: &Path) -> Result<(), FetchError> {
     result
 }
 
-/// Checks that the file at `path` has the wanted size and SHA-256; `then` ends the error line.
-pub fn check(want: &Want, path: &Path, then: &str) -> Result<(), FetchError> {
-    let len = fs::metadata(path)
-        .map_err(FetchError::io_at("reading", path))?
-        .len();
-    if len != want.size {
+/// Checks that `input` has the wanted size and SHA-256; `then` ends the error line.
+pub fn check(want: &Want, input: &Input, then: &str) -> Result<(), FetchError> {
+    if input.len() != want.size {
         return Err(FetchError::Size {
             file: want.label.to_string(),
             expected: want.size,
-            got: len,
+            got: input.len(),
             then: then.to_string(),
         });
     }
-    let got = sha256_file(path)?;
+    let got = input.sha256()?;
     if got != want.sha256 {
         return Err(FetchError::Checksum {
             file: want.label.to_string(),
@@ -341,7 +342,7 @@ fn sidecar(part: &Path) -> std::path::PathBuf {
 fn match_sidecar(want: &Want, part: &Path) -> Result<(), FetchError> {
     let side = sidecar(part);
     let wanted = format!("{} {}\n", want.size, want.sha256);
-    let recorded = fs::read_to_string(&side).ok();
+    let recorded = common::files::read_input_text(&side, 1024).ok();
     if recorded.as_deref() == Some(wanted.as_str()) {
         return Ok(());
     }
@@ -395,23 +396,6 @@ pub fn small_file(
     }
 }
 
-/// The SHA-256 of the file at `path`, lowercase hex.
-pub fn sha256_file(path: &Path) -> Result<String, FetchError> {
-    let mut file = File::open(path).map_err(FetchError::io_at("opening", path))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file
-            .read(&mut buf)
-            .map_err(FetchError::io_at("reading", path))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    Ok(hex(&hasher.finalize()))
-}
-
 /// Lowercase hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -444,6 +428,7 @@ fn file_name(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sha2::{Digest, Sha256};
 
     fn range(start: u64, end: u64, total: Option<u64>) -> Option<ContentRange> {
         Some(ContentRange { start, end, total })
@@ -508,16 +493,5 @@ mod tests {
         let err = verify(&want(&sha, 3), &part).unwrap_err().to_string();
         assert!(err.contains("expected 3 bytes, got 4"), "{err}");
         assert!(!part.exists());
-    }
-
-    #[test]
-    fn sha256_of_a_file_matches_the_digest() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("x");
-        fs::write(&path, b"hello").unwrap();
-        assert_eq!(
-            sha256_file(&path).unwrap(),
-            "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
-        );
     }
 }

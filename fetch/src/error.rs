@@ -57,6 +57,10 @@ pub enum FetchError {
     /// ENOSPC (or a quota) while writing; nothing was placed.
     #[error("disk full writing {path}: no space left on device; nothing was placed in {target}")]
     DiskFull { path: PathBuf, target: PathBuf },
+    /// A file handed to `fetch` (or read back from the cache) that cannot be read as one: a
+    /// FIFO, a device, too large, missing. Its message names the path.
+    #[error(transparent)]
+    Input(#[from] common::files::InputError),
     /// Any other I/O failure, naming what was done to which path.
     // Not a `source` (which `{:#}` would print a second time): the message holds it once.
     #[error("{what} {path}: {error}")]

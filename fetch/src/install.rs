@@ -10,10 +10,12 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use common::assets::{Asset, AssetKind};
+use common::files::InputError;
 
 use crate::download::{self, Options, Want};
 use crate::error::FetchError;
 use crate::http::{Client, Head};
+use crate::input::Input;
 use crate::manifest::{self, Entry, Source};
 use crate::model;
 use crate::place::{self, MarkedFile, Marker, Staging};
@@ -44,6 +46,9 @@ pub fn final_dir(root: &Path, asset: &Asset) -> PathBuf {
     };
     root.join(sub).join(asset.name)
 }
+
+/// The largest zip accepted from `--from` (the MovieLens zips are under 6 MB).
+const ZIP_MAX: u64 = 4 << 30;
 
 /// `<root>/.partial`: partial downloads and locks.
 fn partial_root(root: &Path) -> PathBuf {
@@ -160,6 +165,7 @@ fn fetch_zip(
         sha256,
     };
     download::download(&ctx.client, &want, &part, ctx.opts)?;
+    let zip = Input::open(&part, u64::MAX)?;
     let marked = MarkedFile {
         file: label.clone(),
         size,
@@ -168,7 +174,7 @@ fn fetch_zip(
     place_zip(
         ctx,
         asset,
-        &part,
+        &zip,
         marked,
         urls.first().cloned().unwrap_or_default(),
     )?;
@@ -191,7 +197,8 @@ fn zip_from(
         sha256,
     };
     let then = format!(" ({} is not the published {label})", from.display());
-    download::check(&want, from, &then)?;
+    let zip = Input::open(from, ZIP_MAX)?;
+    download::check(&want, &zip, &then)?;
     let marked = MarkedFile {
         file: label.clone(),
         size,
@@ -200,7 +207,7 @@ fn zip_from(
     place_zip(
         ctx,
         asset,
-        from,
+        &zip,
         marked,
         format!("--from {}", from.display()),
     )
@@ -210,7 +217,7 @@ fn zip_from(
 fn place_zip(
     ctx: &Ctx,
     asset: &Asset,
-    zip: &Path,
+    zip: &Input,
     marked: MarkedFile,
     source: String,
 ) -> Result<(), FetchError> {
@@ -264,8 +271,10 @@ fn fetch_model(
         sha256: &sha256,
     };
     download::download(&ctx.client, &want, &part, ctx.opts)?;
-    model::check_safetensors(&part).map_err(|detail| bad("model.safetensors", detail))?;
-    place_model(ctx, asset, &config, &part, (size, sha256), weights_url)?;
+    let weights = Input::open(&part, u64::MAX)?;
+    model::check_safetensors(weights.reader(), weights.len())
+        .map_err(|detail| bad("model.safetensors", detail))?;
+    place_model(ctx, asset, &config, &weights, (size, sha256), weights_url)?;
     download::discard(&part);
     Ok(())
 }
@@ -313,14 +322,14 @@ fn place_model(
     ctx: &Ctx,
     asset: &Asset,
     config: &[u8],
-    weights: &Path,
+    weights: &Input,
     digest: (u64, String),
     source: String,
 ) -> Result<(), FetchError> {
     let staging = Staging::new(&final_dir(&ctx.root, asset))?;
     place::write_synced(&staging.dir.join("config.json"), config)?;
     let target = staging.dir.join("model.safetensors");
-    if fs::hard_link(weights, &target).is_err() {
+    if fs::hard_link(weights.path(), &target).is_err() {
         place::copy_synced(weights, &target)?;
     }
     let marker = model_marker(asset, config, digest, source);
@@ -348,46 +357,20 @@ fn model_marker(asset: &Asset, config: &[u8], digest: (u64, String), source: Str
 
 /// A model from a directory holding `config.json` and `model.safetensors`: the config is
 /// GPT-2's, the weights are whole (and match the pin, when there is one); copied into place.
+/// Each file is opened once, and the weights' header check, digest and copy read that handle.
 fn model_from(
     ctx: &Ctx,
     asset: &Asset,
     from: &Path,
     pin: Option<&(u64, String)>,
 ) -> Result<(), FetchError> {
-    let config_path = from.join("config.json");
-    let weights = from.join("model.safetensors");
-    for (file, path) in [
-        ("config.json", &config_path),
-        ("model.safetensors", &weights),
-    ] {
-        if !path.is_file() {
-            return Err(bad(
-                &from.display().to_string(),
-                format!("no {file} there: a GPT-2 model directory holds config.json and model.safetensors (as the hub has them)"),
-            ));
-        }
-    }
-    let config = fs::read(&config_path).map_err(FetchError::io_at("reading", &config_path))?;
-    model::check_config(&config).map_err(|d| bad(&config_path.display().to_string(), d))?;
-    model::check_safetensors(&weights).map_err(|d| bad(&weights.display().to_string(), d))?;
-    let digest = match pin {
-        Some((size, sha256)) => {
-            let want = Want {
-                label: "model.safetensors",
-                urls: &[],
-                size: *size,
-                sha256,
-            };
-            download::check(&want, &weights, &format!(" ({})", weights.display()))?;
-            (*size, sha256.clone())
-        }
-        None => {
-            let size = fs::metadata(&weights)
-                .map_err(FetchError::io_at("reading", &weights))?
-                .len();
-            (size, download::sha256_file(&weights)?)
-        }
-    };
+    let config_file = open_in(from, "config.json", model::CONFIG_MAX)?;
+    let config = config_file.bytes()?;
+    model::check_config(&config).map_err(|d| bad(&config_file.path().display().to_string(), d))?;
+    let weights = open_in(from, "model.safetensors", model::WEIGHTS_MAX)?;
+    model::check_safetensors(weights.reader(), weights.len())
+        .map_err(|d| bad(&weights.path().display().to_string(), d))?;
+    let digest = weights_digest(&weights, pin)?;
     let staging = Staging::new(&final_dir(&ctx.root, asset))?;
     place::write_synced(&staging.dir.join("config.json"), &config)?;
     place::copy_synced(&weights, &staging.dir.join("model.safetensors"))?;
@@ -397,6 +380,38 @@ fn model_from(
         digest,
         format!("--from {}", from.display()),
     ))
+}
+
+/// `dir/file` opened by [`Input::open`]; a missing one is named as what the directory lacks.
+fn open_in(dir: &Path, file: &str, max: u64) -> Result<Input, FetchError> {
+    match Input::open(&dir.join(file), max) {
+        Err(InputError::Missing { .. }) => Err(bad(
+            &dir.display().to_string(),
+            format!("no {file} there: a GPT-2 model directory holds config.json and model.safetensors (as the hub has them)"),
+        )),
+        other => Ok(other?),
+    }
+}
+
+/// The size and SHA-256 of `--from`'s weights: checked against the pin when there is one.
+fn weights_digest(
+    weights: &Input,
+    pin: Option<&(u64, String)>,
+) -> Result<(u64, String), FetchError> {
+    match pin {
+        Some((size, sha256)) => {
+            let want = Want {
+                label: "model.safetensors",
+                urls: &[],
+                size: *size,
+                sha256,
+            };
+            let then = format!(" ({})", weights.path().display());
+            download::check(&want, weights, &then)?;
+            Ok((*size, sha256.clone()))
+        }
+        None => Ok((weights.len(), weights.sha256()?)),
+    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 mod download;
 mod error;
 mod http;
+mod input;
 mod install;
 mod manifest;
 mod model;

@@ -15,6 +15,8 @@ use crate::error::UsageError;
 
 /// Where GroupLens keeps the MovieLens zips; `GPTREC_GROUPLENS_URL` replaces it (mirrors).
 pub const GROUPLENS_BASE: &str = "https://files.grouplens.org/datasets/movielens";
+/// The largest `--manifest` file read (a manifest of every name is under 4 KiB).
+const MANIFEST_MAX: u64 = 1 << 20;
 /// The Hugging Face hub; `HF_ENDPOINT` replaces it, as `huggingface_hub` does.
 pub const HF_DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 
@@ -124,8 +126,8 @@ impl Manifest {
 
     /// The manifest in `path`: JSON when it starts with `{` or `[` (not `[[`), TOML otherwise.
     pub fn from_file(path: &Path) -> Result<Manifest, UsageError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| UsageError(format!("cannot read manifest {}: {e}", path.display())))?;
+        let text = common::files::read_input_text(path, MANIFEST_MAX)
+            .map_err(|e| UsageError(format!("cannot read manifest {e}")))?;
         let origin = format!("manifest {}", path.display());
         let mut manifest = parse(&text).map_err(|e| UsageError(format!("{origin}: {e}")))?;
         manifest.origin = origin;

@@ -14,6 +14,7 @@ use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 
 use crate::error::FetchError;
+use crate::input::Input;
 
 /// The marker's file name inside a placed directory.
 pub const MARKER: &str = ".complete";
@@ -145,10 +146,10 @@ pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), FetchError> {
     file.sync_all().map_err(FetchError::io_at("syncing", path))
 }
 
-/// Copies `from` to a new file `to` and syncs it.
-pub fn copy_synced(from: &Path, to: &Path) -> Result<(), FetchError> {
-    fs::copy(from, to).map_err(FetchError::io_at("writing", to))?;
-    let file = File::open(to).map_err(FetchError::io_at("opening", to))?;
+/// Copies what `from` held when it was opened to a new file `to` and syncs it.
+pub fn copy_synced(from: &Input, to: &Path) -> Result<(), FetchError> {
+    let mut file = File::create(to).map_err(FetchError::io_at("creating", to))?;
+    from.copy_to(&mut file, to)?;
     file.sync_all().map_err(FetchError::io_at("syncing", to))
 }
 

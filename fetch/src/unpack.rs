@@ -6,11 +6,12 @@
 //! Must not: download, or write anywhere but the directory it is given (which it expects to
 //! be new and empty).
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::FetchError;
+use crate::input::Input;
 
 /// Limits against zip bombs.
 #[derive(Debug, Clone, Copy)]
@@ -29,10 +30,11 @@ pub const LIMITS: Limits = Limits {
 const S_IFMT: u32 = 0o170_000;
 const S_IFLNK: u32 = 0o120_000;
 
-/// Unpacks `zip_path` into `dest` (an empty directory); returns the files' paths relative to
-/// `dest`. `label` names the zip in messages.
+/// Unpacks the zip `zip` (opened once, read no further than its length at open) into `dest`
+/// (an empty directory); returns the files' paths relative to `dest`. `label` names the zip in
+/// messages.
 pub fn unpack(
-    zip_path: &Path,
+    zip: &Input,
     dest: &Path,
     label: &str,
     limits: Limits,
@@ -41,9 +43,8 @@ pub fn unpack(
         file: label.to_string(),
         detail,
     };
-    let file = File::open(zip_path).map_err(FetchError::io_at("opening", zip_path))?;
     let mut archive =
-        zip::ZipArchive::new(file).map_err(|e| bad(format!("not a readable zip: {e}")))?;
+        zip::ZipArchive::new(zip.reader()).map_err(|e| bad(format!("not a readable zip: {e}")))?;
     let names = entry_names(&mut archive, limits).map_err(bad)?;
     let top = common_top(&names);
     let mut written = Vec::new();
@@ -260,7 +261,8 @@ mod tests {
         fs::write(&zip_path, bytes).unwrap();
         let dest = dir.path().join("out");
         fs::create_dir(&dest).unwrap();
-        let result = unpack(&zip_path, &dest, "a.zip", limits);
+        let zip = Input::open(&zip_path, u64::MAX).unwrap();
+        let result = unpack(&zip, &dest, "a.zip", limits);
         (dir, result)
     }
 

@@ -356,6 +356,11 @@ impl DataCase {
 
 /// Runs `fetch ARGS` with no proxy and no cache variables but `env`.
 fn fetch(env: &[(&str, &str)], args: &[&str]) -> Output {
+    fetch_within(env, args, Duration::from_secs(60))
+}
+
+/// [`fetch`], killed after `timeout`.
+fn fetch_within(env: &[(&str, &str)], args: &[&str], timeout: Duration) -> Output {
     let mut cmd = Command::new(bin("fetch"));
     for key in ["HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"] {
         cmd.env_remove(key).env_remove(key.to_ascii_lowercase());
@@ -373,7 +378,7 @@ fn fetch(env: &[(&str, &str)], args: &[&str]) -> Output {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    wait_output(cmd.spawn().expect("start fetch"), Duration::from_secs(60))
+    wait_output(cmd.spawn().expect("start fetch"), timeout)
 }
 
 /// The last line of stderr (the error line).
@@ -948,6 +953,138 @@ fn from_dir_installs_a_hand_downloaded_model_and_refuses_a_cut_one() {
     let out = fetch(&[], &args);
     out.assert_code(0);
     assert_model_placed(&cache.join("models/gpt2"), &weights);
+}
+
+fn mkfifo(path: &Path) {
+    nix::unistd::mkfifo(path, nix::sys::stat::Mode::S_IRWXU).unwrap();
+}
+
+/// A FIFO or a device handed to `--from` (as config.json, model.safetensors or the zip) is
+/// refused at once, in one line naming the file and what it is: nothing waits on a FIFO with
+/// no writer, nothing reads /dev/zero forever, nothing is placed.
+#[test]
+fn from_refuses_a_fifo_or_a_device_at_once_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let from = tmp.path().join("gpt2-by-hand");
+    fs::create_dir(&from).unwrap();
+    let cache = tmp.path().join("cache");
+    let run = |from: &Path, name: &str| {
+        let args = [
+            "--cache",
+            cache.to_str().unwrap(),
+            "--from",
+            from.to_str().unwrap(),
+            name,
+        ];
+        fetch_within(&[], &args, Duration::from_secs(10))
+    };
+    let config = from.join("config.json");
+    let weights = from.join("model.safetensors");
+    fs::write(&weights, safetensors(100)).unwrap();
+    mkfifo(&config);
+    let out = run(&from, "gpt2");
+    out.assert_code(1);
+    assert_eq!(
+        last_line(&out),
+        format!("fetch: {}: is a FIFO, not a file", config.display())
+    );
+    out.assert_ended_within(5);
+
+    fs::remove_file(&config).unwrap();
+    fs::write(&config, CONFIG).unwrap();
+    fs::remove_file(&weights).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &weights).unwrap();
+    let out = run(&from, "gpt2");
+    out.assert_code(1);
+    assert_eq!(
+        last_line(&out),
+        format!("fetch: {}: is a device, not a file", weights.display())
+    );
+    out.assert_ended_within(5);
+    assert!(!cache.join("models/gpt2").exists());
+
+    let zip = tmp.path().join("ml-1m.zip");
+    mkfifo(&zip);
+    let out = run(&zip, "ml-1m");
+    out.assert_code(1);
+    assert_eq!(
+        last_line(&out),
+        format!("fetch: {}: is a FIFO, not a file", zip.display())
+    );
+    out.assert_ended_within(5);
+    assert!(!cache.join("data/ml-1m").exists());
+}
+
+/// `model.safetensors` swapped, while `fetch --from DIR` runs, between two whole files and a
+/// FIFO (a link renamed over it every few hundred microseconds): every run ends within
+/// seconds, and what it places is one file whole, the one its marker's digest covers (it is
+/// opened once; the header check, the digest and the copy read that one handle).
+#[test]
+fn from_dir_with_weights_swapped_meanwhile_never_hangs_or_mixes() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let tmp = tempfile::tempdir().unwrap();
+    let from = tmp.path().join("gpt2-by-hand");
+    fs::create_dir(&from).unwrap();
+    fs::write(from.join("config.json"), CONFIG).unwrap();
+    let (a, b) = (safetensors(50_000), safetensors(40_000));
+    let sources = [
+        tmp.path().join("a"),
+        tmp.path().join("b"),
+        tmp.path().join("f"),
+    ];
+    fs::write(&sources[0], &a).unwrap();
+    fs::write(&sources[1], &b).unwrap();
+    mkfifo(&sources[2]);
+    let weights = from.join("model.safetensors");
+    std::os::unix::fs::symlink(&sources[0], &weights).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let swapper = {
+        let (stop, weights, sources) = (stop.clone(), weights.clone(), sources.clone());
+        let tmp_link = from.join(".swap");
+        thread::spawn(move || {
+            for i in 0.. {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                // Errors ignored: the directory goes when a failing test unwinds.
+                let _ = fs::remove_file(&tmp_link);
+                let _ = std::os::unix::fs::symlink(&sources[i % 3], &tmp_link);
+                let _ = fs::rename(&tmp_link, &weights);
+                thread::sleep(Duration::from_micros(300));
+            }
+        })
+    };
+    let mut outcomes = Vec::new();
+    for run in 0..8 {
+        let cache = tmp.path().join(format!("cache{run}"));
+        let args = [
+            "--cache",
+            cache.to_str().unwrap(),
+            "--from",
+            from.to_str().unwrap(),
+            "gpt2",
+        ];
+        let out = fetch_within(&[], &args, Duration::from_secs(10));
+        let dir = cache.join("models/gpt2");
+        out.assert_ended_within(8);
+        match out.code() {
+            Some(0) => {
+                let placed = fs::read(dir.join("model.safetensors")).unwrap();
+                assert!(placed == a || placed == b, "a mix of files was placed");
+                let marker = fs::read_to_string(dir.join(".complete")).unwrap();
+                assert!(marker.contains(&sha256_hex(&placed)), "{marker}");
+            }
+            _ => {
+                let line = last_line(&out);
+                assert!(line.ends_with("is a FIFO, not a file"), "{}", out.stderr);
+                assert!(!dir.exists());
+            }
+        }
+        outcomes.push(out.code());
+    }
+    stop.store(true, Ordering::Relaxed);
+    swapper.join().unwrap();
+    println!("exit codes: {outcomes:?}");
 }
 
 // ---------------------------------------------------------------------------------------------
