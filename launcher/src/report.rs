@@ -81,6 +81,37 @@ pub fn interrupted(signal: i32) -> i32 {
     128 + signal
 }
 
+/// The root cause among `records`: a rank found stopped (SIGSTOP, a debugger) when the teardown
+/// began, since the others failed because it stopped answering, however soon they said so;
+/// else `earliest`, the first to fail.
+pub fn root_cause(records: &[WorkerRecord], earliest: usize) -> usize {
+    records
+        .iter()
+        .position(|r| r.was_stopped)
+        .unwrap_or(earliest)
+}
+
+/// The launcher's exit code after a failure: the root cause's, unless launch itself ended it (a
+/// stopped rank, killed in the teardown): then that of the first rank that failed on its own,
+/// else 1. Never 0.
+pub fn exit_code(records: &[WorkerRecord], root: usize) -> i32 {
+    let r = &records[root];
+    let code = if r.was_stopped && r.sent_by_launcher.is_some() {
+        records
+            .iter()
+            .filter(|w| w.sent_by_launcher.is_none() && !w.ending.is_success())
+            .min_by_key(|w| w.after)
+            .map_or(1, |w| w.ending.exit_code())
+    } else {
+        r.ending.exit_code()
+    };
+    if code == 0 {
+        1
+    } else {
+        code
+    }
+}
+
 /// The multi-line summary after a failure. `root` indexes `records`; `this_node` holds the
 /// global ranks that run on this node (all of them on a single node); `flight` is what the
 /// flight recorder says ([`flight::lines`]), if anything.
@@ -108,7 +139,14 @@ pub fn failure_summary(
         r.rank,
         r.local_rank,
         r.pid,
-        r.ending,
+        if r.was_stopped {
+            format!(
+                "stopped (SIGSTOP, or a debugger) and no longer answering; {} from launch",
+                r.ending
+            )
+        } else {
+            r.ending.to_string()
+        },
         r.after.as_secs_f64()
     );
     if !remote.is_empty() {
@@ -181,7 +219,7 @@ pub fn failure_summary(
             "  the group was started {attempts} times; this was the last"
         );
     }
-    let _ = write!(out, "  launch exits with {}", r.ending.exit_code());
+    let _ = write!(out, "  launch exits with {}", exit_code(records, root));
     out
 }
 
@@ -268,6 +306,31 @@ mod tests {
         assert!(text.contains("SIGKILL from launch after the grace period"));
         assert!(text.ends_with("launch exits with 3"));
         assert!(!text.contains("on this node"), "{text}");
+    }
+
+    #[test]
+    fn a_stopped_rank_is_the_root_cause_though_the_others_failed_first() {
+        // Rank 0 timed out waiting for rank 1, which was stopped and then killed by launch.
+        let mut records = vec![
+            record(0, Ending::Code(1), None),
+            record(1, Ending::Signal(9), Some(Signal::SIGKILL)),
+        ];
+        assert_eq!(root_cause(&records, 0), 0);
+        records[1].was_stopped = true;
+        let root = root_cause(&records, 0);
+        assert_eq!(root, 1);
+        let text = failure_summary(&records, root, 1, 0..2, &[]);
+        assert!(
+            text.contains("  root cause: rank 1 (local_rank 1, pid 101): stopped (SIGSTOP, or a debugger) and no longer answering; killed by SIGKILL from launch after 1.50 s"),
+            "{text}"
+        );
+        assert!(
+            text.contains("    rank 0 (local_rank 0, pid 100): exit code 1 (also failed)"),
+            "{text}"
+        );
+        // Not 137: launch killed it; the job failed with the others' code.
+        assert_eq!(exit_code(&records, root), 1);
+        assert!(text.ends_with("launch exits with 1"), "{text}");
     }
 
     #[test]

@@ -150,11 +150,7 @@ pub fn report_failure(plan: &Plan, records: &[WorkerRecord], root: usize, runs: 
     crate::console_line::end_open_line();
     // A closed console must not turn a failure report into a panic.
     let _ = writeln!(std::io::stderr().lock(), "{summary}");
-    // A worker that "failed" with code 0 cannot be the root cause, but be safe.
-    match records[root].ending.exit_code() {
-        0 => 1,
-        code => code,
-    }
+    report::exit_code(records, root)
 }
 
 /// A signal that arrived while nothing was listening (between group runs).
@@ -716,9 +712,9 @@ impl Group<'_> {
             }
             Some((Cause::Failure, at)) => at,
         };
-        // The root cause is the earliest failure, not the first event that arrived: two wait
-        // threads can wake in either order.
-        let root = self
+        // The earliest failure, not the first event that arrived: two wait threads can wake in
+        // either order (a stopped rank still comes first, see `report::root_cause`).
+        let earliest = self
             .workers
             .iter()
             .enumerate()
@@ -750,10 +746,10 @@ impl Group<'_> {
                         .map(|l| l.error_file(self.round, w.local_rank)),
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
         GroupEnd::Failed {
+            root: report::root_cause(&records, earliest),
             records,
-            root,
             interrupted: self.interrupted,
         }
     }

@@ -85,12 +85,11 @@ fn names_both_waiting(text: &str) -> bool {
         || (text.contains("rank 0 was ") && text.contains("rank 2 was "))
 }
 
-/// The root-cause rank, one of the two that waited, wrote its own record with its error
-/// before it exited; the other one's record (its own, or `launch`'s when the teardown's
-/// SIGTERM came first) has operation `n`, ended by the timeout or cut short.
+/// The first of the two that waited to fail (`root`) wrote its own record with its error before
+/// it exited; the other one's record (its own, or `launch`'s when the teardown's SIGTERM came
+/// first) has operation `n`, ended by the timeout or cut short.
 #[track_caller]
-fn assert_waiting_records(out: &Output, flight: &Path, n: u64) {
-    let root = root_cause(out);
+fn assert_waiting_records(out: &Output, flight: &Path, n: u64, root: u32) {
     assert!(root == 0 || root == 2, "root cause {root}:\n{}", out.stderr);
     let rec = record(flight, root);
     assert_eq!(rec["written_by"], "rank", "{rec}");
@@ -131,6 +130,9 @@ fn a_stopped_rank_is_named_as_never_entering_the_operation_the_others_waited_in(
     out.assert_code(1);
     out.assert_ended_within(25);
     assert_no_processes(&id, Duration::from_secs(5));
+    // The stopped rank is the root cause, though the others failed (timed out) before launch
+    // killed it.
+    line(&out, "root cause: rank 1 ");
     line(&out, "flight recorder (the last collectives of each rank):");
     let stuck = line(&out, "rank 1 never entered operation ");
     let n = number_after(stuck, "operation") as u64;
@@ -147,7 +149,12 @@ fn a_stopped_rank_is_named_as_never_entering_the_operation_the_others_waited_in(
         flight.join("rank-N.json").display()
     );
     line(&out, &records);
-    assert_waiting_records(&out, &flight, n);
+    // Which of the two waiting ranks failed first: the one that wrote its own record.
+    let first = [0, 2]
+        .into_iter()
+        .find(|&r| record(&flight, r)["written_by"] == "rank")
+        .unwrap_or_else(|| panic!("neither waiting rank wrote its record:\n{}", out.stderr));
+    assert_waiting_records(&out, &flight, n, first);
     // `launch` wrote the stopped rank's record from its ring: it ends at operation n - 1.
     let stopped = record(&flight, 1);
     assert_eq!(stopped["written_by"], "launch", "{stopped}");
@@ -186,7 +193,7 @@ fn a_rank_later_than_the_timeout_is_named_with_how_late_it_was() {
     let start = |rank| entry(&flight, rank, n)["start_unix_ns"].as_u64().unwrap();
     let gap = start(1).saturating_sub(start(0).min(start(2))) as f64 / 1e9;
     assert!((by - gap).abs() < 0.2, "{late}: the records say {gap} s");
-    assert_waiting_records(&out, &flight, n);
+    assert_waiting_records(&out, &flight, n, root_cause(&out));
 }
 
 #[test]
