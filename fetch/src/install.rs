@@ -1,8 +1,9 @@
 //! Getting one named asset into the cache, from the network or from `--from`: skip it when
-//! complete, take the name's lock, download and check (zip: pinned size and SHA-256; model:
-//! the hub's `X-Linked-Size`/`X-Linked-Etag`, `config.json` is GPT-2's), unpack or gather into
-//! a staging directory, place it, and turn failures into their one line (disk full, offline
-//! with the way to fetch by hand).
+//! complete (its marker there and its files as the marker records them; one that differs is
+//! named and placed again), take the name's lock, download and check (zip: pinned size and
+//! SHA-256; model: the hub's `X-Linked-Size`/`X-Linked-Etag`, `config.json` is GPT-2's), unpack
+//! or gather into a staging directory, place it with a marker listing every placed file, and
+//! turn failures into their one line (disk full, offline with the way to fetch by hand).
 //!
 //! Must not: parse the command line, print errors or exit (the binary's edge does).
 
@@ -17,15 +18,17 @@ use crate::error::FetchError;
 use crate::http::{Client, Head};
 use crate::input::Input;
 use crate::manifest::{self, Entry, Source};
+use crate::marker::{self, Depth, MarkedFile, Marker, State};
 use crate::model;
-use crate::place::{self, MarkedFile, Marker, Staging};
+use crate::place::{self, Staging};
 use crate::unpack;
 
-/// The cache and how to download.
+/// The cache, how to download, and how closely a placement is checked against its marker.
 pub struct Ctx {
     pub root: PathBuf,
     pub client: Client,
     pub opts: Options,
+    pub depth: Depth,
 }
 
 /// What became of a name.
@@ -78,40 +81,76 @@ pub fn install_from(ctx: &Ctx, entry: &Entry, from: &Path) -> Result<Outcome, Fe
     })
 }
 
-/// Runs `work` under the name's lock unless the asset is complete; a full disk names the
-/// directory that was not placed.
+/// Runs `work` under the name's lock unless the asset is complete (its marker there and its
+/// files as the marker records them, to `ctx.depth`); a placement whose files differ is named
+/// and placed again. A full disk names the directory that was not placed.
 fn guarded(
     ctx: &Ctx,
     entry: &Entry,
     work: impl FnOnce() -> Result<(), FetchError>,
 ) -> Result<Outcome, FetchError> {
+    let name = entry.asset.name;
     let dir = final_dir(&ctx.root, entry.asset);
-    if place::is_complete(&dir) {
-        return Ok(Outcome::Already(dir));
+    let first = marker::state(&dir, ctx.depth);
+    match &first {
+        State::Complete(m) => return Ok(already(ctx, name, m, dir)),
+        State::Differs(_, detail) => eprintln!("fetch: {detail}; {name} is placed again"),
+        State::Unmarked if placed_by_hand(&dir, name) => {
+            // Never replaced: it may be all the user has (scripts/data/ml100k.sh writes one
+            // offline).
+            eprintln!(
+                "fetch: {} holds {name}'s files, placed by hand (no fetch marker, so not checked against the pinned digest); kept as it is",
+                dir.display(),
+            );
+            return Ok(Outcome::Already(dir));
+        }
+        State::Unmarked => {}
     }
-    if placed_by_hand(&dir, entry.asset.name) {
-        // Never replaced: it may be all the user has (scripts/data/ml100k.sh writes one offline).
-        eprintln!(
-            "fetch: {} holds {}'s files, placed by hand (no fetch marker, so not checked against the pinned digest); kept as it is",
-            dir.display(),
-            entry.asset.name
-        );
-        return Ok(Outcome::Already(dir));
-    }
-    let result = place::lock(&partial_root(&ctx.root), entry.asset.name).and_then(|_lock| {
-        if place::is_complete(&dir) {
-            return Ok(Outcome::Already(dir.clone()));
+    let result = place::lock(&partial_root(&ctx.root), name).and_then(|_lock| {
+        if let State::Complete(m) = recheck(&dir, first, ctx.depth) {
+            return Ok(already(ctx, name, &m, dir.clone()));
         }
         work().map(|()| Outcome::Placed(dir.clone()))
     });
     result.map_err(|e| e.placing(&dir))
 }
 
+/// The state of `dir` once the lock is held: `before` again unless its marker changed
+/// meanwhile (another `fetch` placed it while this one waited), so nothing is hashed twice.
+fn recheck(dir: &Path, before: State, depth: Depth) -> State {
+    let seen = match &before {
+        State::Unmarked => None,
+        State::Complete(m) | State::Differs(m, _) => Some(m),
+    };
+    match marker::read(dir) {
+        now if now.as_ref() == seen => before,
+        None => State::Unmarked,
+        Some(now) => marker::judge(dir, now, depth),
+    }
+}
+
+/// A complete placement: under `--verify`, says what was checked.
+fn already(ctx: &Ctx, name: &str, m: &Marker, dir: PathBuf) -> Outcome {
+    if ctx.depth == Depth::Digests {
+        match m.placed.len() {
+            0 => eprintln!(
+                "fetch: {name}: its {} marker, from an earlier fetch, lists no files: nothing verified",
+                marker::MARKER
+            ),
+            n => eprintln!(
+                "fetch: {name}: {n} files match the SHA-256 in its {} marker",
+                marker::MARKER
+            ),
+        }
+    }
+    Outcome::Already(dir)
+}
+
 /// A data set's directory without fetch's marker that holds every file the data set needs (as
 /// `scripts/data/ml100k.sh` writes them): placed by hand, and kept.
 pub fn placed_by_hand(dir: &Path, name: &str) -> bool {
     let files = crate::manifest::required_files(name);
-    !files.is_empty() && !place::is_complete(dir) && files.iter().all(|f| dir.join(f).is_file())
+    !files.is_empty() && marker::read(dir).is_none() && files.iter().all(|f| dir.join(f).is_file())
 }
 
 /// How to get `entry` by hand when this machine is offline.
@@ -222,7 +261,7 @@ fn place_zip(
     source: String,
 ) -> Result<(), FetchError> {
     let staging = Staging::new(&final_dir(&ctx.root, asset))?;
-    unpack::unpack(zip, &staging.dir, &marked.file, unpack::LIMITS)?;
+    let unpacked = unpack::unpack(zip, &staging.dir, &marked.file, unpack::LIMITS)?;
     let missing: Vec<&str> = manifest::required_files(asset.name)
         .iter()
         .copied()
@@ -234,10 +273,19 @@ fn place_zip(
             detail: format!("has no {} (not {})", missing.join(", "), asset.name),
         });
     }
+    let placed = unpacked
+        .into_iter()
+        .map(|f| MarkedFile {
+            file: f.path.to_string_lossy().into_owned(),
+            size: f.size,
+            sha256: f.sha256,
+        })
+        .collect();
     let marker = Marker {
         name: asset.name.to_string(),
         source,
         files: vec![marked],
+        placed,
     };
     staging.commit(&marker)
 }
@@ -348,10 +396,12 @@ fn model_marker(asset: &Asset, config: &[u8], digest: (u64, String), source: Str
         size: digest.0,
         sha256: digest.1,
     };
+    let files = vec![config_file, weights_file];
     Marker {
         name: asset.name.to_string(),
         source,
-        files: vec![config_file, weights_file],
+        placed: files.clone(),
+        files,
     }
 }
 

@@ -13,6 +13,7 @@ mod http;
 mod input;
 mod install;
 mod manifest;
+mod marker;
 mod model;
 mod place;
 mod progress;
@@ -27,6 +28,7 @@ use common::assets;
 use crate::error::UsageError;
 use crate::install::{Ctx, Outcome};
 use crate::manifest::{Entry, Manifest};
+use crate::marker::{Depth, State};
 
 /// Exit code for bad usage: unknown names, a bad manifest, wrong arguments (as clap's).
 const EXIT_USAGE: i32 = 2;
@@ -38,11 +40,13 @@ const EXIT_FAILED: i32 = 1;
     name = "fetch",
     version,
     about = "Download MovieLens data sets and GPT-2 models into the gptrec cache, checked and placed atomically.",
-    after_help = "Examples:\n  fetch ml-1m gpt2            download into the cache\n  fetch --list                what can be fetched, and what is there\n  fetch --from ml-1m.zip ml-1m  install a zip downloaded by hand (no network)\n\n\
+    after_help = "Examples:\n  fetch ml-1m gpt2            download into the cache\n  fetch --list                what can be fetched, and what is there\n  fetch --verify ml-1m        re-hash what is there; fetch again what differs\n  fetch --from ml-1m.zip ml-1m  install a zip downloaded by hand (no network)\n\n\
 The cache is --cache, else $GPTREC_CACHE, else $XDG_CACHE_HOME/gptrec, else ~/.cache/gptrec.\n\
 Mirrors: GPTREC_GROUPLENS_URL replaces https://files.grouplens.org/datasets/movielens;\n\
 HF_ENDPOINT replaces https://huggingface.co. HTTPS_PROXY / HTTP_PROXY / NO_PROXY are honoured.\n\
-An interrupted download resumes when fetch is run again."
+An interrupted download resumes when fetch is run again.\n\
+What is in the cache counts while its files have the sizes its .complete marker records\n\
+(with --verify, the SHA-256s); a file that differs is named and the NAME fetched again."
 )]
 struct Cli {
     /// Names to fetch: ml-1m, ml-100k, gpt2, distilgpt2, gpt2-medium, gpt2-large, gpt2-xl.
@@ -52,6 +56,12 @@ struct Cli {
     /// List the names, what they are, and whether (and where) the cache has them.
     #[arg(long, conflicts_with = "from")]
     list: bool,
+
+    /// Re-hash every file of each placement (each NAME, or each listed with --list) against
+    /// the SHA-256 its .complete marker records, instead of checking only that each file is
+    /// there with its recorded size; a file that differs is named, and the NAME placed again.
+    #[arg(long)]
+    verify: bool,
 
     /// Install from a file downloaded by hand (a data set's zip; for a model, a directory
     /// with config.json and model.safetensors): the same checks, no network. One NAME.
@@ -111,8 +121,12 @@ fn main() {
 fn run(cli: &Cli) -> anyhow::Result<()> {
     let manifest = load_manifest(cli.manifest.as_deref())?;
     let root = cli.cache.clone().unwrap_or_else(assets::cache_root);
+    let depth = match cli.verify {
+        true => Depth::Digests,
+        false => Depth::Sizes,
+    };
     if cli.list {
-        print_list(&root, &manifest);
+        print_list(&root, &manifest, depth);
         return Ok(());
     }
     let entries = pick(&cli.names, &manifest)?;
@@ -126,6 +140,7 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             quiet: cli.quiet,
             retries: cli.retries,
         },
+        depth,
     };
     match &cli.from {
         Some(from) => from_file(&ctx, &entries, from),
@@ -189,19 +204,21 @@ fn pick<'m>(names: &[String], manifest: &'m Manifest) -> anyhow::Result<Vec<&'m 
     Ok(picked)
 }
 
-/// `--list`: each name, whether the cache has it and where, and what it is.
-fn print_list(root: &Path, manifest: &Manifest) {
+/// `--list`: each name, whether the cache has it and where, and what it is. A placement whose
+/// files differ from its marker is listed `modified`, the file named on stderr.
+fn print_list(root: &Path, manifest: &Manifest, depth: Depth) {
     println!("cache: {}", root.display());
     for asset in assets::ASSETS.iter() {
         let dir = install::final_dir(root, asset);
-        let state = if place::is_complete(&dir) {
-            "present"
-        } else if install::placed_by_hand(&dir, asset.name) {
-            "by hand"
-        } else if dir.exists() {
-            "incomplete"
-        } else {
-            "missing"
+        let state = match marker::state(&dir, depth) {
+            State::Complete(_) => "present",
+            State::Differs(_, detail) => {
+                eprintln!("fetch: {detail}");
+                "modified"
+            }
+            State::Unmarked if install::placed_by_hand(&dir, asset.name) => "by hand",
+            State::Unmarked if dir.exists() => "incomplete",
+            State::Unmarked => "missing",
         };
         let note = match manifest.get(asset.name) {
             Some(_) => String::new(),

@@ -1,7 +1,8 @@
 //! Placing a finished asset in the cache atomically: a staging directory beside the final one
 //! (same filesystem), files synced, one rename into place, then the `.complete` marker (with
-//! the digests) written last. A final directory without the marker is never trusted: it is
-//! moved aside and replaced. Also the per-name lock that keeps two `fetch`es of one name apart.
+//! every placed file's size and digest, `marker`) written last. A final directory without the
+//! marker, or whose files do not match it, is never trusted: it is moved aside and replaced.
+//! Also the per-name lock that keeps two `fetch`es of one name apart.
 //!
 //! Must not: download, unpack, or decide what goes into the directory.
 
@@ -11,38 +12,10 @@ use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
-use serde::{Deserialize, Serialize};
 
 use crate::error::FetchError;
 use crate::input::Input;
-
-/// The marker's file name inside a placed directory.
-pub const MARKER: &str = ".complete";
-
-/// What the marker records.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Marker {
-    pub name: String,
-    /// Where it came from (a URL or `--from PATH`).
-    pub source: String,
-    pub files: Vec<MarkedFile>,
-}
-
-/// One checked file: a download (`ml-1m.zip`) or a placed file (`model.safetensors`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MarkedFile {
-    pub file: String,
-    pub size: u64,
-    pub sha256: String,
-}
-
-/// Whether `dir` holds a complete placement (its marker is there and readable).
-pub fn is_complete(dir: &Path) -> bool {
-    fs::read(dir.join(MARKER))
-        .ok()
-        .and_then(|bytes| serde_json::from_slice::<Marker>(&bytes).ok())
-        .is_some()
-}
+use crate::marker::{Marker, MARKER};
 
 /// The exclusive lock of `name` (`<cache>/.partial/<name>.lock`), waited for when another
 /// `fetch` holds it; released when dropped.
@@ -113,15 +86,18 @@ impl Drop for Staging {
     }
 }
 
-/// Moves an incomplete final directory (no marker) out of the way and removes it.
+/// Moves an incomplete final directory (no marker, or files that do not match it: the caller
+/// said which) out of the way and removes it.
 fn set_aside(final_dir: &Path) -> Result<(), FetchError> {
     if fs::symlink_metadata(final_dir).is_err() {
         return Ok(());
     }
-    eprintln!(
-        "fetch: replacing {} (it has no {MARKER} marker)",
-        final_dir.display()
-    );
+    if fs::symlink_metadata(final_dir.join(MARKER)).is_err() {
+        eprintln!(
+            "fetch: replacing {} (it has no {MARKER} marker)",
+            final_dir.display()
+        );
+    }
     let aside = sibling(final_dir, &format!("old-{}", std::process::id()));
     fs::rename(final_dir, &aside).map_err(FetchError::io_at("moving aside", final_dir))?;
     fs::remove_dir_all(&aside).map_err(FetchError::io_at("removing", &aside))
@@ -199,6 +175,7 @@ fn parent_of(path: &Path) -> &Path {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::marker::{Depth, MarkedFile, State};
 
     fn marker() -> Marker {
         Marker {
@@ -209,7 +186,16 @@ mod tests {
                 size: 3,
                 sha256: "ab".into(),
             }],
+            placed: vec![MarkedFile {
+                file: "ratings.dat".into(),
+                size: 1,
+                sha256: "ab".into(),
+            }],
         }
+    }
+
+    fn is_complete(dir: &Path) -> bool {
+        matches!(crate::marker::state(dir, Depth::Sizes), State::Complete(_))
     }
 
     #[test]
@@ -252,12 +238,5 @@ mod tests {
         assert!(!root.path().join(".ml-1m.incoming-1").exists());
         assert!(root.path().join(".ml-100k.incoming-1").exists());
         drop(staging);
-    }
-
-    #[test]
-    fn a_garbled_marker_is_not_complete() {
-        let root = tempfile::tempdir().unwrap();
-        fs::write(root.path().join(MARKER), b"{").unwrap();
-        assert!(!is_complete(root.path()));
     }
 }

@@ -10,6 +10,8 @@ use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
+use sha2::{Digest, Sha256};
+
 use crate::error::FetchError;
 use crate::input::Input;
 
@@ -30,15 +32,23 @@ pub const LIMITS: Limits = Limits {
 const S_IFMT: u32 = 0o170_000;
 const S_IFLNK: u32 = 0o120_000;
 
+/// One file written: its path relative to the destination, its size and SHA-256 (of the bytes
+/// written, hashed as they were).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unpacked {
+    pub path: PathBuf,
+    pub size: u64,
+    pub sha256: String,
+}
+
 /// Unpacks the zip `zip` (opened once, read no further than its length at open) into `dest`
-/// (an empty directory); returns the files' paths relative to `dest`. `label` names the zip in
-/// messages.
+/// (an empty directory); returns the files written. `label` names the zip in messages.
 pub fn unpack(
     zip: &Input,
     dest: &Path,
     label: &str,
     limits: Limits,
-) -> Result<Vec<PathBuf>, FetchError> {
+) -> Result<Vec<Unpacked>, FetchError> {
     let bad = |detail: String| FetchError::BadContent {
         file: label.to_string(),
         detail,
@@ -62,7 +72,7 @@ pub fn unpack(
             continue;
         }
         let out = dest.join(&rel);
-        let n = write_entry(&mut entry, &out, budget).map_err(|e| match e {
+        let (size, sha256) = write_entry(&mut entry, &out, budget).map_err(|e| match e {
             Extract::TooBig => bad(format!(
                 "unpacks to more than {} bytes (refused)",
                 limits.total_bytes
@@ -70,8 +80,12 @@ pub fn unpack(
             Extract::Zip(detail) => bad(format!("{name}: {detail}")),
             Extract::Io(what, e) => FetchError::io(what, &out, e),
         })?;
-        budget -= n;
-        written.push(rel);
+        budget -= size;
+        written.push(Unpacked {
+            path: rel,
+            size,
+            sha256,
+        });
     }
     sync_dirs(dest, &written)?;
     Ok(written)
@@ -151,8 +165,9 @@ enum Extract {
     Io(&'static str, io::Error),
 }
 
-/// Writes one entry to `out` (a new file), at most `budget` bytes; returns its size.
-fn write_entry(entry: &mut impl Read, out: &Path, budget: u64) -> Result<u64, Extract> {
+/// Writes one entry to `out` (a new file), at most `budget` bytes; returns its size and the
+/// SHA-256 of what was written.
+fn write_entry(entry: &mut impl Read, out: &Path, budget: u64) -> Result<(u64, String), Extract> {
     if let Some(dir) = out.parent() {
         fs::create_dir_all(dir).map_err(|e| Extract::Io("creating", e))?;
     }
@@ -164,6 +179,7 @@ fn write_entry(entry: &mut impl Read, out: &Path, budget: u64) -> Result<u64, Ex
     let mut limited = entry.take(budget + 1);
     let mut buf = vec![0u8; 1 << 16];
     let mut n: u64 = 0;
+    let mut hasher = Sha256::new();
     loop {
         let got = match limited.read(&mut buf) {
             Ok(0) => break,
@@ -177,16 +193,17 @@ fn write_entry(entry: &mut impl Read, out: &Path, budget: u64) -> Result<u64, Ex
         }
         file.write_all(&buf[..got])
             .map_err(|e| Extract::Io("writing", e))?;
+        hasher.update(&buf[..got]);
     }
     file.sync_all().map_err(|e| Extract::Io("syncing", e))?;
-    Ok(n)
+    Ok((n, crate::download::hex(&hasher.finalize())))
 }
 
 /// Syncs `dest` and every directory a file was written in.
-fn sync_dirs(dest: &Path, files: &[PathBuf]) -> Result<(), FetchError> {
+fn sync_dirs(dest: &Path, files: &[Unpacked]) -> Result<(), FetchError> {
     let mut dirs: Vec<PathBuf> = files
         .iter()
-        .filter_map(|f| f.parent().map(|p| dest.join(p)))
+        .filter_map(|f| f.path.parent().map(|p| dest.join(p)))
         .collect();
     dirs.push(dest.to_path_buf());
     dirs.sort();
@@ -255,7 +272,7 @@ mod tests {
     fn unpack_bytes(
         bytes: &[u8],
         limits: Limits,
-    ) -> (tempfile::TempDir, Result<Vec<PathBuf>, FetchError>) {
+    ) -> (tempfile::TempDir, Result<Vec<Unpacked>, FetchError>) {
         let dir = tempfile::tempdir().unwrap();
         let zip_path = dir.path().join("a.zip");
         fs::write(&zip_path, bytes).unwrap();
@@ -277,9 +294,12 @@ mod tests {
         );
         let (dir, result) = unpack_bytes(&bytes, LIMITS);
         let files = result.unwrap();
+        let paths: Vec<&Path> = files.iter().map(|f| f.path.as_path()).collect();
+        assert_eq!(paths, [Path::new("ratings.dat"), Path::new("README")]);
+        assert_eq!(files[1].size, 2);
         assert_eq!(
-            files,
-            [PathBuf::from("ratings.dat"), PathBuf::from("README")]
+            files[1].sha256,
+            "8f434346648f6b96df89dda901c5176b10a6d83961dd3c1ac88b59b2dc327aa4"
         );
         assert_eq!(
             fs::read(dir.path().join("out/ratings.dat")).unwrap(),

@@ -294,12 +294,37 @@ fn safetensors(n: usize) -> Vec<u8> {
 
 /// A manifest with `ml-1m` at `url`, `size` bytes, `sha256`.
 fn manifest(dir: &Path, url: &str, size: usize, sha256: &str) -> PathBuf {
+    manifest_of(dir, "ml-1m", url, size, sha256)
+}
+
+/// A manifest with the data set `name` at `url`, `size` bytes, `sha256`.
+fn manifest_of(dir: &Path, name: &str, url: &str, size: usize, sha256: &str) -> PathBuf {
     let path = dir.join("manifest.toml");
     let text = format!(
-        "[[entry]]\nname = \"ml-1m\"\nurl = \"{url}\"\nsize = {size}\nsha256 = \"{sha256}\"\n"
+        "[[entry]]\nname = \"{name}\"\nurl = \"{url}\"\nsize = {size}\nsha256 = \"{sha256}\"\n"
     );
     fs::write(&path, text).unwrap();
     path
+}
+
+/// A zip in GroupLens' ml-100k layout (`ml-100k/u.data` ...).
+fn ml100k_zip() -> Vec<u8> {
+    let mut w = zip::ZipWriter::new(Cursor::new(Vec::new()));
+    let opts = zip::write::SimpleFileOptions::default();
+    let files: [(&str, &[u8]); 4] = [
+        (
+            "u.data",
+            b"196\t242\t3\t881250949\n186\t302\t3\t891717742\n",
+        ),
+        ("u.item", b"242|Kolya (1996)|24-Jan-1997||http://x|0|0|0\n"),
+        ("u.user", b"196|49|M|writer|55105\n"),
+        ("README", b"MovieLens-100k, in small"),
+    ];
+    for (name, data) in files {
+        w.start_file(format!("ml-100k/{name}"), opts).unwrap();
+        w.write_all(data).unwrap();
+    }
+    w.finish().unwrap().into_inner()
 }
 
 /// A cache directory, a served ml-1m zip of about `size` bytes and its manifest.
@@ -648,6 +673,88 @@ fn a_stalled_server_times_out() {
     assert!(line.contains("no data for 1 s (stalled)"), "{line}");
     assert!(!case.final_dir().exists());
     out.assert_ended_within(8);
+}
+
+/// A placed data set whose files no longer match its marker: a file of another size or a
+/// missing one is caught on every use (`--list`, `fetch NAME`), one of the same size by
+/// `--verify`; each is named in one line and the data set is fetched again. (Before, the
+/// marker alone was trusted: `already in`, and `--list` said present.)
+#[test]
+fn a_placement_whose_files_changed_is_named_and_fetched_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = Server::start();
+    let zip = ml100k_zip();
+    server.file("/ml/ml-100k.zip", &zip);
+    let url = server.url("/ml/ml-100k.zip");
+    let manifest = manifest_of(tmp.path(), "ml-100k", &url, zip.len(), &sha256_hex(&zip));
+    let cache = tmp.path().join("cache");
+    let dir = cache.join("data/ml-100k");
+    let run = |args: &[&str]| {
+        let mut all = vec!["--cache", cache.to_str().unwrap()];
+        all.extend(["--manifest", manifest.to_str().unwrap()]);
+        all.extend(args);
+        fetch(&[], &all)
+    };
+    let gets = || server.seen().iter().filter(|s| s.method == "GET").count();
+    run(&["ml-100k"]).assert_code(0);
+    let u_data = fs::read(dir.join("u.data")).unwrap();
+
+    fs::write(dir.join("u.data"), b"changed\n").unwrap();
+    fs::remove_file(dir.join("u.item")).unwrap();
+    let list = run(&["--list"]);
+    list.assert_code(0);
+    let listed = format!("ml-100k      modified   {}", dir.display());
+    assert!(list.stdout.contains(&listed), "{}", list.stdout);
+    let said = format!(
+        "fetch: {}: 8 bytes, its .complete marker records {} (and 1 more file differs)",
+        dir.join("u.data").display(),
+        u_data.len()
+    );
+    list.assert_stderr(&said);
+
+    let out = run(&["ml-100k"]);
+    out.assert_code(0);
+    out.assert_stderr(format!("{said}; ml-100k is placed again"));
+    assert_eq!(
+        last_line(&out),
+        format!("fetch: ml-100k ready in {}", dir.display())
+    );
+    assert_eq!(fs::read(dir.join("u.data")).unwrap(), u_data);
+    assert!(dir.join("u.item").is_file());
+    assert_eq!(gets(), 2);
+
+    // The same size, other bytes: only --verify (which hashes every file) sees it.
+    let mut flipped = u_data.clone();
+    flipped[0] ^= 1;
+    fs::write(dir.join("u.data"), &flipped).unwrap();
+    let out = run(&["ml-100k"]);
+    assert_eq!(
+        last_line(&out),
+        format!("fetch: ml-100k already in {}", dir.display())
+    );
+    let out = run(&["--verify", "ml-100k"]);
+    out.assert_code(0);
+    out.assert_stderr(format!(
+        "fetch: {}: sha256 {}, its .complete marker records {}; ml-100k is placed again",
+        dir.join("u.data").display(),
+        sha256_hex(&flipped),
+        sha256_hex(&u_data)
+    ));
+    assert_eq!(fs::read(dir.join("u.data")).unwrap(), u_data);
+    assert_eq!(gets(), 3);
+
+    let out = run(&["--verify", "ml-100k"]);
+    out.assert_code(0);
+    out.assert_stderr("fetch: ml-100k: 4 files match the SHA-256 in its .complete marker");
+    assert_eq!(
+        last_line(&out),
+        format!("fetch: ml-100k already in {}", dir.display())
+    );
+    assert_eq!(
+        gets(),
+        3,
+        "nothing is downloaded for a placement that matches"
+    );
 }
 
 /// A tmpfs of `size` at a new directory, unmounted when dropped; `None` (with a line saying
