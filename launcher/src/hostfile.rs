@@ -48,12 +48,11 @@ pub fn main(cli: &Cli) -> i32 {
     };
     let hosts: Vec<&str> = fanout.nodes.iter().map(|n| n.host.name.as_str()).collect();
     eprintln!(
-        "launch: {} hosts from {} ({}), master {}:{}",
+        "launch: {} hosts from {} ({}), master {}",
         hosts.len(),
         fanout.hostfile.display(),
         hosts.join(", "),
-        fanout.master_addr,
-        fanout.master_port
+        common::hostlist::join_host_port(&fanout.master_addr, fanout.master_port)
     );
     run::run(&fanout, &run_id, cli.grace_period)
 }
@@ -89,11 +88,10 @@ fn run_id(cli: &Cli) -> Result<String, RunIdError> {
 fn describe(f: &Fanout) -> String {
     let total: usize = f.nodes.iter().map(|n| n.host.slots.len()).sum();
     let mut out = format!(
-        "hostfile {}: {} nodes, {total} processes in all, master {}:{}\n",
+        "hostfile {}: {} nodes, {total} processes in all, master {}\n",
         f.hostfile.display(),
         f.nodes.len(),
-        f.master_addr,
-        f.master_port
+        common::hostlist::join_host_port(&f.master_addr, f.master_port)
     );
     if !f.excluded.is_empty() {
         out.push_str(&format!("excluded: {}\n", f.excluded.join(", ")));

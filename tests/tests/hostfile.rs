@@ -386,3 +386,44 @@ fn a_run_id_that_would_break_the_environment_block_is_refused_before_any_ssh() {
         assert!(!out.all().contains("[h0]"), "{}", out.all());
     }
 }
+
+#[test]
+fn ipv6_hosts_are_named_in_include_and_the_master_is_bracketed() {
+    // IPv6 hosts could be listed but not named in --include / --exclude (`fd00::1:1` read as
+    // host `fd00`), and the master printed as `::1:29500`. A dry run: no host is contacted.
+    let dir = tempfile::tempdir().unwrap();
+    let hostfile = dir.path().join("hosts");
+    std::fs::write(&hostfile, "fd00::1 slots=2\n::1 slots=1\n").unwrap();
+    let hostfile = hostfile.display().to_string();
+    let args = [
+        "--hostfile",
+        hostfile.as_str(),
+        "--dry-run",
+        "--master-addr",
+        "::1",
+        "--master-port",
+        "29500",
+        "--include",
+        "[fd00::1]:1@::1",
+        "--",
+        "true",
+    ];
+    let out = wait_output(launch_cmd(&args).spawn().expect("start launch"), T);
+    out.assert_code(0);
+    assert!(
+        out.stdout
+            .contains("2 nodes, 2 processes in all, master [::1]:29500"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("node 0: fd00::1 slots 1 (1 processes)"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout.contains("node 1: ::1 slots 0 (1 processes)"),
+        "{}",
+        out.stdout
+    );
+}

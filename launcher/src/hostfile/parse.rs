@@ -72,13 +72,29 @@ fn valid_host(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':'))
 }
 
+/// An item of `--include` / `--exclude`: the host and its slot list, if any. An IPv6 address
+/// is named bare (`fd00::2`, the whole host) or in brackets (`[fd00::2]:0,1`), as in a URL.
+fn host_and_slots(item: &str) -> (&str, Option<&str>) {
+    let item = item.trim();
+    if let Some((addr, after)) = item.strip_prefix('[').and_then(|r| r.split_once(']')) {
+        return (addr, after.strip_prefix(':'));
+    }
+    if item.parse::<std::net::Ipv6Addr>().is_ok() {
+        return (item, None);
+    }
+    match item.split_once(':') {
+        Some((name, list)) => (name, Some(list)),
+        None => (item, None),
+    }
+}
+
 /// `host1:0,2@host2` as (host, slots) pairs; empty slots mean the whole host.
 fn parse_filter(spec: &str, flag: &str) -> Result<Vec<(String, Vec<u32>)>, HostfileError> {
     let bad = |why: String| HostfileError(format!("{flag} {spec:?}: {why}"));
     let mut out: Vec<(String, Vec<u32>)> = Vec::new();
     for item in spec.split('@') {
-        let (name, slots) = match item.split_once(':') {
-            Some((name, list)) => {
+        let (name, slots) = match host_and_slots(item) {
+            (name, Some(list)) => {
                 let slots = list
                     .split(',')
                     .map(|s| s.trim().parse::<u32>())
@@ -86,7 +102,7 @@ fn parse_filter(spec: &str, flag: &str) -> Result<Vec<(String, Vec<u32>)>, Hostf
                     .map_err(|_| bad(format!("expected HOST[:SLOT,...], got {item:?}")))?;
                 (name.trim(), slots)
             }
-            None => (item.trim(), Vec::new()),
+            (name, None) => (name, Vec::new()),
         };
         if name.is_empty() {
             return Err(bad(
@@ -223,6 +239,26 @@ mod tests {
             ]
         );
         assert_eq!(filter(&h, None, None).unwrap(), h);
+    }
+
+    #[test]
+    fn ipv6_hosts_are_named_bare_or_in_brackets() {
+        let h = hosts("fd00::1 slots=2\nfd00::2 slots=2\n::1 slots=1\n");
+        let inc = filter(&h, Some("fd00::2@::1"), None).unwrap();
+        assert_eq!(
+            names(&inc),
+            vec![("fd00::2".into(), vec![0, 1]), ("::1".into(), vec![0])]
+        );
+        let exc = filter(&h, None, Some("[fd00::1]:1@[::1]")).unwrap();
+        assert_eq!(
+            names(&exc),
+            vec![("fd00::1".into(), vec![0]), ("fd00::2".into(), vec![0, 1])]
+        );
+        let e = filter(&h, Some("[fd00::9]"), None).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--include: host fd00::9 is not in the hostfile"),
+            "{e}"
+        );
     }
 
     #[test]
