@@ -11,7 +11,7 @@ use std::io::{self, Read, Write};
 use std::path::Path;
 
 use crate::error::FetchError;
-use crate::http::{Client, ContentRange, Reply};
+use crate::http::{Client, ContentRange, Pace, Reply};
 use crate::input::Input;
 use crate::progress::Progress;
 
@@ -229,7 +229,8 @@ fn transfer(
     }
 }
 
-/// Writes the body into `part` from byte `from` (truncating there), never past `size`.
+/// Writes the body into `part` from byte `from` (truncating there), never past `size`, within
+/// the time the client's [`Pace`] allows for the `size - from` bytes.
 fn write_body(
     client: &Client,
     reply: Reply,
@@ -239,6 +240,7 @@ fn write_body(
     progress: &mut Progress,
 ) -> Result<(), FetchError> {
     let mut file = open_at(part, from)?;
+    let pace = client.pace(size.saturating_sub(from));
     let mut body = reply.body.into_reader();
     let mut written = from;
     let mut buf = vec![0u8; 1 << 16];
@@ -257,6 +259,9 @@ fn write_body(
             .map_err(FetchError::io_at("writing", part))?;
         written += n as u64;
         progress.add(n as u64);
+        if written < size {
+            pace.check(&reply.url, written - from)?;
+        }
     }
     file.sync_all()
         .map_err(FetchError::io_at("syncing", part))?;
@@ -360,7 +365,8 @@ pub fn discard(part: &Path) {
 }
 
 /// A small file (at most `max` bytes) read whole from `url`; its `Content-Length`, when
-/// given, must match what arrived.
+/// given, must match what arrived. It is allowed the time of its `Content-Length` (else of
+/// `max` bytes) at the floor rate, as every transfer is ([`Pace`]).
 pub fn small_file(
     client: &Client,
     url: &str,
@@ -374,10 +380,10 @@ pub fn small_file(
             status: reply.status.to_string(),
         });
     }
-    let mut bytes = Vec::new();
+    let expected = reply.content_length.unwrap_or(max).min(max);
+    let pace = client.pace(expected);
     let mut body = reply.body.into_reader().take(max + 1);
-    body.read_to_end(&mut bytes)
-        .map_err(|e| client.read_error(&reply.url, &e))?;
+    let bytes = read_paced(client, &mut body, &reply.url, pace, expected)?;
     let got = bytes.len() as u64;
     if got > max {
         return Err(FetchError::BadContent {
@@ -393,6 +399,29 @@ pub fn small_file(
             then: format!(" (Content-Length of {})", reply.url),
         }),
         _ => Ok(bytes),
+    }
+}
+
+/// All of `body`, read within `pace` while fewer than the `expected` bytes are there.
+fn read_paced(
+    client: &Client,
+    body: &mut impl Read,
+    url: &str,
+    pace: Pace,
+    expected: u64,
+) -> Result<Vec<u8>, FetchError> {
+    let mut bytes = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        match body.read(&mut buf) {
+            Ok(0) => return Ok(bytes),
+            Ok(n) => bytes.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(client.read_error(url, &e)),
+        }
+        if (bytes.len() as u64) < expected {
+            pace.check(url, bytes.len() as u64)?;
+        }
     }
 }
 

@@ -1,12 +1,13 @@
 //! HTTP for `fetch`: one `ureq` agent (rustls, the environment's `HTTPS_PROXY`/`HTTP_PROXY`/
-//! `NO_PROXY`, connect and per-read timeouts), HEAD and GET with redirects followed here (so a
+//! `NO_PROXY`, connect and per-read timeouts), each transfer's total time bounded by its size
+//! and a floor rate ([`Pace`]), HEAD and GET with redirects followed here (so a
 //! `Range` header survives a hop to another host and a relative `Location` works), the hub's
 //! `X-Linked-*` headers read, and network failures sorted into offline / HTTP status / transfer.
 //!
 //! Must not: write files, or know names, manifests or the cache.
 
 use std::io;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ureq::http::{HeaderMap, StatusCode};
 use ureq::{Agent, Body};
@@ -16,6 +17,13 @@ use crate::error::FetchError;
 /// How many redirects one request may follow.
 const MAX_HOPS: usize = 10;
 
+/// The slowest average a transfer may keep, in bytes per second: a transfer of N bytes is
+/// allowed the stall time plus N / FLOOR_RATE seconds (ml-1m's 5.9 MB: 90 s more; gpt2's
+/// 548 MB: 2.3 h more) and is cut, like a stalled one (kept, resumed), once it takes longer.
+/// So a server that sends a byte now and then, never quite stalling, cannot hold `fetch` for
+/// hours. 64 KiB/s is about half a megabit.
+pub const FLOOR_RATE: u64 = 64 * 1024;
+
 /// How long to wait for a connection and for each read before giving up.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeouts {
@@ -23,6 +31,34 @@ pub struct Timeouts {
     pub connect: Duration,
     /// The longest wait for the next bytes of an answer (a stalled server).
     pub stall: Duration,
+}
+
+/// The time one transfer is allowed, from when its answer's headers arrived: checked as its
+/// bytes arrive (so at most one stall interval late, a read waiting that long at most).
+#[derive(Debug, Clone, Copy)]
+pub struct Pace {
+    start: Instant,
+    allowed: Duration,
+}
+
+impl Pace {
+    /// `Ok` while the transfer is within its allowance; then a retryable transfer failure
+    /// naming `url`, the `got` bytes received, the time taken and the floor rate.
+    pub fn check(&self, url: &str, got: u64) -> Result<(), FetchError> {
+        let took = self.start.elapsed();
+        if took <= self.allowed {
+            return Ok(());
+        }
+        Err(FetchError::Transfer {
+            url: url.to_string(),
+            detail: format!(
+                "too slow: {got} bytes in {:.1} s, below the floor of {} KiB/s (allowed {:.1} s)",
+                took.as_secs_f64(),
+                FLOOR_RATE / 1024,
+                self.allowed.as_secs_f64()
+            ),
+        })
+    }
 }
 
 /// An HTTP client; cheap to keep, reuses connections.
@@ -139,6 +175,16 @@ impl Client {
             });
         }
         Err(too_many_redirects(&url))
+    }
+
+    /// The allowance of a transfer of `expected` bytes, starting now: the stall time plus
+    /// `expected` bytes at [`FLOOR_RATE`].
+    pub fn pace(&self, expected: u64) -> Pace {
+        let at_floor = Duration::from_secs_f64(expected as f64 / FLOOR_RATE as f64);
+        Pace {
+            start: Instant::now(),
+            allowed: self.stall.saturating_add(at_floor),
+        }
     }
 
     /// A failed request: offline, or another failure naming `url`.
@@ -388,6 +434,28 @@ mod tests {
             "http://127.0.0.1:9/a"
         );
         assert_eq!(join_location("http://h:1?q", "a"), "http://h:1/a");
+    }
+
+    #[test]
+    fn a_transfer_is_allowed_the_stall_time_plus_its_bytes_at_the_floor_rate() {
+        let client = Client::new(Timeouts {
+            connect: Duration::from_secs(1),
+            stall: Duration::from_secs(2),
+        });
+        let pace = client.pace(FLOOR_RATE * 3);
+        assert_eq!(pace.allowed, Duration::from_secs(5));
+        assert!(pace.check("u", 0).is_ok());
+        let late = Pace {
+            start: Instant::now() - Duration::from_secs(6),
+            ..pace
+        };
+        let err = late.check("http://h/x.zip", 42).unwrap_err();
+        assert!(err.is_transient());
+        let line = err.to_string();
+        assert!(
+            line.starts_with("download of http://h/x.zip failed: too slow: 42 bytes in 6.0 s, below the floor of 64 KiB/s (allowed 5.0 s)"),
+            "{line}"
+        );
     }
 
     #[test]

@@ -33,6 +33,8 @@ enum Route {
     Stall(usize),
     /// A file served whole (200) whatever the Range asks.
     IgnoreRange(Arc<Vec<u8>>),
+    /// A file (200, its whole length announced) sent one byte at a time, this far apart.
+    Trickle(Arc<Vec<u8>>, Duration),
 }
 
 /// One request the server saw.
@@ -134,6 +136,15 @@ fn serve(mut stream: TcpStream, state: &Mutex<State>) {
             serve_file(&mut stream, &body, &extra, range, cut, head_only)
         }
         Some(Route::IgnoreRange(body)) => respond(&mut stream, "200 OK", &[], &body, head_only),
+        Some(Route::Trickle(body, every)) => {
+            write_head(&mut stream, "200 OK", &[], body.len());
+            for byte in body.iter() {
+                if stream.write_all(&[*byte]).is_err() {
+                    break;
+                }
+                thread::sleep(every);
+            }
+        }
         Some(Route::Stall(len)) => {
             let head =
                 format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n");
@@ -755,6 +766,50 @@ fn a_placement_whose_files_changed_is_named_and_fetched_again() {
         3,
         "nothing is downloaded for a placement that matches"
     );
+}
+
+/// A server that sends one byte every 0.4 s never stalls for a whole second, yet the transfer
+/// is cut once it falls behind the floor rate: one line naming the URL, the bytes received,
+/// the time and the floor, within seconds (the trickle would take minutes), and the bytes that
+/// did arrive are kept for a resume. (Before, only the stall check applied: it ran until the
+/// test's deadline killed it.)
+#[test]
+fn a_trickling_server_is_cut_at_the_floor_rate() {
+    let case = DataCase::new(10);
+    let url = case.server.url("/ml/ml-1m.zip");
+    case.server.route(
+        "/ml/ml-1m.zip",
+        Route::Trickle(Arc::new(case.zip.clone()), Duration::from_millis(400)),
+    );
+    let cache = case.cache();
+    let args = [
+        "--cache",
+        cache.to_str().unwrap(),
+        "--manifest",
+        case.manifest.to_str().unwrap(),
+        "ml-1m",
+    ];
+    let env = [
+        ("GPTREC_FETCH_STALL_SECS", "1"),
+        ("GPTREC_FETCH_RETRIES", "0"),
+    ];
+    let out = fetch_within(&env, &args, Duration::from_secs(20));
+    out.assert_ended_within(6);
+    out.assert_code(1);
+    let line = last_line(&out);
+    let kept = fs::metadata(case.part()).map_or(0, |m| m.len());
+    assert!(kept > 0, "the bytes that arrived are kept");
+    let expected = format!("fetch: download of {url} failed: too slow: {kept} bytes in ");
+    assert!(line.starts_with(&expected), "{line}");
+    assert!(
+        line.contains(" s, below the floor of 64 KiB/s")
+            && line.ends_with(&format!(
+                "; {kept} of {} bytes kept, rerun to resume",
+                case.zip.len()
+            )),
+        "{line}"
+    );
+    assert!(!case.final_dir().exists());
 }
 
 /// A tmpfs of `size` at a new directory, unmounted when dropped; `None` (with a line saying
