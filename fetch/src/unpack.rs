@@ -1,13 +1,16 @@
 //! Unpacking a data set's zip into a (staging) directory, safely: a single top folder
 //! (GroupLens' `ml-1m/`) is dropped so the files land directly in the directory; entries with
-//! `..`, absolute paths or drive letters, symlinks, duplicates, too many entries or too many
-//! bytes in all (zip bombs) are refused; every file is synced.
+//! `..`, absolute paths or drive letters, symlinks, duplicates (two central directory records of
+//! one path, counted from the records themselves: the zip crate keeps only the last), too many
+//! entries or too many bytes in all (zip bombs) are refused; every file is synced, and hashed
+//! as it is written (for the marker).
 //!
 //! Must not: download, or write anywhere but the directory it is given (which it expects to
 //! be new and empty).
 
+use std::collections::HashSet;
 use std::fs::{self, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -55,7 +58,7 @@ pub fn unpack(
     };
     let mut archive =
         zip::ZipArchive::new(zip.reader()).map_err(|e| bad(format!("not a readable zip: {e}")))?;
-    let names = entry_names(&mut archive, limits).map_err(bad)?;
+    let names = entry_names(&mut archive, &mut zip.reader(), limits).map_err(bad)?;
     let top = common_top(&names);
     let mut written = Vec::new();
     let mut budget = limits.total_bytes;
@@ -91,9 +94,11 @@ pub fn unpack(
     Ok(written)
 }
 
-/// Every entry's name, after refusing symlinks, too many entries or too many bytes declared.
-fn entry_names<R: Read + io::Seek>(
+/// Every entry's name, after refusing duplicates (read from `raw`, the same zip), symlinks,
+/// too many entries or too many bytes declared.
+fn entry_names<R: Read + Seek>(
     archive: &mut zip::ZipArchive<R>,
+    raw: &mut (impl Read + Seek),
     limits: Limits,
 ) -> Result<Vec<String>, String> {
     if archive.len() > limits.entries {
@@ -103,6 +108,9 @@ fn entry_names<R: Read + io::Seek>(
             limits.entries
         ));
     }
+    let records = record_names(raw, archive.central_directory_start(), limits.entries)
+        .map_err(|e| format!("its central directory cannot be read: {e}"))?;
+    refuse_duplicates(&records, archive.len())?;
     let mut names = Vec::with_capacity(archive.len());
     let mut declared: u64 = 0;
     for i in 0..archive.len() {
@@ -120,6 +128,56 @@ fn entry_names<R: Read + io::Seek>(
         names.push(entry.name().to_string());
     }
     Ok(names)
+}
+
+/// The signature of a central directory record.
+const CENTRAL_RECORD: [u8; 4] = *b"PK\x01\x02";
+
+/// The name of every record of the central directory that starts at `start`, in order, at
+/// most `max + 1` of them. The zip crate keeps one entry per name (the last), so a duplicate
+/// is seen only here.
+fn record_names(raw: &mut (impl Read + Seek), start: u64, max: usize) -> io::Result<Vec<String>> {
+    raw.seek(SeekFrom::Start(start))?;
+    let mut names = Vec::new();
+    while names.len() <= max {
+        let mut sig = [0u8; 4];
+        if raw.read_exact(&mut sig).is_err() || sig != CENTRAL_RECORD {
+            break;
+        }
+        // The rest of the fixed part: name, extra field and comment lengths at 24, 26 and 28.
+        let mut fixed = [0u8; 42];
+        raw.read_exact(&mut fixed)?;
+        let len_at = |i: usize| u16::from_le_bytes([fixed[i], fixed[i + 1]]);
+        let mut name = vec![0u8; usize::from(len_at(24))];
+        raw.read_exact(&mut name)?;
+        raw.seek(SeekFrom::Current(
+            i64::from(len_at(26)) + i64::from(len_at(28)),
+        ))?;
+        names.push(String::from_utf8_lossy(&name).into_owned());
+    }
+    Ok(names)
+}
+
+/// Refuses two records of one path (`a/b`, `a//b` and `a/./b` are one), naming the second;
+/// and, should names that differ as bytes decode alike, more records than the `kept` entries.
+fn refuse_duplicates(records: &[String], kept: usize) -> Result<(), String> {
+    let mut seen = HashSet::new();
+    for name in records {
+        let parts: Vec<&str> = name
+            .split('/')
+            .filter(|p| !p.is_empty() && *p != ".")
+            .collect();
+        if !seen.insert(parts.join("/")) {
+            return Err(format!("{name}: a duplicate entry (refused)"));
+        }
+    }
+    if records.len() != kept {
+        return Err(format!(
+            "has {} records for {kept} entry names: duplicate entries (refused)",
+            records.len()
+        ));
+    }
+    Ok(())
 }
 
 /// The one folder every entry is in (`ml-1m`), if there is one.
@@ -334,5 +392,32 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("not a readable zip"), "{err}");
+    }
+
+    /// `from` replaced by `to` (of the same length) wherever it occurs in `bytes`.
+    fn patched(bytes: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+        let mut out = bytes.to_vec();
+        let mut i = 0;
+        while i + from.len() <= out.len() {
+            if &out[i..i + from.len()] == from {
+                out[i..i + from.len()].copy_from_slice(to);
+            }
+            i += 1;
+        }
+        out
+    }
+
+    #[test]
+    fn duplicate_entries_are_refused_naming_the_entry() {
+        // The zip writer refuses a duplicate name: write two, then rename the second (its local
+        // header and its central directory record) to the first's name.
+        let two = zip_of(&[("d/a", b"first"), ("d/b", b"later")], None);
+        let dup = patched(&two, b"d/b", b"d/a");
+        let err = unpack_bytes(&dup, LIMITS).1.unwrap_err().to_string();
+        assert_eq!(err, "a.zip: d/a: a duplicate entry (refused)");
+        // The same path spelt another way is the same entry.
+        let two = zip_of(&[("d/a", b"first"), ("d//a", b"later")], None);
+        let err = unpack_bytes(&two, LIMITS).1.unwrap_err().to_string();
+        assert_eq!(err, "a.zip: d//a: a duplicate entry (refused)");
     }
 }
