@@ -117,38 +117,78 @@ fn differs(dir: &Path, f: &MarkedFile, depth: Depth) -> Option<String> {
         ));
     };
     let path = dir.join(rel);
-    let shown = path.display();
-    let missing = || format!("{shown}: missing, though its {MARKER} marker lists it");
-    let size = |got: u64| {
-        (got != f.size).then(|| {
-            format!(
-                "{shown}: {got} bytes, its {MARKER} marker records {}",
-                f.size
-            )
-        })
+    let found = match depth {
+        Depth::Sizes => by_size(&path),
+        Depth::Digests => by_digest(&path, f.size),
     };
-    match depth {
-        Depth::Sizes => match fs::metadata(&path) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Some(missing()),
-            Err(e) => Some(format!("{shown}: {e}")),
-            Ok(m) if !m.is_file() => Some(format!(
-                "{shown}: is {}, not a file",
-                files::file_type_name(&m.file_type())
-            )),
-            Ok(m) => size(m.len()),
+    let shown = path.display();
+    match found {
+        Found::Missing => Some(format!(
+            "{shown}: missing, though its {MARKER} marker lists it"
+        )),
+        Found::Unusable(why) => Some(why),
+        Found::File { size, .. } if size != f.size => Some(format!(
+            "{shown}: {size} bytes, its {MARKER} marker records {}",
+            f.size
+        )),
+        Found::File {
+            sha256: Some(got), ..
+        } if got != f.sha256 => Some(format!(
+            "{shown}: sha256 {got}, its {MARKER} marker records {}",
+            f.sha256
+        )),
+        Found::File { .. } => None,
+    }
+}
+
+/// What is at a placed file's path.
+enum Found {
+    Missing,
+    /// Not a regular file, or unreadable: one line naming the path.
+    Unusable(String),
+    /// A file: its size, and its SHA-256 when it was hashed.
+    File {
+        size: u64,
+        sha256: Option<String>,
+    },
+}
+
+/// The type and size of what is at `path`.
+fn by_size(path: &Path) -> Found {
+    match fs::metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Found::Missing,
+        Err(e) => Found::Unusable(format!("{}: {e}", path.display())),
+        Ok(m) if !m.is_file() => Found::Unusable(format!(
+            "{}: is {}, not a file",
+            path.display(),
+            files::file_type_name(&m.file_type())
+        )),
+        Ok(m) => Found::File {
+            size: m.len(),
+            sha256: None,
         },
-        Depth::Digests => match Input::open(&path, u64::MAX) {
-            Err(InputError::Missing { .. }) => Some(missing()),
-            Err(e) => Some(e.to_string()),
-            Ok(input) => size(input.len()).or_else(|| match input.sha256() {
-                Err(e) => Some(e.to_string()),
-                Ok(got) if got != f.sha256 => Some(format!(
-                    "{shown}: sha256 {got}, its {MARKER} marker records {}",
-                    f.sha256
-                )),
-                Ok(_) => None,
-            }),
+    }
+}
+
+/// What is at `path`, opened as an input, and its SHA-256 when it has the `recorded` size.
+fn by_digest(path: &Path, recorded: u64) -> Found {
+    let input = match Input::open(path, u64::MAX) {
+        Err(InputError::Missing { .. }) => return Found::Missing,
+        Err(e) => return Found::Unusable(e.to_string()),
+        Ok(input) => input,
+    };
+    if input.len() != recorded {
+        return Found::File {
+            size: input.len(),
+            sha256: None,
+        };
+    }
+    match input.sha256() {
+        Ok(sha256) => Found::File {
+            size: input.len(),
+            sha256: Some(sha256),
         },
+        Err(e) => Found::Unusable(e.to_string()),
     }
 }
 
