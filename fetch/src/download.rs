@@ -1,8 +1,8 @@
 //! Downloading one file into its partial file (`<cache>/.partial/<name>/<file>.part`) and
 //! checking it: resume with `Range: bytes=N-` (a 206 appends, a 200 starts over, a 416 or a
-//! partial file longer than expected starts over cleanly), retries of cut or stalled
-//! transfers, mirrors in turn, then the size and SHA-256 check (a mismatch deletes the file).
-//! Also small files read whole (a model's `config.json`).
+//! partial file longer than expected starts over cleanly), retries of cut, stalled or too slow
+//! transfers (each held to its `http::Pace`), mirrors in turn, then the size and SHA-256 check
+//! (a mismatch deletes the file). Also small files read whole (a model's `config.json`).
 //!
 //! Must not: unpack, place anything in the cache's final directories, or know about assets.
 
