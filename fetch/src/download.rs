@@ -12,7 +12,7 @@ use std::path::Path;
 
 use crate::error::FetchError;
 use crate::http::{Client, ContentRange, Pace, Reply};
-use crate::input::Input;
+use crate::input::{hex, Input};
 use crate::progress::Progress;
 
 /// One file to download and what it must be.
@@ -423,11 +423,6 @@ fn read_paced(
             pace.check(url, bytes.len() as u64)?;
         }
     }
-}
-
-/// Lowercase hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The length of `path`, 0 when it does not exist.
