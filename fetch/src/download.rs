@@ -12,7 +12,7 @@ use std::path::Path;
 
 use crate::error::FetchError;
 use crate::http::{Client, ContentRange, Pace, Reply};
-use crate::input::{hex, Input};
+use crate::input::Input;
 use crate::progress::Progress;
 
 /// One file to download and what it must be.
@@ -452,6 +452,7 @@ fn file_name(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::input::hex;
     use sha2::{Digest, Sha256};
 
     fn range(start: u64, end: u64, total: Option<u64>) -> Option<ContentRange> {
