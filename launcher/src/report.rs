@@ -82,12 +82,15 @@ pub fn interrupted(signal: i32) -> i32 {
 }
 
 /// The root cause among `records`: a rank found stopped (SIGSTOP, a debugger) when the teardown
-/// began, since the others failed because it stopped answering, however soon they said so;
-/// else `earliest`, the first to fail.
+/// began that the first to fail (`earliest`) names in its last words (`no answer from rank(s)
+/// [1]`): it failed because that rank stopped answering, however soon it said so. Else
+/// `earliest` (a stopped rank it does not name is only said to be stopped).
 pub fn root_cause(records: &[WorkerRecord], earliest: usize) -> usize {
+    let first = &records[earliest];
+    let named = named_peers(&first.stderr_tail, first.rank);
     records
         .iter()
-        .position(|r| r.was_stopped)
+        .position(|r| r.was_stopped && named.contains(&r.rank))
         .unwrap_or(earliest)
 }
 
@@ -227,6 +230,14 @@ pub fn failure_summary(
 /// rank 3 failed`, `no answer from rank(s) [2, 3]`): the peers it lost. Progress and debug
 /// log lines are skipped: they name ranks that are well (`peak mem 360 MiB (rank 3)`).
 fn remote_peers(tail: &[String], own: u32, this_node: &Range<u32>) -> Vec<u32> {
+    let mut peers = named_peers(tail, own);
+    peers.retain(|n| !this_node.contains(n));
+    peers
+}
+
+/// The ranks other than `own` that the last lines of a rank's stderr name (`rank 3`,
+/// `rank(s) [1, 2]`), sorted, once each.
+fn named_peers(tail: &[String], own: u32) -> Vec<u32> {
     let mut peers = Vec::new();
     for line in tail.iter().rev().take(3).filter(|l| !is_progress_log(l)) {
         let mut rest = line.as_str();
@@ -240,7 +251,7 @@ fn remote_peers(tail: &[String], own: u32, this_node: &Range<u32>) -> Vec<u32> {
             loop {
                 let digits: String = numbers.chars().take_while(char::is_ascii_digit).collect();
                 let Ok(n) = digits.parse::<u32>() else { break };
-                if n != own && !this_node.contains(&n) && !peers.contains(&n) {
+                if n != own && !peers.contains(&n) {
                     peers.push(n);
                 }
                 numbers = numbers[digits.len()..].trim_start_matches([',', ' ']);
@@ -317,6 +328,11 @@ mod tests {
         ];
         assert_eq!(root_cause(&records, 0), 0);
         records[1].was_stopped = true;
+        // Stopped, but not named by the rank that failed: that one stays the root cause.
+        assert_eq!(root_cause(&records, 0), 0);
+        records[0].stderr_tail = vec![
+            "worker: error: training: all_reduce at step 4 timed out after 2.0 s: no answer from rank(s) [1] (stopped, or never entered it)".into(),
+        ];
         let root = root_cause(&records, 0);
         assert_eq!(root, 1);
         let text = failure_summary(&records, root, 1, 0..2, &[]);
