@@ -298,6 +298,9 @@ pub struct EvalConfig {
     pub patience: u32,
     /// Users scored at once during evaluation (>= 1). Default: `128`.
     pub batch_users: usize,
+    /// Regularisation of the EASE baseline evaluated beside popularity at the start of a run
+    /// (>= 0, finite; RecBole's `reg_weight`); `0` leaves the baseline out. Default: `250.0`.
+    pub ease_reg: f64,
 }
 
 impl Default for EvalConfig {
@@ -308,6 +311,7 @@ impl Default for EvalConfig {
             metric: "ndcg@10".to_string(),
             patience: 3,
             batch_users: 128,
+            ease_reg: 250.0,
         }
     }
 }
@@ -1018,6 +1022,8 @@ timeout_s = 60
         assert!(err(&["eval.topk=[10, 10]"]).contains("lists 10 twice"));
         assert!(err(&["eval.topk=[0]"]).contains("cut-offs must be >= 1"));
         assert!(err(&["eval.every_n_epochs=0"]).contains("`eval.every_n_epochs` must be >= 1"));
+        assert!(err(&["eval.ease_reg=-1.0"]).contains("`eval.ease_reg` must be >= 0 and finite"));
+        assert!(parse_with(MINIMAL, &["eval.ease_reg=0.0"]).is_ok());
         assert!(err(&["model.l2=-1"]).contains("`model.l2` must be >= 0"));
         assert!(err(&["model.max_text_tokens=200"])
             .contains("`model.max_text_tokens` must be between 1 and 128 (the tiny preset's positions) (got 200)"));
@@ -1392,7 +1398,7 @@ timeout_s = 60
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
                 dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret },
                 checkpoint: CheckpointConfig { every_n_steps, keep, resume, load_optimizer },
-                eval: EvalConfig { topk, every_n_epochs, metric, patience, batch_users },
+                eval: EvalConfig { topk, every_n_epochs, metric, patience, batch_users, ease_reg: 250.0 },
             }
         }
     }

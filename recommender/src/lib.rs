@@ -18,6 +18,7 @@
 //! split across ranks (caching text features, evaluation).
 
 pub mod data;
+pub mod ease;
 pub mod eval;
 pub mod input;
 pub mod model;
@@ -32,7 +33,7 @@ use model::gpt2::Gpt2Error;
 use runtime::collective::CollectiveError;
 
 pub use input::{data_shape, load_data, RecData};
-pub use sharded_eval::{evaluate_popularity, evaluate_sharded, EVAL_TIMEOUT_MIN};
+pub use sharded_eval::{evaluate_baseline, evaluate_sharded, Baseline, EVAL_TIMEOUT_MIN};
 pub use task::RecTask;
 
 /// Why the recommender could not load, build, train or evaluate.

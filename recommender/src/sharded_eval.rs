@@ -1,7 +1,7 @@
 //! Full-ranking evaluation across ranks: users split over the ranks, their metric sums gathered
 //! and added in rank order, so every rank returns the metrics a single process would; the
-//! tables' text encoding shared out the same way; and the popularity baseline through the same
-//! path.
+//! tables' text encoding shared out the same way; and the popularity and EASE baselines through
+//! the same path.
 
 use std::ops::Range;
 use std::time::Duration;
@@ -15,9 +15,18 @@ use crate::input::RecData;
 use crate::model::recommender::{popularity_scores, TextChunks};
 use crate::{RecError, Split};
 
-/// The popularity baseline's metrics on `split`, through the same sharded evaluation.
-pub fn evaluate_popularity(
+/// A baseline evaluated beside the model.
+pub enum Baseline<'a> {
+    /// Items ranked by their training count.
+    Popularity,
+    /// A fitted EASE model: warm items scored from a user's training items.
+    Ease(&'a crate::ease::Ease),
+}
+
+/// `baseline`'s metrics on `split`, through the same sharded evaluation as the model's.
+pub fn evaluate_baseline(
     data: &RecData,
+    baseline: Baseline<'_>,
     split: Split,
     ks: &[usize],
     batch_users: usize,
@@ -25,16 +34,20 @@ pub fn evaluate_popularity(
     ctx: OpContext,
 ) -> Result<Metrics, RecError> {
     let ds = &data.dataset;
-    let counts = Tensor::from_slice(&popularity_scores(&ds.train, ds.n_items as usize));
-    let mut score = |batch: &[usize]| -> Result<Tensor, tch::TchError> {
-        Ok(counts.unsqueeze(0).expand([batch.len() as i64, -1], false))
+    type Score<'s> = Box<dyn FnMut(&[usize]) -> Result<Tensor, tch::TchError> + 's>;
+    let mut score: Score<'_> = match baseline {
+        Baseline::Popularity => {
+            let counts = Tensor::from_slice(&popularity_scores(&ds.train, ds.n_items as usize));
+            Box::new(move |batch| Ok(counts.unsqueeze(0).expand([batch.len() as i64, -1], false)))
+        }
+        Baseline::Ease(ease) => Box::new(move |batch| ease.scores(batch, &ds.train)),
     };
     let train_valid = match split {
         Split::Test => train_and_valid(ds),
         _ => Vec::new(),
     };
     let lists = split_lists(ds, &train_valid, split);
-    evaluate_sharded(&mut score, &lists, ks, batch_users, comm, ctx)
+    evaluate_sharded(&mut *score, &lists, ks, batch_users, comm, ctx)
 }
 
 /// Train ∪ valid per user, sorted: what a test ranking excludes.

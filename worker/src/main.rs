@@ -14,6 +14,7 @@ use common::config::{Config, ModelKind};
 use common::env_contract::WorkerEnv;
 use common::memory::{Phase, PhaseSink as _};
 use common::train_plan::TrainPlan;
+use recommender::Baseline;
 use runtime::collective::{Collective, OpContext, ReduceOp};
 use runtime::job_watch::JobWatch;
 use tch::{nn, Kind, Tensor};
@@ -163,6 +164,7 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
         }
     }
     let (pop_valid, pop_tests) = popularity_baselines(config, &data, comm.as_mut(), ctx)?;
+    let ease_tests = ease_baseline(config, &data, comm.as_mut(), ctx, start.leader())?;
     if config.model.kind == ModelKind::Pop {
         if start.leader() {
             run_report::popularity_only(&start.run_dir, config, &pop_valid, &pop_tests)?;
@@ -221,6 +223,7 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
             report: &report,
             pop_valid: &pop_valid,
             pop_tests: &pop_tests,
+            ease_tests: &ease_tests,
             run_dir: &start.run_dir,
             world_size: start.env.world_size,
         }
@@ -246,8 +249,16 @@ fn popularity_baselines(
 ) -> Result<Baselines> {
     let (ks, users_at_once) = (&config.eval.topk, config.eval.batch_users);
     let mut on = |split| {
-        recommender::evaluate_popularity(data, split, ks, users_at_once, comm, ctx)
-            .context("evaluating the popularity baseline")
+        recommender::evaluate_baseline(
+            data,
+            Baseline::Popularity,
+            split,
+            ks,
+            users_at_once,
+            comm,
+            ctx,
+        )
+        .context("evaluating the popularity baseline")
     };
     let valid = on(Split::Valid)?;
     let mut tests = Vec::new();
@@ -255,6 +266,54 @@ fn popularity_baselines(
         tests.push((split, on(split)?));
     }
     Ok((valid, tests))
+}
+
+/// The EASE baseline (`eval.ease_reg`, 0: none) fitted on every rank from the same split and
+/// evaluated on test across the ranks; nothing, said in one line, above its item limit.
+fn ease_baseline(
+    config: &Config,
+    data: &recommender::RecData,
+    comm: &mut dyn Collective,
+    ctx: OpContext,
+    leader: bool,
+) -> Result<Vec<(Split, recommender::eval::Metrics)>> {
+    let reg = config.eval.ease_reg;
+    let ds = &data.dataset;
+    if reg == 0.0 || config.model.kind == ModelKind::Pop {
+        return Ok(Vec::new());
+    }
+    let started = std::time::Instant::now();
+    let fitted = recommender::ease::Ease::fit(&ds.train, ds.n_warm_items, ds.n_items, reg)
+        .context("fitting the EASE baseline")?;
+    let Some(ease) = fitted else {
+        if leader {
+            info!(
+                "EASE baseline skipped: {} warm items, more than its limit of {} (an items x items matrix; eval.ease_reg = 0 leaves it out)",
+                ds.n_warm_items,
+                recommender::ease::MAX_ITEMS
+            );
+        }
+        return Ok(Vec::new());
+    };
+    let (ks, users_at_once) = (&config.eval.topk, config.eval.batch_users);
+    let test = recommender::evaluate_baseline(
+        data,
+        Baseline::Ease(&ease),
+        Split::Test,
+        ks,
+        users_at_once,
+        comm,
+        ctx,
+    )
+    .context("evaluating the EASE baseline")?;
+    if leader {
+        info!(
+            "EASE baseline (eval.ease_reg = {reg}) fitted on {} items and tested in {:.1} s",
+            ds.n_warm_items,
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(vec![(Split::Test, test)])
 }
 
 /// The recommender built on `vs` (an out-of-memory error in the build is reported as such).

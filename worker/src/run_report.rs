@@ -73,6 +73,8 @@ pub struct RunSummary<'a> {
     pub pop_valid: &'a Metrics,
     /// The baseline on `test` and on the cold-start splits, in that order.
     pub pop_tests: &'a [(Split, Metrics)],
+    /// The EASE baseline on `test` (none when it was left out or skipped).
+    pub ease_tests: &'a [(Split, Metrics)],
     pub run_dir: &'a Path,
     pub world_size: u32,
 }
@@ -285,8 +287,8 @@ impl RunSummary<'_> {
         )
     }
 
-    /// `test ndcg@10: 0.1054 vs popularity 0.0889 (+18.7%)`, and so for a cold-start split
-    /// (`cold items ndcg@10: ...`).
+    /// `test ndcg@10: 0.1054 vs popularity 0.0889 (+18.7%), EASE 0.1203`, and so for a
+    /// cold-start split (`cold items ndcg@10: ...`; EASE scores warm items only).
     fn print_comparison(&self, split: Split, ours: &Metrics) {
         let metric = self.plan.config.eval.metric.trim().to_ascii_lowercase();
         let pop = self.pop_tests.iter().find(|(s, _)| *s == split);
@@ -298,7 +300,10 @@ impl RunSummary<'_> {
                 "popularity has nothing to go on".to_string()
             };
             let name = split.label();
-            println!("  {name} {metric}: {ours:.4} vs popularity {pop:.4} ({change})");
+            let ease = (self.ease_tests.iter().find(|(s, _)| *s == split))
+                .and_then(|(_, m)| m.get(&metric))
+                .map_or(String::new(), |e| format!(", EASE {e:.4}"));
+            println!("  {name} {metric}: {ours:.4} vs popularity {pop:.4} ({change}){ease}");
         }
     }
 }

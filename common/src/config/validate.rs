@@ -196,6 +196,15 @@ fn check_eval(eval: &EvalConfig) -> Result<(), ConfigError> {
     }
     check_at_least_one("eval.every_n_epochs", eval.every_n_epochs)?;
     check_at_least_one("eval.batch_users", eval.batch_users)?;
+    if !(eval.ease_reg.is_finite() && eval.ease_reg >= 0.0) {
+        return Err(ConfigError::invalid(
+            "eval.ease_reg",
+            format!(
+                "must be >= 0 and finite (got {}); 0 leaves the EASE baseline out",
+                eval.ease_reg
+            ),
+        ));
+    }
     parse_metric(&eval.metric, &eval.topk)
         .map_err(|why| ConfigError::invalid("eval.metric", why))?;
     Ok(())
