@@ -166,7 +166,12 @@ def run_recbole(args: argparse.Namespace) -> None:
 
     # RecBole's Config also reads `--key=value` from sys.argv: give it none of ours.
     sys.argv = sys.argv[:1]
-    config = Config(model=args.model, dataset=args.dataset, config_dict=recbole_config(args))
+    settings = recbole_config(args)
+    if args.model in ("EASE", "MultiVAE", "ItemKNN"):
+        # Trained against every item at once (or not trained): no negatives to sample, each
+        # with its own defaults (EASE reg_weight 250, ItemKNN k 100, MultiVAE's annealing).
+        settings["train_neg_sample_args"] = None
+    config = Config(model=args.model, dataset=args.dataset, config_dict=settings)
     init_seed(config["seed"], config["reproducibility"])
     init_logger(config)
     if args.exact_pop:
@@ -236,25 +241,28 @@ def ours(args: argparse.Namespace) -> None:
     result["wall_s"] = args.wall_s
     write_json(args.out, result)
     if args.pop_out:
-        write_json(args.pop_out, our_pop(args.log))
+        write_json(args.pop_out, our_baseline(args.log, "pop", "ours pop"))
+    if args.ease_out:
+        write_json(args.ease_out, our_baseline(args.log, "ease", "ours EASE"))
 
 
-def our_pop(log: str) -> dict:
-    """Our popularity baseline's test metrics: every run evaluates it, but metrics.jsonl keeps
-    only its validation, so the summary line `pop test users=N recall@10=...` is read."""
+def our_baseline(log: str, tag: str, name: str) -> dict:
+    """A baseline's test metrics from our run's summary (`pop test users=N recall@10=...`,
+    `ease test ...`): every run evaluates them, but metrics.jsonl keeps only popularity's
+    validation."""
     with open(log, encoding="utf-8", errors="replace") as f:
         for line in f:
-            m = re.search(r"\bpop test\s+users=(\d+)\s+(.*)$", line)
+            m = re.search(rf"\b{tag} test\s+users=(\d+)\s+(.*)$", line)
             if m:
                 pairs = dict(kv.split("=", 1) for kv in m.group(2).split() if "=" in kv)
                 return {
-                    "model": "ours pop",
+                    "model": name,
                     "test_users": int(m.group(1)),
                     "test": {k: float(pairs[k]) for k in METRICS if k in pairs},
                     # Evaluated inside the bpr run: no time of its own.
                     "wall_s": None,
                 }
-    sys.exit(f"vs_recbole.py: {log}: no 'pop test' summary line")
+    sys.exit(f"vs_recbole.py: {log}: no '{tag} test' summary line")
 
 
 def table(args: argparse.Namespace) -> None:
@@ -280,7 +288,8 @@ def table(args: argparse.Namespace) -> None:
                   str(rows[0].get("test_users", "?"))]
         print("| " + " | ".join(cells) + " |")
     for ours_name, theirs in [("ours bpr", "RecBole BPR"), ("ours gpt2rec", "RecBole LightGCN"),
-                              ("ours gpt2rec", "RecBole BPR")]:
+                              ("ours gpt2rec", "RecBole BPR"), ("ours gpt2rec", "RecBole EASE"),
+                              ("ours gpt2rec", "RecBole MultiVAE"), ("ours EASE", "RecBole EASE")]:
         a, b = mean_ndcg.get(ours_name), mean_ndcg.get(theirs)
         if a is None or b is None:
             continue
@@ -316,6 +325,7 @@ def main() -> None:
     o.add_argument("--out", required=True)
     o.add_argument("--log", help="the run's log, for --pop-out")
     o.add_argument("--pop-out", help="also write our popularity baseline's test metrics here")
+    o.add_argument("--ease-out", help="also write our EASE baseline's test metrics here")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     args = p.parse_args()

@@ -13,8 +13,9 @@
 #   SEEDS         seeds of the models' initialisation and sampling, one run per model and seed
 #                 (default "42"; e.g. "42 1 2" for a mean and a range); the split stays the one
 #                 of seed 42 (ours through data.split_seed)
-#   MODELS        what to run (default: "ours-bpr ours-gpt2rec pop pop-exact bpr lightgcn"; the
-#                 table shows what $BENCH_OUT/results holds from this run)
+#   MODELS        what to run (default: "ours-bpr ours-gpt2rec pop pop-exact bpr lightgcn"; also
+#                 RecBole's "ease", "multivae", "itemknn"; ours-bpr's run also gives our popularity
+#                 and EASE baselines; the table shows what $BENCH_OUT/results holds from this run)
 #   SKIP_BUILD    1: use the binaries in target/release as they are (no cargo build)
 #
 # Steps: (a) ML-100k via scripts/data/ml100k.sh; (b) our split exported with `export-split` as
@@ -143,7 +144,8 @@ ours() { # KIND SEED
   fi
   end=$(date +%s.%N)
   local pop=()
-  [ "$kind" = bpr ] && pop=(--log "$out/$run.log" --pop-out "$out/results/ours-pop-s$seed.json")
+  [ "$kind" = bpr ] && pop=(--log "$out/$run.log" --pop-out "$out/results/ours-pop-s$seed.json"
+    --ease-out "$out/results/ours-ease-s$seed.json")
   python3 "$helper" ours --run-dir "$out/$run" --model "$kind" "${pop[@]}" \
     --wall-s "$(python3 -c "print($end - $start)")" --out "$out/results/$run.json"
 }
@@ -155,16 +157,20 @@ for m in $models; do
       pop-exact) recbole Pop-exact Pop "$s" --exact-pop ;;
       bpr) recbole BPR BPR "$s" ;;
       lightgcn) recbole LightGCN LightGCN "$s" ;;
+      ease) recbole EASE EASE "$s" ;;
+      multivae) recbole MultiVAE MultiVAE "$s" ;;
+      itemknn) recbole ItemKNN ItemKNN "$s" ;;
       ours-bpr) ours bpr "$s" ;;
       ours-gpt2rec) ours gpt2rec "$s" ;;
-      *) echo "vs_recbole: unknown model $m (ours-bpr, ours-gpt2rec, pop, pop-exact, bpr, lightgcn)" >&2; exit 2 ;;
+      *) echo "vs_recbole: unknown model $m (ours-bpr, ours-gpt2rec, pop, pop-exact, bpr, lightgcn, ease, multivae, itemknn)" >&2; exit 2 ;;
     esac
   done
 done
 
 # (f) the table, ours first.
 results=()
-for f in ours-pop ours-bpr ours-gpt2rec recbole-Pop recbole-Pop-exact recbole-BPR recbole-LightGCN; do
+for f in ours-pop ours-ease ours-bpr ours-gpt2rec recbole-Pop recbole-Pop-exact recbole-BPR \
+  recbole-LightGCN recbole-EASE recbole-MultiVAE recbole-ItemKNN; do
   for s in $seeds; do
     [ -f "$out/results/$f-s$s.json" ] && results+=("$out/results/$f-s$s.json")
   done

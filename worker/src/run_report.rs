@@ -248,6 +248,10 @@ impl RunSummary<'_> {
             let label = format!("pop {}", split.label());
             println!("  {label:<15}{}", m.summary_line());
         }
+        for (split, m) in self.ease_tests {
+            let label = format!("ease {}", split.label());
+            println!("  {label:<15}{}", m.summary_line());
+        }
         for (split, m) in &ours {
             self.print_comparison(*split, m);
         }
