@@ -65,7 +65,7 @@ pub fn digest(terms: &Terms) -> String {
         hasher.update((value.len() as u64).to_le_bytes());
         hasher.update(value.as_bytes());
     }
-    hex(&hasher.finalize()[..16])
+    crate::hex(&hasher.finalize()[..16])
 }
 
 /// The keys whose values differ between `ours` and `theirs` (a key only one side has counts,
@@ -158,7 +158,7 @@ pub fn file_fingerprint(path: &Path) -> io::Result<String> {
         sample(&mut file, 0, &mut hasher)?;
         sample(&mut file, len - SAMPLE, &mut hasher)?;
     }
-    Ok(format!("{len}:{}", hex(&hasher.finalize()[..8])))
+    Ok(format!("{len}:{}", crate::hex(&hasher.finalize()[..8])))
 }
 
 fn sample(file: &mut File, at: u64, hasher: &mut Sha256) -> io::Result<()> {
@@ -194,11 +194,7 @@ fn elf_build_id(path: &Path) -> Option<String> {
     let cache = object::ReadCache::new(file);
     let elf = object::File::parse(&cache).ok()?;
     let id = elf.build_id().ok()??;
-    Some(hex(id))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    Some(crate::hex(id))
 }
 
 #[cfg(test)]

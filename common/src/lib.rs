@@ -43,3 +43,8 @@ pub mod progress;
 pub mod shm_segments;
 pub mod tensorboard;
 pub mod train_plan;
+
+/// Lower-case hex of `bytes` (digests in files, names and messages).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -452,7 +452,7 @@ fn file_name(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::input::hex;
+    use common::hex;
     use sha2::{Digest, Sha256};
 
     fn range(start: u64, end: u64, total: Option<u64>) -> Option<ContentRange> {

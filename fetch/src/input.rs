@@ -73,7 +73,7 @@ impl Input {
         let n = io::copy(&mut self.reader(), &mut hasher)
             .map_err(FetchError::io_at("reading", &self.path))?;
         self.whole(n)?;
-        Ok(hex(&hasher.finalize()))
+        Ok(common::hex(&hasher.finalize()))
     }
 
     /// Copies its bytes into `out` (at `to`, for messages); fails unless all of them were.
@@ -139,11 +139,6 @@ impl Seek for Reader<'_> {
         self.pos = target;
         Ok(target)
     }
-}
-
-/// Lowercase hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -389,7 +389,7 @@ fn model_marker(asset: &Asset, config: &[u8], digest: (u64, String), source: Str
     let config_file = MarkedFile {
         file: "config.json".into(),
         size: config.len() as u64,
-        sha256: crate::input::hex(&Sha256::digest(config)),
+        sha256: common::hex(&Sha256::digest(config)),
     };
     let weights_file = MarkedFile {
         file: "model.safetensors".into(),

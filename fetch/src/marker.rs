@@ -209,7 +209,7 @@ mod tests {
         MarkedFile {
             file: file.into(),
             size: bytes.len() as u64,
-            sha256: crate::input::hex(&Sha256::digest(bytes)),
+            sha256: common::hex(&Sha256::digest(bytes)),
         }
     }
 

@@ -254,7 +254,7 @@ fn write_entry(entry: &mut impl Read, out: &Path, budget: u64) -> Result<(u64, S
         hasher.update(&buf[..got]);
     }
     file.sync_all().map_err(|e| Extract::Io("syncing", e))?;
-    Ok((n, crate::input::hex(&hasher.finalize())))
+    Ok((n, common::hex(&hasher.finalize())))
 }
 
 /// Syncs `dest` and every directory a file was written in.

@@ -768,7 +768,7 @@ fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
     let bytes = std::io::copy(&mut file, &mut sha).map_err(io_err(path))?;
     Ok(FileDigest {
         bytes,
-        sha256: consistent::hex(&sha.finalize()),
+        sha256: common::hex(&sha.finalize()),
     })
 }
 
@@ -797,7 +797,8 @@ fn sync_dir(path: &Path) -> Result<(), CheckpointError> {
 mod tests {
     use super::*;
 
-    fn state(step: u64) -> TrainState {
+    /// A state of `step` (the fields a test does not look at filled in).
+    pub(super) fn state(step: u64) -> TrainState {
         TrainState {
             epoch: 1,
             step,

@@ -15,14 +15,9 @@ use super::{CheckpointError, NamedTensors, TrainState, MAX_STATE_FILE};
 /// none, and are taken without it.
 pub(super) const STATE_DIGEST_FILE: &str = "state.sha256";
 
-/// Lower-case hex of `bytes`.
-pub(super) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// The SHA-256 of `state.json`'s bytes, as [`STATE_DIGEST_FILE`] holds it.
 pub(super) fn state_digest(json: &[u8]) -> String {
-    hex(&Sha256::digest(json))
+    common::hex(&Sha256::digest(json))
 }
 
 /// `state.json`'s bytes (read from `state_path`) against the digest beside them, when there is
@@ -101,24 +96,9 @@ pub(super) fn check_optimizer_step(
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::state;
     use super::super::*;
     use tch::Tensor;
-
-    fn state(step: u64) -> TrainState {
-        TrainState {
-            epoch: 1,
-            step,
-            samples_in_epoch: 32,
-            seed: 7,
-            world_size: 2,
-            global_batch: 16,
-            model_hash: "abc".into(),
-            rng: String::new(),
-            files: Default::default(),
-            trainer: Default::default(),
-            schedule_steps: None,
-        }
-    }
 
     fn model() -> NamedTensors {
         vec![("w".into(), Tensor::from_slice(&[1.0f32, 2.0]))]
