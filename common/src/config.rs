@@ -256,6 +256,27 @@ pub struct ModelConfig {
     /// step. Gradients are the same as without it. Default: `false`.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub activation_checkpointing: bool,
+    /// What represents a user: `"id"` (the user's own ID row), `"history"` (the pool of the
+    /// history rows of the items in the user's training history, their sum over the square
+    /// root of their number: a user is what they watched) or `"both"` (the two added). The user's text, with a text
+    /// tower, is added in every case. In training a sample's own positive is left out of its
+    /// user's pool, so the model cannot learn to recommend what a user has already seen.
+    /// Default: `"id"`.
+    #[serde(skip_serializing_if = "is_default")]
+    pub user_tower: UserTower,
+}
+
+/// What represents a user (`model.user_tower`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UserTower {
+    /// The user's own ID embedding (matrix factorisation; the default).
+    #[default]
+    Id,
+    /// The pooled history rows of the items in the user's training history.
+    History,
+    /// The ID embedding plus the pooled history.
+    Both,
 }
 
 impl Default for ModelConfig {
@@ -274,6 +295,7 @@ impl Default for ModelConfig {
             freeze_gpt2: false,
             trainable_layers: None,
             activation_checkpointing: false,
+            user_tower: UserTower::Id,
         }
     }
 }
@@ -346,6 +368,35 @@ pub struct TrainConfig {
     /// Face Trainer offer): several times faster on Ampere and later GPUs. Ignored on the CPU.
     /// Default: `true`.
     pub tf32: bool,
+    /// The training objective: `"bpr"` (each positive against one negative of its own, drawn
+    /// among the items its user has not rated) or `"softmax"` (cross-entropy of each positive
+    /// against `negatives` items shared by the whole step, or against every warm item).
+    /// Default: `"bpr"`.
+    pub loss: LossKind,
+    /// With `loss = "softmax"`: items drawn each optimizer step as the negatives of every
+    /// positive in it, the same on every rank (drawn from `run.seed` and the step, so the run
+    /// is the same at any world size); a drawn item equal to a sample's positive is left out of
+    /// that sample's softmax. `0` ranks each positive against every warm item (the full
+    /// softmax; not in dynamic text mode, where it would run GPT-2 over every item each
+    /// micro-batch). Default: `0`.
+    pub negatives: u32,
+    /// With `loss = "softmax"` and `negatives > 0`: an item is drawn with probability
+    /// proportional to (its training interactions + 1)^`negative_power` (`0` uniform, `0.75`
+    /// as word2vec), and every logit is corrected by minus the log of its expected count
+    /// (the logQ correction), so that the sampled loss estimates the full one (>= 0, finite).
+    /// Default: `0.0`.
+    pub negative_power: f64,
+}
+
+/// The training objective (`train.loss`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LossKind {
+    /// Bayesian personalised ranking: one sampled negative per positive (the default).
+    #[default]
+    Bpr,
+    /// Cross-entropy over the positive and the step's shared negatives (or every warm item).
+    Softmax,
 }
 
 /// Learning-rate decay after warm-up.
@@ -374,6 +425,9 @@ impl Default for TrainConfig {
             scale_lr_with_world: false,
             bf16: false,
             tf32: true,
+            loss: LossKind::Bpr,
+            negatives: 0,
+            negative_power: 0.0,
         }
     }
 }
@@ -902,7 +956,7 @@ timeout_s = 60
             ),
             (
                 "batch = { micro = 4 }\ntrain = { lrr = 1 }\n",
-                "configs/x.toml:2:11: unknown key `lrr` in [train] (expected one of: epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr, scale_lr_with_world, bf16, tf32)",
+                "configs/x.toml:2:11: unknown key `lrr` in [train] (expected one of: epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr, scale_lr_with_world, bf16, tf32, loss, negatives, negative_power)",
             ),
         ]);
     }
@@ -1008,6 +1062,41 @@ timeout_s = 60
                 "configs/x.toml:4: `data.dir` must not be empty (leave it out to generate synthetic data)",
             ),
         ]);
+    }
+
+    #[test]
+    fn the_loss_and_its_negatives_are_checked() {
+        let err = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap_err().to_string();
+        let softmax = "train.loss=\"softmax\"";
+        assert_eq!(
+            err(&["train.negatives=64"]),
+            "--set train.negatives=64: `train.negatives` does nothing: train.loss is \"bpr\" (one negative per positive); remove it"
+        );
+        assert!(err(&[softmax, "train.negative_power=0.75"]).contains(
+            "`train.negative_power` does nothing: train.negatives = 0 ranks against every item"
+        ));
+        assert!(
+            err(&[softmax, "train.negatives=8", "train.negative_power=-1.0"])
+                .contains("`train.negative_power` must be >= 0 and finite (got -1)")
+        );
+        assert!(err(&[softmax, "model.text_mode=\"dynamic\""]).contains(
+            "`train.negatives` = 0 (the full softmax) would run GPT-2 over every item's text"
+        ));
+        assert!(err(&["train.loss=\"hinge\""]).contains("train.loss"));
+        let c = parse_with(
+            MINIMAL,
+            &[softmax, "train.negatives=256", "train.negative_power=0.75"],
+        )
+        .unwrap();
+        assert_eq!(
+            (c.train.loss, c.train.negatives, c.train.negative_power),
+            (LossKind::Softmax, 256, 0.75)
+        );
+        assert!(parse_with(
+            MINIMAL,
+            &[softmax, "model.text_mode=\"dynamic\"", "train.negatives=16"]
+        )
+        .is_ok());
     }
 
     #[test]
@@ -1393,8 +1482,8 @@ timeout_s = 60
             Config {
                 run: RunConfig { name, output_dir, seed },
                 data: DataConfig { dir, synthetic, min_rating, cold_items, cold_users, split_seed: None },
-                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false },
-                train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false, tf32: true },
+                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false, user_tower: UserTower::Id },
+                train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false, tf32: true, ..Default::default() },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
                 dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret },
                 checkpoint: CheckpointConfig { every_n_steps, keep, resume, load_optimizer },

@@ -21,7 +21,9 @@ mod terms;
 pub use phase::{Fault, Phase, PhaseSink, SIMULATED_OOM};
 
 use crate::batch::BatchPlan;
-use crate::config::{Config, Gpt2Preset, ModelKind, ScorerKind, SyntheticSize, TextMode};
+use crate::config::{
+    Config, Gpt2Preset, LossKind, ModelKind, ScorerKind, SyntheticSize, TextMode, UserTower,
+};
 
 const MIB: f64 = 1024.0 * 1024.0;
 /// The name of NCCL's buffers in the estimate.
@@ -632,6 +634,35 @@ mod tests {
             DeviceKind::Cpu,
         );
         assert_eq!(e1.term("all-reduce buffers"), 0);
+    }
+
+    /// The softmax's negatives and logits, and the history tower's table, are counted.
+    #[test]
+    fn softmax_and_history_terms_by_hand() {
+        let mut c = Config::default();
+        c.model.kind = ModelKind::Bpr;
+        c.model.embedding_dim = 64;
+        c.train.loss = LossKind::Softmax;
+        c.model.user_tower = UserTower::Both;
+        let at =
+            |c: &Config| estimate(c, &plan(256, 64, 2, 2), &shape(6040, 3629), DeviceKind::Cpu);
+        let e = at(&c);
+        // The full softmax: every item a negative.
+        assert_eq!(
+            e.term("activations (softmax)"),
+            (3629 * 64 * 8 + 64 * 3629 * 6) * 4
+        );
+        assert_eq!(e.term("parameters"), (6040 + 2 * 3629) * 64 * 4);
+        c.train.negatives = 256;
+        assert_eq!(
+            at(&c).term("activations (softmax)"),
+            (256 * 64 * 8 + 64 * 256 * 6) * 4
+        );
+        c.train.loss = LossKind::Bpr;
+        c.train.negatives = 0;
+        c.model.user_tower = UserTower::Id;
+        assert_eq!(at(&c).term("activations (softmax)"), 0);
+        assert_eq!(at(&c).term("parameters"), (6040 + 3629) * 64 * 4);
     }
 
     /// Ranks that are the whole job on one CPU host keep the ID tables and their moments once

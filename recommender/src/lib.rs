@@ -22,6 +22,7 @@ pub mod ease;
 pub mod eval;
 pub mod input;
 pub mod model;
+pub mod negatives;
 pub mod serve;
 pub mod sharded_eval;
 pub mod task;

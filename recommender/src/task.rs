@@ -1,12 +1,13 @@
 //! The recommender as a trainable task: the model built from `[model]` (`gpt2rec` in `cached` or
-//! `dynamic` text mode, `bpr`) over the data, its loss over a micro-batch of training pairs
-//! with negatives re-drawn every batch, and its full-ranking evaluation.
+//! `dynamic` text mode, `bpr`) over the data, its loss (`train.loss`: BPR with a negative per
+//! pair re-drawn every batch, or the softmax against negatives shared by the step) over a
+//! micro-batch of training pairs, and its full-ranking evaluation.
 //!
 //! It must not drive a training loop, write checkpoints or talk to the launcher: a trainer
 //! calls [`RecTask::loss`] and [`RecTask::evaluate`]. All ranks call the collective parts
 //! (building in `cached` mode, evaluation) together and in the same order.
 
-use common::config::{Config, ModelKind, ScorerKind, TextMode, TextProjInit};
+use common::config::{Config, LossKind, ModelKind, ScorerKind, TextMode, TextProjInit, UserTower};
 use common::memory::PhaseSink;
 use runtime::collective::{Collective, OpContext};
 use tch::{nn, Device, Kind, Tensor};
@@ -15,12 +16,14 @@ use crate::data::{self, Dataset};
 use crate::eval::Metrics;
 use crate::input::RecData;
 use crate::model::gpt2::Tokenizer;
-use crate::model::recommender::{NewUserText, RecConfig, Recommender, Scorer, Text};
+use crate::model::recommender::{History, NewUserText, RecConfig, Recommender, Scorer, Text};
+use crate::negatives::NegativeSampler;
 use crate::sharded_eval::{evaluate_sharded, split_lists, text_chunks_shared, train_and_valid};
 use crate::text::{build_gpt2, cached_text_features, token_table};
 use crate::{RecError, Split};
 
-/// The recommender as a trainable task: BPR over (user, positive, negative) triples.
+/// The recommender as a trainable task: BPR over (user, positive, negative) triples, or the
+/// softmax of each positive against the step's shared negatives.
 pub struct RecTask {
     model: Recommender,
     /// (user, positive item) of every training interaction; the sampler shards its indices.
@@ -44,6 +47,63 @@ pub struct RecTask {
     /// Whether evaluations reuse the first one's user and item tables
     /// ([`RecTask::hold_tables`]).
     held: HeldTables,
+    /// `train.loss`: what a micro-batch's loss is.
+    objective: Objective,
+    /// The optimizer step the coming micro-batches belong to ([`RecTask::begin_step`]).
+    step: u64,
+}
+
+/// What a micro-batch's loss is.
+enum Objective {
+    /// One negative per positive, drawn from torch's generator (which the trainer reseeds
+    /// every step and rank).
+    Bpr,
+    /// Cross-entropy against the step's shared negatives.
+    Softmax(Softmax),
+}
+
+/// The softmax's negatives: drawn once a step, shared by its micro-batches.
+struct Softmax {
+    sampler: NegativeSampler,
+    /// `ln` of each warm item's expected count among a step's draws, on the model's device
+    /// (`None`: the full softmax, nothing to correct).
+    log_expected: Option<Tensor>,
+    /// The step whose negatives these are, as ids and as a host tensor.
+    drawn: Option<(u64, Vec<i64>, Tensor)>,
+}
+
+impl Softmax {
+    fn new(config: &Config, ds: &Dataset, device: Device) -> Softmax {
+        let t = &config.train;
+        let sampler = NegativeSampler::new(
+            &ds.train,
+            ds.n_warm_items,
+            t.negatives,
+            t.negative_power,
+            config.run.seed,
+        );
+        let log_expected = sampler
+            .log_expected()
+            .map(|l| Tensor::from_slice(l).to_device(device));
+        Softmax {
+            sampler,
+            log_expected,
+            drawn: None,
+        }
+    }
+
+    /// Step `step`'s negatives (drawn at its first micro-batch).
+    fn for_step(&mut self, step: u64) -> (&[i64], &Tensor) {
+        if self.drawn.as_ref().is_none_or(|(s, _, _)| *s != step) {
+            let ids = self.sampler.draw(step);
+            let tensor = Tensor::from_slice(&ids);
+            self.drawn = Some((step, ids, tensor));
+        }
+        match &self.drawn {
+            Some((_, ids, tensor)) => (ids, tensor),
+            None => unreachable!("drawn just above"),
+        }
+    }
 }
 
 /// The user and item tables evaluations share while the parameters stay as they are.
@@ -115,8 +175,12 @@ impl RecTask {
             },
             text_l2: config.model.text_l2,
             zero_text_proj: config.model.text_proj_init == TextProjInit::Zero,
+            user_tower: config.model.user_tower,
         };
-        let model = Recommender::new(&vs.root(), rec_config, text);
+        let mut model = Recommender::new(&vs.root(), rec_config, text);
+        if config.model.user_tower != UserTower::Id {
+            model.set_history(History::new(&ds.train));
+        }
         if config.train.bf16 && device.is_cuda() {
             crate::model::autocast::use_bf16_autocast();
         }
@@ -141,6 +205,11 @@ impl RecTask {
             data_time: std::time::Duration::ZERO,
             last_rows: None,
             held: HeldTables::Off,
+            objective: match config.train.loss {
+                LossKind::Bpr => Objective::Bpr,
+                LossKind::Softmax => Objective::Softmax(Softmax::new(config, ds, device)),
+            },
+            step: 0,
         })
     }
 }
@@ -263,12 +332,53 @@ impl RecTask {
         self.pairs.len()
     }
 
-    /// Mean BPR loss over the training pairs `indices` (one micro-batch), ready for backward.
+    /// The optimizer step the coming micro-batches belong to: the softmax's negatives are a
+    /// function of it (and the seed), the same on every rank.
+    pub fn begin_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Mean loss (`train.loss`) over the training pairs `indices` (one micro-batch), ready for
+    /// backward.
     pub fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
         // A previous micro-batch abandoned before its backward leaves nothing behind.
         self.model.discard_pending();
         // Training changes the parameters: tables held for evaluation are stale.
         self.held = HeldTables::Off;
+        match self.objective {
+            Objective::Bpr => self.bpr_batch(indices),
+            Objective::Softmax(_) => self.softmax_batch(indices),
+        }
+    }
+
+    /// The softmax loss of `indices` against the step's shared negatives.
+    fn softmax_batch(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
+        let started = std::time::Instant::now();
+        let Objective::Softmax(softmax) = &mut self.objective else {
+            unreachable!("called for the softmax objective only")
+        };
+        let (users, mut items): (Vec<i64>, Vec<i64>) = indices
+            .iter()
+            .map(|&i| {
+                let (u, p) = self.pairs[i];
+                (i64::from(u), i64::from(p))
+            })
+            .unzip();
+        let (users_t, pos_t) = (Tensor::from_slice(&users), Tensor::from_slice(&items));
+        let (negatives, negatives_t) = softmax.for_step(self.step);
+        let negatives_t = negatives_t.shallow_clone();
+        items.extend_from_slice(negatives);
+        self.last_rows = Some((users, items));
+        self.data_time += started.elapsed();
+        let (model, l2) = (&self.model, self.l2);
+        let log_expected = softmax.log_expected.as_ref();
+        Ok(crate::model::autocast::autocast(self.bf16, || {
+            model.softmax_loss(&users_t, &pos_t, &negatives_t, log_expected, l2, true)
+        }))
+    }
+
+    /// The BPR loss of `indices`, each with a negative of its own.
+    fn bpr_batch(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
         let started = std::time::Instant::now();
         // Negatives come from torch's generator, which the trainer reseeds every step: the
         // same numbers after a resume, different ones every batch.

@@ -99,6 +99,9 @@ fn dump(
             m.scorer
         );
     }
+    if plan.config.train.loss != common::config::LossKind::Bpr {
+        bail!("the peer mirrors train.loss = \"bpr\"; this run has train.loss = \"softmax\"");
+    }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     // meta.json marks a whole dump: one from an earlier run goes first.
     let meta_path = dir.join("meta.json");

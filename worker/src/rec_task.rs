@@ -13,6 +13,10 @@ impl Task for RecTask {
         RecTask::train_len(self)
     }
 
+    fn begin_step(&mut self, step: u64) {
+        RecTask::begin_step(self, step);
+    }
+
     fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError> {
         RecTask::loss(self, indices)
     }

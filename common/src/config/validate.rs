@@ -13,6 +13,7 @@ impl Config {
         check_model(&self.model)?;
         check_eval(&self.eval)?;
         check_train(&self.train)?;
+        check_loss(&self.train, &self.model)?;
         self.batch.check().map_err(|source| ConfigError::Batch {
             at: Location::Unknown,
             source: Box::new(source),
@@ -223,6 +224,39 @@ fn check_train(train: &TrainConfig) -> Result<(), ConfigError> {
                 "must be >= 0 and <= train.lr {} (got {})",
                 train.lr, train.min_lr
             ),
+        ));
+    }
+    Ok(())
+}
+
+/// `train.loss` and the keys that only the softmax reads.
+fn check_loss(train: &TrainConfig, model: &ModelConfig) -> Result<(), ConfigError> {
+    check_non_negative("train.negative_power", train.negative_power)?;
+    let softmax = train.loss == LossKind::Softmax;
+    let idle = [
+        ("train.negatives", train.negatives != 0, !softmax),
+        (
+            "train.negative_power",
+            train.negative_power != 0.0,
+            !softmax || train.negatives == 0,
+        ),
+    ];
+    if let Some((key, _, _)) = idle.iter().find(|(_, set, idle)| *set && *idle) {
+        let why = if softmax {
+            "train.negatives = 0 ranks against every item (nothing is drawn)"
+        } else {
+            "train.loss is \"bpr\" (one negative per positive)"
+        };
+        return Err(ConfigError::invalid(
+            key,
+            format!("does nothing: {why}; remove it"),
+        ));
+    }
+    let dynamic = model.kind == ModelKind::Gpt2rec && model.text_mode == TextMode::Dynamic;
+    if softmax && train.negatives == 0 && dynamic {
+        return Err(ConfigError::invalid(
+            "train.negatives",
+            "= 0 (the full softmax) would run GPT-2 over every item's text in every micro-batch in dynamic text mode: set a number of shared negatives, e.g. 256",
         ));
     }
     Ok(())

@@ -27,6 +27,8 @@ pub(super) struct Sizes {
     /// Projections of the text features into the ID space, and the MLP scorer.
     pub(super) proj: u64,
     pub(super) mlp: u64,
+    /// The history tower's item rows (0 without it).
+    pub(super) history: u64,
     pub(super) gpt2_params: u64,
     pub(super) gpt2_trainable: u64,
     /// GPT-2 blocks that train (and so keep activations).
@@ -85,6 +87,12 @@ pub(super) fn runtime_terms(x: &Inputs<'_>) -> Vec<MemoryTerm> {
 pub(super) fn model_sizes(x: &Inputs<'_>) -> Sizes {
     let (m, gpt2, d, dim) = (&x.config.model, &x.gpt2, x.d, x.dim);
     let ids = (x.data.users + x.data.items) * dim;
+    // The history tower's item rows: dense, trained as a whole.
+    let history = if m.user_tower == UserTower::Id {
+        0
+    } else {
+        x.data.items * dim
+    };
     let proj = if x.text.is_some() {
         2 * (d * dim + dim)
     } else {
@@ -127,9 +135,10 @@ pub(super) fn model_sizes(x: &Inputs<'_>) -> Sizes {
         gpt2_params,
         gpt2_trainable,
         trained_blocks,
-        params: ids + proj + mlp + gpt2_params,
-        trainable: ids + proj + mlp + gpt2_trainable,
-        shared: kept_once_values(x, ids + wte, ids + proj + mlp + gpt2_trainable),
+        history,
+        params: ids + history + proj + mlp + gpt2_params,
+        trainable: ids + history + proj + mlp + gpt2_trainable,
+        shared: kept_once_values(x, ids + wte, ids + history + proj + mlp + gpt2_trainable),
     }
 }
 
@@ -231,6 +240,9 @@ fn parameter_parts(x: &Inputs<'_>, s: &Sizes) -> String {
     let mut parts = vec![format!("IDs ({}+{}) x {dim}", x.data.users, x.data.items)];
     if s.proj > 0 {
         parts.push(format!("projections 2 x {d} x {dim}"));
+    }
+    if s.history > 0 {
+        parts.push(format!("history {} x {dim}", x.data.items));
     }
     if s.mlp > 0 {
         parts.push("MLP scorer".into());
@@ -339,11 +351,35 @@ pub(super) fn activation_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         held: Held::Training,
         detail: format!("3 x micro {b} rows x {width} x {ID_ROW_COPIES} copies x 4 B"),
     }];
+    if x.config.train.loss == LossKind::Softmax {
+        terms.push(softmax_activations(x, width));
+    }
     if x.text == Some(TextMode::Dynamic) {
         terms.push(gpt2_activations(x, s));
     }
     terms
 }
+
+/// The softmax's negatives: their rows (as the IDs') and the logits of every sample against
+/// each (scores, the f32 copy, log-softmax and its gradient).
+fn softmax_activations(x: &Inputs<'_>, width: u64) -> MemoryTerm {
+    let b = x.plan.micro;
+    let n = match x.config.train.negatives {
+        0 => x.data.items,
+        n => u64::from(n),
+    };
+    MemoryTerm {
+        name: "activations (softmax)",
+        bytes: (n * width * ID_ROW_COPIES + b * n * LOGIT_COPIES) * F32,
+        held: Held::Training,
+        detail: format!(
+            "{n} negatives x {width} x {ID_ROW_COPIES} copies + micro {b} x {n} logits x {LOGIT_COPIES} copies, x 4 B"
+        ),
+    }
+}
+
+/// f32 copies of a micro-batch's logits against the negatives.
+const LOGIT_COPIES: u64 = 6;
 
 /// GPT-2's activations in dynamic mode. Users' texts and items' (positives and negatives
 /// together) go through GPT-2 as two batches, each cut to its longest text. Only blocks above

@@ -551,6 +551,7 @@ impl<'t> Trainer<'t> {
             step,
             self.ddp.rank(),
         ));
+        self.task.begin_step(step);
         let lr = self.schedule.lr_at(step);
         // An allocation failure is reported (and the rank exits) before anything else happens,
         // so the launcher sees this rank fail first.

@@ -15,6 +15,9 @@ use super::TrainError;
 pub trait Task {
     /// Number of training samples (the sampler shards `0..train_len()`).
     fn train_len(&self) -> usize;
+    /// The optimizer step the coming micro-batches belong to, the same on every rank: what a
+    /// task draws once for the whole step (shared negatives) comes from it. Default: nothing.
+    fn begin_step(&mut self, _step: u64) {}
     /// Mean loss over the samples `indices` (one micro-batch), ready for backward.
     fn loss(&mut self, indices: &[usize]) -> Result<Tensor, tch::TchError>;
     /// Completes the backward pass after `loss(..).backward()` (activation checkpointing
