@@ -12,7 +12,8 @@
 #                 2.11.0 venv of scripts/setup.sh, and RecBole's venv (recbole-1.2.1/, made once)
 #   SEEDS         seeds of the models' initialisation and sampling, one run per model and seed
 #                 (default "42"; e.g. "42 1 2" for a mean and a range); the split stays the one
-#                 of seed 42 (ours through data.split_seed)
+#                 of SPLIT_SEED (ours through data.split_seed)
+#   SPLIT_SEED    the seed of the split (default 42, the one configs/ml-100k.toml was tuned on)
 #   MODELS        what to run (default: "ours-bpr ours-gpt2rec pop pop-exact bpr lightgcn"; also
 #                 RecBole's "ease", "multivae", "itemknn"; ours-bpr's run also gives our popularity
 #                 and EASE baselines; the table shows what $BENCH_OUT/results holds from this run)
@@ -48,8 +49,9 @@
 #   - early stopping: RecBole after 10 validations without improvement (its stopping_step);
 #     ours after 20 (configs/ml-100k.toml: tune.sh found a better validation NDCG with 20).
 #   - regularisation and initialisation: RecBole's BPR has no L2 and xavier-normal init;
-#     LightGCN keeps its default reg_weight 1e-5 and 2 layers; ours as configs/ml-100k.toml
-#     (l2 0, text_l2 1e-2) with xavier-normal ID embeddings as RecBole's.
+#     LightGCN keeps its default reg_weight 1e-5 and 2 layers; our bpr has no L2 either (and
+#     RecBole's embedding 64 and lr 1e-3), our gpt2rec is configs/ml-100k.toml as it ships;
+#     both with xavier-normal ID embeddings as RecBole's.
 #   - threads: RecBole is one process on torch's default threads (2 here); ours is 2 processes
 #     with OMP_NUM_THREADS=1 each (launch's default). The wall time is each run's whole process:
 #     start, data, training, validation, test (RecBole's from the Python process's start, ours
@@ -64,7 +66,7 @@ cd "$(dirname "$0")/../.."
 cache="${GPTREC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gptrec}"
 out="${BENCH_OUT:-runs/vs_recbole}"
 seeds="${SEEDS:-42}"
-split_seed=42
+split_seed="${SPLIT_SEED:-42}"
 models="${MODELS:-ours-bpr ours-gpt2rec pop pop-exact bpr lightgcn}"
 config=configs/ml-100k.toml
 name=ml100k
@@ -131,11 +133,16 @@ recbole() { # TAG MODEL SEED [HELPER ARGS...]
 
 # (e) ours: 2 processes, the config as it is but for cold start (off) and a fresh start. The bpr
 # run's log also gives our popularity baseline's test line (evaluated in every run).
+# Our bpr is BPR-MF as RecBole trains it (one negative per positive, the user's ID row,
+# embedding 64, lr 1e-3, no L2), whatever the config ships for gpt2rec.
+bpr_sets=(--set train.loss=\"bpr\" --set model.user_tower=\"id\" --set model.embedding_dim=64
+  --set train.lr=1e-3 --set model.l2=0)
 ours() { # KIND SEED
-  local kind=$1 seed=$2 run="ours-$1-s$2" start end
+  local kind=$1 seed=$2 run="ours-$1-s$2" start end sets=()
   echo "vs_recbole: ours $kind, seed $seed"
+  [ "$kind" = bpr ] && sets=("${bpr_sets[@]}")
   start=$(date +%s.%N)
-  if ! target/release/launch --num-processes 2 --master-port 0 "$config" "${no_cold[@]}" \
+  if ! target/release/launch --num-processes 2 --master-port 0 "$config" "${no_cold[@]}" "${sets[@]}" \
     --set model.kind=\""$kind"\" --set run.output_dir=\""$out"\" --set run.name=\""$run"\" \
     --set checkpoint.resume=\"never\" --set run.seed="$seed" >"$out/$run.log" 2>&1; then
     echo "ours $kind failed: see $out/$run.log" >&2

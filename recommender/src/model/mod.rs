@@ -4,6 +4,7 @@
 //! DDP engine, optimizer and checkpoint modules work on its `tch::nn::VarStore` like any other.
 
 pub mod gpt2;
+pub mod history;
 pub mod recommender;
 
 pub mod autocast;

@@ -17,6 +17,7 @@
 
 use tch::{nn, nn::Module, Kind, Tensor};
 
+pub use crate::model::history::History;
 pub use common::config::UserTower;
 
 use crate::model::gpt2::Gpt2;
@@ -48,63 +49,6 @@ pub struct RecConfig {
     pub zero_text_proj: bool,
     /// What represents a user: the ID row, the pooled history, or both.
     pub user_tower: UserTower,
-}
-
-/// A history pool is the sum of its rows over its size to this power (FISM's normalisation):
-/// with the history alone on real ML-100k (seed 42, softmax, dim 256, lr 3e-3, l2 1e-2), 0.5
-/// gave test NDCG@10 0.2837 and the plain sum (0) 0.2550; the mean (1), at lr 1e-3 and l2 0.1,
-/// 0.2599.
-const POOL_EXPONENT: f32 = 0.5;
-
-/// Each user's training items, pooled into the user's representation by the history tower:
-/// user `u`'s are `items[starts[u]..starts[u + 1]]`.
-#[derive(Debug, Clone, Default)]
-pub struct History {
-    starts: Vec<usize>,
-    items: Vec<i64>,
-}
-
-impl History {
-    /// The history of every user of `train` (a list of item ids per user).
-    pub fn new(train: &[Vec<u32>]) -> History {
-        let mut starts = Vec::with_capacity(train.len() + 1);
-        starts.push(0);
-        let mut items = Vec::new();
-        for list in train {
-            items.extend(list.iter().map(|&i| i64::from(i)));
-            starts.push(items.len());
-        }
-        History { starts, items }
-    }
-
-    fn of(&self, user: i64) -> &[i64] {
-        let u = usize::try_from(user).unwrap_or(usize::MAX);
-        match (self.starts.get(u), self.starts.get(u.wrapping_add(1))) {
-            (Some(&a), Some(&b)) => &self.items[a..b],
-            _ => &[], // a user without history (cold, or beyond the table)
-        }
-    }
-
-    /// `embedding_bag`'s inputs for the pools of `users`: the items, where each user's rows
-    /// start, and each item's weight (the pool's size to the power -[`POOL_EXPONENT`]),
-    /// `leave_out[k]` weighing nothing in row `k`'s pool.
-    fn bag(&self, users: &[i64], leave_out: Option<&[i64]>) -> (Vec<i64>, Vec<i64>, Vec<f32>) {
-        let (mut items, mut starts, mut weights) = (Vec::new(), Vec::new(), Vec::new());
-        for (k, &u) in users.iter().enumerate() {
-            starts.push(items.len() as i64);
-            let list = self.of(u);
-            let out = leave_out.and_then(|l| l.get(k)).copied();
-            let left = list.len() - usize::from(out.is_some_and(|o| list.contains(&o)));
-            let w = if left == 0 {
-                0.0
-            } else {
-                (left as f32).powf(-POOL_EXPONENT)
-            };
-            items.extend_from_slice(list);
-            weights.extend(list.iter().map(|&i| if Some(i) == out { 0.0 } else { w }));
-        }
-        (items, starts, weights)
-    }
 }
 
 /// Text features of every user and item (rows in dense-id order), e.g. `[n_users, 768]`.
@@ -351,13 +295,38 @@ impl Recommender {
 
     /// The pooled history rows [b, dim] of `users` (on the host: training gives them so; else
     /// read from the device) on the model's device, `leave_out[k]` left out of row `k`'s pool;
-    /// `None` without a history tower.
+    /// a cold user's is the average warm user's (as a cold user's ID row is: it carries the
+    /// popular taste). `None` without a history tower.
     fn history_pool(&self, users: &Tensor, leave_out: Option<&Tensor>) -> Option<Tensor> {
         let table = self.history_item.as_ref()?;
         let host = |t: &Tensor| Vec::<i64>::try_from(t.to_device(tch::Device::Cpu)).ok();
         let users = host(users).unwrap_or_default();
         let leave_out = leave_out.and_then(host);
-        let (items, starts, weights) = self.history.bag(&users, leave_out.as_deref());
+        let pooled = self.pools(table, &users, leave_out.as_deref());
+        let warm = self.config.n_warm_users;
+        if warm == 0 || users.iter().all(|&u| u < warm) {
+            return Some(pooled);
+        }
+        let cold: Vec<bool> = users.iter().map(|&u| u >= warm).collect();
+        let cold = runtime::host_read::to_device(&Tensor::from_slice(&cold), pooled.device());
+        let average = self.average_pool(table);
+        Some(
+            average
+                .expand_as(&pooled)
+                .where_self(&cold.unsqueeze(-1), &pooled),
+        )
+    }
+
+    /// The mean of every warm user's pool [1, dim].
+    fn average_pool(&self, table: &nn::Embedding) -> Tensor {
+        let warm: Vec<i64> = (0..self.config.n_warm_users).collect();
+        self.pools(table, &warm, None)
+            .mean_dim([0i64].as_slice(), true, Kind::Float)
+    }
+
+    /// The pools [b, dim] of `users`, `leave_out[k]` left out of row `k`'s.
+    fn pools(&self, table: &nn::Embedding, users: &[i64], leave_out: Option<&[i64]>) -> Tensor {
+        let (items, starts, weights) = self.history.bag(users, leave_out);
         let device = table.ws.device();
         let on = |t: Tensor| runtime::host_read::to_device(&t, device);
         let (pooled, _, _, _) = Tensor::embedding_bag(
@@ -365,12 +334,12 @@ impl Recommender {
             &on(Tensor::from_slice(&items)),
             &on(Tensor::from_slice(&starts)),
             false,
-            0, // sum, of the weighted rows: their mean
+            0, // the sum of the weighted rows
             false,
             Some(on(Tensor::from_slice(&weights))),
             false,
         );
-        Some(pooled)
+        pooled
     }
 
     pub fn config(&self) -> RecConfig {
@@ -603,10 +572,11 @@ impl Recommender {
             }
             _ => return None,
         };
+        // The average warm user's ID row and pool, as a cold user's.
         let no_rows = self.config.user_tower == UserTower::History;
-        let average = match self.config.n_warm_users {
-            _ if no_rows => Tensor::zeros([1, self.config.dim], (Kind::Float, rows.device())),
+        let mut average = match self.config.n_warm_users {
             0 => Tensor::zeros([1, self.config.dim], (Kind::Float, rows.device())),
+            _ if no_rows => Tensor::zeros([1, self.config.dim], (Kind::Float, rows.device())),
             warm => {
                 self.user_id
                     .ws
@@ -614,6 +584,10 @@ impl Recommender {
                     .mean_dim([0i64].as_slice(), true, Kind::Float)
             }
         };
+        if let (Some(table), true) = (&self.history_item, self.config.n_warm_users > 0) {
+            average = average.to_device(rows.device())
+                + self.average_pool(table).to_device(rows.device());
+        }
         Some(user_proj.forward(&rows) + average.to_device(rows.device()))
     }
 
@@ -801,474 +775,4 @@ pub fn popularity_scores(train: &[Vec<u32>], n_items: usize) -> Vec<f32> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use tch::nn::OptimizerConfig;
-
-    fn ids(v: &[i64]) -> Tensor {
-        Tensor::from_slice(v)
-    }
-
-    fn model(scorer: Scorer, text: bool) -> (nn::VarStore, Recommender) {
-        tch::manual_seed(0);
-        let vs = nn::VarStore::new(tch::Device::Cpu);
-        let config = RecConfig {
-            n_users: 5,
-            n_items: 7,
-            n_warm_users: 5,
-            n_warm_items: 7,
-            dim: 8,
-            scorer,
-            text_l2: 0.0,
-            zero_text_proj: true,
-            user_tower: UserTower::Id,
-        };
-        let text = if text {
-            Text::Cached(TextFeatures {
-                users: Tensor::randn([5, 12], (Kind::Float, tch::Device::Cpu)),
-                items: Tensor::randn([7, 12], (Kind::Float, tch::Device::Cpu)),
-            })
-        } else {
-            Text::None
-        };
-        let m = Recommender::new(&vs.root(), config, text);
-        // The projections start at zero; give them weights so that text changes the scores.
-        let _guard = tch::no_grad_guard();
-        for (name, mut var) in vs.variables() {
-            if name.contains("text_proj") {
-                var.copy_(&(Tensor::randn_like(&var) * 0.3));
-            }
-        }
-        (vs, m)
-    }
-
-    #[test]
-    fn a_new_model_with_text_scores_as_plain_mf() {
-        tch::manual_seed(0);
-        let config = RecConfig {
-            n_users: 5,
-            n_items: 7,
-            n_warm_users: 5,
-            n_warm_items: 7,
-            dim: 8,
-            scorer: Scorer::Dot,
-            text_l2: 0.0,
-            zero_text_proj: true,
-            user_tower: UserTower::Id,
-        };
-        let (vs_mf, vs_text) = (
-            nn::VarStore::new(tch::Device::Cpu),
-            nn::VarStore::new(tch::Device::Cpu),
-        );
-        let mf = Recommender::new(&vs_mf.root(), config, Text::None);
-        let text = Text::Cached(TextFeatures {
-            users: Tensor::randn([5, 12], (Kind::Float, tch::Device::Cpu)),
-            items: Tensor::randn([7, 12], (Kind::Float, tch::Device::Cpu)),
-        });
-        let fused = Recommender::new(&vs_text.root(), config, text);
-        let mut vs_mf = vs_mf;
-        vs_mf.copy(&vs_text).unwrap();
-        let users = ids(&[0, 1, 2, 3, 4]);
-        assert!(fused
-            .score_all_items(&users)
-            .equal(&mf.score_all_items(&users)));
-    }
-
-    #[test]
-    fn text_l2_adds_the_squared_norms_of_the_text_parts() {
-        let (_vs, mut m) = model(Scorer::Dot, true);
-        let (u, p, n) = (ids(&[0, 1]), ids(&[2, 3]), ids(&[4, 5]));
-        let plain = m.bpr_loss(&u, &p, &n, 0.0, true).double_value(&[]);
-        m.config.text_l2 = 0.5;
-        let with = m.bpr_loss(&u, &p, &n, 0.0, true).double_value(&[]);
-        let text = |side, ids: &Tensor| {
-            let (_, t) = m.parts(side, ids, true);
-            t.unwrap().square().sum(Kind::Float).double_value(&[])
-        };
-        let norms = (text(Side::User, &u) + text(Side::Item, &p) + text(Side::Item, &n)) / 2.0;
-        assert!(norms > 0.0);
-        assert!(
-            (with - plain - 0.5 * norms).abs() < 1e-5,
-            "{with} {plain} {norms}"
-        );
-    }
-
-    #[test]
-    fn cold_items_count_as_zero_cold_users_as_the_average_user() {
-        let pair = |text: bool| {
-            let (vs, warm) = model(Scorer::Dot, text);
-            let mut config = warm.config();
-            (config.n_warm_users, config.n_warm_items) = (4, 5);
-            // The same variables under a config with the last user and two items cold.
-            let features = match &warm.text {
-                Text::Cached(f) => Text::Cached(TextFeatures {
-                    users: f.users.shallow_clone(),
-                    items: f.items.shallow_clone(),
-                }),
-                _ => Text::None,
-            };
-            let vs2 = nn::VarStore::new(tch::Device::Cpu);
-            let cold = Recommender::new(&vs2.root(), config, features);
-            let mut vs2 = vs2;
-            vs2.copy(&vs).unwrap();
-            (warm, cold)
-        };
-        let (warm, cold) = pair(false);
-        let (wu, wi) = warm.tables(tch::Device::Cpu);
-        let (cu, ci) = cold.tables(tch::Device::Cpu);
-        assert!(cu.narrow(0, 0, 4).equal(&wu.narrow(0, 0, 4)));
-        assert!(ci.narrow(0, 0, 5).equal(&wi.narrow(0, 0, 5)));
-        let average = wu
-            .narrow(0, 0, 4)
-            .mean_dim([0i64].as_slice(), true, Kind::Float);
-        let diff = (cu.narrow(0, 4, 1) - average).abs().max().double_value(&[]);
-        assert!(
-            diff < 1e-6,
-            "a cold user is not the average warm user: {diff}"
-        );
-        assert_eq!(
-            ci.narrow(0, 5, 2).abs().sum(Kind::Float).double_value(&[]),
-            0.0
-        );
-        // With text, a cold item is its projected text: the warm representation minus its ID.
-        let (warm, cold) = pair(true);
-        let (_, wi) = warm.tables(tch::Device::Cpu);
-        let (_, ci) = cold.tables(tch::Device::Cpu);
-        let ids = ids(&[5, 6]);
-        let expected = wi.index_select(0, &ids) - warm.item_id.forward(&ids);
-        let diff = (ci.narrow(0, 5, 2) - expected)
-            .abs()
-            .max()
-            .double_value(&[]);
-        assert!(diff < 1e-6, "{diff}");
-        assert!(ci.narrow(0, 5, 2).abs().sum(Kind::Float).double_value(&[]) > 0.0);
-    }
-
-    /// The tables (ID parts in one go) hold exactly what `repr` gives chunk by chunk, cold rows
-    /// and text included, over more rows than one chunk.
-    #[test]
-    fn tables_are_the_representations_bit_for_bit() {
-        for text in [false, true] {
-            tch::manual_seed(3);
-            let vs = nn::VarStore::new(tch::Device::Cpu);
-            let (n_users, n_items) = (300i64, 260i64);
-            let config = RecConfig {
-                n_users,
-                n_items,
-                n_warm_users: 250,
-                n_warm_items: 200,
-                dim: 8,
-                scorer: Scorer::Dot,
-                text_l2: 0.0,
-                zero_text_proj: false,
-                user_tower: UserTower::Id,
-            };
-            let features = Text::Cached(TextFeatures {
-                users: Tensor::randn([n_users, 12], (Kind::Float, tch::Device::Cpu)),
-                items: Tensor::randn([n_items, 12], (Kind::Float, tch::Device::Cpu)),
-            });
-            let m = Recommender::new(&vs.root(), config, if text { features } else { Text::None });
-            let (users, items) = m.tables(tch::Device::Cpu);
-            let _guard = tch::no_grad_guard();
-            for (side, n, table) in [(Side::User, n_users, users), (Side::Item, n_items, items)] {
-                let chunks: Vec<Tensor> = (0..n)
-                    .step_by(ENCODE_ROWS as usize)
-                    .map(|start| {
-                        let len = ENCODE_ROWS.min(n - start);
-                        m.repr(
-                            side,
-                            &Tensor::arange_start(
-                                start,
-                                start + len,
-                                (Kind::Int64, tch::Device::Cpu),
-                            ),
-                            false,
-                        )
-                    })
-                    .collect();
-                assert!(table.equal(&Tensor::cat(&chunks, 0)), "text {text}");
-            }
-        }
-    }
-
-    #[test]
-    fn score_all_items_agrees_with_pairwise_scores() {
-        for (scorer, text) in [
-            (Scorer::Dot, false),
-            (Scorer::Dot, true),
-            (Scorer::Mlp, true),
-        ] {
-            let (_vs, m) = model(scorer, text);
-            let users = ids(&[0, 3]);
-            let all = m.score_all_items(&users);
-            assert_eq!(all.size(), vec![2, 7]);
-            for (row, u) in [0i64, 3].iter().enumerate() {
-                let items = Tensor::arange(7, (Kind::Int64, tch::Device::Cpu));
-                let pair = m.score(
-                    &Tensor::full([7], *u, (Kind::Int64, tch::Device::Cpu)),
-                    &items,
-                );
-                let diff = (all.get(row as i64) - pair).abs().max().double_value(&[]);
-                assert!(diff < 1e-5, "{scorer:?} text={text}: {diff}");
-            }
-        }
-    }
-
-    #[test]
-    fn scores_are_not_squashed_by_a_sigmoid() {
-        let (_vs, m) = model(Scorer::Dot, false);
-        // Scale the embeddings up: a raw inner product grows without bound.
-        let _guard = tch::no_grad_guard();
-        let big = m.score(&ids(&[1]), &ids(&[1])).abs().double_value(&[0]);
-        let _ = m
-            .user_id
-            .ws
-            .shallow_clone()
-            .f_mul_(&Tensor::from(100.0))
-            .unwrap();
-        let bigger = m.score(&ids(&[1]), &ids(&[1])).abs().double_value(&[0]);
-        assert!(bigger > 1.0 && bigger > big * 50.0, "{big} -> {bigger}");
-    }
-
-    #[test]
-    fn bpr_training_ranks_positives_above_negatives() {
-        for scorer in [Scorer::Dot, Scorer::Mlp] {
-            let (vs, m) = model(scorer, true);
-            let mut opt = nn::Adam::default().build(&vs, 1e-2).unwrap();
-            // The ID tables' sparse backward adds into dense gradients (tch's Adam takes no
-            // sparse ones), as the DDP engine gives them and keeps them (zeroed, not unset as
-            // `Optimizer::zero_grad` does).
-            let mut params = vs.trainable_variables();
-            runtime::ddp::give_dense_grads(&params).unwrap();
-            let (u, p, n) = (
-                ids(&[0, 1, 2, 3, 4]),
-                ids(&[1, 2, 3, 4, 5]),
-                ids(&[6, 6, 0, 0, 6]),
-            );
-            let first = m.bpr_loss(&u, &p, &n, 1e-4, true).double_value(&[]);
-            for _ in 0..200 {
-                params.iter_mut().for_each(Tensor::zero_grad);
-                m.bpr_loss(&u, &p, &n, 1e-4, true).backward();
-                opt.step();
-            }
-            let last = m.bpr_loss(&u, &p, &n, 1e-4, true).double_value(&[]);
-            assert!(last < first * 0.2, "{scorer:?}: {first} -> {last}");
-            let margin = (m.score(&u, &p) - m.score(&u, &n)).min().double_value(&[]);
-            assert!(
-                margin > 0.0,
-                "{scorer:?}: a positive still ranks below its negative"
-            );
-        }
-    }
-
-    /// The full softmax (every item a negative, the positive's own copy left out) is the
-    /// cross-entropy of the positive over all the items' scores.
-    #[test]
-    fn the_full_softmax_is_cross_entropy_over_every_item() {
-        for (scorer, text) in [
-            (Scorer::Dot, false),
-            (Scorer::Dot, true),
-            (Scorer::Mlp, true),
-        ] {
-            let (_vs, m) = model(scorer, text);
-            let (u, p) = (ids(&[0, 1, 3, 4]), ids(&[2, 2, 6, 0]));
-            let all = Tensor::arange(7, (Kind::Int64, tch::Device::Cpu));
-            let loss = m
-                .softmax_loss(&u, &p, &all, None, 0.0, false)
-                .double_value(&[]);
-            let expected = m
-                .score_all_items(&u)
-                .cross_entropy_for_logits(&p)
-                .double_value(&[]);
-            assert!(
-                (loss - expected).abs() < 1e-5,
-                "{scorer:?} {text}: {loss} vs {expected}"
-            );
-            // One correction for every item (uniform draws) changes nothing.
-            let flat = Tensor::full([7], 1.5, (Kind::Float, tch::Device::Cpu));
-            let corrected = m.softmax_loss(&u, &p, &all, Some(&flat), 0.0, false);
-            assert!((corrected.double_value(&[]) - loss).abs() < 1e-5);
-        }
-    }
-
-    /// Sampled negatives: a drawn copy of a sample's positive is left out of its softmax, and
-    /// the correction lowers each logit by its item's log expected count.
-    #[test]
-    fn sampled_softmax_masks_accidental_hits_and_corrects_by_log_q() {
-        let (_vs, m) = model(Scorer::Dot, false);
-        let (u, p) = (ids(&[0, 1]), ids(&[2, 5]));
-        let negs = ids(&[2, 4, 4]);
-        let log_q = Tensor::from_slice(&[0.0f32, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6]);
-        let loss = m
-            .softmax_loss(&u, &p, &negs, Some(&log_q), 0.0, false)
-            .double_value(&[]);
-        let s = |user: i64, item: i64| m.score(&ids(&[user]), &ids(&[item])).double_value(&[0]);
-        let q = |item: i64| 0.1 * item as f64;
-        let ce = |logits: &[f64]| {
-            let max = logits.iter().cloned().fold(f64::MIN, f64::max);
-            let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
-            -(logits[0] - max - sum.ln())
-        };
-        // User 0's positive 2 was also drawn: its copy is out; user 1's 5 was not.
-        let first = ce(&[s(0, 2) - q(2), s(0, 4) - q(4), s(0, 4) - q(4)]);
-        let second = ce(&[
-            s(1, 5) - q(5),
-            s(1, 2) - q(2),
-            s(1, 4) - q(4),
-            s(1, 4) - q(4),
-        ]);
-        let expected = (first + second) / 2.0;
-        assert!((loss - expected).abs() < 1e-5, "{loss} vs {expected}");
-    }
-
-    #[test]
-    fn softmax_training_ranks_positives_first_and_l2_counts_users_and_positives() {
-        let (vs, m) = model(Scorer::Dot, true);
-        let mut opt = nn::Adam::default().build(&vs, 1e-2).unwrap();
-        let mut params = vs.trainable_variables();
-        runtime::ddp::give_dense_grads(&params).unwrap();
-        let (u, p) = (ids(&[0, 1, 2, 3, 4]), ids(&[1, 2, 3, 4, 5]));
-        let negs = Tensor::arange(7, (Kind::Int64, tch::Device::Cpu));
-        for _ in 0..200 {
-            params.iter_mut().for_each(Tensor::zero_grad);
-            m.softmax_loss(&u, &p, &negs, None, 1e-4, true).backward();
-            opt.step();
-        }
-        let scores = m.score_all_items(&u);
-        let top = scores.argmax(1, false);
-        assert!(top.equal(&p), "positives are not ranked first: {top:?}");
-        let plain = m
-            .softmax_loss(&u, &p, &negs, None, 0.0, true)
-            .double_value(&[]);
-        let with = m
-            .softmax_loss(&u, &p, &negs, None, 0.5, true)
-            .double_value(&[]);
-        let norms = (m.user_id.forward(&u).square().sum(Kind::Float)
-            + m.item_id.forward(&p).square().sum(Kind::Float))
-        .double_value(&[])
-            / 5.0;
-        assert!((with - plain - 0.5 * norms).abs() < 1e-5);
-    }
-
-    fn history_model(tower: UserTower) -> (nn::VarStore, Recommender) {
-        tch::manual_seed(0);
-        let vs = nn::VarStore::new(tch::Device::Cpu);
-        let config = RecConfig {
-            n_users: 4,
-            n_items: 6,
-            n_warm_users: 3,
-            n_warm_items: 6,
-            dim: 8,
-            scorer: Scorer::Dot,
-            text_l2: 0.0,
-            zero_text_proj: true,
-            user_tower: tower,
-        };
-        let mut m = Recommender::new(&vs.root(), config, Text::None);
-        // User 3 is cold: no history.
-        m.set_history(History::new(&[vec![0, 2, 5], vec![1], vec![0, 1, 2, 3]]));
-        (vs, m)
-    }
-
-    /// A user is the sum of their history's rows over the square root of their number (plus
-    /// the ID row with "both"); a cold user's pool is empty; the tables hold the same.
-    #[test]
-    fn the_history_tower_pools_each_user_s_items() {
-        for tower in [UserTower::History, UserTower::Both] {
-            let (_vs, m) = history_model(tower);
-            let h = m.history_item.as_ref().unwrap();
-            let rows = |items: &[i64]| {
-                h.forward(&ids(items))
-                    .sum_dim_intlist(0, false, Kind::Float)
-            };
-            let id = |u: i64| match tower {
-                UserTower::Both => m.user_id.forward(&ids(&[u])).squeeze_dim(0),
-                _ => Tensor::zeros([8], (Kind::Float, tch::Device::Cpu)),
-            };
-            let (users, _) = m.tables(tch::Device::Cpu);
-            let expected = [
-                rows(&[0, 2, 5]) / 3f64.sqrt() + id(0),
-                rows(&[1]) + id(1),
-                rows(&[0, 1, 2, 3]) / 2.0 + id(2),
-            ];
-            for (u, e) in expected.iter().enumerate() {
-                let diff = (users.get(u as i64) - e).abs().max().double_value(&[]);
-                assert!(diff < 1e-6, "{tower:?} user {u}: {diff}");
-            }
-            let cold = users.get(3).abs().max().double_value(&[]);
-            let stand_in = match tower {
-                UserTower::Both => {
-                    m.user_id
-                        .ws
-                        .narrow(0, 0, 3)
-                        .mean_dim([0i64].as_slice(), false, Kind::Float)
-                }
-                _ => Tensor::zeros([8], (Kind::Float, tch::Device::Cpu)),
-            };
-            let diff = (users.get(3) - stand_in).abs().max().double_value(&[]);
-            assert!(diff < 1e-6, "{tower:?}: cold user {cold} {diff}");
-        }
-    }
-
-    /// In training a sample's own positive is left out of its user's pool (only that sample's):
-    /// the loss is that of the user pooled without it.
-    #[test]
-    fn training_leaves_the_positive_out_of_its_own_pool() {
-        let (_vs, m) = history_model(UserTower::History);
-        let h = m.history_item.as_ref().unwrap();
-        let negatives = Tensor::arange(6, (Kind::Int64, tch::Device::Cpu));
-        let loss = m
-            .softmax_loss(
-                &ids(&[0, 0, 1]),
-                &ids(&[2, 5, 1]),
-                &negatives,
-                None,
-                0.0,
-                true,
-            )
-            .double_value(&[]);
-        let all = m.item_id.ws.shallow_clone();
-        let ce = |pool: Tensor, pos: i64| {
-            pool.unsqueeze(0)
-                .matmul(&all.transpose(0, 1))
-                .cross_entropy_for_logits(&ids(&[pos]))
-                .double_value(&[])
-        };
-        let rows = |items: &[i64]| {
-            h.forward(&ids(items))
-                .sum_dim_intlist(0, false, Kind::Float)
-        };
-        let expected = (ce(rows(&[0, 5]) / 2f64.sqrt(), 2)
-            + ce(rows(&[0, 2]) / 2f64.sqrt(), 5)
-            + ce(Tensor::zeros([8], (Kind::Float, tch::Device::Cpu)), 1))
-            / 3.0;
-        assert!((loss - expected).abs() < 1e-5, "{loss} vs {expected}");
-        // Evaluation pools the whole history.
-        let whole = m.score(&ids(&[0]), &ids(&[2])).double_value(&[0]);
-        let pool = rows(&[0, 2, 5]) / 3f64.sqrt();
-        let direct = (pool * m.item_id.ws.get(2))
-            .sum(Kind::Float)
-            .double_value(&[]);
-        assert!((whole - direct).abs() < 1e-6);
-    }
-
-    #[test]
-    fn l2_adds_the_squared_norms_of_the_batch_embeddings() {
-        let (_vs, m) = model(Scorer::Dot, false);
-        let (u, p, n) = (ids(&[0, 1]), ids(&[2, 3]), ids(&[4, 5]));
-        let plain = m.bpr_loss(&u, &p, &n, 0.0, true).double_value(&[]);
-        let with = m.bpr_loss(&u, &p, &n, 0.5, true).double_value(&[]);
-        let norms = (m.user_id.forward(&u).square().sum(Kind::Float)
-            + m.item_id.forward(&p).square().sum(Kind::Float)
-            + m.item_id.forward(&n).square().sum(Kind::Float))
-        .double_value(&[])
-            / 2.0;
-        assert!((with - plain - 0.5 * norms).abs() < 1e-5);
-    }
-
-    #[test]
-    fn popularity_counts_training_interactions() {
-        let train = vec![vec![0, 2], vec![2], vec![2, 3, 9]];
-        assert_eq!(popularity_scores(&train, 4), vec![1.0, 0.0, 3.0, 1.0]);
-    }
-}
+mod tests;
