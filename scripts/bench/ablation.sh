@@ -31,8 +31,8 @@ variants=(
   "MF: softmax, history, 256|model.kind=\"bpr\""
   "gpt2rec: softmax, ID, 256|model.user_tower=\"id\""
   "gpt2rec: softmax, history, 64|model.embedding_dim=64"
-  "gpt2rec: softmax, history, 256, text_l2 0.1|model.text_l2=0.1"
-  "gpt2rec: softmax, history, 256 (shipped)|"
+  "gpt2rec: softmax, history, 256, text_l2 1.0|model.text_l2=1.0"
+  "gpt2rec: softmax, history, 256, text_l2 0.1 (shipped)|"
 )
 # ONLY: run just the variants whose label contains this text.
 if [ -n "${ONLY:-}" ]; then

@@ -3,6 +3,13 @@
 use super::*;
 use tch::nn::OptimizerConfig;
 
+/// The scorers, with and without a text tower, that the score and loss tests cover.
+const SCORERS_AND_TEXT: [(Scorer, bool); 3] = [
+    (Scorer::Dot, false),
+    (Scorer::Dot, true),
+    (Scorer::Mlp, true),
+];
+
 fn ids(v: &[i64]) -> Tensor {
     Tensor::from_slice(v)
 }
@@ -187,11 +194,7 @@ fn tables_are_the_representations_bit_for_bit() {
 
 #[test]
 fn score_all_items_agrees_with_pairwise_scores() {
-    for (scorer, text) in [
-        (Scorer::Dot, false),
-        (Scorer::Dot, true),
-        (Scorer::Mlp, true),
-    ] {
+    for (scorer, text) in SCORERS_AND_TEXT {
         let (_vs, m) = model(scorer, text);
         let users = ids(&[0, 3]);
         let all = m.score_all_items(&users);
@@ -259,11 +262,7 @@ fn bpr_training_ranks_positives_above_negatives() {
 /// cross-entropy of the positive over all the items' scores.
 #[test]
 fn the_full_softmax_is_cross_entropy_over_every_item() {
-    for (scorer, text) in [
-        (Scorer::Dot, false),
-        (Scorer::Dot, true),
-        (Scorer::Mlp, true),
-    ] {
+    for (scorer, text) in SCORERS_AND_TEXT {
         let (_vs, m) = model(scorer, text);
         let (u, p) = (ids(&[0, 1, 3, 4]), ids(&[2, 2, 6, 0]));
         let all = Tensor::arange(7, (Kind::Int64, tch::Device::Cpu));
