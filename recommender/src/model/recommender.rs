@@ -573,22 +573,18 @@ impl Recommender {
             _ => return None,
         };
         // The average warm user's ID row and pool, as a cold user's.
-        let no_rows = self.config.user_tower == UserTower::History;
-        let mut average = match self.config.n_warm_users {
-            0 => Tensor::zeros([1, self.config.dim], (Kind::Float, rows.device())),
-            _ if no_rows => Tensor::zeros([1, self.config.dim], (Kind::Float, rows.device())),
-            warm => {
-                self.user_id
-                    .ws
-                    .narrow(0, 0, warm)
-                    .mean_dim([0i64].as_slice(), true, Kind::Float)
-            }
-        };
-        if let (Some(table), true) = (&self.history_item, self.config.n_warm_users > 0) {
-            average = average.to_device(rows.device())
-                + self.average_pool(table).to_device(rows.device());
+        let warm = self.config.n_warm_users;
+        let mut average = Tensor::zeros([1, self.config.dim], (Kind::Float, rows.device()));
+        if warm > 0 && self.config.user_tower != UserTower::History {
+            let rows_mean = self.user_id.ws.narrow(0, 0, warm);
+            average += rows_mean
+                .mean_dim([0i64].as_slice(), true, Kind::Float)
+                .to_device(rows.device());
         }
-        Some(user_proj.forward(&rows) + average.to_device(rows.device()))
+        if let (Some(table), true) = (&self.history_item, warm > 0) {
+            average += self.average_pool(table).to_device(rows.device());
+        }
+        Some(user_proj.forward(&rows) + average)
     }
 
     /// Scores of user representations `u` [b, dim] against item representations `items`

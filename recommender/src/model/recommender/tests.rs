@@ -14,19 +14,28 @@ fn ids(v: &[i64]) -> Tensor {
     Tensor::from_slice(v)
 }
 
+/// A dot-product head of embedding 8 over `users` and `items` (the first `warm_users` warm), its
+/// text projections starting at zero.
+fn config(users: i64, items: i64, warm_users: i64, user_tower: UserTower) -> RecConfig {
+    RecConfig {
+        n_users: users,
+        n_items: items,
+        n_warm_users: warm_users,
+        n_warm_items: items,
+        dim: 8,
+        scorer: Scorer::Dot,
+        text_l2: 0.0,
+        zero_text_proj: true,
+        user_tower,
+    }
+}
+
 fn model(scorer: Scorer, text: bool) -> (nn::VarStore, Recommender) {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let config = RecConfig {
-        n_users: 5,
-        n_items: 7,
-        n_warm_users: 5,
-        n_warm_items: 7,
-        dim: 8,
         scorer,
-        text_l2: 0.0,
-        zero_text_proj: true,
-        user_tower: UserTower::Id,
+        ..config(5, 7, 5, UserTower::Id)
     };
     let text = if text {
         Text::Cached(TextFeatures {
@@ -50,17 +59,7 @@ fn model(scorer: Scorer, text: bool) -> (nn::VarStore, Recommender) {
 #[test]
 fn a_new_model_with_text_scores_as_plain_mf() {
     tch::manual_seed(0);
-    let config = RecConfig {
-        n_users: 5,
-        n_items: 7,
-        n_warm_users: 5,
-        n_warm_items: 7,
-        dim: 8,
-        scorer: Scorer::Dot,
-        text_l2: 0.0,
-        zero_text_proj: true,
-        user_tower: UserTower::Id,
-    };
+    let config = config(5, 7, 5, UserTower::Id);
     let (vs_mf, vs_text) = (
         nn::VarStore::new(tch::Device::Cpu),
         nn::VarStore::new(tch::Device::Cpu),
@@ -346,18 +345,7 @@ fn softmax_training_ranks_positives_first_and_l2_counts_users_and_positives() {
 fn history_model(tower: UserTower) -> (nn::VarStore, Recommender) {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let config = RecConfig {
-        n_users: 4,
-        n_items: 6,
-        n_warm_users: 3,
-        n_warm_items: 6,
-        dim: 8,
-        scorer: Scorer::Dot,
-        text_l2: 0.0,
-        zero_text_proj: true,
-        user_tower: tower,
-    };
-    let mut m = Recommender::new(&vs.root(), config, Text::None);
+    let mut m = Recommender::new(&vs.root(), config(4, 6, 3, tower), Text::None);
     // User 3 is cold: no history.
     m.set_history(History::new(&[vec![0, 2, 5], vec![1], vec![0, 1, 2, 3]]));
     (vs, m)
