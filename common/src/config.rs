@@ -264,6 +264,12 @@ pub struct ModelConfig {
     /// Default: `"id"`.
     #[serde(skip_serializing_if = "is_default")]
     pub user_tower: UserTower,
+    /// With a history tower, the share of a training sample's history left out of its user's
+    /// pool, drawn afresh every step from `run.seed` and the step (the same at any world
+    /// size): a user seen through part of what they watched, as Mult-DAE's input dropout.
+    /// Evaluation pools the whole history. At least 0, below 1. Default: `0.0`.
+    #[serde(skip_serializing_if = "is_default")]
+    pub history_dropout: f32,
 }
 
 /// What represents a user (`model.user_tower`).
@@ -296,6 +302,7 @@ impl Default for ModelConfig {
             trainable_layers: None,
             activation_checkpointing: false,
             user_tower: UserTower::Id,
+            history_dropout: 0.0,
         }
     }
 }
@@ -1065,6 +1072,25 @@ timeout_s = 60
     }
 
     #[test]
+    fn history_dropout_needs_a_history_and_a_share_below_one() {
+        let err = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap_err().to_string();
+        assert_eq!(
+            err(&["model.history_dropout=0.2"]),
+            "--set model.history_dropout=0.2: `model.history_dropout` does nothing: model.user_tower is \"id\" (no history is pooled); remove it"
+        );
+        let history = "model.user_tower=\"history\"";
+        for bad in ["1.0", "-0.1", "nan"] {
+            let set = format!("model.history_dropout={bad}");
+            assert!(
+                err(&[history, &set]).contains("must be at least 0 and below 1"),
+                "{bad}"
+            );
+        }
+        let c = parse_with(MINIMAL, &[history, "model.history_dropout=0.25"]).unwrap();
+        assert_eq!(c.model.history_dropout, 0.25);
+    }
+
+    #[test]
     fn the_loss_and_its_negatives_are_checked() {
         let err = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap_err().to_string();
         let softmax = "train.loss=\"softmax\"";
@@ -1482,7 +1508,7 @@ timeout_s = 60
             Config {
                 run: RunConfig { name, output_dir, seed },
                 data: DataConfig { dir, synthetic, min_rating, cold_items, cold_users, split_seed: None },
-                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false, user_tower: UserTower::Id },
+                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false, user_tower: UserTower::Id, history_dropout: 0.0 },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false, tf32: true, ..Default::default() },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
                 dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret },

@@ -16,7 +16,9 @@ use crate::data::{self, Dataset};
 use crate::eval::Metrics;
 use crate::input::RecData;
 use crate::model::gpt2::Tokenizer;
-use crate::model::recommender::{History, NewUserText, RecConfig, Recommender, Scorer, Text};
+use crate::model::recommender::{
+    History, NewUserText, PoolDropout, RecConfig, Recommender, Scorer, Text,
+};
 use crate::negatives::NegativeSampler;
 use crate::sharded_eval::{evaluate_sharded, split_lists, text_chunks_shared, train_and_valid};
 use crate::text::{build_gpt2, cached_text_features, token_table};
@@ -51,6 +53,8 @@ pub struct RecTask {
     objective: Objective,
     /// The optimizer step the coming micro-batches belong to ([`RecTask::begin_step`]).
     step: u64,
+    /// `model.history_dropout` and `run.seed`, whose step keys the training pools' dropout.
+    history_dropout: (f32, u64),
 }
 
 /// What a micro-batch's loss is.
@@ -210,6 +214,7 @@ impl RecTask {
                 LossKind::Softmax => Objective::Softmax(Softmax::new(config, ds, device)),
             },
             step: 0,
+            history_dropout: (config.model.history_dropout, config.run.seed),
         })
     }
 }
@@ -261,10 +266,11 @@ fn model_hash(config: &Config, data: &RecData) -> String {
 /// unchanged, so a checkpoint of an older run still compares on it).
 fn model_part(config: &Config, ds: &Dataset) -> String {
     use sha2::Digest;
-    // Activation checkpointing changes how gradients are computed, not the model: a run may
-    // turn it on and resume.
+    // Activation checkpointing changes how gradients are computed, and history dropout what
+    // training pools, not the model: a run may change them and resume.
     let model = common::config::ModelConfig {
         activation_checkpointing: false,
+        history_dropout: 0.0,
         ..config.model.clone()
     };
     let mut text = format!(
@@ -336,6 +342,11 @@ impl RecTask {
     /// function of it (and the seed), the same on every rank.
     pub fn begin_step(&mut self, step: u64) {
         self.step = step;
+        let (rate, seed) = self.history_dropout;
+        if rate > 0.0 {
+            let key = PoolDropout::key(seed, step);
+            self.model.set_pool_dropout(Some(PoolDropout { rate, key }));
+        }
     }
 
     /// Mean loss (`train.loss`) over the training pairs `indices` (one micro-batch), ready for

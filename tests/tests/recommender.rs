@@ -266,6 +266,7 @@ fn softmax_run(out_dir: &Path, name: &str, nproc: &str, micro: &str) -> Vec<(u64
         "train.negatives=24".into(),
         "train.negative_power=0.75".into(),
         "model.user_tower=\"both\"".into(),
+        "model.history_dropout=0.3".into(),
         format!("batch.micro={micro}"),
     ];
     let mut args = vec![

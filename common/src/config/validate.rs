@@ -91,6 +91,7 @@ fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
 
     check_non_negative("model.l2", model.l2)?;
     check_non_negative("model.text_l2", model.text_l2)?;
+    check_history_dropout(model)?;
     check_preset_limits(model)?;
     if model.trainable_layers.is_some() && model.freeze_gpt2 {
         return Err(ConfigError::invalid(
@@ -99,6 +100,24 @@ fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
         ));
     }
     check_dynamic_only(model)
+}
+
+/// `model.history_dropout`: a share below 1, and only where a history is pooled.
+fn check_history_dropout(model: &ModelConfig) -> Result<(), ConfigError> {
+    let p = model.history_dropout;
+    if !(0.0..1.0).contains(&p) {
+        return Err(ConfigError::invalid(
+            "model.history_dropout",
+            format!("must be at least 0 and below 1 (got {p})"),
+        ));
+    }
+    if p > 0.0 && model.user_tower == UserTower::Id {
+        return Err(ConfigError::invalid(
+            "model.history_dropout",
+            "does nothing: model.user_tower is \"id\" (no history is pooled); remove it",
+        ));
+    }
+    Ok(())
 }
 
 /// `model.max_text_tokens` and `model.trainable_layers` within what GPT-2 has (its positions

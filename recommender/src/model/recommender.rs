@@ -17,7 +17,7 @@
 
 use tch::{nn, nn::Module, Kind, Tensor};
 
-pub use crate::model::history::History;
+pub use crate::model::history::{History, PoolDropout};
 pub use common::config::UserTower;
 
 use crate::model::gpt2::Gpt2;
@@ -182,6 +182,8 @@ pub struct Recommender {
     /// representation of the users who have it in their history.
     history_item: Option<nn::Embedding>,
     history: History,
+    /// Training pools' dropout for the current step (`model.history_dropout`).
+    pool_dropout: Option<PoolDropout>,
 }
 
 /// A training batch's representations, and their (ID, text) parts for the penalties.
@@ -285,12 +287,18 @@ impl Recommender {
             mlp,
             history_item,
             history: History::default(),
+            pool_dropout: None,
         }
     }
 
     /// The users' training histories, which the history tower pools (none until given).
     pub fn set_history(&mut self, history: History) {
         self.history = history;
+    }
+
+    /// The history dropout of the coming training pools (`None`: every item pooled).
+    pub fn set_pool_dropout(&mut self, dropout: Option<PoolDropout>) {
+        self.pool_dropout = dropout;
     }
 
     /// The pooled history rows [b, dim] of `users` (on the host: training gives them so; else
@@ -326,7 +334,7 @@ impl Recommender {
 
     /// The pools [b, dim] of `users`, `leave_out[k]` left out of row `k`'s.
     fn pools(&self, table: &nn::Embedding, users: &[i64], leave_out: Option<&[i64]>) -> Tensor {
-        let (items, starts, weights) = self.history.bag(users, leave_out);
+        let (items, starts, weights) = self.history.bag(users, leave_out, self.pool_dropout);
         let device = table.ws.device();
         let on = |t: Tensor| runtime::host_read::to_device(&t, device);
         let (pooled, _, _, _) = Tensor::embedding_bag(
