@@ -35,8 +35,8 @@ fn children(workers: &[i32]) -> Vec<(i32, char)> {
 }
 
 /// Whether this process has a child that `waitpid(-1)` could wait for: a worker, or a process
-/// it adopted, running or exited. The orphan guard does not count (it ends unannounced, see
-/// `watchdog`).
+/// it adopted, running or exited. The orphan guard is not among them (it was double-forked
+/// away before the launcher became a subreaper, see `watchdog`).
 fn has_children() -> bool {
     let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
     // WNOWAIT: an exited child stays to be reaped by whoever waits for it.

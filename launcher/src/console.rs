@@ -11,10 +11,15 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::output::Stream;
-
 /// Lines a hidden rank keeps for when it is shown again.
 pub const HIDDEN_LINES: usize = 20;
+
+/// Which console stream a line belongs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
 
 /// torchrun's stream selector: `0` none, `1` stdout, `2` stderr, `3` both; for every local rank
 /// or per local rank (`0:3,1:2`; ranks not named: none).

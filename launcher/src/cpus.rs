@@ -133,14 +133,10 @@ fn split(allowed: &[usize], numa: &[(usize, Vec<usize>)], nproc: usize) -> Optio
 
 /// The CPUs this process may run on.
 fn allowed_cpus() -> Option<Vec<usize>> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its size.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let size = std::mem::size_of::<libc::cpu_set_t>();
-    if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
-        return None;
-    }
-    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+    use nix::sched::{sched_getaffinity, CpuSet};
+    let set = sched_getaffinity(nix::unistd::Pid::from_raw(0)).ok()?;
+    let cpus: Vec<usize> = (0..CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
         .collect();
     (!cpus.is_empty()).then_some(cpus)
 }

@@ -130,7 +130,7 @@ fn describe(f: &Fanout) -> String {
 
 /// In a `launch` started by a hostfile job (`LAUNCH_STOP_ON_STDIN_EOF=1`): a thread that
 /// waits for the end of stdin, the ssh channel, and then sends this process SIGTERM, so the job
-/// ends as on a signal (workers torn down, exit code 143). Call after the orphan guard forked.
+/// ends as on a signal (workers torn down, exit code 143). Call after the orphan guard started.
 pub fn stop_on_stdin_eof() {
     if std::env::var_os(plan::STOP_ON_EOF_VAR).is_none_or(|v| v != "1") {
         return;

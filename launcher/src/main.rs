@@ -3,16 +3,14 @@
 //! `supervisor` (keep them alive, notice failure, tear down, restart), `report` and `output`
 //! (what the user reads). It never links libtorch, so it starts in milliseconds.
 //!
-//! Its entry is the C `main`, not Rust's (see [`main`]): Rust's start-up reads and parses
-//! `/proc/self/maps` for the main thread's stack guard and gives every thread an alternate
-//! signal stack: about 0.1 ms of the 2.5 ms in which `launch` starts two programs here.
-
-#![cfg_attr(not(test), no_main)]
+//! The hidden `--orphan-guard` first argument runs this binary as the job's orphan guard
+//! instead (see [`watchdog`]).
 
 mod accelerate;
 mod adopted;
+mod cgroup;
+mod child;
 mod cli;
-mod clone_spawn;
 mod console;
 mod console_line;
 mod cpus;
@@ -27,7 +25,6 @@ mod port;
 mod preflight;
 mod process;
 mod progress;
-mod raw_sys;
 mod rendezvous;
 mod report;
 mod round;
@@ -36,10 +33,8 @@ mod shm_sweep;
 mod supervisor;
 mod watchdog;
 
-use std::ffi::OsStr;
 use std::fmt;
 use std::io::Write as _;
-use std::os::unix::ffi::OsStrExt;
 
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{info, warn, Event, Level, Subscriber};
@@ -49,73 +44,24 @@ use tracing_subscriber::registry::LookupSpan;
 
 use crate::cli::Cli;
 use crate::plan::{Plan, PlanError};
-use crate::watchdog::{Watchdog, SWEEP_ARG};
+use crate::watchdog::{Watchdog, GUARD_ARG};
 
 /// Exit code for bad input (command line, config, environment), as clap uses for usage errors.
 const EXIT_BAD_INPUT: i32 = 2;
 
-/// The process's entry, called by the C library's start-up (arguments and environment reach
-/// `std::env` all the same). What Rust's own start-up does that `launch` needs is done here:
-/// the standard descriptors opened on `/dev/null` where closed (so no file it opens becomes
-/// one of them) and SIGPIPE ignored (a closed pipe is an error to handle, not death). What it
-/// does without: a stack overflow is a plain SIGSEGV, not a message naming the thread, and the
-/// main thread has no name.
-#[cfg(not(test))]
-#[no_mangle]
-extern "C" fn main(_argc: libc::c_int, _argv: *const *const libc::c_char) -> libc::c_int {
-    set_up_process();
-    // A panic may not unwind out of a C function (it would abort, with a core dump): it ends
-    // the process as a panic in Rust's `main` does, after the panic message.
-    match std::panic::catch_unwind(|| run()) {
-        Ok(never) => never,
-        Err(_) => std::process::exit(101),
-    }
-}
-
-/// Unit tests have the test harness's entry; this keeps what `main` reaches built and checked.
-#[cfg(test)]
 fn main() {
-    set_up_process();
+    // One malloc arena for all threads: `launch` allocates little, and an arena of its own
+    // costs each new thread 64 MiB of address space mapped and trimmed.
+    // SAFETY: a malloc setting, made before any other thread exists.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
+    let mut args = std::env::args_os().skip(1);
+    if args.next().is_some_and(|a| a == GUARD_ARG) {
+        watchdog::guard_main(args.next().map(Into::into));
+    }
     run()
 }
 
-fn set_up_process() {
-    open_standard_descriptors();
-    // SAFETY: setting a disposition to SIG_IGN is always sound.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-    // One malloc arena for all threads: `launch` allocates little, and an arena of its own
-    // costs each new thread 64 MiB of address space mapped and trimmed.
-    // SAFETY: a malloc setting, made before any allocation.
-    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
-}
-
-/// Descriptors 0, 1 and 2 that are closed are opened on `/dev/null`, as Rust's start-up does.
-fn open_standard_descriptors() {
-    let mut fds = [0, 1, 2].map(|fd| libc::pollfd {
-        fd,
-        events: 0,
-        revents: 0,
-    });
-    // SAFETY: polls three entries of a local array without waiting.
-    if unsafe { libc::poll(fds.as_mut_ptr(), 3, 0) } == -1 {
-        return;
-    }
-    for pollfd in fds.iter().filter(|p| p.revents & libc::POLLNVAL != 0) {
-        // SAFETY: opening /dev/null; the descriptor it gets is the lowest closed one, which is
-        // this one (the lower ones are open by now).
-        let fd = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDWR) };
-        if fd != pollfd.fd {
-            // SAFETY: the process cannot go on without its standard descriptors.
-            unsafe { libc::abort() };
-        }
-    }
-}
-
 fn run() -> ! {
-    // The orphan guard, exec'd again after the launcher was killed (see `watchdog`).
-    if std::env::args_os().nth(1).as_deref() == Some(OsStr::from_bytes(SWEEP_ARG.to_bytes())) {
-        watchdog::sweep_after_kill();
-    }
     let mut cli = cli::parse();
     init_logging();
     match accelerate::apply(&mut cli, &common::job_shape::process_env()) {
@@ -136,7 +82,7 @@ fn run() -> ! {
 fn launch(cli: &Cli) -> i32 {
     // An inherited SIG_IGN for SIGCHLD would make the kernel reap workers (or, with a hostfile,
     // the ssh clients) behind our back.
-    // SAFETY: restoring a default disposition is always sound.
+    // SAFETY: restoring a default disposition is always sound (no handler is installed).
     unsafe {
         let _ = nix::sys::signal::signal(
             nix::sys::signal::Signal::SIGCHLD,
@@ -149,10 +95,8 @@ fn launch(cli: &Cli) -> i32 {
     if cli.dry_run {
         return dry_run(cli);
     }
-    // Workers' orphaned children are re-parented to us, not to init: we can find and reap them.
-    // SAFETY: prctl with an integer argument.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
-    // The orphan guard first: it watches every worker from its start.
+    // The orphan guard first: it watches every worker from its start (and is started before
+    // the launcher becomes a subreaper, so that it is not re-parented to it).
     let watchdog = match Watchdog::start() {
         Ok(w) => w,
         Err(e) => {
@@ -160,6 +104,10 @@ fn launch(cli: &Cli) -> i32 {
             return 1;
         }
     };
+    // Workers' orphaned children are re-parented to us, not to init: we can find and reap them.
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        warn!("cannot become a child subreaper ({e}): orphaned children of workers go to init");
+    }
     hostfile::stop_on_stdin_eof();
     let mut plan = match Plan::from_cli(cli).and_then(|p| preflight_of(&p).map(|_| p)) {
         Ok(plan) => plan,

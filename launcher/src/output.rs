@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::console::Muting;
+pub use crate::console::Stream;
 use crate::console_line::OpenLine;
 
 /// Lines longer than this are cut into pieces so one runaway line cannot exhaust memory.
@@ -26,13 +27,6 @@ pub const PARTIAL_WAIT: Duration = Duration::from_millis(100);
 pub const TAIL_LINES: usize = 20;
 /// Of each kept line, at most this many bytes (the whole line went to the console and log).
 const TAIL_LINE_BYTES: usize = 2048;
-
-/// Which console stream a line belongs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stream {
-    Stdout,
-    Stderr,
-}
 
 /// The last stderr lines of one rank.
 pub type Tail = Arc<Mutex<VecDeque<String>>>;

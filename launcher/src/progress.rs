@@ -25,7 +25,7 @@ use common::progress::{Phase, ProgressRecord, PROGRESS_FD, PROGRESS_FD_VAR};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tracing::warn;
 
-use crate::clone_spawn::Command;
+use crate::child::Command;
 
 /// How long ranks may disagree (one still starting, another phase, a stale step) before the
 /// per-rank lines appear: reports arrive up to 0.1 s apart even when the ranks are in step.

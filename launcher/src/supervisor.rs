@@ -273,15 +273,14 @@ impl Group<'_> {
         not_started.map_or(followed, Err)
     }
 
-    /// Starts the workers in rank order until one cannot start, each while the ones before it
-    /// still set up and exec; those that run, and the first that did not with why.
+    /// Starts the workers in rank order until one cannot start; those that run, and the first
+    /// that did not with why.
     fn spawn_all(
         &self,
         display: Option<&Arc<Display>>,
         watchdog: &mut Watchdog,
     ) -> (Vec<(WorkerEnv, Running)>, Option<NotStarted>) {
-        let mut starting = Vec::with_capacity(self.plan.nproc as usize);
-        let mut not_started = None;
+        let mut running = Vec::with_capacity(self.plan.nproc as usize);
         if let Some(layout) = &self.plan.layout {
             if let Err(e) = layout.begin_attempt(self.round, self.plan.nproc) {
                 warn!(
@@ -293,35 +292,15 @@ impl Group<'_> {
         }
         for local_rank in 0..self.plan.nproc {
             let env = self.plan.worker_env(local_rank, self.round);
-            match start_worker(self.plan, &env, display) {
+            match start_worker(self.plan, &env, display, watchdog.cgroup()) {
                 Ok(worker) => {
                     watchdog.watch(worker.pid());
-                    starting.push((env, worker));
+                    running.push((env, worker));
                 }
-                Err(e) => {
-                    not_started = Some((env.rank, e));
-                    break;
-                }
+                Err(e) => return (running, Some((env.rank, e))),
             }
         }
-        let mut running = Vec::with_capacity(starting.len());
-        for (env, worker) in starting {
-            let pid = worker.pid();
-            match worker.finish() {
-                Ok(worker) => running.push((env, worker)),
-                Err(e) => {
-                    watchdog.forget(pid);
-                    // The lowest rank that could not start is the one named.
-                    if not_started
-                        .as_ref()
-                        .is_none_or(|(rank, _)| *rank > env.rank)
-                    {
-                        not_started = Some((env.rank, e));
-                    }
-                }
-            }
-        }
-        (running, not_started)
+        (running, None)
     }
 
     /// Has the running workers followed and makes them the group's; if they cannot be, they
@@ -361,13 +340,10 @@ impl Group<'_> {
         self.workers.iter().filter(|w| w.ending.is_none()).count()
     }
 
-    /// The launcher's own children, which the adopted-process cleanup leaves alone: the workers
-    /// (their threads wait for them) and the orphan guard.
+    /// The launcher's own children, which the adopted-process cleanup leaves alone: the
+    /// workers (their threads wait for them). The orphan guard is not a child of the launcher.
     fn own_children(&self) -> Vec<i32> {
-        let mut pids: Vec<i32> = self.workers.iter().map(|w| w.pid).collect();
-        // Read each time: the guard forks a copy of itself a while after the start.
-        pids.extend(crate::watchdog::guard_pid());
-        pids
+        self.workers.iter().map(|w| w.pid).collect()
     }
 
     /// The signal the teardown sent the workers: the one `launch` received and forwarded
@@ -620,6 +596,9 @@ impl Group<'_> {
             }
         }
         self.stop_escaped();
+        if watchdog.kill_leftovers() {
+            warn!("processes the workers started were left in the job's cgroup: killed them");
+        }
         let drain_until = Instant::now() + DRAIN_TIMEOUT;
         while self.open_streams > 0 {
             match self.rx.recv_deadline(drain_until) {

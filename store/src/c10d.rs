@@ -47,7 +47,7 @@ use std::net::TcpStream;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::connect::{connect_any, connect_with_retries, Attempt};
+use super::connect::{connect_any, connect_with_retries, request_timeout, Attempt};
 use super::seal::{Seal, OVERHEAD};
 use super::*;
 
@@ -288,7 +288,7 @@ impl C10dClient {
     }
 
     pub(crate) fn set_io_timeout(&mut self, timeout: Duration) -> Result<(), StoreError> {
-        self.io_timeout = super::client::request_timeout(&self.stream, &self.addr, timeout)?;
+        self.io_timeout = request_timeout(&self.stream, &self.addr, timeout)?;
         Ok(())
     }
 

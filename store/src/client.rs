@@ -8,7 +8,9 @@ use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::c10d::C10dClient;
-use super::connect::{connect_any, connect_with_retries, Attempt, Patience, Silence};
+use super::connect::{
+    connect_any, connect_with_retries, request_timeout, Attempt, Patience, Silence,
+};
 use super::*;
 
 /// One rank's connection to the store. Requests are answered in order, one at a time. After a
@@ -694,24 +696,6 @@ fn shown_fingerprint(claimed: &str) -> String {
     } else {
         "(malformed)".into()
     }
-}
-
-/// Makes `timeout` (at least 1 ms) the limit of every write on `stream` to the store at `addr`,
-/// for either protocol's client; the limit its reads are to take too.
-pub(crate) fn request_timeout(
-    stream: &TcpStream,
-    addr: &str,
-    timeout: Duration,
-) -> Result<Duration, StoreError> {
-    let timeout = timeout.max(Duration::from_millis(1));
-    stream
-        .set_write_timeout(Some(timeout))
-        .map_err(|cause| StoreError::Connection {
-            addr: addr.to_string(),
-            op: "setting the request timeout".into(),
-            cause,
-        })?;
-    Ok(timeout)
 }
 
 #[cfg(test)]

@@ -347,6 +347,24 @@ mod bound_socket {
     }
 }
 
+/// Makes `timeout` (at least 1 ms) the limit of every write on `stream` to the store at `addr`,
+/// for either protocol's client; the limit its reads are to take too.
+pub(crate) fn request_timeout(
+    stream: &TcpStream,
+    addr: &str,
+    timeout: Duration,
+) -> Result<Duration, StoreError> {
+    let timeout = timeout.max(Duration::from_millis(1));
+    stream
+        .set_write_timeout(Some(timeout))
+        .map_err(|cause| StoreError::Connection {
+            addr: addr.to_string(),
+            op: "setting the request timeout".into(),
+            cause,
+        })?;
+    Ok(timeout)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -78,6 +78,8 @@ impl Plan {
             self.max_restarts,
             shape.max_restarts.source
         );
+        let orphans = crate::cgroup::describe(&crate::cgroup::probe());
+        let _ = writeln!(out, "  orphans:      {orphans}");
         let _ = writeln!(out, "  command:      {}", shell_words(&self.command));
         if let Some(wc) = &self.config {
             let _ = writeln!(

@@ -16,7 +16,7 @@ use nix::unistd::Pid;
 use tracing::warn;
 
 use super::Event;
-use crate::clone_spawn::{Child, Command, Starting};
+use crate::child::{Child, Command};
 use crate::console::Muting;
 use crate::output::{self, Sinks, Stream, Tail};
 use crate::plan::Plan;
@@ -35,35 +35,14 @@ impl Running {
     }
 }
 
-/// A worker cloned, setting up and exec'ing while the next one starts.
-pub(super) struct StartingWorker {
-    starting: Starting,
-    follow: Option<Follow>,
-}
-
-impl StartingWorker {
-    pub(super) fn pid(&self) -> i32 {
-        self.starting.pid()
-    }
-
-    /// Once it has exec'd (or with why it could not, reaped).
-    pub(super) fn finish(self) -> std::io::Result<Running> {
-        let child = self.starting.finish()?;
-        Ok(Running {
-            child,
-            follow: self.follow,
-        })
-    }
-}
-
-/// Starts the worker of `env` ([`StartingWorker::finish`] waits for its exec). Its output waits
-/// in its pipes until [`follow_group`], so that all the group's workers start before any of its
-/// threads.
+/// Starts the worker of `env`; returns once it has exec'd. Its output waits in its pipes until
+/// [`follow_group`], so that all the group's workers start before any of its threads.
 pub(super) fn start_worker(
     plan: &Plan,
     env: &WorkerEnv,
     display: Option<&Arc<Display>>,
-) -> std::io::Result<StartingWorker> {
+    cgroup: Option<&crate::cgroup::JobCgroup>,
+) -> std::io::Result<Running> {
     let mut command = worker_command(plan, env)?;
     let follow = display
         .map(|d| d.connect(&mut command, env.rank))
@@ -72,8 +51,11 @@ pub(super) fn start_worker(
     // has then been copied to 3 already).
     pass_store_listener(&mut command, plan, env);
     pin_to_cpus(&mut command, plan, env.local_rank);
-    let starting = command.start()?;
-    Ok(StartingWorker { starting, follow })
+    if let Some(cgroup) = cgroup {
+        command.join_cgroup(cgroup.procs());
+    }
+    let child = command.spawn()?;
+    Ok(Running { child, follow })
 }
 
 /// A followed worker: its ranks and pid, the stderr lines kept for the failure summary, and
@@ -132,7 +114,7 @@ pub(super) fn follow_group(
     if let Err(e) = started {
         for &pid in &pids {
             let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
-            let _ = crate::clone_spawn::wait(pid);
+            let _ = crate::child::wait(pid);
         }
         return Err(e);
     }
@@ -250,11 +232,10 @@ fn pin_to_cpus(command: &mut Command, plan: &Plan, local_rank: u32) {
     if plan.omp_threads.is_some() && map.exclusive {
         command.env("OMP_NUM_THREADS", cpus.len().to_string());
     }
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it (CPU ids come
-    // from the kernel's own set of the same size).
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let mut set = nix::sched::CpuSet::new();
     for &cpu in cpus {
-        unsafe { libc::CPU_SET(cpu, &mut set) };
+        // CPU ids come from the kernel's own set, of this size: never out of range.
+        let _ = set.set(cpu);
     }
     command.pin(set);
 }
@@ -331,7 +312,7 @@ fn pidfd(pid: i32) -> std::io::Result<OwnedFd> {
 /// Reports worker `pid`'s exit, which its pidfd says happened, without waiting: one that
 /// cannot be reaped yet (a debugger still holds it) is waited for on a thread of its own.
 fn report_exit_now(pid: i32, local_rank: u32, tx: Sender<Event>, round: u32) {
-    match crate::clone_spawn::try_wait(pid) {
+    match crate::child::try_wait(pid) {
         Ok(Some(status)) => send_exit(local_rank, status, &tx, round),
         Ok(None) => {
             let thread_tx = tx.clone();
@@ -351,7 +332,7 @@ fn report_exit_now(pid: i32, local_rank: u32, tx: Sender<Event>, round: u32) {
 /// Waits for worker `pid` (it has ended, or will) and sends its exit as an event.
 fn report_exit(pid: i32, local_rank: u32, tx: &Sender<Event>, round: u32) {
     // Cannot fail for our own child; report it as a kill rather than hang.
-    let status = crate::clone_spawn::wait(pid).unwrap_or(ExitStatus::from_raw(9));
+    let status = crate::child::wait(pid).unwrap_or(ExitStatus::from_raw(9));
     send_exit(local_rank, status, tx, round);
 }
 

@@ -4,6 +4,11 @@
 //! [`shm`] shared memory when every rank is on one host) and [`nccl`] (CUDA tensors); and
 //! [`flight`], which records any backend's last operations for the post-mortem.
 //! This module moves and reduces numbers; it must not know what they mean (that is `ddp`'s).
+//!
+//! The backends' method bodies look alike on purpose and are not shared: each is the trait's
+//! steps (check, flatten with [`flatten_f32`]-style helpers from here, move, unflatten) around
+//! its own transport (a ring or shared memory on the host, NCCL's calls on a stream); what is
+//! common (flattening, the output checks, the error types) lives here once.
 
 pub mod flight;
 pub mod nccl;
