@@ -101,8 +101,8 @@ mod tests {
 
     #[test]
     fn finds_reaps_and_stops_what_it_adopted() {
-        // SAFETY: prctl with an integer argument; makes this test process a subreaper.
-        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
+        // This test process becomes a subreaper, as `launch` is.
+        nix::sys::prctl::set_child_subreaper(true).unwrap();
         // A child that leaves behind an escaped sleeper and a short-lived orphan.
         let status = Command::new("sh")
             .args(["-c", "setsid sleep 30 & (sleep 0.1 &) ; exit 0"])
