@@ -80,8 +80,21 @@ impl Drop for JobCgroup {
         if self.populated() {
             self.kill();
         }
-        let _ = std::fs::remove_dir(&self.dir);
+        remove(&self.dir);
     }
+}
+
+/// Removes the cgroup `dir` and the cgroups below it, deepest first (a `launch` run by a
+/// worker makes its job's cgroup below ours, and one killed with its guard leaves it there).
+fn remove(dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                remove(&entry.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
 }
 
 /// Whether the cgroup `dir` has a process in it (its `cgroup.events` says `populated 1`).
@@ -108,10 +121,11 @@ pub fn kill(dir: &Path) -> bool {
     !populated(dir)
 }
 
-/// Kills what is left in `dir` and removes it (the orphan guard's end).
+/// Kills what is left in `dir` and removes it with the cgroups below it (the orphan guard's
+/// end).
 pub fn kill_and_remove(dir: &Path) {
     kill(dir);
-    let _ = std::fs::remove_dir(dir);
+    remove(dir);
 }
 
 /// The launcher's own cgroup directory, if a job cgroup can be made below it: cgroup v2

@@ -44,7 +44,7 @@ use tracing_subscriber::registry::LookupSpan;
 
 use crate::cli::Cli;
 use crate::plan::{Plan, PlanError};
-use crate::watchdog::{Watchdog, GUARD_ARG};
+use crate::watchdog::{Watchdog, GUARD_ARG, SWEEP_ARG};
 
 /// Exit code for bad input (command line, config, environment), as clap uses for usage errors.
 const EXIT_BAD_INPUT: i32 = 2;
@@ -55,8 +55,10 @@ fn main() {
     // SAFETY: a malloc setting, made before any other thread exists.
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
     let mut args = std::env::args_os().skip(1);
-    if args.next().is_some_and(|a| a == GUARD_ARG) {
-        watchdog::guard_main(args.next().map(Into::into));
+    match args.next() {
+        Some(a) if a == GUARD_ARG => watchdog::guard_main(args.next().map(Into::into)),
+        Some(a) if a == SWEEP_ARG => watchdog::sweep_main(args.next().map(Into::into)),
+        _ => {}
     }
     run()
 }

@@ -2,7 +2,8 @@
 //! that outlives the launcher when the launcher is killed without a word (SIGKILL, the OOM
 //! killer), and then kills what the workers left: the job's cgroup as one act (`cgroup.kill`,
 //! where [`crate::cgroup`] could make one), and every worker process group it was told of; then
-//! it sweeps what the killed workers left in `/dev/shm`. Workers die with the launcher through
+//! it execs itself without the launcher's environment (`--orphan-guard-sweep`) to sweep what the
+//! killed workers left in `/dev/shm` once they are gone. Workers die with the launcher through
 //! PR_SET_PDEATHSIG, but their own children would not.
 //!
 //! The launcher tells it over a pipe, one line each: `+PGID` (watch), `-PGID` (forget), `d`
@@ -28,6 +29,10 @@ use crate::cgroup::JobCgroup;
 /// The hidden first argument that runs this binary as the guard (the cgroup's directory, if
 /// any, follows).
 pub const GUARD_ARG: &str = "--orphan-guard";
+
+/// The hidden first argument of the guard's sweep after a kill (the cgroup's directory, if
+/// any, follows).
+pub const SWEEP_ARG: &str = "--orphan-guard-sweep";
 
 /// The launcher's end of the pipe to the guard, and the job's cgroup if it has one.
 pub struct Watchdog {
@@ -153,6 +158,22 @@ pub fn guard_main(cgroup: Option<PathBuf>) -> ! {
     for &pgid in groups.iter().filter(|&&p| p > 0) {
         let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
     }
+    // The sweep waits for the killed to be gone: a fresh program without the launcher's
+    // environment (nothing that carries the job's variables lingers), as `launch
+    // --orphan-guard-sweep [CGROUP]`; inline where it cannot be started.
+    let e = std::process::Command::new("/proc/self/exe")
+        .arg0("launch-watchdog")
+        .arg(SWEEP_ARG)
+        .args(&cgroup)
+        .env_clear()
+        .exec();
+    tracing::debug!("cannot exec the sweep: {e}");
+    sweep_main(cgroup)
+}
+
+/// After the launcher was killed and its workers with it: what they had not unlinked in
+/// `/dev/shm`, once they are gone, and the job's cgroup.
+pub fn sweep_main(cgroup: Option<PathBuf>) -> ! {
     for wait_ms in [100, 400, 1500] {
         std::thread::sleep(std::time::Duration::from_millis(wait_ms));
         crate::shm_sweep::sweep_stale();
