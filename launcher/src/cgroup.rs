@@ -73,6 +73,21 @@ impl JobCgroup {
     pub fn kill(&self) -> bool {
         kill(&self.dir)
     }
+
+    /// What the kernel counted for the whole job, where its controllers are on for this
+    /// cgroup: the peak memory (bytes) and the most processes at once.
+    pub fn peaks(&self) -> (Option<u64>, Option<u64>) {
+        peaks(&self.dir)
+    }
+}
+
+/// `memory.peak` and `pids.peak` of the cgroup `dir`, each where the file is there.
+fn peaks(dir: &Path) -> (Option<u64>, Option<u64>) {
+    let read = |name: &str| {
+        let text = std::fs::read_to_string(dir.join(name)).ok()?;
+        text.trim().parse::<u64>().ok()
+    };
+    (read("memory.peak"), read("pids.peak"))
 }
 
 impl Drop for JobCgroup {
@@ -214,6 +229,15 @@ pub fn describe(probed: &Result<PathBuf, String>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peaks_are_read_where_the_controllers_left_them() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(peaks(dir.path()), (None, None));
+        std::fs::write(dir.path().join("memory.peak"), "1048576\n").unwrap();
+        std::fs::write(dir.path().join("pids.peak"), "7\n").unwrap();
+        assert_eq!(peaks(dir.path()), (Some(1 << 20), Some(7)));
+    }
 
     #[test]
     fn the_cgroup2_mount_is_found_among_v1_mounts() {

@@ -151,6 +151,7 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
             128 + signal
         }
     };
+    crate::supervisor::report_peaks(&watchdog);
     watchdog.disarm();
     code
 }
