@@ -72,6 +72,8 @@ pub enum Kind {
     AllGather = 3,
     Barrier = 4,
     HostShared = 5,
+    ReduceScatter = 6,
+    AllGatherShards = 7,
 }
 
 impl Kind {
@@ -82,6 +84,8 @@ impl Kind {
             Kind::AllGather => "all_gather",
             Kind::Barrier => "barrier",
             Kind::HostShared => "host_shared",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::AllGatherShards => "all_gather_shards",
         }
     }
 
@@ -92,6 +96,8 @@ impl Kind {
             3 => Kind::AllGather,
             4 => Kind::Barrier,
             5 => Kind::HostShared,
+            6 => Kind::ReduceScatter,
+            7 => Kind::AllGatherShards,
             _ => return None,
         })
     }

@@ -333,6 +333,29 @@ impl Collective for Recorded {
         self.run(op(Kind::Barrier, &[], ctx), |c| c.barrier(ctx))
     }
 
+    fn shard_of(&self, n: usize) -> std::ops::Range<usize> {
+        self.inner.shard_of(n)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        flat: &mut Tensor,
+        reduce: ReduceOp,
+        ctx: OpContext,
+    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let entry = op(Kind::ReduceScatter, std::slice::from_ref(flat), ctx);
+        self.run(entry, |c| c.reduce_scatter(flat, reduce, ctx))
+    }
+
+    fn all_gather_shards(
+        &mut self,
+        flat: &mut Tensor,
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        let entry = op(Kind::AllGatherShards, std::slice::from_ref(flat), ctx);
+        self.run(entry, |c| c.all_gather_shards(flat, ctx))
+    }
+
     fn host_shared(
         &mut self,
         floats: usize,

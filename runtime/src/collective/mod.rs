@@ -15,9 +15,10 @@ pub mod nccl;
 pub mod shm;
 pub mod tcp;
 
+use std::ops::Range;
 use std::time::Duration;
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// How values from all ranks are combined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,6 +131,40 @@ pub trait Collective: Send {
 
     /// Returns once every rank has entered the barrier.
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError>;
+
+    /// This rank's shard of a flat buffer of `n` elements: the ranges of all ranks partition
+    /// `0..n`, a function of `n`, the world and the rank (the same on every rank for a given
+    /// backend). Default: the even split, rank `r` holding `r*n/W .. (r+1)*n/W`.
+    fn shard_of(&self, n: usize) -> Range<usize> {
+        even_shard(n, self.world_size(), self.rank())
+    }
+
+    /// Reduces the contiguous f32 tensor `flat` across ranks, leaving this rank's shard
+    /// ([`Collective::shard_of`]) holding exactly what [`Collective::all_reduce`] would have
+    /// put there, bit for bit; the rest of `flat` is unspecified. Returns the shard. Default:
+    /// a whole all-reduce (every part then holds its sum).
+    fn reduce_scatter(
+        &mut self,
+        flat: &mut Tensor,
+        op: ReduceOp,
+        ctx: OpContext,
+    ) -> Result<Range<usize>, CollectiveError> {
+        check_flat("reduce_scatter", flat)?;
+        self.all_reduce(std::slice::from_mut(flat), op, ctx)?;
+        Ok(self.shard_of(flat.numel()))
+    }
+
+    /// Fills the contiguous f32 tensor `flat` outside this rank's shard from the ranks that
+    /// hold the rest, so that after [`Collective::reduce_scatter`] it is what
+    /// [`Collective::all_reduce`] gives, bit for bit. Default: every rank zeroes all but its
+    /// shard and the whole is summed (exact: x + 0 = x).
+    fn all_gather_shards(
+        &mut self,
+        flat: &mut Tensor,
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        all_gather_shards_by_sum(self, flat, ctx)
+    }
 
     /// Memory that every rank maps, when all of them run on one host and the backend can share
     /// it there: `floats` f32s, zeroed. `None` otherwise (the default). Every rank must call it
@@ -340,6 +375,44 @@ pub fn connect(
             )?)
         }
     })
+}
+
+/// [`Collective::all_gather_shards`] as a sum: every rank zeroes all but its shard, and the
+/// whole is all-reduced (exact: x + 0 = x).
+pub fn all_gather_shards_by_sum<C: Collective + ?Sized>(
+    c: &mut C,
+    flat: &mut Tensor,
+    ctx: OpContext,
+) -> Result<(), CollectiveError> {
+    check_flat("all_gather_shards", flat)?;
+    let n = flat.numel();
+    let own = c.shard_of(n);
+    let _ = flat.narrow(0, 0, own.start as i64).fill_(0.0);
+    let _ = flat
+        .narrow(0, own.end as i64, (n - own.end) as i64)
+        .fill_(0.0);
+    c.all_reduce(std::slice::from_mut(flat), ReduceOp::Sum, ctx)
+}
+
+/// Rank `rank`'s part of `n` elements split evenly over `world` ranks.
+pub fn even_shard(n: usize, world: usize, rank: usize) -> Range<usize> {
+    let world = world.max(1);
+    rank * n / world..(rank + 1) * n / world
+}
+
+/// A sharded operation's buffer: one contiguous, one-dimensional f32 CPU or device tensor.
+fn check_flat(op: &'static str, flat: &Tensor) -> Result<(), CollectiveError> {
+    if flat.kind() != Kind::Float || flat.dim() != 1 || !flat.is_contiguous() {
+        return Err(CollectiveError::Unsupported {
+            op,
+            detail: format!(
+                "needs one contiguous 1-d f32 tensor, got {:?} of shape {:?}",
+                flat.kind(),
+                flat.size()
+            ),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -199,38 +199,6 @@ impl TcpCollective {
         }
     }
 
-    /// Ring all-reduce (sum) of `buf` in place.
-    fn ring_all_reduce(
-        &mut self,
-        buf: &mut [f32],
-        ctx: OpContext,
-        deadline: Instant,
-    ) -> Result<(), CollectiveError> {
-        let (w, r, n) = (self.world, self.rank, buf.len());
-        let bounds = |i: usize| (i * n / w, (i + 1) * n / w);
-        // Reduce-scatter: after W-1 steps chunk (r+1) % W holds the full sum.
-        for s in 0..w - 1 {
-            let send = bounds((r + w - s) % w);
-            let recv = bounds((r + 2 * w - s - 1) % w);
-            let (send_bytes, sink) = split_send_recv(buf, send, recv);
-            self.transfer(send_bytes, Sink::Add(sink), "all_reduce", ctx, deadline)?;
-        }
-        // All-gather: pass the finished chunks around.
-        for s in 0..w - 1 {
-            let send = bounds((r + 1 + w - s) % w);
-            let recv = bounds((r + w - s) % w);
-            let (send_bytes, sink) = split_send_recv(buf, send, recv);
-            self.transfer(
-                send_bytes,
-                Sink::Copy(as_bytes_mut(sink)),
-                "all_reduce",
-                ctx,
-                deadline,
-            )?;
-        }
-        Ok(())
-    }
-
     /// The rest of a hierarchical all-reduce (nothing on one host) once `buf` holds this host's
     /// sum: the leaders
     /// all-reduce it over their ring, then each leader's result reaches its host's ranks as a
@@ -666,6 +634,36 @@ impl Collective for TcpCollective {
         Ok(())
     }
 
+    /// The ring's own: chunk (r+1) % W, which its reduce-scatter finishes on this rank.
+    fn shard_of(&self, n: usize) -> std::ops::Range<usize> {
+        let (start, end) = self.ring_chunk(self.rank + 1, n);
+        start..end
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        flat: &mut Tensor,
+        op: ReduceOp,
+        ctx: OpContext,
+    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+        if !self.ring_shards(flat) {
+            self.all_reduce(std::slice::from_mut(flat), op, ctx)?;
+            return Ok(self.shard_of(flat.numel()));
+        }
+        self.ring_reduce_scatter(flat, op, ctx)
+    }
+
+    fn all_gather_shards(
+        &mut self,
+        flat: &mut Tensor,
+        ctx: OpContext,
+    ) -> Result<(), CollectiveError> {
+        if !self.ring_shards(flat) {
+            return super::all_gather_shards_by_sum(self, flat, ctx);
+        }
+        self.ring_all_gather(flat, ctx)
+    }
+
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError> {
         if self.world == 1 {
             return Ok(());
@@ -741,6 +739,8 @@ fn op_name(code: u8) -> &'static str {
         1 => "all_reduce",
         2 => "broadcast",
         3 => "all_gather",
+        4 => "reduce_scatter",
+        5 => "all_gather_shards",
         _ => "an unknown operation",
     }
 }
@@ -784,6 +784,7 @@ fn split_pair<T>(buf: &mut [T], send: (usize, usize), recv: (usize, usize)) -> (
 }
 
 mod link;
+mod ring;
 mod setup;
 
 #[cfg(any(test, feature = "test-support"))]

@@ -517,3 +517,75 @@ fn mismatched_operations_are_reported() {
     let message = results.into_iter().flatten().next().expect("an error");
     assert!(message.contains("at step 5: ranks disagree"), "{message}");
 }
+
+/// Values whose sums depend on the order they are added in (magnitudes 1e-3 to 1e5), so that
+/// "the same bits" means the same reduction order.
+fn uneven(rank: usize, i: usize) -> f32 {
+    let x = ((rank * 7919 + i * 104_729) % 1_000_003) as f32 / 1_000_003.0;
+    (x - 0.5) * 10f32.powi(((rank + i) % 9) as i32 - 3)
+}
+
+/// `reduce_scatter` leaves each rank's shard exactly as `all_reduce` would, the shards
+/// partition the buffer, and `all_gather_shards` after it gives `all_reduce`'s result bit for
+/// bit: over the ring alone (its own halves), with shared memory and across hosts (the
+/// defaults), at every world, for sizes the world does not divide, summed and averaged.
+#[test]
+fn reduce_scatter_then_all_gather_shards_is_all_reduce_bit_for_bit() {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    type Run =
+        Box<dyn Fn(Box<dyn Fn(usize, &mut TcpCollective) -> Check + Send + Sync>) -> Vec<Check>>;
+    type Check = (Vec<u32>, Vec<u32>, std::ops::Range<usize>, Vec<u32>);
+    let setups: Vec<(String, Run)> = [1u32, 2, 3, 4]
+        .into_iter()
+        .flat_map(|w| {
+            [false, true].map(move |shared_memory| {
+                let run: Run = Box::new(move |body| {
+                    with_ring_opts(w, TcpOptions { shared_memory }, move |r, c| body(r, c))
+                });
+                (format!("world {w}, shared memory {shared_memory}"), run)
+            })
+        })
+        .chain(std::iter::once({
+            let run: Run =
+                Box::new(|body| with_hosts(2, 2, TcpOptions::default(), move |r, c| body(r, c)));
+            ("2 hosts x 2".to_string(), run)
+        }))
+        .collect();
+    for (name, run) in &setups {
+        for (len, op) in [
+            (1001usize, ReduceOp::Sum),
+            (10_007, ReduceOp::Avg),
+            (3, ReduceOp::Sum),
+        ] {
+            let results = run(Box::new(move |rank, comm| {
+                let data: Vec<f32> = (0..len).map(|i| uneven(rank, i)).collect();
+                let mut whole = [Tensor::from_slice(&data)];
+                comm.all_reduce(&mut whole, op, CTX).unwrap();
+                let mut flat = Tensor::from_slice(&data);
+                let shard = comm.reduce_scatter(&mut flat, op, CTX).unwrap();
+                let scattered = Vec::<f32>::try_from(&flat).unwrap();
+                comm.all_gather_shards(&mut flat, CTX).unwrap();
+                let reduced = Vec::<f32>::try_from(&whole[0]).unwrap();
+                let gathered = Vec::<f32>::try_from(&flat).unwrap();
+                (bits(&reduced), bits(&gathered), shard, bits(&scattered))
+            }));
+            let mut shards: Vec<_> = results.iter().map(|r| r.2.clone()).collect();
+            shards.sort_by_key(|s| (s.start, s.end));
+            assert_eq!(shards.first().map(|s| s.start), Some(0), "{name}");
+            assert_eq!(shards.last().map(|s| s.end), Some(len), "{name}");
+            assert!(
+                shards.windows(2).all(|p| p[0].end == p[1].start),
+                "{name}: {shards:?}"
+            );
+            for (rank, (reduced, gathered, shard, scattered)) in results.iter().enumerate() {
+                assert_eq!(&reduced, &&results[0].0, "{name}: ranks' all_reduce differ");
+                assert_eq!(
+                    scattered[shard.clone()],
+                    reduced[shard.clone()],
+                    "{name} rank {rank}: shard"
+                );
+                assert_eq!(gathered, reduced, "{name} rank {rank} len {len}: gathered");
+            }
+        }
+    }
+}
