@@ -151,7 +151,7 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
             128 + signal
         }
     };
-    crate::supervisor::report_peaks(&watchdog);
+    watchdog.report_peaks();
     watchdog.disarm();
     code
 }

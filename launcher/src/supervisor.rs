@@ -117,25 +117,9 @@ pub fn run(plan: &Plan, mut watchdog: Watchdog, events: (Sender<Event>, Receiver
             }
         }
     };
-    report_peaks(&watchdog);
+    watchdog.report_peaks();
     watchdog.disarm();
     code
-}
-
-/// The job's peak memory and processes, where its cgroup has the controllers that count them.
-pub(crate) fn report_peaks(watchdog: &Watchdog) {
-    let Some(cgroup) = watchdog.cgroup() else {
-        return;
-    };
-    let (memory, pids) = cgroup.peaks();
-    let parts: Vec<String> = memory
-        .map(|b| format!("peak memory {:.1} MiB", b as f64 / (1u64 << 20) as f64))
-        .into_iter()
-        .chain(pids.map(|n| format!("at most {n} processes")))
-        .collect();
-    if !parts.is_empty() {
-        info!("the job's cgroup: {}", parts.join(", "));
-    }
 }
 
 /// One run of the worker group (round `round`): sweeps what dead runs left in shared memory

@@ -104,6 +104,23 @@ impl Watchdog {
         }
     }
 
+    /// Says the job's peak memory and processes, where its cgroup has the controllers that
+    /// count them (at the run's end).
+    pub fn report_peaks(&self) {
+        let Some(cgroup) = &self.cgroup else {
+            return;
+        };
+        let (memory, pids) = cgroup.peaks();
+        let parts: Vec<String> = memory
+            .map(|b| format!("peak memory {:.1} MiB", b as f64 / (1u64 << 20) as f64))
+            .into_iter()
+            .chain(pids.map(|n| format!("at most {n} processes")))
+            .collect();
+        if !parts.is_empty() {
+            tracing::info!("the job's cgroup: {}", parts.join(", "));
+        }
+    }
+
     /// Normal exit: the guard leaves without killing anything; the cgroup is removed.
     pub fn disarm(mut self) {
         self.say("d");

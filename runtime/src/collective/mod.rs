@@ -149,9 +149,7 @@ pub trait Collective: Send {
         op: ReduceOp,
         ctx: OpContext,
     ) -> Result<Range<usize>, CollectiveError> {
-        check_flat("reduce_scatter", flat)?;
-        self.all_reduce(std::slice::from_mut(flat), op, ctx)?;
-        Ok(self.shard_of(flat.numel()))
+        reduce_scatter_by_all_reduce(self, flat, op, ctx)
     }
 
     /// Fills the contiguous f32 tensor `flat` outside this rank's shard from the ranks that
@@ -375,6 +373,18 @@ pub fn connect(
             )?)
         }
     })
+}
+
+/// [`Collective::reduce_scatter`] as a whole all-reduce (every part then holds its sum).
+pub fn reduce_scatter_by_all_reduce<C: Collective + ?Sized>(
+    c: &mut C,
+    flat: &mut Tensor,
+    op: ReduceOp,
+    ctx: OpContext,
+) -> Result<Range<usize>, CollectiveError> {
+    check_flat("reduce_scatter", flat)?;
+    c.all_reduce(std::slice::from_mut(flat), op, ctx)?;
+    Ok(c.shard_of(flat.numel()))
 }
 
 /// [`Collective::all_gather_shards`] as a sum: every rank zeroes all but its shard, and the

@@ -647,8 +647,7 @@ impl Collective for TcpCollective {
         ctx: OpContext,
     ) -> Result<std::ops::Range<usize>, CollectiveError> {
         if !self.ring_shards(flat) {
-            self.all_reduce(std::slice::from_mut(flat), op, ctx)?;
-            return Ok(self.shard_of(flat.numel()));
+            return super::reduce_scatter_by_all_reduce(self, flat, op, ctx);
         }
         self.ring_reduce_scatter(flat, op, ctx)
     }
