@@ -227,11 +227,32 @@ fn accelerates_test_script_passes_under_launch() {
         bin.display(),
         std::env::var("PATH").unwrap_or_default()
     );
-    let mut cmd = launch_cmd(&args);
-    cmd.current_dir(work.path())
-        .env("PATH", path)
-        .env("HF_HOME", work.path().join("hf"));
-    let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(300));
+    let run = || {
+        let mut cmd = launch_cmd(&args);
+        cmd.current_dir(work.path())
+            .env("PATH", &path)
+            .env("HF_HOME", work.path().join("hf"));
+        wait_output(cmd.spawn().unwrap(), Duration::from_secs(300))
+    };
+    // PyTorch 2.11's own exit race (described in pytorch/pytorch#179291 and #190489): a gloo
+    // worker thread that frees its last all-reduce after the interpreter began finalizing
+    // takes the GIL and aborts ("terminate called without an active exception"). Seen here in
+    // 5 to 25 runs in a hundred, with workers started by a plain `subprocess.Popen` too. Only
+    // that abort, after the script's last check, is run again; any other failure, or that
+    // one three times, fails the test.
+    let mut out = run();
+    for _ in 0..2 {
+        let upstream_exit_abort = out.code() == Some(134)
+            && out.stdout.contains("**Breakpoint trigger test**")
+            && out
+                .all()
+                .contains("terminate called without an active exception");
+        if !upstream_exit_abort {
+            break;
+        }
+        eprintln!("PyTorch's exit-time gloo abort (pytorch/pytorch#190489); running again");
+        out = run();
+    }
     out.assert_code(0);
     out.assert_stdout_all(&[
         "[rank 0] **Initialization**",
