@@ -498,6 +498,16 @@ pub struct DistConfig {
     /// CPU machine, it pays only where the all-reduce mostly waits, as on a network, and the
     /// dense gradients are large: see docs/figures.md).
     pub overlap_backward: bool,
+    /// ZeRO stage (as DeepSpeed's `zero_stage`): `0` keeps the AdamW moments of every parameter
+    /// on every rank; `1` keeps each dense parameter's moments once across the ranks, each rank
+    /// its shard of every gradient bucket (gradients reduce-scattered, parameters all-gathered
+    /// after the update): the moments take 1/world of their memory, on any backend, GPUs and
+    /// several hosts included, and the numbers are DDP's (bit for bit on CPUs). On one CPU host
+    /// with shared memory, `shard_optimizer` is the faster form of stage 1 and is used instead.
+    /// Row-sparse embedding tables keep their moments on every rank. Stages 2 and 3 are not
+    /// built yet. Checkpoints hold the whole state whatever the stage: any stage and world
+    /// size resumes them. Default: `0`.
+    pub zero: u8,
     /// Refuse to run when the run id is no secret (a multi-node run given none, so torchrun's
     /// public `none`, or one derived from the Slurm job), instead of warning that anyone who
     /// reaches the rendezvous can join. `launch` checks it before starting, the worker again
@@ -534,6 +544,7 @@ impl Default for DistConfig {
             shared_tables: true,
             shard_optimizer: true,
             overlap_backward: false,
+            zero: 0,
             require_secret: false,
         }
     }
@@ -946,7 +957,7 @@ timeout_s = 60
         assert_errors(&[
             (
                 "[batch]\nmicro = 4\n\n[dist]\n  backnd = \"tcp\"\n",
-                "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret)",
+                "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, zero, require_secret)",
             ),
             (
                 "[batch]\nmicro = 4\n[optim]\nlr = 1\n",
@@ -1088,6 +1099,18 @@ timeout_s = 60
         }
         let c = parse_with(MINIMAL, &[history, "model.history_dropout=0.25"]).unwrap();
         assert_eq!(c.model.history_dropout, 0.25);
+    }
+
+    #[test]
+    fn zero_is_a_stage_that_is_built() {
+        let err = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap_err().to_string();
+        assert_eq!(
+            err(&["dist.zero=2"]),
+            "--set dist.zero=2: `dist.zero` must be 0 or 1 (got 2): stage 1 shards AdamW's moments; stages 2 and 3 (gradients, parameters) are not built yet"
+        );
+        assert!(err(&["dist.zero=\"auto\""]).contains("dist.zero"));
+        assert_eq!(parse_with(MINIMAL, &[]).unwrap().dist.zero, 0);
+        assert_eq!(parse_with(MINIMAL, &["dist.zero=1"]).unwrap().dist.zero, 1);
     }
 
     #[test]
@@ -1486,7 +1509,7 @@ timeout_s = 60
             timeout_s in 1u64..=u64::MAX,
             rendezvous_timeout_s in prop::option::of(1u64..=u64::MAX),
             (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
-            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>()),
+            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret, zero) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), 0u8..=1),
             (every_n_steps, keep, resume, load_optimizer) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"], any::<bool>()),
             (scorer, l2, max_text_tokens, trainable_layers) in (prop_oneof![Just(ScorerKind::Dot), Just(ScorerKind::Mlp)], prop_oneof![Just(0.0f64), 0.0f64..1.0], 1usize..=1024, prop::option::of(0u32..=48)),
             (topk, every_n_epochs, patience, batch_users, cold_items, cold_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096, prop_oneof![Just(0.0f64), 0.0f64..=0.5], prop_oneof![Just(0.0f64), 0.0f64..=0.5]),
@@ -1511,7 +1534,7 @@ timeout_s = 60
                 model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false, user_tower: UserTower::Id, history_dropout: 0.0 },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false, tf32: true, ..Default::default() },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
-                dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret },
+                dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, zero, require_secret },
                 checkpoint: CheckpointConfig { every_n_steps, keep, resume, load_optimizer },
                 eval: EvalConfig { topk, every_n_epochs, metric, patience, batch_users, ease_reg: 250.0 },
             }

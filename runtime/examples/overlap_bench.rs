@@ -115,6 +115,7 @@ fn run(b: Bench, overlap: bool) -> Vec<Times> {
             shared_tables: false,
             shard_optimizer: false,
             overlap_backward: overlap,
+            zero: 0,
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).expect("engine");
         assert_eq!(ddp.overlaps_backward(), overlap);

@@ -100,6 +100,54 @@ fn host_sum_of_squares(g: &ClipGrad<'_>) -> Result<Option<f64>, tch::TchError> {
     add_rows(rows, g.rows, row).map(Some)
 }
 
+/// The sum of squares of one gradient (of its listed rows) in f64, as [`clip_grads`] adds it
+/// up: from its rows where it is a contiguous f32 CPU gradient, else its norm where it lies,
+/// squared (one read per call).
+pub(crate) fn sum_of_squares(g: &ClipGrad<'_>) -> Result<f64, tch::TchError> {
+    match host_sum_of_squares(g)? {
+        Some(s) => Ok(s),
+        None => crate::host_read::scalar(&device_norm(g)?.f_square()?),
+    }
+}
+
+/// The sums of squares of `rows` of `values` seen as rows of `width` floats (a flattened
+/// gradient, or a buffer of whole rows), in f64: [`row_sum_of_squares`] of each on a
+/// contiguous f32 CPU tensor, so a row gives the bits it gives wherever it lies; elsewhere one
+/// kernel on the device and one read.
+pub(crate) fn row_sums(
+    values: &Tensor,
+    width: usize,
+    rows: std::ops::Range<i64>,
+) -> Result<Vec<f64>, tch::TchError> {
+    let count = (rows.end - rows.start).max(0);
+    let needed = (rows.end.max(0) as usize) * width;
+    if count == 0 || width == 0 {
+        return Ok(vec![0.0; count as usize]);
+    }
+    if values.numel() < needed || values.dim() != 1 {
+        return Err(tch::TchError::Torch(format!(
+            "clipping: rows {rows:?} of width {width} outside {} values",
+            values.numel()
+        )));
+    }
+    let cpu_f32 = values.device() == Device::Cpu && values.kind() == Kind::Float;
+    if cpu_f32 && values.is_contiguous() {
+        // SAFETY: a contiguous f32 CPU buffer of at least `needed` elements, alive and
+        // unchanged for this call (clipping runs on the training thread, under no_grad).
+        let all = unsafe { std::slice::from_raw_parts(values.data_ptr() as *const f32, needed) };
+        let row = |r: i64| row_sum_of_squares(&all[r as usize * width..(r as usize + 1) * width]);
+        return Ok(rows.map(row).collect());
+    }
+    let block = values
+        .f_narrow(0, rows.start * width as i64, count * width as i64)?
+        .f_view([count, width as i64])?
+        .f_to_kind(Kind::Double)?;
+    let sums = block
+        .f_square()?
+        .f_sum_dim_intlist(1, false, Kind::Double)?;
+    Vec::<f64>::try_from(sums.f_to_device(Device::Cpu)?)
+}
+
 /// A gradient's sum of squares from its rows' (`row(r)`, in f64): all `rows` of them in row
 /// order, or the `listed` ones. The one place rows are added up, so that every path that
 /// clips (whole gradients, listed rows, `ddp`'s sharded step from rows summed by several

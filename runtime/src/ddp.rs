@@ -21,12 +21,14 @@ mod param_check;
 mod sharded_step;
 mod shared_tables;
 mod summary;
+mod zero;
 pub use host_shards::mean_into;
 use host_shards::HostShards;
 use overlap::Overlap;
 pub use overlap::OverlapError;
 use shared_tables::SharedTables;
 use summary::touched_rows;
+use zero::ZeroLayout;
 
 /// Engine settings (from `[train]`, `[batch]` and `[dist]`).
 #[derive(Debug, Clone)]
@@ -62,6 +64,11 @@ pub struct DdpConfig {
     /// earlier, so the same numbers. For the all-reduce path only: ignored by a sharded engine
     /// and by a rank alone.
     pub overlap_backward: bool,
+    /// ZeRO stage: 0 keeps everything on every rank; 1 keeps AdamW's moments of the dense
+    /// parameters once across the ranks, each rank its shard (see `zero`), on any backend and
+    /// across hosts: the same numbers. Where `shard_optimizer` applies (one CPU host, shared
+    /// memory) that faster form of stage 1 is used instead. Ignored by a rank alone.
+    pub zero: u8,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -209,6 +216,8 @@ pub struct Ddp {
     left_out: Vec<u64>,
     /// The gradient hooks and their state, with [`DdpConfig::overlap_backward`] where it applies.
     overlap: Option<Overlap>,
+    /// Where each rank's shard lies, with ZeRO stage 1 ([`DdpConfig::zero`]) where it applies.
+    zero: Option<ZeroLayout>,
 }
 
 impl Ddp {
@@ -259,6 +268,7 @@ impl Ddp {
             param_names,
             left_out: Vec::new(),
             overlap: None,
+            zero: None,
         };
         ddp.broadcast_params(0)?;
         if ddp.config.shard_optimizer {
@@ -271,8 +281,15 @@ impl Ddp {
             let ctx = ddp.ctx(0);
             ddp.shared = SharedTables::new(ddp.comm.as_mut(), &ddp.params, &tables, ctx)?;
         }
+        if ddp.config.zero >= 1 && !alone && ddp.shards.is_none() {
+            let ctx = ddp.ctx(0);
+            give_dense_grads(&ddp.params)?;
+            let layout = ZeroLayout::new(ddp.comm.as_mut(), &ddp.params, &ddp.buckets, ctx)?;
+            ddp.zero = Some(layout);
+        }
         // Alone, or sharded, there is no bucket all-reduce to overlap.
-        if ddp.config.overlap_backward && !alone && ddp.shards.is_none() && ddp.bucket_count() > 0 {
+        let sharded = ddp.shards.is_some() || ddp.zero.is_some();
+        if ddp.config.overlap_backward && !alone && !sharded && ddp.bucket_count() > 0 {
             ddp.overlap = Some(Overlap::new(&ddp.params, &ddp.param_names, &ddp.buckets)?);
         }
         Ok(ddp)
@@ -452,6 +469,9 @@ impl Ddp {
             time.collective += reducing.elapsed();
             let check_due = self.check_due(step);
             self.sharded_update(&summary, check_due, optimizer, lr, ctx, &mut time)?
+        } else if self.zero.is_some() {
+            time.collective += reducing.elapsed();
+            self.zero_update(&summary, optimizer, lr, ctx, &mut time)?
         } else {
             self.reduce_sparse(&summary, ctx)?;
             if self.overlap.is_none() {

@@ -220,13 +220,53 @@ pub struct AdamW {
     /// Per parameter: the only rows this optimizer updates (see [`AdamW::update_rows_only`]),
     /// or `None` for all of it.
     rows: Vec<Option<Range<i64>>>,
+    /// Per parameter: the only elements (of its values flattened) this optimizer holds moments
+    /// for and updates ([`AdamW::with_elements`], ZeRO stage 1), or `None` for all of it.
+    elements: Vec<Option<Range<i64>>>,
+    /// Every parameter's shape: what its moments have in a checkpoint, whatever is kept here.
+    shapes: Vec<Vec<i64>>,
 }
 
 impl AdamW {
     /// An optimizer for `params` (in this order, which `step` must keep); both moments start as
     /// zeros shaped, typed and placed like each parameter.
     pub fn new(params: &[Tensor], beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> AdamW {
+        let whole = vec![None; params.len()];
+        AdamW::with_elements(params, whole, beta1, beta2, eps, weight_decay)
+    }
+
+    /// [`AdamW::new`], keeping moments for and updating only `elements[i]` of parameter `i`'s
+    /// flattened values where it is `Some` (a rank's shard under ZeRO stage 1): the moments of
+    /// the rest are never allocated here. The update is element-wise, so each element gets
+    /// the bits the whole parameter's update would give it.
+    ///
+    /// Panics if `elements` does not have one entry per parameter or a range lies outside its
+    /// parameter (a programming error: the engine computes them).
+    pub fn with_elements(
+        params: &[Tensor],
+        elements: Vec<Option<Range<i64>>>,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    ) -> AdamW {
+        assert_eq!(
+            elements.len(),
+            params.len(),
+            "one element range per parameter"
+        );
         let _guard = tch::no_grad_guard();
+        let zeros = |(p, e): (&Tensor, &Option<Range<i64>>)| match e {
+            Some(e) => {
+                assert!(
+                    e.start <= e.end && e.end <= p.numel() as i64,
+                    "{e:?} outside {:?}",
+                    p.size()
+                );
+                Tensor::zeros([e.end - e.start], (p.kind(), p.device()))
+            }
+            None => p.zeros_like(),
+        };
         AdamW {
             lr: 0.0,
             beta1,
@@ -234,10 +274,18 @@ impl AdamW {
             eps,
             weight_decay,
             step: 0,
-            exp_avg: params.iter().map(Tensor::zeros_like).collect(),
-            exp_avg_sq: params.iter().map(Tensor::zeros_like).collect(),
+            exp_avg: params.iter().zip(&elements).map(zeros).collect(),
+            exp_avg_sq: params.iter().zip(&elements).map(zeros).collect(),
             rows: vec![None; params.len()],
+            shapes: params.iter().map(Tensor::size).collect(),
+            elements,
         }
+    }
+
+    /// The elements of parameter `i` this optimizer keeps, when only some
+    /// ([`AdamW::with_elements`]).
+    pub fn elements_kept(&self, i: usize) -> Option<Range<i64>> {
+        self.elements.get(i).cloned().flatten()
     }
 
     /// One step with learning rate `lr` over `params` (the same tensors, in the same order, as
@@ -276,25 +324,42 @@ impl AdamW {
         };
         // Whole parameters on a GPU go to the fused kernel together, the rest one by one.
         let mut on_gpu = multi_tensor::Batch::default();
-        for (((param, exp_avg), exp_avg_sq), rows) in params
+        for ((((param, exp_avg), exp_avg_sq), rows), elements) in params
             .iter()
             .zip(&self.exp_avg)
             .zip(&self.exp_avg_sq)
             .zip(&self.rows)
+            .zip(&self.elements)
         {
             let grad = param.grad();
             if !grad.defined() {
                 continue;
             }
-            if rows.is_none() && on_gpu.take(param, &grad, exp_avg, exp_avg_sq) {
+            let whole = rows.is_none() && elements.is_none();
+            if whole && on_gpu.take(param, &grad, exp_avg, exp_avg_sq) {
                 continue;
             }
-            // The update is element-wise: a range of rows is updated as the whole would be.
-            let part = |t: &Tensor| match rows {
-                Some(r) => t.narrow(0, r.start, r.end - r.start),
-                None => t.shallow_clone(),
+            // The update is element-wise: a range of rows (or of elements) is updated as the
+            // whole would be.
+            let (p, g, mut m, mut v) = match (rows, elements) {
+                (_, Some(e)) if e.is_empty() => continue,
+                (_, Some(e)) => (
+                    flat_part(param, e),
+                    flat_part(&grad, e),
+                    exp_avg.shallow_clone(),
+                    exp_avg_sq.shallow_clone(),
+                ),
+                (Some(r), None) => {
+                    let part = |t: &Tensor| t.narrow(0, r.start, r.end - r.start);
+                    (part(param), part(&grad), part(exp_avg), part(exp_avg_sq))
+                }
+                (None, None) => (
+                    param.shallow_clone(),
+                    grad,
+                    exp_avg.shallow_clone(),
+                    exp_avg_sq.shallow_clone(),
+                ),
             };
-            let (p, g, mut m, mut v) = (part(param), part(&grad), part(exp_avg), part(exp_avg_sq));
             if !scalars.fused(&p, &g, &m, &v) {
                 scalars.with_tensor_ops(&p, &g, &mut m, &mut v);
             }
@@ -370,7 +435,9 @@ impl AdamW {
 
     /// Named tensors for a checkpoint: `exp_avg.{i}`, `exp_avg_sq.{i}` for parameter `i`, and
     /// `step` (a 1-element i64 tensor). They are CPU snapshots (copies), independent of later
-    /// steps and ready to be written.
+    /// steps and ready to be written. A parameter kept by its elements
+    /// ([`AdamW::with_elements`]) gives those elements' moments only (1-d): the engine that
+    /// sharded them gathers the whole (`Ddp::optimizer_state`).
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         let _guard = tch::no_grad_guard();
         let snapshot = |t: &Tensor| {
@@ -387,6 +454,21 @@ impl AdamW {
         }
         let step = i64::try_from(self.step).unwrap_or(i64::MAX);
         out.push(("step".to_string(), Tensor::from_slice(&[step])));
+        out
+    }
+
+    /// A checkpoint's optimizer state in shape only: zeros shaped and typed as `state_tensors`
+    /// gives them for whole parameters (every moment whole, on the CPU, whatever this optimizer
+    /// keeps), and `step`. What a rank receives another's whole state into.
+    pub fn state_template(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::with_capacity(2 * self.shapes.len() + 1);
+        for (i, (shape, m)) in self.shapes.iter().zip(&self.exp_avg).enumerate() {
+            for name in ["exp_avg", "exp_avg_sq"] {
+                let zeros = Tensor::zeros(shape.as_slice(), (m.kind(), Device::Cpu));
+                out.push((format!("{name}.{i}"), zeros));
+            }
+        }
+        out.push(("step".to_string(), Tensor::from_slice(&[0i64])));
         out
     }
 
@@ -409,7 +491,8 @@ impl AdamW {
         let mut sources: Vec<(&Tensor, &Tensor)> = Vec::with_capacity(num_params);
         for i in 0..num_params {
             let moment = |name: &str, ours: &Tensor| {
-                Self::checked(&by_name, &format!("{name}.{i}"), ours, num_params)
+                let like = (self.shapes[i].as_slice(), ours.kind());
+                Self::checked(&by_name, &format!("{name}.{i}"), like, num_params)
             };
             let m = moment("exp_avg", &self.exp_avg[i])?;
             let v = moment("exp_avg_sq", &self.exp_avg_sq[i])?;
@@ -431,28 +514,35 @@ impl AdamW {
         }
 
         let _guard = tch::no_grad_guard();
-        for (((dst_m, dst_v), (src_m, src_v)), rows) in self
+        for ((((dst_m, dst_v), (src_m, src_v)), rows), elements) in self
             .exp_avg
             .iter()
             .zip(&self.exp_avg_sq)
             .zip(sources)
             .zip(&self.rows)
+            .zip(&self.elements)
         {
-            let part = |t: &Tensor| match rows {
-                Some(r) => t.narrow(0, r.start, r.end - r.start),
-                None => t.shallow_clone(),
+            let source = |t: &Tensor| match (rows, elements) {
+                (_, Some(e)) => t.reshape([-1]).narrow(0, e.start, e.end - e.start),
+                (Some(r), None) => t.narrow(0, r.start, r.end - r.start),
+                (None, None) => t.shallow_clone(),
             };
-            part(dst_m).copy_(&part(src_m));
-            part(dst_v).copy_(&part(src_v));
+            let target = |t: &Tensor| match rows {
+                Some(r) if elements.is_none() => t.narrow(0, r.start, r.end - r.start),
+                _ => t.shallow_clone(),
+            };
+            target(dst_m).copy_(&source(src_m));
+            target(dst_v).copy_(&source(src_v));
         }
         self.step = step;
         Ok(())
     }
 
+    /// The tensor `name`, checked against the (shape, kind) its parameter's state has.
     fn checked<'a>(
         by_name: &HashMap<&str, &'a Tensor>,
         name: &str,
-        like: &Tensor,
+        (shape, kind): (&[i64], Kind),
         num_params: usize,
     ) -> Result<&'a Tensor, OptimError> {
         let t = by_name
@@ -462,17 +552,17 @@ impl AdamW {
                 name: name.to_string(),
                 num_params,
             })?;
-        if t.size() != like.size() {
+        if t.size() != shape {
             return Err(OptimError::Shape {
                 name: name.to_string(),
-                expected: like.size(),
+                expected: shape.to_vec(),
                 found: t.size(),
             });
         }
-        if t.kind() != like.kind() {
+        if t.kind() != kind {
             return Err(OptimError::Dtype {
                 name: name.to_string(),
-                expected: format!("{:?}", like.kind()),
+                expected: format!("{kind:?}"),
                 found: format!("{:?}", t.kind()),
             });
         }
@@ -507,6 +597,12 @@ impl AdamW {
             detail: format!("value is {value}"),
         })
     }
+}
+
+/// Elements `e` of `t`'s values flattened, as a view (`t` is contiguous: a parameter or its
+/// gradient).
+fn flat_part(t: &Tensor, e: &Range<i64>) -> Tensor {
+    t.view([-1]).narrow(0, e.start, e.end - e.start)
 }
 
 #[cfg(test)]

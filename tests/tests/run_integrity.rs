@@ -486,3 +486,70 @@ fn a_run_starts_from_another_runs_weights() {
         "a run can start from another run's weights only when the model is the same",
     );
 }
+
+/// Every tensor of a safetensors file as (dtype, raw bytes), by name.
+fn tensor_bytes(path: &Path) -> std::collections::BTreeMap<String, (String, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let data = &bytes[8 + header_len..];
+    let tensors = header.as_object().unwrap().iter();
+    tensors
+        .filter(|(name, _)| *name != "__metadata__")
+        .map(|(name, info)| {
+            let at = |k: usize| info["data_offsets"][k].as_u64().unwrap() as usize;
+            let dtype = info["dtype"].as_str().unwrap().to_string();
+            (name.clone(), (dtype, data[at(0)..at(1)].to_vec()))
+        })
+        .collect()
+}
+
+/// The newest checkpoint's directory of a run.
+fn latest_checkpoint(run_dir: &Path) -> PathBuf {
+    let checkpoints = run_dir.join("checkpoints");
+    let latest = std::fs::read_to_string(checkpoints.join("latest")).expect("checkpoints/latest");
+    checkpoints.join(latest.trim())
+}
+
+/// ZeRO stage 1 (`dist.zero = 1`; `shard_optimizer` off so that it applies on one host, dense
+/// tables so that they are sharded) gives DDP's results, and its checkpoints are DDP's byte for
+/// byte (the moments gathered on save: one format whatever the stage), so a run saved at world
+/// 2 and resumed at world 3 under stage 1 ends as the one saved and resumed under stage 0.
+#[test]
+fn zero_stage_1_gives_ddps_results_and_checkpoints_that_any_world_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path();
+    let ddp = [
+        "train.epochs=2",
+        "dist.shard_optimizer=false",
+        "dist.shared_tables=false",
+        "dist.sparse_embeddings=false",
+    ];
+    let zero = [&ddp[..], &["dist.zero=1"]].concat();
+    let zero_line = "ZeRO stage 1 (dist.zero = 1): each of the 2 ranks keeps the AdamW moments";
+    let plain = run_ok(2, out, "ddp", &ddp, &[]);
+    assert!(!plain.stderr.contains(zero_line), "{}", plain.stderr);
+    run_ok(2, out, "zero", &zero, &[]).assert_stderr(zero_line);
+    assert_eq!(
+        test_metrics(&out.join("zero")),
+        test_metrics(&out.join("ddp"))
+    );
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let of = |run: &str| tensor_bytes(&latest_checkpoint(&out.join(run)).join(file));
+        let want = of("ddp");
+        assert!(want.keys().any(|k| k.starts_with("exp_avg")) || file == "model.safetensors");
+        assert!(
+            of("zero") == want,
+            "{file}: the ZeRO run's checkpoint differs from DDP's"
+        );
+    }
+    // Saved at world 2 and resumed at world 3 under each stage: rank 0 reads the whole state
+    // and every rank keeps its shard of it.
+    run_stopped_after("1", out, "zero-then-3", &zero);
+    run_stopped_after("1", out, "ddp-then-3", &ddp);
+    let resumed = run_ok(3, out, "zero-then-3", &zero, &[]);
+    resumed.assert_stderr_all(&["resuming with world 3", "each of the 3 ranks keeps"]);
+    run_ok(3, out, "ddp-then-3", &ddp, &[]).assert_stderr("resuming with world 3");
+    let metrics = |name: &str| test_metrics(&out.join(name));
+    assert_eq!(metrics("zero-then-3"), metrics("ddp-then-3"));
+}

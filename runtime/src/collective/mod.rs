@@ -154,14 +154,14 @@ pub trait Collective: Send {
 
     /// Fills the contiguous f32 tensor `flat` outside this rank's shard from the ranks that
     /// hold the rest, so that after [`Collective::reduce_scatter`] it is what
-    /// [`Collective::all_reduce`] gives, bit for bit. Default: every rank zeroes all but its
-    /// shard and the whole is summed (exact: x + 0 = x).
+    /// [`Collective::all_reduce`] gives, bit for bit. Default: every rank's shard copied to
+    /// every rank through [`Collective::all_gather`].
     fn all_gather_shards(
         &mut self,
         flat: &mut Tensor,
         ctx: OpContext,
     ) -> Result<(), CollectiveError> {
-        all_gather_shards_by_sum(self, flat, ctx)
+        all_gather_shards_by_copy(self, flat, ctx)
     }
 
     /// Memory that every rank maps, when all of them run on one host and the backend can share
@@ -387,21 +387,40 @@ pub fn reduce_scatter_by_all_reduce<C: Collective + ?Sized>(
     Ok(c.shard_of(flat.numel()))
 }
 
-/// [`Collective::all_gather_shards`] as a sum: every rank zeroes all but its shard, and the
-/// whole is all-reduced (exact: x + 0 = x).
-pub fn all_gather_shards_by_sum<C: Collective + ?Sized>(
+/// [`Collective::all_gather_shards`] by copying: every rank's shard bounds, then every rank's
+/// shard (padded to the longest) in two all-gathers, each shard put where it lies. A copy, so
+/// every bit pattern arrives as sent (a sum with zeros would turn -0.0 into 0.0).
+pub fn all_gather_shards_by_copy<C: Collective + ?Sized>(
     c: &mut C,
     flat: &mut Tensor,
     ctx: OpContext,
 ) -> Result<(), CollectiveError> {
     check_flat("all_gather_shards", flat)?;
-    let n = flat.numel();
-    let own = c.shard_of(n);
-    let _ = flat.narrow(0, 0, own.start as i64).fill_(0.0);
-    let _ = flat
-        .narrow(0, own.end as i64, (n - own.end) as i64)
-        .fill_(0.0);
-    c.all_reduce(std::slice::from_mut(flat), ReduceOp::Sum, ctx)
+    if c.world_size() == 1 {
+        return Ok(());
+    }
+    let own = c.shard_of(flat.numel());
+    let device = flat.device();
+    let bounds = Tensor::from_slice(&[own.start as i64, own.end as i64]).f_to_device(device)?;
+    let bounds = (c.all_gather(&bounds, ctx)?.iter())
+        .map(|t| Vec::<i64>::try_from(t.f_to_device(tch::Device::Cpu)?))
+        .collect::<Result<Vec<_>, _>>()?;
+    let longest = bounds.iter().map(|b| b[1] - b[0]).max().unwrap_or(0);
+    if longest == 0 {
+        return Ok(());
+    }
+    let mine = Tensor::f_zeros([longest], (Kind::Float, device))?;
+    let len = (own.end - own.start) as i64;
+    mine.f_narrow(0, 0, len)?
+        .f_copy_(&flat.f_narrow(0, own.start as i64, len)?)?;
+    let rank = c.rank();
+    for (k, (b, theirs)) in bounds.iter().zip(c.all_gather(&mine, ctx)?).enumerate() {
+        if k != rank && b[1] > b[0] {
+            flat.f_narrow(0, b[0], b[1] - b[0])?
+                .f_copy_(&theirs.f_narrow(0, 0, b[1] - b[0])?)?;
+        }
+    }
+    Ok(())
 }
 
 /// Rank `rank`'s part of `n` elements split evenly over `world` ranks.

@@ -136,6 +136,7 @@ fn train_mlp(
             shared_tables: false,
             shard_optimizer: false,
             overlap_backward: overlap,
+            zero: 0,
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).map_err(|e| e.to_string())?;
         assert_eq!(ddp.overlaps_backward(), overlap);

@@ -73,7 +73,7 @@ impl Ddp {
 
     /// The rows parameter `index` exchanges this step: a sparse table's touched ones (when the
     /// exchange is row-sparse), all of any other.
-    fn listed(&self, index: usize) -> Option<&[i64]> {
+    pub(super) fn listed(&self, index: usize) -> Option<&[i64]> {
         self.sparse
             .iter()
             .find(|t| t.index == index)

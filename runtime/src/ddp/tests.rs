@@ -43,6 +43,7 @@ fn a_plain_mlp_trains_data_parallel_through_the_runtime_alone() {
             shared_tables: true,
             shard_optimizer: false,
             overlap_backward: false,
+            zero: 0,
         };
         let world = ring.world_size();
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
@@ -105,6 +106,18 @@ enum Keep {
     /// Every rank its own copy, the dense buckets all-reduced during backward
     /// (`overlap_backward`).
     Overlapped,
+    /// ZeRO stage 1 (`zero = 1`, `shard_optimizer` off): the dense parameters' moments
+    /// sharded over the ranks, on any backend.
+    Zero,
+}
+
+/// Where the test's ranks run.
+#[derive(Clone, Copy, Debug)]
+enum Ranks {
+    /// One ring of this many ranks on this host.
+    Ring(u32, crate::collective::tcp::TcpOptions),
+    /// This many hosts (each its own shared memory) of this many ranks.
+    Hosts(u32, u32),
 }
 
 fn train_embeddings_hinted(
@@ -176,42 +189,66 @@ fn train_embeddings_kept(
     steps: u64,
     keep: Keep,
 ) -> (Vec<f64>, Vec<Vec<f32>>, Vec<f64>) {
-    use crate::collective::tcp::test_ring::with_ring_owned_opts;
-    let results = with_ring_owned_opts(world, options, move |rank, ring| {
-        // Deterministic data and weights (the RNG is shared by the rank threads).
-        let k = Tensor::arange(400, (tch::Kind::Int64, tch::Device::Cpu));
-        let data = Tensor::stack(
-            &[
-                (&k * 7).remainder(200),
-                (&k * 13).remainder(300),
-                (&k * 5 + 1).remainder(5),
-            ],
-            1,
-        );
-        let vs = nn::VarStore::new(tch::Device::Cpu);
-        // `sparse`: the tables' backward is sparse too, added into the dense gradients
-        // the engine gives them.
-        let emb = nn::EmbeddingConfig {
-            sparse,
-            ..Default::default()
-        };
-        let mut model = Mf {
-            users: nn::embedding(vs.root() / "users", 200, 8, emb),
-            items: nn::embedding(vs.root() / "items", 300, 8, emb),
-            bias: vs.root().zeros("bias", &[1]),
-            data,
-            hint,
-            used: Vec::new(),
-        };
-        tch::no_grad(|| {
-            for (t, phase) in [(&mut model.users.ws, 0.3), (&mut model.items.ws, 1.7)] {
-                let n = t.numel() as i64;
-                let init = (Tensor::arange(n, (tch::Kind::Float, tch::Device::Cpu)) + phase)
-                    .sin()
-                    .view([-1, 8]);
-                t.copy_(&init);
-            }
-        });
+    let ranks = Ranks::Ring(world, options);
+    let (losses, params, norms, _) = train_embeddings_on(ranks, sparse, hint, steps, keep);
+    (losses, params, norms)
+}
+
+/// The test model with deterministic data and weights (the RNG is shared by the rank threads);
+/// `sparse`: the tables' backward is sparse too, added into the dense gradients the engine
+/// gives them.
+fn mf_model(sparse: bool, hint: Hint) -> (nn::VarStore, Mf) {
+    let k = Tensor::arange(400, (tch::Kind::Int64, tch::Device::Cpu));
+    let data = Tensor::stack(
+        &[
+            (&k * 7).remainder(200),
+            (&k * 13).remainder(300),
+            (&k * 5 + 1).remainder(5),
+        ],
+        1,
+    );
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let emb = nn::EmbeddingConfig {
+        sparse,
+        ..Default::default()
+    };
+    let mut model = Mf {
+        users: nn::embedding(vs.root() / "users", 200, 8, emb),
+        items: nn::embedding(vs.root() / "items", 300, 8, emb),
+        bias: vs.root().zeros("bias", &[1]),
+        data,
+        hint,
+        used: Vec::new(),
+    };
+    tch::no_grad(|| {
+        for (t, phase) in [(&mut model.users.ws, 0.3), (&mut model.items.ws, 1.7)] {
+            let n = t.numel() as i64;
+            let init = (Tensor::arange(n, (tch::Kind::Float, tch::Device::Cpu)) + phase)
+                .sin()
+                .view([-1, 8]);
+            t.copy_(&init);
+        }
+    });
+    (vs, model)
+}
+
+/// [`train_embeddings_kept`] on `ranks`; also returns the optimizer's whole state at the end
+/// (moments gathered where sharded), as (name, values).
+#[allow(clippy::type_complexity)]
+fn train_embeddings_on(
+    ranks: Ranks,
+    sparse: bool,
+    hint: Hint,
+    steps: u64,
+    keep: Keep,
+) -> (Vec<f64>, Vec<Vec<f32>>, Vec<f64>, Vec<(String, Vec<f32>)>) {
+    use crate::collective::tcp::test_ring::{with_hosts_owned, with_ring_owned_opts};
+    let (world, options) = match ranks {
+        Ranks::Ring(world, options) => (world, options),
+        Ranks::Hosts(hosts, per_host) => (hosts * per_host, Default::default()),
+    };
+    let body = move |rank: usize, ring: crate::collective::tcp::TcpCollective| {
+        let (vs, mut model) = mf_model(sparse, hint);
         let config = DdpConfig {
             grad_accum: 2,
             bucket_bytes: 1 << 20,
@@ -226,14 +263,17 @@ fn train_embeddings_kept(
             shared_tables: keep == Keep::SharedTables,
             shard_optimizer: keep == Keep::Sharded,
             overlap_backward: keep == Keep::Overlapped,
+            zero: u8::from(keep == Keep::Zero),
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         let exchanged = if sparse && world > 1 { 2 } else { 0 };
         assert_eq!(ddp.sparse.len(), exchanged);
         let shared = exchanged > 0 && keep == Keep::SharedTables && options.shared_memory;
         assert_eq!(ddp.shared_tables().len(), if shared { 2 } else { 0 });
-        let sharded = keep == Keep::Sharded && world > 1 && options.shared_memory;
+        let one_host = matches!(ranks, Ranks::Ring(..));
+        let sharded = keep == Keep::Sharded && world > 1 && options.shared_memory && one_host;
         assert_eq!(ddp.sharded(), sharded);
+        assert_eq!(ddp.zero_stage(), u8::from(keep == Keep::Zero && world > 1));
         assert_eq!(
             ddp.overlaps_backward(),
             keep == Keep::Overlapped && world > 1
@@ -248,7 +288,18 @@ fn train_embeddings_kept(
         // The last rank raises its stop flag before step 3: every rank is told at that step.
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         ddp.set_stop_flag(stop.clone());
-        let mut adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.01);
+        let mut adam = ddp.optimizer(0.9, 0.999, 1e-8, 0.01);
+        if ddp.zero_stage() == 1 {
+            // Each rank keeps the moments of about 1/world of the dense parameters.
+            let kept = |i: usize| adam.elements_kept(i).map(|e| e.end - e.start);
+            let dense: i64 = (ddp.params().iter().enumerate())
+                .filter(|(i, _)| kept(*i).is_some())
+                .map(|(_, p)| p.numel() as i64)
+                .sum();
+            let mine: i64 = (0..ddp.params().len()).filter_map(kept).sum();
+            let share = (dense + world as i64 - 1) / world as i64;
+            assert!(mine <= share + 1, "rank {rank} keeps {mine} of {dense}");
+        }
         let sampler =
             crate::sampler::DistributedSampler::new(400, world as usize, rank, 9).unwrap();
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
@@ -289,9 +340,69 @@ fn train_embeddings_kept(
             .iter()
             .map(|t| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap())
             .collect();
-        (losses, params, norms)
-    });
+        let ctx = ddp.ctx(0);
+        let state = (ddp.optimizer_state(&adam, ctx).unwrap().into_iter())
+            .map(|(name, t)| {
+                (
+                    name,
+                    Vec::<f32>::try_from(t.to_kind(tch::Kind::Float).flatten(0, -1)).unwrap(),
+                )
+            })
+            .collect();
+        (losses, params, norms, state)
+    };
+    let results = match ranks {
+        Ranks::Ring(world, options) => with_ring_owned_opts(world, options, body),
+        Ranks::Hosts(hosts, per_host) => {
+            with_hosts_owned(hosts, per_host, Default::default(), body)
+        }
+    };
     results.into_iter().next().unwrap()
+}
+
+/// ZeRO stage 1 on every backend (`zero = 1`): the tcp ring (its own reduce-scatter and
+/// all-gather), the ring with shared memory and two hosts of two (where the backend falls back
+/// to a whole all-reduce and a gathering copy), world 1 to 4, a bucket that no world divides
+/// with rows crossing the shards' edges, gradient accumulation, clipping at work on some
+/// steps, dense and row-sparse tables: loss, norms, parameters and both moments (gathered)
+/// are DDP's, bit for bit.
+#[test]
+fn zero_stage_1_trains_exactly_as_ddp_on_every_backend() {
+    use crate::collective::tcp::TcpOptions;
+    let bits32 = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        v.iter()
+            .map(|p| p.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    let bits64 = |v: &[f64]| -> Vec<u64> { v.iter().map(|x| x.to_bits()).collect() };
+    let mut setups: Vec<Ranks> = (1..=4)
+        .flat_map(|w| {
+            [false, true].map(|shared_memory| Ranks::Ring(w, TcpOptions { shared_memory }))
+        })
+        .collect();
+    setups.push(Ranks::Hosts(2, 2));
+    for ranks in setups {
+        for (sparse, hint) in [(false, Hint::None), (true, Hint::Exact)] {
+            let run = |keep| train_embeddings_on(ranks, sparse, hint, 20, keep);
+            let (loss, params, norms, state) = run(Keep::Private);
+            let (z_loss, z_params, z_norms, z_state) = run(Keep::Zero);
+            let at = format!("{ranks:?}, sparse {sparse}");
+            assert!(
+                norms.iter().any(|n| *n > 1.0),
+                "{at}: no step clipped: {norms:?}"
+            );
+            assert_eq!(bits64(&z_norms), bits64(&norms), "{at}: norms");
+            assert_eq!(bits64(&z_loss), bits64(&loss), "{at}: loss");
+            assert_eq!(bits32(&z_params), bits32(&params), "{at}: parameters");
+            let names =
+                |s: &[(String, Vec<f32>)]| s.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+            let values = |s: &[(String, Vec<f32>)]| {
+                bits32(&s.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>())
+            };
+            assert_eq!(names(&z_state), names(&state), "{at}: state names");
+            assert_eq!(values(&z_state), values(&state), "{at}: moments");
+        }
+    }
 }
 
 /// ZeRO stage 1 on one host: every parameter once in shared memory, gradients produced
@@ -409,6 +520,7 @@ fn the_check_sees_a_rank_off_the_shared_table() {
             shared_tables: true,
             shard_optimizer: false,
             overlap_backward: false,
+            zero: 0,
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         assert_eq!(ddp.shared_tables(), vec!["items"]);
@@ -547,6 +659,7 @@ fn linear_engine(
         shared_tables: false,
         shard_optimizer: false,
         overlap_backward: true,
+        zero: 0,
     };
     let ddp = Ddp::new(comm, &vs, config).unwrap();
     let adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.0);

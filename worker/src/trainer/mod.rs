@@ -208,6 +208,7 @@ fn ddp_config(setup: &TrainSetup<'_>, task: &dyn Task, timeout: Duration) -> Ddp
         shared_tables: config.dist.shared_tables,
         shard_optimizer: config.dist.shard_optimizer,
         overlap_backward: config.dist.overlap_backward,
+        zero: config.dist.zero,
     }
 }
 
@@ -275,6 +276,9 @@ struct Trainer<'t> {
     /// Where this run starts: step 0, or the checkpoint it resumed from.
     start: TrainState,
     resumed_from: Option<PathBuf>,
+    /// Rank 0's whole optimizer state as read from a checkpoint, kept until every rank has
+    /// taken its share, where the optimizer keeps only this rank's shard (ZeRO).
+    loaded_optimizer: Option<Vec<(String, tch::Tensor)>>,
     /// See [`TrainReport::earlier_summary`].
     earlier_summary: Option<serde_json::Value>,
     eval: EvalProgress,
@@ -330,7 +334,7 @@ impl<'t> Trainer<'t> {
         let steps_per_epoch = steps_per_epoch(setup, &*task, &sampler)?;
         let epochs = u64::from(config.train.epochs);
         let total_steps = epochs * steps_per_epoch;
-        let optimizer = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, config.train.weight_decay);
+        let optimizer = ddp.optimizer(0.9, 0.999, 1e-8, config.train.weight_decay);
         let start = fresh_state(setup, &*task, world, total_steps);
         Ok(Trainer {
             schedule: lr_schedule(config, world, total_steps),
@@ -347,6 +351,7 @@ impl<'t> Trainer<'t> {
             metric: config.eval.metric.trim().to_ascii_lowercase(),
             start,
             resumed_from: None,
+            loaded_optimizer: None,
             earlier_summary: None,
             eval: EvalProgress::default(),
             progress: Progress::new(),
@@ -598,10 +603,12 @@ impl<'t> Trainer<'t> {
         };
         let checkpoints = self.checkpoints();
         let ctx = self.slow_ctx(step);
+        // Whole whatever the ZeRO stage (every rank gives its shard): one format for all.
+        let optimizer_state = self.ddp.optimizer_state(&self.optimizer, ctx)?;
         save_checkpoint(
             &mut self.ddp,
             &mut self.saver,
-            &self.optimizer.state_tensors(),
+            &optimizer_state,
             &checkpoints,
             state,
             self.setup.plan.config.checkpoint.keep as usize,
@@ -740,6 +747,11 @@ fn log_sharing(ddp: &Ddp) {
         info!(
             "embedding tables {} kept once in shared memory: each of the {world} ranks updates its share of their rows",
             shared.join(", ")
+        );
+    }
+    if ddp.zero_stage() == 1 {
+        info!(
+            "ZeRO stage 1 (dist.zero = 1): each of the {world} ranks keeps the AdamW moments of its shard of every gradient bucket; gradients reduce-scattered, parameters all-gathered"
         );
     }
     if ddp.overlaps_backward() {

@@ -467,9 +467,23 @@ impl Trainer<'_> {
         Ok(())
     }
 
-    /// Every rank receives rank 0's optimizer state into tensors of the right shapes.
+    /// Every rank receives rank 0's optimizer state into tensors of the right shapes (whole
+    /// ones, each rank keeping its shard, under ZeRO).
     fn share_optimizer_state(&mut self, step: u64) -> Result<(), TrainError> {
-        let mut shaped = self.optimizer.state_tensors();
+        let mut shaped = match self.loaded_optimizer.take() {
+            // In the template's order (a checkpoint's tensors come sorted by name).
+            Some(whole) if self.leader() => {
+                let mut template = self.optimizer.state_template();
+                for (name, t) in &mut template {
+                    if let Some((_, value)) = whole.iter().find(|(n, _)| n == name) {
+                        *t = value.shallow_clone();
+                    }
+                }
+                template
+            }
+            _ if self.ddp.zero_stage() > 0 => self.optimizer.state_template(),
+            _ => self.optimizer.state_tensors(),
+        };
         let mut values: Vec<tch::Tensor> = shaped.iter().map(|(_, t)| t.shallow_clone()).collect();
         let ctx = self.ctx(step);
         self.ddp.comm().broadcast(&mut values, 0, ctx)?;
@@ -516,6 +530,15 @@ impl Trainer<'_> {
         load_params(&self.ddp.named_variables(), model)?;
         if optim.is_empty() {
             return Ok(());
+        }
+        if self.ddp.zero_stage() > 0 {
+            // This optimizer keeps only our shard: the whole goes to the others from here.
+            self.loaded_optimizer = Some(
+                optim
+                    .iter()
+                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                    .collect(),
+            );
         }
         self.optimizer
             .load_state_tensors(optim)

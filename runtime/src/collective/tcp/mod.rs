@@ -658,7 +658,7 @@ impl Collective for TcpCollective {
         ctx: OpContext,
     ) -> Result<(), CollectiveError> {
         if !self.ring_shards(flat) {
-            return super::all_gather_shards_by_sum(self, flat, ctx);
+            return super::all_gather_shards_by_copy(self, flat, ctx);
         }
         self.ring_all_gather(flat, ctx)
     }

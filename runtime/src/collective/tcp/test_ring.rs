@@ -55,6 +55,17 @@ pub fn with_hosts<T: Send + 'static>(
     })
 }
 
+/// [`with_hosts`], giving each thread its communicator to own (e.g. for a DDP engine).
+pub fn with_hosts_owned<T: Send + 'static>(
+    hosts: u32,
+    per_host: u32,
+    options: TcpOptions,
+    body: impl Fn(usize, TcpCollective) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let env = move |rank, port| host_env(rank, hosts, per_host, port);
+    with_envs(hosts * per_host, env, options, body)
+}
+
 /// [`with_ring`], giving each thread its communicator to own (e.g. for a DDP engine).
 pub fn with_ring_owned<T: Send + 'static>(
     world: u32,

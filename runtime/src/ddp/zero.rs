@@ -1,0 +1,547 @@
+//! ZeRO stage 1 on any backend ([`super::DdpConfig::zero`] = 1): each rank keeps AdamW's
+//! moments for its shard of every dense bucket only (the backend's partition of the bucket's
+//! flat buffer, [`Collective::shard_of`]), so the moments take 1/W of their memory. A step is
+//! then: the bucket's gradients reduce-scattered (each shard holds exactly what the all-reduce
+//! would have put there); the clipping norm from every row's sum of squares, computed by the
+//! rank where the row starts (a row that crosses a shard's edge is first made whole by a small
+//! all-reduce) and all-gathered, added up in the unsharded order; this rank's shard clipped
+//! and updated; the parameters all-gathered. The gradients, the row sums, their order and the
+//! element-wise update are the unsharded step's: on CPU tensors the same bits as DDP.
+//!
+//! Owns: the layout (which elements and rows each rank holds, which rows cross an edge) and
+//! the step's exchanges. Must not: know what the parameters mean or keep state between steps
+//! other than the layout (the moments are the optimizer's), nor touch the row-sparse tables
+//! (the engine exchanges and updates them whole, as without ZeRO).
+
+use std::ops::Range;
+use std::time::Instant;
+
+use tch::{Device, Kind, Tensor};
+
+use super::{not_finite_norm, Ddp, DdpError, StepTime};
+use crate::clip::{add_rows, row_sums, sum_of_squares, ClipGrad};
+use crate::collective::{flatten_f32, unflatten_into, Collective, OpContext, ReduceOp};
+use crate::optim::AdamW;
+
+/// One dense bucket as a flat buffer.
+struct Bucket {
+    /// Indices into the engine's parameters, in the bucket's (flattening) order.
+    params: Vec<usize>,
+    /// Where each of them starts in the flat buffer.
+    offsets: Vec<usize>,
+    len: usize,
+    /// Every rank's shard of the buffer, in rank order.
+    shards: Vec<Range<usize>>,
+}
+
+/// Consecutive rows' sums of squares, from the first row's index.
+type RowSums = (i64, Vec<f64>);
+
+/// Rows of the first dimension of a parameter (1 for a 0-d one) and floats per row.
+#[derive(Clone, Copy)]
+struct Shape {
+    height: i64,
+    width: usize,
+}
+
+/// Where every dense parameter's elements and rows lie across the ranks.
+pub(super) struct ZeroLayout {
+    buckets: Vec<Bucket>,
+    /// Per parameter of the engine.
+    shapes: Vec<Shape>,
+    /// Rows that cross a shard's edge, as (bucket, position in it, row), each once.
+    straddlers: Vec<(usize, usize, i64)>,
+    rank: usize,
+}
+
+impl ZeroLayout {
+    /// The layout of `buckets` (indices into `params`, every rank the same) over `comm`'s
+    /// ranks: each rank says its shard of each bucket, and all learn all (one all-gather).
+    pub(super) fn new(
+        comm: &mut dyn Collective,
+        params: &[Tensor],
+        buckets: &[Vec<usize>],
+        ctx: OpContext,
+    ) -> Result<ZeroLayout, DdpError> {
+        let shapes: Vec<Shape> = params.iter().map(shape_of).collect();
+        let lens: Vec<usize> = (buckets.iter())
+            .map(|b| b.iter().map(|&i| params[i].numel()).sum())
+            .collect();
+        let mine: Vec<i64> = (lens.iter())
+            .flat_map(|&n| {
+                let s = comm.shard_of(n);
+                [s.start as i64, s.end as i64]
+            })
+            .collect();
+        let all = comm.all_gather(&Tensor::from_slice(&mine), ctx)?;
+        let all: Vec<Vec<i64>> = (all.iter())
+            .map(|t| Vec::<i64>::try_from(t.to_device(Device::Cpu)))
+            .collect::<Result<_, _>>()?;
+        let mut layout = ZeroLayout {
+            buckets: Vec::with_capacity(buckets.len()),
+            shapes,
+            straddlers: Vec::new(),
+            rank: comm.rank(),
+        };
+        for (b, (members, len)) in buckets.iter().zip(lens).enumerate() {
+            let shards = (all.iter())
+                .map(|r| r[2 * b] as usize..r[2 * b + 1] as usize)
+                .collect();
+            let offsets = (members.iter())
+                .scan(0, |at, &i| {
+                    let start = *at;
+                    *at += params[i].numel();
+                    Some(start)
+                })
+                .collect();
+            layout.buckets.push(Bucket {
+                params: members.clone(),
+                offsets,
+                len,
+                shards,
+            });
+        }
+        layout.straddlers = layout.find_straddlers();
+        Ok(layout)
+    }
+
+    /// Per parameter, the elements (of its values flattened) this rank holds: `None` for one
+    /// in no bucket (a row-sparse table).
+    pub(super) fn elements(&self, num_params: usize) -> Vec<Option<Range<i64>>> {
+        let mut out = vec![None; num_params];
+        for b in &self.buckets {
+            for (&i, &at) in b.params.iter().zip(&b.offsets) {
+                let span = at..at + self.numel(i);
+                let own = intersect(&span, &b.shards[self.rank]);
+                out[i] = Some(match own.is_empty() {
+                    true => 0..0,
+                    false => (own.start - at) as i64..(own.end - at) as i64,
+                });
+            }
+        }
+        out
+    }
+
+    fn numel(&self, i: usize) -> usize {
+        self.shapes[i].height.max(0) as usize * self.shapes[i].width
+    }
+
+    /// The rows of parameter `i` (at `at` in its bucket) that start in `shard`.
+    fn rows_starting_in(&self, i: usize, at: usize, shard: &Range<usize>) -> Range<i64> {
+        let Shape { height, width } = self.shapes[i];
+        if width == 0 {
+            return 0..0;
+        }
+        let first_at_or_after = |x: usize| (x.saturating_sub(at)).div_ceil(width) as i64;
+        first_at_or_after(shard.start).min(height)..first_at_or_after(shard.end).min(height)
+    }
+
+    /// Each row that starts in one rank's shard and ends beyond it.
+    fn find_straddlers(&self) -> Vec<(usize, usize, i64)> {
+        let mut out = Vec::new();
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            for (pos, (&i, &at)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
+                for shard in &bucket.shards {
+                    let rows = self.rows_starting_in(i, at, shard);
+                    let end_of_last = at + rows.end as usize * self.shapes[i].width;
+                    if !rows.is_empty() && end_of_last > shard.end {
+                        out.push((b, pos, rows.end - 1));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The span of straddler `s` in its bucket's flat buffer.
+    fn straddler_span(&self, (b, pos, row): (usize, usize, i64)) -> Range<usize> {
+        let bucket = &self.buckets[b];
+        let width = self.shapes[bucket.params[pos]].width;
+        let start = bucket.offsets[pos] + row as usize * width;
+        start..start + width
+    }
+
+    /// Reduce-scatters (averages) each bucket's gradients and writes this rank's shard back
+    /// into the parameters' gradients (the rest of them is left unreduced and unused).
+    fn reduce_scatter(
+        &self,
+        comm: &mut dyn Collective,
+        params: &[Tensor],
+        ctx: OpContext,
+    ) -> Result<(), DdpError> {
+        for b in &self.buckets {
+            let grads: Vec<Tensor> = b.params.iter().map(|&i| params[i].grad()).collect();
+            let device = grads.first().map_or(Device::Cpu, Tensor::device);
+            let mut flat = flatten_f32(&grads, device)?;
+            let own = comm.reduce_scatter(&mut flat, ReduceOp::Avg, ctx)?;
+            if own != b.shards[self.rank] {
+                return Err(layout_changed(&own, &b.shards[self.rank]));
+            }
+            for (grad, &at) in grads.iter().zip(&b.offsets) {
+                let span = at..at + grad.numel();
+                let part = intersect(&span, &own);
+                if !part.is_empty() {
+                    let len = part.len() as i64;
+                    grad.f_view([-1])?
+                        .f_narrow(0, (part.start - at) as i64, len)?
+                        .f_copy_(&flat.f_narrow(0, part.start as i64, len)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every straddling row whole, in `straddlers` order, on every rank: each rank gives its
+    /// part, zeros elsewhere, and a sum (exact: x + 0 = x) joins them. `None` when there are
+    /// none (the same on every rank).
+    fn straddling_rows(
+        &self,
+        comm: &mut dyn Collective,
+        params: &[Tensor],
+        ctx: OpContext,
+    ) -> Result<Option<Tensor>, DdpError> {
+        let total: usize = (self.straddlers.iter())
+            .map(|&s| self.straddler_span(s).len())
+            .sum();
+        if total == 0 {
+            return Ok(None);
+        }
+        let device = params.first().map_or(Device::Cpu, Tensor::device);
+        let whole = Tensor::f_zeros([total as i64], (Kind::Float, device))?;
+        let mut at = 0;
+        for &s in &self.straddlers {
+            let (b, pos, _) = s;
+            let bucket = &self.buckets[b];
+            let span = self.straddler_span(s);
+            let part = intersect(&span, &bucket.shards[self.rank]);
+            if !part.is_empty() {
+                let grad = params[bucket.params[pos]].grad().f_view([-1])?;
+                let from = (part.start - bucket.offsets[pos]) as i64;
+                let len = part.len() as i64;
+                whole
+                    .f_narrow(0, (at + part.start - span.start) as i64, len)?
+                    .f_copy_(&grad.f_narrow(0, from, len)?)?;
+            }
+            at += span.len();
+        }
+        let mut whole = [whole];
+        comm.all_reduce(&mut whole, ReduceOp::Sum, ctx)?;
+        let [whole] = whole;
+        Ok(Some(whole))
+    }
+
+    /// The sums of squares of the rows of `shard` of bucket `b` that start there, in
+    /// (parameter, row) order: `straddling` holds the whole straddlers.
+    fn own_row_sums(
+        &self,
+        params: &[Tensor],
+        straddling: Option<&Tensor>,
+    ) -> Result<Vec<f64>, DdpError> {
+        let mut sums = Vec::new();
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            let shard = &bucket.shards[self.rank];
+            for (pos, (&i, &at)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
+                let rows = self.rows_starting_in(i, at, shard);
+                let width = self.shapes[i].width;
+                let crosses = !rows.is_empty() && at + rows.end as usize * width > shard.end;
+                let inside = rows.start..rows.end - i64::from(crosses);
+                let grad = params[i].grad().f_view([-1])?;
+                sums.extend(row_sums(&grad, width, inside)?);
+                if crosses {
+                    let s = (b, pos, rows.end - 1);
+                    let k = self.straddlers.iter().position(|&x| x == s);
+                    let (Some(k), Some(whole)) = (k, straddling) else {
+                        return Err(DdpError::Loss {
+                            step: 0,
+                            detail:
+                                "internal error: a row crossing a shard's edge was not exchanged"
+                                    .into(),
+                        });
+                    };
+                    let at: usize = (self.straddlers[..k].iter())
+                        .map(|&x| self.straddler_span(x).len())
+                        .sum();
+                    let row = whole.f_narrow(0, at as i64, width as i64)?;
+                    sums.extend(row_sums(&row, width, 0..1)?);
+                }
+            }
+        }
+        Ok(sums)
+    }
+
+    /// Every dense parameter's row sums (`None` for the others), from every rank's own ones
+    /// (one all-gather, padded to the longest).
+    fn all_row_sums(
+        &self,
+        comm: &mut dyn Collective,
+        params: &[Tensor],
+        ctx: OpContext,
+    ) -> Result<Vec<Option<Vec<f64>>>, DdpError> {
+        let straddling = self.straddling_rows(comm, params, ctx)?;
+        let mut mine = self.own_row_sums(params, straddling.as_ref())?;
+        let counts: Vec<usize> = (0..self.world())
+            .map(|k| self.rows_of_rank(k).map(|(_, _, r)| count(&r)).sum())
+            .collect();
+        let longest = counts.iter().copied().max().unwrap_or(0);
+        // Per dense parameter, its rows' sums as (first row, sums) pieces, one per rank.
+        let mut pieces: Vec<Option<Vec<RowSums>>> = vec![None; self.shapes.len()];
+        for b in &self.buckets {
+            for &i in &b.params {
+                pieces[i] = Some(Vec::new());
+            }
+        }
+        if longest > 0 {
+            mine.resize(longest, 0.0);
+            let device = params.first().map_or(Device::Cpu, Tensor::device);
+            let sent = Tensor::from_slice(&mine).f_to_device(device)?;
+            let all = comm.all_gather(&sent, ctx)?;
+            for (k, theirs) in all.iter().enumerate() {
+                let theirs = Vec::<f64>::try_from(theirs.f_to_device(Device::Cpu)?)?;
+                let mut at = 0;
+                for (i, _, rows) in self.rows_of_rank(k) {
+                    let sums = theirs[at..at + count(&rows)].to_vec();
+                    if let Some(p) = pieces[i].as_mut() {
+                        p.push((rows.start, sums));
+                    }
+                    at += count(&rows);
+                }
+            }
+        }
+        // Ranks need not hold the shards in rank order (the ring's rank r holds chunk r + 1).
+        Ok(pieces
+            .into_iter()
+            .map(|p| {
+                p.map(|mut p| {
+                    p.sort_by_key(|(first, _)| *first);
+                    p.into_iter().flat_map(|(_, sums)| sums).collect()
+                })
+            })
+            .collect())
+    }
+
+    /// (parameter, bucket, rows) rank `k` starts, in the order its row sums travel.
+    fn rows_of_rank(&self, k: usize) -> impl Iterator<Item = (usize, usize, Range<i64>)> + '_ {
+        self.buckets
+            .iter()
+            .enumerate()
+            .flat_map(move |(b, bucket)| {
+                (bucket.params.iter().zip(&bucket.offsets))
+                    .map(move |(&i, &at)| (i, b, self.rows_starting_in(i, at, &bucket.shards[k])))
+            })
+    }
+
+    fn world(&self) -> usize {
+        self.buckets.first().map_or(1, |b| b.shards.len())
+    }
+
+    /// Overwrites every rank's parameters with each shard's owner's (after the update).
+    fn all_gather_params(
+        &self,
+        comm: &mut dyn Collective,
+        params: &[Tensor],
+        ctx: OpContext,
+    ) -> Result<(), DdpError> {
+        for b in &self.buckets {
+            let mut members: Vec<Tensor> = b
+                .params
+                .iter()
+                .map(|&i| params[i].shallow_clone())
+                .collect();
+            let device = members.first().map_or(Device::Cpu, Tensor::device);
+            let mut flat = flatten_f32(&members, device)?;
+            comm.all_gather_shards(&mut flat, ctx)?;
+            unflatten_into(&flat, &mut members)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer's moments whole (its own shard from each rank), in `state`'s layout
+    /// (`exp_avg.{i}`, `exp_avg_sq.{i}` at `2i`, `2i + 1`).
+    fn gather_moments(
+        &self,
+        comm: &mut dyn Collective,
+        params: &[Tensor],
+        state: &mut [(String, Tensor)],
+        ctx: OpContext,
+    ) -> Result<(), DdpError> {
+        for b in &self.buckets {
+            let device = b
+                .params
+                .first()
+                .map_or(Device::Cpu, |&i| params[i].device());
+            for moment in 0..2 {
+                let mut flat = Tensor::f_zeros([b.len as i64], (Kind::Float, device))?;
+                for (&i, &at) in b.params.iter().zip(&b.offsets) {
+                    let own = intersect(&(at..at + self.numel(i)), &b.shards[self.rank]);
+                    let piece = &state[2 * i + moment].1;
+                    if !own.is_empty() {
+                        flat.f_narrow(0, own.start as i64, own.len() as i64)?
+                            .f_copy_(piece)?;
+                    }
+                }
+                comm.all_gather_shards(&mut flat, ctx)?;
+                for (&i, &at) in b.params.iter().zip(&b.offsets) {
+                    let p = &params[i];
+                    let whole = flat
+                        .f_narrow(0, at as i64, p.numel() as i64)?
+                        .f_view(p.size().as_slice())?
+                        .f_to_kind(p.kind())?
+                        .f_to_device(Device::Cpu)?
+                        .f_contiguous()?;
+                    state[2 * i + moment].1 = whole.copy();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Ddp {
+    /// An AdamW for this engine's parameters: with ZeRO stage 1, holding moments for this
+    /// rank's shard of the dense parameters only.
+    pub fn optimizer(&self, beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> AdamW {
+        let elements = match &self.zero {
+            Some(zero) => zero.elements(self.params.len()),
+            None => vec![None; self.params.len()],
+        };
+        AdamW::with_elements(&self.params, elements, beta1, beta2, eps, weight_decay)
+    }
+
+    /// The optimizer state for a checkpoint, whole whatever the stage (the format does not
+    /// depend on it, so any world size and stage can resume it). Under ZeRO every rank must
+    /// call it at the same point: the moments' shards are gathered.
+    pub fn optimizer_state(
+        &mut self,
+        optimizer: &AdamW,
+        ctx: OpContext,
+    ) -> Result<Vec<(String, Tensor)>, DdpError> {
+        let mut state = optimizer.state_tensors();
+        if let Some(zero) = &self.zero {
+            let _guard = tch::no_grad_guard();
+            zero.gather_moments(self.comm.as_mut(), &self.params, &mut state, ctx)?;
+        }
+        Ok(state)
+    }
+
+    /// The ZeRO stage in effect: 1 where [`super::DdpConfig::zero`] asked for it and it applies
+    /// (several ranks, not sharded through shared memory), else 0.
+    pub fn zero_stage(&self) -> u8 {
+        u8::from(self.zero.is_some())
+    }
+
+    /// ZeRO stage 1's reduction, clipping and update, after the summary (`summary` names the
+    /// sparse tables' touched rows); returns the gradient norm before clipping.
+    pub(super) fn zero_update(
+        &mut self,
+        summary: &[f32],
+        optimizer: &mut AdamW,
+        lr: f64,
+        ctx: OpContext,
+        time: &mut StepTime,
+    ) -> Result<f64, DdpError> {
+        let zero = self.zero.take().ok_or_else(|| DdpError::Loss {
+            step: ctx.step,
+            detail: "internal error: a ZeRO step without its layout".into(),
+        })?;
+        let done = self.zero_update_with(&zero, summary, optimizer, lr, ctx, time);
+        self.zero = Some(zero);
+        done
+    }
+
+    fn zero_update_with(
+        &mut self,
+        zero: &ZeroLayout,
+        summary: &[f32],
+        optimizer: &mut AdamW,
+        lr: f64,
+        ctx: OpContext,
+        time: &mut StepTime,
+    ) -> Result<f64, DdpError> {
+        let reducing = Instant::now();
+        self.reduce_sparse(summary, ctx)?;
+        zero.reduce_scatter(self.comm.as_mut(), &self.params, ctx)?;
+        let rows = zero.all_row_sums(self.comm.as_mut(), &self.params, ctx)?;
+        time.collective += reducing.elapsed();
+
+        let updating = Instant::now();
+        let grad_norm = self.zero_norm(&rows)?;
+        if !grad_norm.is_finite() {
+            // The same on every rank (from the same row sums): all stop together.
+            return Err(not_finite_norm(ctx.step, grad_norm));
+        }
+        // As `clip::clip_grads` scales: the sparse tables whole (or by rows), our elements of
+        // the rest (the only ones the update reads).
+        let coef = self.config.max_grad_norm / (grad_norm + 1e-6);
+        if coef < 1.0 {
+            for (i, p) in self.params.iter().enumerate() {
+                let grad = p.grad();
+                match (optimizer.elements_kept(i), self.listed(i)) {
+                    (Some(e), _) => {
+                        let _ = grad
+                            .f_view([-1])?
+                            .f_narrow(0, e.start, e.end - e.start)?
+                            .f_mul_scalar_(coef)?;
+                    }
+                    (None, Some(rows)) => crate::rows::scale(&grad, rows, coef)?,
+                    (None, None) => {
+                        let _ = grad.shallow_clone().f_mul_scalar_(coef)?;
+                    }
+                }
+            }
+        }
+        optimizer.step(&self.params, lr);
+        time.update += updating.elapsed();
+        let gathering = Instant::now();
+        zero.all_gather_params(self.comm.as_mut(), &self.params, ctx)?;
+        time.collective += gathering.elapsed();
+        Ok(grad_norm)
+    }
+
+    /// The global norm as `clip::clip_grads` takes it: each parameter's sum of squares in
+    /// parameter order, a dense one's from its gathered row sums.
+    fn zero_norm(&self, rows: &[Option<Vec<f64>>]) -> Result<f64, DdpError> {
+        let mut sum = 0.0;
+        for (i, p) in self.params.iter().enumerate() {
+            let grad = p.grad();
+            if !grad.defined() {
+                continue;
+            }
+            sum += match &rows[i] {
+                Some(_) if p.numel() == 0 => 0.0,
+                Some(sums) => add_rows(sums.len() as i64, None, |r| sums[r])?,
+                None => sum_of_squares(&ClipGrad {
+                    grad,
+                    rows: self.listed(i),
+                })?,
+            };
+        }
+        Ok(sum.sqrt())
+    }
+}
+
+/// Rows of the first dimension (1 for a 0-d tensor, as clipping counts them) and their width.
+fn shape_of(t: &Tensor) -> Shape {
+    let n = t.numel();
+    let height = if t.dim() == 0 { 1 } else { t.size()[0] };
+    let width = if height > 0 { n / height as usize } else { 0 };
+    Shape { height, width }
+}
+
+/// Rows in `r`.
+fn count(r: &Range<i64>) -> usize {
+    (r.end - r.start).max(0) as usize
+}
+
+fn intersect(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
+    let start = a.start.max(b.start);
+    start..a.end.min(b.end).max(start)
+}
+
+fn layout_changed(got: &Range<usize>, expected: &Range<usize>) -> DdpError {
+    DdpError::Loss {
+        step: 0,
+        detail: format!(
+            "internal error: the backend's shard moved from {expected:?} to {got:?} since the ZeRO layout was made"
+        ),
+    }
+}
