@@ -708,6 +708,43 @@ mod tests {
         assert_eq!(g.term("shared tables"), 3 * (tables + wte * 4) / 2);
     }
 
+    /// ZeRO stage 1 (`dist.zero = 1`): each rank counts its share of the dense values'
+    /// moments, on GPUs and across hosts too; the row-sparse tables' moments stay whole; the
+    /// one-host shared-memory form, where it applies, is counted as before.
+    #[test]
+    fn zero_stage_1_counts_a_share_of_the_dense_moments() {
+        let mut c = Config::default();
+        c.model.kind = ModelKind::Bpr;
+        c.model.embedding_dim = 64;
+        c.dist.sparse_embeddings = false;
+        let (data, four) = (shape(6040, 3629), plan(256, 64, 1, 4));
+        let tables = (6040 + 3629) * 64;
+        let gpu = Placement::new(DeviceKind::Cuda, 4);
+        let ddp = estimate(&c, &four, &data, gpu);
+        assert_eq!(ddp.term("optimizer (AdamW)"), 2 * tables * 4);
+        c.dist.zero = 1;
+        let zero = estimate(&c, &four, &data, gpu);
+        assert_eq!(zero.term("optimizer (AdamW)"), 2 * tables.div_ceil(4) * 4);
+        assert_eq!(
+            zero.term("gradients"),
+            ddp.term("gradients"),
+            "stage 1 keeps them"
+        );
+        c.dist.sparse_embeddings = true;
+        let sparse = estimate(&c, &four, &data, gpu);
+        assert_eq!(
+            sparse.term("optimizer (AdamW)"),
+            2 * tables * 4,
+            "row-sparse: whole"
+        );
+        let one_host = estimate(&c, &four, &data, Placement::new(DeviceKind::Cpu, 4));
+        assert_eq!(
+            one_host.term("optimizer (AdamW)"),
+            0,
+            "shard_optimizer's form"
+        );
+    }
+
     /// Sharded (`dist.shard_optimizer`, the default), every trainable value and its moments
     /// count once per host, the GPT-2 recommender's projections too; each rank's gradients
     /// still count whole.

@@ -38,6 +38,9 @@ pub(super) struct Sizes {
     /// Trainable values that the host's ranks keep once, in shared memory (0 unless they do:
     /// see [`kept_once_values`]).
     pub(super) shared: u64,
+    /// Trainable values whose AdamW moments each rank keeps only its share of under ZeRO stage
+    /// 1 (`dist.zero`; 0 where it does not apply: see [`zero_sharded_values`]).
+    pub(super) zero_sharded: u64,
 }
 
 /// The process itself: the CUDA context, or libtorch's RSS, the host data and the tokenizer.
@@ -129,7 +132,10 @@ pub(super) fn model_sizes(x: &Inputs<'_>) -> Sizes {
     } else {
         0
     };
+    let trainable = ids + history + proj + mlp + gpt2_trainable;
+    let shared = kept_once_values(x, ids + wte, trainable);
     Sizes {
+        zero_sharded: zero_sharded_values(x, ids + wte, trainable, shared),
         proj,
         mlp,
         gpt2_params,
@@ -137,8 +143,8 @@ pub(super) fn model_sizes(x: &Inputs<'_>) -> Sizes {
         trained_blocks,
         history,
         params: ids + history + proj + mlp + gpt2_params,
-        trainable: ids + history + proj + mlp + gpt2_trainable,
-        shared: kept_once_values(x, ids + wte, ids + history + proj + mlp + gpt2_trainable),
+        trainable,
+        shared,
     }
 }
 
@@ -159,6 +165,18 @@ fn kept_once_values(x: &Inputs<'_>, tables: u64, trainable: u64) -> u64 {
         true if dist.sparse_embeddings && dist.shared_tables => tables,
         _ => 0,
     }
+}
+
+/// Of the trainable values, those whose moments ZeRO stage 1 shards (`runtime::ddp`'s `zero`):
+/// every dense one where `dist.zero = 1` applies (several ranks, and not the one-host shared
+/// memory form, `shared` > 0), less the row-sparse `tables`, whose moments every rank keeps.
+fn zero_sharded_values(x: &Inputs<'_>, tables: u64, trainable: u64, shared: u64) -> u64 {
+    let dist = &x.config.dist;
+    if dist.zero == 0 || x.plan.world_size < 2 || shared > 0 {
+        return 0;
+    }
+    let sparse = if dist.sparse_embeddings { tables } else { 0 };
+    trainable.saturating_sub(sparse)
 }
 
 /// Parameters, gradients, AdamW's state and temporaries, rank 0's checkpoint, the all-reduce
@@ -184,15 +202,7 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
             held: Held::Always,
             detail: format!("{trainable} trainable f32"),
         },
-        MemoryTerm {
-            name: "optimizer (AdamW)",
-            bytes: 2 * (trainable - shared) * F32,
-            held: Held::Always,
-            detail: match shared {
-                0 => "2 moments per trainable value".into(),
-                _ => "2 moments per trainable value not kept once per host".into(),
-            },
-        },
+        optimizer_term(x, s),
     ];
     if shared > 0 {
         terms.push(shared_term(x, shared));
@@ -266,6 +276,26 @@ fn largest_trainable(x: &Inputs<'_>, s: &Sizes) -> u64 {
         .chain((s.gpt2_trainable > 0).then_some(x.gpt2.vocab_size * d))
         .max()
         .unwrap_or(0)
+}
+
+/// AdamW's two moments: per trainable value, less those kept once per host, and of the ones
+/// ZeRO stage 1 shards only this rank's share.
+fn optimizer_term(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
+    let (trainable, shared, sharded) = (s.trainable, s.shared, s.zero_sharded);
+    let world = x.plan.world_size.max(1);
+    let kept = trainable - shared - sharded + sharded.div_ceil(world);
+    MemoryTerm {
+        name: "optimizer (AdamW)",
+        bytes: 2 * kept * F32,
+        held: Held::Always,
+        detail: match (shared, sharded) {
+            (0, 0) => "2 moments per trainable value".into(),
+            (0, _) => format!(
+                "2 moments per trainable value, of {sharded} dense ones 1/{world} (dist.zero = 1)"
+            ),
+            _ => "2 moments per trainable value not kept once per host".into(),
+        },
+    }
 }
 
 /// This rank's share of the parameters and moments its host keeps once in shared memory.
