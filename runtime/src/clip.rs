@@ -112,8 +112,8 @@ pub(crate) fn sum_of_squares(g: &ClipGrad<'_>) -> Result<f64, tch::TchError> {
 
 /// The sums of squares of `rows` of `values` seen as rows of `width` floats (a flattened
 /// gradient, or a buffer of whole rows), in f64: [`row_sum_of_squares`] of each on a
-/// contiguous f32 CPU tensor, so a row gives the bits it gives wherever it lies; elsewhere one
-/// kernel on the device and one read.
+/// contiguous f32 CPU tensor, so a row gives the bits it gives wherever it lies; elsewhere
+/// [`device_row_sums`] and one read.
 pub(crate) fn row_sums(
     values: &Tensor,
     width: usize,
@@ -138,14 +138,25 @@ pub(crate) fn row_sums(
         let row = |r: i64| row_sum_of_squares(&all[r as usize * width..(r as usize + 1) * width]);
         return Ok(rows.map(row).collect());
     }
+    Vec::<f64>::try_from(device_row_sums(values, width, rows)?.f_to_device(Device::Cpu)?)
+}
+
+/// [`row_sums`] as an f64 tensor where `values` lie (one kernel, no read): for gradients on a
+/// device, read together with others.
+pub(crate) fn device_row_sums(
+    values: &Tensor,
+    width: usize,
+    rows: std::ops::Range<i64>,
+) -> Result<Tensor, tch::TchError> {
+    let count = (rows.end - rows.start).max(0);
+    if count == 0 || width == 0 {
+        return Tensor::f_zeros([count], (Kind::Double, values.device()));
+    }
     let block = values
         .f_narrow(0, rows.start * width as i64, count * width as i64)?
         .f_view([count, width as i64])?
         .f_to_kind(Kind::Double)?;
-    let sums = block
-        .f_square()?
-        .f_sum_dim_intlist(1, false, Kind::Double)?;
-    Vec::<f64>::try_from(sums.f_to_device(Device::Cpu)?)
+    block.f_square()?.f_sum_dim_intlist(1, false, Kind::Double)
 }
 
 /// A gradient's sum of squares from its rows' (`row(r)`, in f64): all `rows` of them in row

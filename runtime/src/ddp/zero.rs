@@ -19,7 +19,7 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 use super::{not_finite_norm, Ddp, DdpError, StepTime};
-use crate::clip::{add_rows, row_sums, sum_of_squares, ClipGrad};
+use crate::clip::{add_rows, device_row_sums, row_sums, sum_of_squares, ClipGrad};
 use crate::collective::{flatten_f32, unflatten_into, Collective, OpContext, ReduceOp};
 use crate::optim::AdamW;
 
@@ -32,6 +32,31 @@ struct Bucket {
     len: usize,
     /// Every rank's shard of the buffer, in rank order.
     shards: Vec<Range<usize>>,
+}
+
+/// Row sums in the making: on the host as they come, or on the device until one read.
+struct RowSumsOf {
+    on_host: bool,
+    host: Vec<f64>,
+    device: Vec<Tensor>,
+}
+
+impl RowSumsOf {
+    fn add(&mut self, values: &Tensor, width: usize, rows: Range<i64>) -> Result<(), DdpError> {
+        match self.on_host {
+            true => self.host.extend(row_sums(values, width, rows)?),
+            false => self.device.push(device_row_sums(values, width, rows)?),
+        }
+        Ok(())
+    }
+
+    fn read(self) -> Result<Vec<f64>, DdpError> {
+        if self.on_host || self.device.is_empty() {
+            return Ok(self.host);
+        }
+        let all = Tensor::f_cat(&self.device, 0)?.f_to_device(Device::Cpu)?;
+        Ok(Vec::<f64>::try_from(all)?)
+    }
 }
 
 /// Consecutive rows' sums of squares, from the first row's index.
@@ -237,7 +262,14 @@ impl ZeroLayout {
         params: &[Tensor],
         straddling: Option<&Tensor>,
     ) -> Result<Vec<f64>, DdpError> {
-        let mut sums = Vec::new();
+        // On a device the sums stay there until one read at the end (a read per parameter
+        // would be a host wait per parameter).
+        let on_host = (params.first()).is_none_or(|p| p.device() == Device::Cpu);
+        let mut sums = RowSumsOf {
+            on_host,
+            host: Vec::new(),
+            device: Vec::new(),
+        };
         for (b, bucket) in self.buckets.iter().enumerate() {
             let shard = &bucket.shards[self.rank];
             for (pos, (&i, &at)) in bucket.params.iter().zip(&bucket.offsets).enumerate() {
@@ -246,7 +278,7 @@ impl ZeroLayout {
                 let crosses = !rows.is_empty() && at + rows.end as usize * width > shard.end;
                 let inside = rows.start..rows.end - i64::from(crosses);
                 let grad = params[i].grad().f_view([-1])?;
-                sums.extend(row_sums(&grad, width, inside)?);
+                sums.add(&grad, width, inside)?;
                 if crosses {
                     let s = (b, pos, rows.end - 1);
                     let k = self.straddlers.iter().position(|&x| x == s);
@@ -262,11 +294,11 @@ impl ZeroLayout {
                         .map(|&x| self.straddler_span(x).len())
                         .sum();
                     let row = whole.f_narrow(0, at as i64, width as i64)?;
-                    sums.extend(row_sums(&row, width, 0..1)?);
+                    sums.add(&row, width, 0..1)?;
                 }
             }
         }
-        Ok(sums)
+        sums.read()
     }
 
     /// Every dense parameter's row sums (`None` for the others), from every rank's own ones
@@ -295,8 +327,10 @@ impl ZeroLayout {
             let device = params.first().map_or(Device::Cpu, Tensor::device);
             let sent = Tensor::from_slice(&mine).f_to_device(device)?;
             let all = comm.all_gather(&sent, ctx)?;
-            for (k, theirs) in all.iter().enumerate() {
-                let theirs = Vec::<f64>::try_from(theirs.f_to_device(Device::Cpu)?)?;
+            // One read of every rank's sums.
+            let all = Tensor::f_cat(&all, 0)?.f_to_device(Device::Cpu)?;
+            let all = Vec::<f64>::try_from(all)?;
+            for (k, theirs) in all.chunks(longest).enumerate() {
                 let mut at = 0;
                 for (i, _, rows) in self.rows_of_rank(k) {
                     let sums = theirs[at..at + count(&rows)].to_vec();
@@ -356,7 +390,9 @@ impl ZeroLayout {
     }
 
     /// The optimizer's moments whole (its own shard from each rank), in `state`'s layout
-    /// (`exp_avg.{i}`, `exp_avg_sq.{i}` at `2i`, `2i + 1`).
+    /// (`exp_avg.{i}`, `exp_avg_sq.{i}` at `2i`, `2i + 1`), on rank 0 only: the others take
+    /// part in the gathering, one bucket at a time, and keep their shards (whole moments on
+    /// every rank would undo stage 1's saving at each checkpoint).
     fn gather_moments(
         &self,
         comm: &mut dyn Collective,
@@ -380,6 +416,9 @@ impl ZeroLayout {
                     }
                 }
                 comm.all_gather_shards(&mut flat, ctx)?;
+                if self.rank != 0 {
+                    continue;
+                }
                 for (&i, &at) in b.params.iter().zip(&b.offsets) {
                     let p = &params[i];
                     let whole = flat
@@ -407,9 +446,10 @@ impl Ddp {
         AdamW::with_elements(&self.params, elements, beta1, beta2, eps, weight_decay)
     }
 
-    /// The optimizer state for a checkpoint, whole whatever the stage (the format does not
-    /// depend on it, so any world size and stage can resume it). Under ZeRO every rank must
-    /// call it at the same point: the moments' shards are gathered.
+    /// The optimizer state for a checkpoint (rank 0 saves it), whole whatever the stage: the
+    /// format does not depend on it, so any world size and stage can resume it. Under ZeRO
+    /// every rank must call it at the same point (the moments' shards are gathered to rank 0),
+    /// and the other ranks get their shards only.
     pub fn optimizer_state(
         &mut self,
         optimizer: &AdamW,
