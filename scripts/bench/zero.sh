@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# ZeRO stage 1 (`dist.zero = 1`) against DDP (`dist.zero = 0`) on the CPU over the TCP ring
-# (`shard_optimizer`, the one-host shared-memory form, off so that the general one runs): a
+# ZeRO stage 1 (`dist.zero = 1`) against DDP (`dist.zero = 0`) on the CPU over the TCP ring alone
+# (`shared_memory` and `shard_optimizer` off: the path of GPUs and several hosts): a
 # dense BPR model of 1,800 x EMBED rows (tables not row-sparse, so their moments are sharded),
 # at world 2 and 4. Per run: the estimate's optimizer term and peak, the peak RSS each rank
 # measured (the highest), the steady throughput, and test NDCG@10 (stage 1 must print DDP's).
 #
-# Usage: scripts/bench/zero.sh          (EMBED=8192 by default; about 6 minutes here)
+# Usage: scripts/bench/zero.sh          (EMBED=32768 by default: 59M values; about 3.5 minutes here)
 set -eu
 cd "$(dirname "$0")/../.."
 . scripts/bench/lib.sh
-embed="${EMBED:-8192}"
+embed="${EMBED:-32768}"
 
 for world in 2 4; do
   for zero in 0 1; do
@@ -19,7 +19,7 @@ for world in 2 4; do
       --set data.synthetic=\"small\" --set model.kind=\"bpr\" --set model.embedding_dim="$embed" \
       --set batch.global=2048 \
       --set dist.shard_optimizer=false --set dist.shared_tables=false \
-      --set dist.sparse_embeddings=false --set dist.zero="$zero"
+      --set dist.sparse_embeddings=false --set dist.shared_memory=false --set dist.zero="$zero"
   done
 done
 

@@ -251,7 +251,8 @@ fn train_embeddings_on(
         let (vs, mut model) = mf_model(sparse, hint);
         let config = DdpConfig {
             grad_accum: 2,
-            bucket_bytes: 1 << 20,
+            // Two buckets: the bias and the items' table together, the users' table alone.
+            bucket_bytes: 12_000,
             max_grad_norm: 1.0,
             check_params_every: 25,
             timeout: Duration::from_secs(20),

@@ -196,11 +196,13 @@ impl ZeroLayout {
     ) -> Result<(), DdpError> {
         for b in &self.buckets {
             let grads: Vec<Tensor> = b.params.iter().map(|&i| params[i].grad()).collect();
-            let device = grads.first().map_or(Device::Cpu, Tensor::device);
-            let mut flat = flatten_f32(&grads, device)?;
+            let (mut flat, in_place) = flat_of(&grads)?;
             let own = comm.reduce_scatter(&mut flat, ReduceOp::Avg, ctx)?;
             if own != b.shards[self.rank] {
                 return Err(layout_changed(&own, &b.shards[self.rank]));
+            }
+            if in_place {
+                continue;
             }
             for (grad, &at) in grads.iter().zip(&b.offsets) {
                 let span = at..at + grad.numel();
@@ -381,10 +383,11 @@ impl ZeroLayout {
                 .iter()
                 .map(|&i| params[i].shallow_clone())
                 .collect();
-            let device = members.first().map_or(Device::Cpu, Tensor::device);
-            let mut flat = flatten_f32(&members, device)?;
+            let (mut flat, in_place) = flat_of(&members)?;
             comm.all_gather_shards(&mut flat, ctx)?;
-            unflatten_into(&flat, &mut members)?;
+            if !in_place {
+                unflatten_into(&flat, &mut members)?;
+            }
         }
         Ok(())
     }
@@ -557,6 +560,19 @@ impl Ddp {
         }
         Ok(sum.sqrt())
     }
+}
+
+/// A bucket's tensors as one flat f32 buffer: the tensor itself, flattened, when it is the only
+/// one and already such a buffer (true: nothing to copy back; a large parameter has a bucket
+/// of its own, so this spares two copies of the largest ones), else a copy.
+fn flat_of(tensors: &[Tensor]) -> Result<(Tensor, bool), tch::TchError> {
+    if let [t] = tensors {
+        if t.kind() == Kind::Float && t.is_contiguous() {
+            return Ok((t.f_view([-1])?, true));
+        }
+    }
+    let device = tensors.first().map_or(Device::Cpu, Tensor::device);
+    Ok((flatten_f32(tensors, device)?, false))
 }
 
 /// Rows of the first dimension (1 for a 0-d tensor, as clipping counts them) and their width.
