@@ -282,10 +282,12 @@ impl Ddp {
             ddp.shared = SharedTables::new(ddp.comm.as_mut(), &ddp.params, &tables, ctx)?;
         }
         if ddp.config.zero >= 1 && !alone && ddp.shards.is_none() {
-            let ctx = ddp.ctx(0);
             give_dense_grads(&ddp.params)?;
-            let layout = ZeroLayout::new(ddp.comm.as_mut(), &ddp.params, &ddp.buckets, ctx)?;
-            ddp.zero = Some(layout);
+            ddp.zero = Some(ZeroLayout::new(
+                ddp.comm.as_ref(),
+                &ddp.params,
+                &ddp.buckets,
+            ));
         }
         // Alone, or sharded, there is no bucket all-reduce to overlap.
         let sharded = ddp.shards.is_some() || ddp.zero.is_some();

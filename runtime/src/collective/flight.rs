@@ -333,6 +333,10 @@ impl Collective for Recorded {
         self.run(op(Kind::Barrier, &[], ctx), |c| c.barrier(ctx))
     }
 
+    fn shards_of(&self, n: usize) -> Vec<std::ops::Range<usize>> {
+        self.inner.shards_of(n)
+    }
+
     fn shard_of(&self, n: usize) -> std::ops::Range<usize> {
         self.inner.shard_of(n)
     }

@@ -132,11 +132,19 @@ pub trait Collective: Send {
     /// Returns once every rank has entered the barrier.
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError>;
 
-    /// This rank's shard of a flat buffer of `n` elements: the ranges of all ranks partition
-    /// `0..n`, a function of `n`, the world and the rank (the same on every rank for a given
-    /// backend). Default: the even split, rank `r` holding `r*n/W .. (r+1)*n/W`.
+    /// Every rank's shard of a flat buffer of `n` elements, in rank order: the ranges
+    /// partition `0..n`, a function of `n` and the world (the same on every rank for a given
+    /// backend), so that no rank needs to ask another where its shard lies. Default: the even
+    /// split, rank `r` holding `r*n/W .. (r+1)*n/W`.
+    fn shards_of(&self, n: usize) -> Vec<Range<usize>> {
+        let world = self.world_size();
+        (0..world).map(|r| even_shard(n, world, r)).collect()
+    }
+
+    /// This rank's shard of a flat buffer of `n` elements ([`Collective::shards_of`]).
     fn shard_of(&self, n: usize) -> Range<usize> {
-        even_shard(n, self.world_size(), self.rank())
+        let mut all = self.shards_of(n);
+        all.swap_remove(self.rank().min(all.len().saturating_sub(1)))
     }
 
     /// Reduces the contiguous f32 tensor `flat` across ranks, leaving this rank's shard
@@ -387,9 +395,9 @@ pub fn reduce_scatter_by_all_reduce<C: Collective + ?Sized>(
     Ok(c.shard_of(flat.numel()))
 }
 
-/// [`Collective::all_gather_shards`] by copying: every rank's shard bounds, then every rank's
-/// shard (padded to the longest) in two all-gathers, each shard put where it lies. A copy, so
-/// every bit pattern arrives as sent (a sum with zeros would turn -0.0 into 0.0).
+/// [`Collective::all_gather_shards`] by copying: every rank's shard (padded to the longest) in
+/// one all-gather, each put where it lies ([`Collective::shards_of`]). A copy, so every bit
+/// pattern arrives as sent (a sum with zeros would turn -0.0 into 0.0).
 pub fn all_gather_shards_by_copy<C: Collective + ?Sized>(
     c: &mut C,
     flat: &mut Tensor,
@@ -399,25 +407,21 @@ pub fn all_gather_shards_by_copy<C: Collective + ?Sized>(
     if c.world_size() == 1 {
         return Ok(());
     }
-    let own = c.shard_of(flat.numel());
-    let device = flat.device();
-    let bounds = Tensor::from_slice(&[own.start as i64, own.end as i64]).f_to_device(device)?;
-    let bounds = (c.all_gather(&bounds, ctx)?.iter())
-        .map(|t| Vec::<i64>::try_from(t.f_to_device(tch::Device::Cpu)?))
-        .collect::<Result<Vec<_>, _>>()?;
-    let longest = bounds.iter().map(|b| b[1] - b[0]).max().unwrap_or(0);
+    let (rank, shards) = (c.rank(), c.shards_of(flat.numel()));
+    let longest = shards.iter().map(|s| s.len()).max().unwrap_or(0) as i64;
     if longest == 0 {
         return Ok(());
     }
-    let mine = Tensor::f_zeros([longest], (Kind::Float, device))?;
-    let len = (own.end - own.start) as i64;
+    let own = &shards[rank];
+    let mine = Tensor::f_zeros([longest], (Kind::Float, flat.device()))?;
+    let len = own.len() as i64;
     mine.f_narrow(0, 0, len)?
         .f_copy_(&flat.f_narrow(0, own.start as i64, len)?)?;
-    let rank = c.rank();
-    for (k, (b, theirs)) in bounds.iter().zip(c.all_gather(&mine, ctx)?).enumerate() {
-        if k != rank && b[1] > b[0] {
-            flat.f_narrow(0, b[0], b[1] - b[0])?
-                .f_copy_(&theirs.f_narrow(0, 0, b[1] - b[0])?)?;
+    for (k, (s, theirs)) in shards.iter().zip(c.all_gather(&mine, ctx)?).enumerate() {
+        if k != rank && !s.is_empty() {
+            let len = s.len() as i64;
+            flat.f_narrow(0, s.start as i64, len)?
+                .f_copy_(&theirs.f_narrow(0, 0, len)?)?;
         }
     }
     Ok(())

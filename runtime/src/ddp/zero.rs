@@ -81,37 +81,24 @@ pub(super) struct ZeroLayout {
 
 impl ZeroLayout {
     /// The layout of `buckets` (indices into `params`, every rank the same) over `comm`'s
-    /// ranks: each rank says its shard of each bucket, and all learn all (one all-gather).
+    /// ranks, from the backend's partition ([`Collective::shards_of`]).
     pub(super) fn new(
-        comm: &mut dyn Collective,
+        comm: &dyn Collective,
         params: &[Tensor],
         buckets: &[Vec<usize>],
-        ctx: OpContext,
-    ) -> Result<ZeroLayout, DdpError> {
+    ) -> ZeroLayout {
         let shapes: Vec<Shape> = params.iter().map(shape_of).collect();
         let lens: Vec<usize> = (buckets.iter())
             .map(|b| b.iter().map(|&i| params[i].numel()).sum())
             .collect();
-        let mine: Vec<i64> = (lens.iter())
-            .flat_map(|&n| {
-                let s = comm.shard_of(n);
-                [s.start as i64, s.end as i64]
-            })
-            .collect();
-        let all = comm.all_gather(&Tensor::from_slice(&mine), ctx)?;
-        let all: Vec<Vec<i64>> = (all.iter())
-            .map(|t| Vec::<i64>::try_from(t.to_device(Device::Cpu)))
-            .collect::<Result<_, _>>()?;
         let mut layout = ZeroLayout {
             buckets: Vec::with_capacity(buckets.len()),
             shapes,
             straddlers: Vec::new(),
             rank: comm.rank(),
         };
-        for (b, (members, len)) in buckets.iter().zip(lens).enumerate() {
-            let shards = (all.iter())
-                .map(|r| r[2 * b] as usize..r[2 * b + 1] as usize)
-                .collect();
+        for (members, len) in buckets.iter().zip(lens) {
+            let shards = comm.shards_of(len);
             let offsets = (members.iter())
                 .scan(0, |at, &i| {
                     let start = *at;
@@ -127,7 +114,7 @@ impl ZeroLayout {
             });
         }
         layout.straddlers = layout.find_straddlers();
-        Ok(layout)
+        layout
     }
 
     /// Per parameter, the elements (of its values flattened) this rank holds: `None` for one

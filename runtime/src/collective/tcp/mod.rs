@@ -634,10 +634,13 @@ impl Collective for TcpCollective {
         Ok(())
     }
 
-    /// The ring's own: chunk (r+1) % W, which its reduce-scatter finishes on this rank.
-    fn shard_of(&self, n: usize) -> std::ops::Range<usize> {
-        let (start, end) = self.ring_chunk(self.rank + 1, n);
-        start..end
+    /// The ring's own: rank r holds chunk (r+1) % W, which its reduce-scatter finishes there.
+    fn shards_of(&self, n: usize) -> Vec<std::ops::Range<usize>> {
+        let chunk = |r: usize| {
+            let (start, end) = self.ring_chunk(r + 1, n);
+            start..end
+        };
+        (0..self.world).map(chunk).collect()
     }
 
     fn reduce_scatter(
