@@ -743,6 +743,18 @@ mod tests {
             0,
             "shard_optimizer's form"
         );
+        // Without it, the tables once per host (shared_tables) and the dense rest sharded.
+        c.dist.shard_optimizer = false;
+        c.model.kind = ModelKind::Gpt2rec;
+        let cpu = Placement::new(DeviceKind::Cpu, 4);
+        let zero = estimate(&c, &four, &data, cpu);
+        c.dist.zero = 0;
+        let ddp = estimate(&c, &four, &data, cpu);
+        assert!(zero.term("shared tables") > 0);
+        assert_eq!(zero.term("shared tables"), ddp.term("shared tables"));
+        let dense = ddp.term("optimizer (AdamW)") / 8;
+        assert!(dense > 0);
+        assert_eq!(zero.term("optimizer (AdamW)"), 2 * dense.div_ceil(4) * 4);
     }
 
     /// Sharded (`dist.shard_optimizer`, the default), every trainable value and its moments

@@ -87,6 +87,10 @@ pub enum DdpError {
     Optim(#[from] OptimError),
     #[error("expected {expected} micro-batches per optimizer step, got {got}")]
     Window { expected: usize, got: usize },
+    #[error("ZeRO stage {0} is not built (stage 1 shards AdamW's moments)")]
+    ZeroStage(u8),
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 /// What the engine runs on each micro-batch: the forward pass that gives its loss, and the end
@@ -228,6 +232,9 @@ impl Ddp {
         vs: &nn::VarStore,
         config: DdpConfig,
     ) -> Result<Ddp, DdpError> {
+        if config.zero > 1 {
+            return Err(DdpError::ZeroStage(config.zero));
+        }
         let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         variables.sort_by(|a, b| a.0.cmp(&b.0));
         let trainable: Vec<&(String, Tensor)> = variables

@@ -169,10 +169,11 @@ fn kept_once_values(x: &Inputs<'_>, tables: u64, trainable: u64) -> u64 {
 
 /// Of the trainable values, those whose moments ZeRO stage 1 shards (`runtime::ddp`'s `zero`):
 /// every dense one where `dist.zero = 1` applies (several ranks, and not the one-host shared
-/// memory form, `shared` > 0), less the row-sparse `tables`, whose moments every rank keeps.
+/// memory form of stage 1, which keeps every trainable value once: `shared == trainable`),
+/// less the row-sparse `tables`, whose moments every rank keeps (or its host once).
 fn zero_sharded_values(x: &Inputs<'_>, tables: u64, trainable: u64, shared: u64) -> u64 {
     let dist = &x.config.dist;
-    if dist.zero == 0 || x.plan.world_size < 2 || shared > 0 {
+    if dist.zero == 0 || x.plan.world_size < 2 || (shared > 0 && shared == trainable) {
         return 0;
     }
     let sparse = if dist.sparse_embeddings { tables } else { 0 };
@@ -290,10 +291,10 @@ fn optimizer_term(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
         held: Held::Always,
         detail: match (shared, sharded) {
             (0, 0) => "2 moments per trainable value".into(),
-            (0, _) => format!(
-                "2 moments per trainable value, of {sharded} dense ones 1/{world} (dist.zero = 1)"
+            (_, 0) => "2 moments per trainable value not kept once per host".into(),
+            _ => format!(
+                "2 moments per trainable value not kept once per host, of {sharded} dense ones 1/{world} (dist.zero = 1)"
             ),
-            _ => "2 moments per trainable value not kept once per host".into(),
         },
     }
 }

@@ -109,6 +109,8 @@ enum Keep {
     /// ZeRO stage 1 (`zero = 1`, `shard_optimizer` off): the dense parameters' moments
     /// sharded over the ranks, on any backend.
     Zero,
+    /// [`Keep::Zero`] with the row-sparse tables once per host (`shared_tables`).
+    ZeroSharedTables,
 }
 
 /// Where the test's ranks run.
@@ -261,20 +263,22 @@ fn train_embeddings_on(
             } else {
                 Vec::new()
             },
-            shared_tables: keep == Keep::SharedTables,
+            shared_tables: matches!(keep, Keep::SharedTables | Keep::ZeroSharedTables),
             shard_optimizer: keep == Keep::Sharded,
             overlap_backward: keep == Keep::Overlapped,
-            zero: u8::from(keep == Keep::Zero),
+            zero: u8::from(matches!(keep, Keep::Zero | Keep::ZeroSharedTables)),
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         let exchanged = if sparse && world > 1 { 2 } else { 0 };
         assert_eq!(ddp.sparse.len(), exchanged);
-        let shared = exchanged > 0 && keep == Keep::SharedTables && options.shared_memory;
-        assert_eq!(ddp.shared_tables().len(), if shared { 2 } else { 0 });
         let one_host = matches!(ranks, Ranks::Ring(..));
+        let tables_kept_once = matches!(keep, Keep::SharedTables | Keep::ZeroSharedTables);
+        let shared = exchanged > 0 && tables_kept_once && options.shared_memory && one_host;
+        assert_eq!(ddp.shared_tables().len(), if shared { 2 } else { 0 });
         let sharded = keep == Keep::Sharded && world > 1 && options.shared_memory && one_host;
         assert_eq!(ddp.sharded(), sharded);
-        assert_eq!(ddp.zero_stage(), u8::from(keep == Keep::Zero && world > 1));
+        let zero = matches!(keep, Keep::Zero | Keep::ZeroSharedTables);
+        assert_eq!(ddp.zero_stage(), u8::from(zero && world > 1));
         assert_eq!(
             ddp.overlaps_backward(),
             keep == Keep::Overlapped && world > 1
@@ -402,6 +406,25 @@ fn zero_stage_1_trains_exactly_as_ddp_on_every_backend() {
             };
             assert_eq!(names(&z_state), names(&state), "{at}: state names");
             assert_eq!(values(&z_state), values(&state), "{at}: moments");
+            // With the row-sparse tables kept once per host, as by default (each rank updates
+            // its rows of them): the same bits too.
+            let (t_loss, t_params, t_norms, t_state) = run(Keep::ZeroSharedTables);
+            assert_eq!(
+                bits64(&t_norms),
+                bits64(&norms),
+                "{at}, shared tables: norms"
+            );
+            assert_eq!(bits64(&t_loss), bits64(&loss), "{at}, shared tables: loss");
+            assert_eq!(
+                bits32(&t_params),
+                bits32(&params),
+                "{at}, shared tables: parameters"
+            );
+            assert_eq!(
+                values(&t_state),
+                values(&state),
+                "{at}, shared tables: moments"
+            );
         }
     }
 }

@@ -272,12 +272,9 @@ impl ZeroLayout {
                     let s = (b, pos, rows.end - 1);
                     let k = self.straddlers.iter().position(|&x| x == s);
                     let (Some(k), Some(whole)) = (k, straddling) else {
-                        return Err(DdpError::Loss {
-                            step: 0,
-                            detail:
-                                "internal error: a row crossing a shard's edge was not exchanged"
-                                    .into(),
-                        });
+                        return Err(DdpError::Internal(
+                            "a row crossing a shard's edge was not exchanged".into(),
+                        ));
                     };
                     let at: usize = (self.straddlers[..k].iter())
                         .map(|&x| self.straddler_span(x).len())
@@ -469,11 +466,15 @@ impl Ddp {
         ctx: OpContext,
         time: &mut StepTime,
     ) -> Result<f64, DdpError> {
-        let zero = self.zero.take().ok_or_else(|| DdpError::Loss {
-            step: ctx.step,
-            detail: "internal error: a ZeRO step without its layout".into(),
-        })?;
-        let done = self.zero_update_with(&zero, summary, optimizer, lr, ctx, time);
+        let zero = (self.zero.take())
+            .ok_or_else(|| DdpError::Internal("a ZeRO step without its layout".into()))?;
+        let made_here = zero.elements(self.params.len());
+        let done = match (0..self.params.len()).all(|i| optimizer.elements_kept(i) == made_here[i]) {
+            true => self.zero_update_with(&zero, summary, optimizer, lr, ctx, time),
+            false => Err(DdpError::Internal(
+                "under ZeRO the optimizer must come from Ddp::optimizer (it keeps this rank's shard)".into(),
+            )),
+        };
         self.zero = Some(zero);
         done
     }
@@ -519,10 +520,18 @@ impl Ddp {
                 }
             }
         }
+        // Row-sparse tables kept once per host: each rank updates its rows there, as without
+        // ZeRO, and nobody reads them before all have (the barrier below).
+        if let Some(shared) = &self.shared {
+            shared.attach(optimizer)?;
+        }
         optimizer.step(&self.params, lr);
         time.update += updating.elapsed();
         let gathering = Instant::now();
         zero.all_gather_params(self.comm.as_mut(), &self.params, ctx)?;
+        if self.shared.is_some() {
+            self.comm.barrier(ctx)?;
+        }
         time.collective += gathering.elapsed();
         Ok(grad_norm)
     }
@@ -581,10 +590,7 @@ fn intersect(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
 }
 
 fn layout_changed(got: &Range<usize>, expected: &Range<usize>) -> DdpError {
-    DdpError::Loss {
-        step: 0,
-        detail: format!(
-            "internal error: the backend's shard moved from {expected:?} to {got:?} since the ZeRO layout was made"
-        ),
-    }
+    DdpError::Internal(format!(
+        "the backend's shard moved from {expected:?} to {got:?} since the ZeRO layout was made"
+    ))
 }
