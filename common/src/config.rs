@@ -504,7 +504,8 @@ pub struct DistConfig {
     /// after the update): the moments take 1/world of their memory, on any backend, GPUs and
     /// several hosts included, and the numbers are DDP's (bit for bit on CPUs). On one CPU host
     /// with shared memory, `shard_optimizer` is the faster form of stage 1 and is used instead.
-    /// Row-sparse embedding tables keep their moments on every rank. Stages 2 and 3 are not
+    /// Row-sparse embedding tables keep their moments whole (on every rank, or once per host
+    /// with `shared_tables`). Stages 2 and 3 are not
     /// built yet. Checkpoints hold the whole state whatever the stage: any stage and world
     /// size resumes them. Default: `0`.
     pub zero: u8,
