@@ -76,6 +76,8 @@ pub(super) struct ZeroLayout {
     shapes: Vec<Shape>,
     /// Rows that cross a shard's edge, as (bucket, position in it, row), each once.
     straddlers: Vec<(usize, usize, i64)>,
+    /// See [`ZeroLayout::elements`].
+    elements: Vec<Option<Range<i64>>>,
     rank: usize,
 }
 
@@ -95,6 +97,7 @@ impl ZeroLayout {
             buckets: Vec::with_capacity(buckets.len()),
             shapes,
             straddlers: Vec::new(),
+            elements: Vec::new(),
             rank: comm.rank(),
         };
         for (members, len) in buckets.iter().zip(lens) {
@@ -114,13 +117,18 @@ impl ZeroLayout {
             });
         }
         layout.straddlers = layout.find_straddlers();
+        layout.elements = layout.find_elements();
         layout
     }
 
     /// Per parameter, the elements (of its values flattened) this rank holds: `None` for one
-    /// in no bucket (a row-sparse table).
-    pub(super) fn elements(&self, num_params: usize) -> Vec<Option<Range<i64>>> {
-        let mut out = vec![None; num_params];
+    /// in no bucket (a row-sparse table). Made once, with the layout.
+    pub(super) fn elements(&self) -> &[Option<Range<i64>>] {
+        &self.elements
+    }
+
+    fn find_elements(&self) -> Vec<Option<Range<i64>>> {
+        let mut out = vec![None; self.shapes.len()];
         for b in &self.buckets {
             for (&i, &at) in b.params.iter().zip(&b.offsets) {
                 let span = at..at + self.numel(i);
@@ -427,7 +435,7 @@ impl Ddp {
     /// rank's shard of the dense parameters only.
     pub fn optimizer(&self, beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> AdamW {
         let elements = match &self.zero {
-            Some(zero) => zero.elements(self.params.len()),
+            Some(zero) => zero.elements().to_vec(),
             None => vec![None; self.params.len()],
         };
         AdamW::with_elements(&self.params, elements, beta1, beta2, eps, weight_decay)
@@ -468,7 +476,7 @@ impl Ddp {
     ) -> Result<f64, DdpError> {
         let zero = (self.zero.take())
             .ok_or_else(|| DdpError::Internal("a ZeRO step without its layout".into()))?;
-        let made_here = zero.elements(self.params.len());
+        let made_here = zero.elements();
         let done = match (0..self.params.len()).all(|i| optimizer.elements_kept(i) == made_here[i]) {
             true => self.zero_update_with(&zero, summary, optimizer, lr, ctx, time),
             false => Err(DdpError::Internal(
