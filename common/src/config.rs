@@ -14,6 +14,7 @@ mod error;
 mod hf_gpt2;
 mod source;
 mod validate;
+mod zero_stage;
 
 use std::path::{Path, PathBuf};
 
@@ -25,6 +26,7 @@ use error::one_line;
 pub use error::{ConfigError, Location};
 pub use hf_gpt2::{HfGpt2Config, TOKENIZER_VOCAB};
 use source::{apply_overrides, classify, locate_semantic, Override, Source};
+pub use zero_stage::ZeroStage;
 
 /// A whole config file. Every section is optional (defaults below).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -505,10 +507,14 @@ pub struct DistConfig {
     /// several hosts included, and the numbers are DDP's (bit for bit on CPUs). On one CPU host
     /// with shared memory, `shard_optimizer` is the faster form of stage 1 and is used instead.
     /// Row-sparse embedding tables keep their moments whole (on every rank, or once per host
-    /// with `shared_tables`). Stages 2 and 3 are not
-    /// built yet. Checkpoints hold the whole state whatever the stage: any stage and world
-    /// size resumes them. Default: `0`.
-    pub zero: u8,
+    /// with `shared_tables`). `"auto"`: the memory plan chooses, before training, among the
+    /// built stages with the least traffic (0 and 1 both move DDP's bytes) the one that fits
+    /// the largest micro batch on every rank, the lower stage on a tie (`launch --dry-run`
+    /// prints each stage's terms and the choice); where none fits, the run stops before
+    /// training and names the shortfall per term. Stages 2 and 3 are not built yet.
+    /// Checkpoints hold the whole state whatever the stage: any stage and world size resumes
+    /// them. Default: `0`.
+    pub zero: ZeroStage,
     /// Refuse to run when the run id is no secret (a multi-node run given none, so torchrun's
     /// public `none`, or one derived from the Slurm job), instead of warning that anyone who
     /// reaches the rendezvous can join. `launch` checks it before starting, the worker again
@@ -545,7 +551,7 @@ impl Default for DistConfig {
             shared_tables: true,
             shard_optimizer: true,
             overlap_backward: false,
-            zero: 0,
+            zero: ZeroStage::Stage(0),
             require_secret: false,
         }
     }
@@ -1103,15 +1109,25 @@ timeout_s = 60
     }
 
     #[test]
-    fn zero_is_a_stage_that_is_built() {
+    fn zero_is_a_stage_that_is_built_or_auto() {
         let err = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap_err().to_string();
         assert_eq!(
             err(&["dist.zero=2"]),
-            "--set dist.zero=2: `dist.zero` must be 0 or 1 (got 2): stage 1 shards AdamW's moments; stages 2 and 3 (gradients, parameters) are not built yet"
+            "--set dist.zero=2: `dist.zero` must be 0, 1 or \"auto\" (got 2): stage 1 shards AdamW's moments; stages 2 and 3 (gradients, parameters) are not built yet"
         );
-        assert!(err(&["dist.zero=\"auto\""]).contains("dist.zero"));
-        assert_eq!(parse_with(MINIMAL, &[]).unwrap().dist.zero, 0);
-        assert_eq!(parse_with(MINIMAL, &["dist.zero=1"]).unwrap().dist.zero, 1);
+        assert_eq!(
+            err(&["dist.zero=4"]),
+            "--set dist.zero=4: `dist.zero`: must be a ZeRO stage (0, 1, 2 or 3) or \"auto\" (got 4)"
+        );
+        assert!(err(&["dist.zero=\"most\""]).contains("(got \"most\")"));
+        assert!(err(&["dist.zero=-1"]).contains("(got -1)"));
+        let zero = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap().dist.zero;
+        assert_eq!(zero(&[]), ZeroStage::Stage(0));
+        assert_eq!(zero(&["dist.zero=1"]), ZeroStage::Stage(1));
+        assert_eq!(zero(&["dist.zero=\"auto\""]), ZeroStage::Auto);
+        // In a file, the error names the value's place.
+        let e = super::tests::err("[batch]\nmicro = 4\n[dist]\nzero = \"x\"\n");
+        assert!(e.starts_with("configs/x.toml:4:8: `dist.zero`"), "{e}");
     }
 
     #[test]
@@ -1510,7 +1526,7 @@ timeout_s = 60
             timeout_s in 1u64..=u64::MAX,
             rendezvous_timeout_s in prop::option::of(1u64..=u64::MAX),
             (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
-            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret, zero) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), 0u8..=1),
+            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret, zero) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), prop_oneof![Just(ZeroStage::Stage(0)), Just(ZeroStage::Stage(1)), Just(ZeroStage::Auto)]),
             (every_n_steps, keep, resume, load_optimizer) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"], any::<bool>()),
             (scorer, l2, max_text_tokens, trainable_layers) in (prop_oneof![Just(ScorerKind::Dot), Just(ScorerKind::Mlp)], prop_oneof![Just(0.0f64), 0.0f64..1.0], 1usize..=1024, prop::option::of(0u32..=48)),
             (topk, every_n_epochs, patience, batch_users, cold_items, cold_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096, prop_oneof![Just(0.0f64), 0.0f64..=0.5], prop_oneof![Just(0.0f64), 0.0f64..=0.5]),

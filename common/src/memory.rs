@@ -16,6 +16,7 @@ use std::fmt::Write as _;
 
 mod measured;
 mod phase;
+pub mod stages;
 mod terms;
 
 pub use phase::{Fault, Phase, PhaseSink, SIMULATED_OOM};
@@ -503,7 +504,7 @@ pub fn change_text(from: &BatchPlan, to: &BatchPlan) -> String {
 
 /// Other ways to need less memory than `config` does, each with the estimate it would give:
 /// cached instead of dynamic text, frozen GPT-2 layers, bf16 on CUDA, activation
-/// checkpointing.
+/// checkpointing, ZeRO stage 1 where it shards something.
 pub fn other_levers(
     config: &Config,
     plan: &BatchPlan,
@@ -563,6 +564,9 @@ pub fn other_levers(
                 c.model.activation_checkpointing = true
             });
         }
+    }
+    if config.dist.zero == crate::config::ZeroStage::Stage(0) {
+        try_lever("dist.zero = 1", &|c| c.dist.zero = 1.into());
     }
     out
 }
@@ -722,7 +726,7 @@ mod tests {
         let gpu = Placement::new(DeviceKind::Cuda, 4);
         let ddp = estimate(&c, &four, &data, gpu);
         assert_eq!(ddp.term("optimizer (AdamW)"), 2 * tables * 4);
-        c.dist.zero = 1;
+        c.dist.zero = 1.into();
         let zero = estimate(&c, &four, &data, gpu);
         assert_eq!(zero.term("optimizer (AdamW)"), 2 * tables.div_ceil(4) * 4);
         assert_eq!(
@@ -748,7 +752,7 @@ mod tests {
         c.model.kind = ModelKind::Gpt2rec;
         let cpu = Placement::new(DeviceKind::Cpu, 4);
         let zero = estimate(&c, &four, &data, cpu);
-        c.dist.zero = 0;
+        c.dist.zero = 0.into();
         let ddp = estimate(&c, &four, &data, cpu);
         assert!(zero.term("shared tables") > 0);
         assert_eq!(zero.term("shared tables"), ddp.term("shared tables"));

@@ -1,8 +1,9 @@
 //! Memory end to end: the dry run's estimate table and its warning, an out-of-memory failure
 //! simulated in every phase (`GPTREC_FAULT_OOM`) — its message, exit code, the launcher's
 //! summary, no process left, the last checkpoint intact — `batch.micro = "auto"` under a
-//! simulated memory cap (`GPTREC_MEMORY_LIMIT_MB`), and activation checkpointing training the
-//! same model as without it.
+//! simulated memory cap (`GPTREC_MEMORY_LIMIT_MB`), `dist.zero = "auto"` choosing the stage
+//! that fits (or stopping, naming each term), each ZeRO stage's estimate against the peak RSS
+//! the ranks measure, and activation checkpointing training the same model as without it.
 
 mod support;
 
@@ -330,5 +331,145 @@ fn activation_checkpointing_trains_the_same_model() {
             close(p.2, c.2) && close(p.3, c.3) && close(p.4, c.4),
             "plain {p:?} vs checkpointed {c:?}"
         );
+    }
+}
+
+/// A model whose AdamW moments are a large share of its memory, so that ZeRO stage 1 (which
+/// shards them) needs visibly less: BPR with wide dense ID tables (about 44 MiB of parameters
+/// on the tiny data), not the one-host shared-memory form of stage 1.
+const WIDE_DENSE: [&str; 5] = [
+    "model.kind=\"bpr\"",
+    "model.embedding_dim=32768",
+    "dist.sparse_embeddings=false",
+    "dist.shard_optimizer=false",
+    "train.epochs=1",
+];
+
+/// `stage N: ... peak X MiB at micro M: ...` of a dry run's ZeRO section: X.
+fn stage_peak(stdout: &str, stage: u8) -> f64 {
+    let line = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with(&format!("stage {stage}:")))
+        .unwrap_or_else(|| panic!("no stage {stage} line:\n{stdout}"));
+    peak_after(line, " peak ")
+}
+
+/// `dist.zero = "auto"` with a memory cap between the two stages' estimates: the dry run shows
+/// both stages and picks stage 1; the run takes stage 1 on every rank and trains.
+#[test]
+fn zero_auto_takes_the_stage_that_fits_and_the_run_uses_it() {
+    let mut sets: Vec<String> = WIDE_DENSE.iter().map(|s| s.to_string()).collect();
+    sets.extend([
+        "data.synthetic=\"tiny\"".into(),
+        "dist.zero=\"auto\"".into(),
+    ]);
+    let args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+    let roomy = dry_run(&[("GPTREC_MEMORY_LIMIT_MB", "100000")], &args);
+    roomy.assert_code(0);
+    roomy.assert_stdout_all(&[
+        "ZeRO stages (dist.zero = \"auto\"; per worker, against the tightest local rank's ",
+        "dist.zero \"auto\": by the estimate, stage 0 (",
+    ]);
+    let (zero, one) = (stage_peak(&roomy.stdout, 0), stage_peak(&roomy.stdout, 1));
+    assert!(
+        one + 20.0 < zero,
+        "stage 1 shards the moments: {one} vs {zero}"
+    );
+    // Usable is 90% of the cap: a cap whose usable part lies halfway between the two.
+    let cap = format!("{:.0}", (zero + one) / 2.0 / 0.9);
+    let tight = dry_run(&[("GPTREC_MEMORY_LIMIT_MB", &cap)], &args);
+    tight.assert_code(0);
+    tight.assert_stdout_all(&["short by", "dist.zero \"auto\": by the estimate, stage 1 ("]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let run_sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    let (out, run_id) = run(
+        dir.path(),
+        "zero-auto",
+        "zero-auto",
+        &[("GPTREC_MEMORY_LIMIT_MB", &cap)],
+        &run_sets,
+    );
+    let all = out.all();
+    assert_eq!(out.code(), Some(0), "{all}");
+    assert!(
+        all.contains("dist.zero = \"auto\": stage 1 (the least traffic"),
+        "{all}"
+    );
+    assert!(
+        all.contains("ZeRO stage 1 (dist.zero = 1): each of the 2 ranks"),
+        "{all}"
+    );
+    let resolved =
+        std::fs::read_to_string(dir.path().join("zero-auto").join("config.resolved.toml")).unwrap();
+    assert!(resolved.lines().any(|l| l == "zero = 1"), "{resolved}");
+    assert_run_gone(&run_id, "zero-auto");
+}
+
+/// `dist.zero = "auto"` with `batch.micro = "auto"` under a cap no stage fits even at micro 1:
+/// the dry run and the workers say so with each term of the estimate; the workers stop before
+/// training with the out-of-memory exit code, nothing left running.
+#[test]
+fn zero_auto_stops_before_training_when_no_stage_fits_naming_each_term() {
+    let mut sets: Vec<&str> = WIDE_DENSE.to_vec();
+    sets.extend(["dist.zero=\"auto\"", "batch.micro=\"auto\""]);
+    let args: Vec<&str> = ["data.synthetic=\"tiny\""]
+        .iter()
+        .chain(&sets)
+        .flat_map(|s| ["--set", *s])
+        .collect();
+    let dry = dry_run(&[("GPTREC_MEMORY_LIMIT_MB", "300")], &args);
+    dry.assert_stdout_all(&[
+        "dist.zero \"auto\": by the estimate no stage fits: stage 1 at micro 1 x grad_accum 128 x world 2 = global 256 needs ",
+        "; by term: ",
+        "runtime (libtorch) 349.0 MiB",
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let (out, run_id) = run(
+        dir.path(),
+        "zero-none",
+        "zero-none",
+        &[("GPTREC_MEMORY_LIMIT_MB", "300")],
+        &sets,
+    );
+    out.assert_code(3);
+    out.assert_stderr(
+        "dist.zero = \"auto\": no ZeRO stage fits even micro 1 on rank(s) 0, 1 (cpu, 270.0 MiB usable); here: stage 1 at micro 1 x grad_accum 128 x world 2 = global 256 needs ",
+    );
+    out.assert_stderr("optimizer (AdamW) ");
+    assert!(!out.all().contains("epoch 1/1 step"), "{}", out.all());
+    assert_run_gone(&run_id, "zero-none");
+}
+
+/// The estimate of each built ZeRO stage against the peak RSS every rank measured: never more
+/// than the safety margin (10%) under it (the estimate is what "fits" means), and not so far
+/// over that a run that fits would be refused (at most 2x).
+#[test]
+fn each_stages_estimate_holds_what_the_ranks_measure() {
+    let dir = tempfile::tempdir().unwrap();
+    for stage in ["0", "1"] {
+        let zero = format!("dist.zero={stage}");
+        let mut sets = WIDE_DENSE.to_vec();
+        sets.push(&zero);
+        let name = format!("stage-{stage}");
+        let (out, _) = run(dir.path(), &name, &name, &[], &sets);
+        let all = out.all();
+        assert_eq!(out.code(), Some(0), "{all}");
+        let estimate = peak_after(&all, "memory estimate per worker on cpu: peak ");
+        let rest = all
+            .split("peak RSS per rank [")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no peak RSS:\n{all}"));
+        let measured: Vec<f64> = rest[..rest.find(']').unwrap()]
+            .split(", ")
+            .map(|m| m.parse().unwrap())
+            .collect();
+        assert_eq!(measured.len(), 2, "{all}");
+        for (rank, m) in measured.iter().enumerate() {
+            assert!(
+                *m <= estimate * 1.1 && *m >= estimate / 2.0,
+                "stage {stage}, rank {rank}: measured {m} MiB against the estimate {estimate} MiB"
+            );
+        }
     }
 }

@@ -65,6 +65,19 @@ pub struct Probe<'a> {
     pub tracker: &'a PhaseTracker,
 }
 
+impl Probe<'_> {
+    /// This rank's memory budget, or why `key = "auto"` cannot plan without one (set it to
+    /// `instead`).
+    pub fn budget(&self, key: &str, instead: &str) -> Result<memory::Budget, AutoMicroError> {
+        memory::budget(self.device, self.memory_limit, self.env.local_world_size).ok_or_else(|| {
+            AutoMicroError::Usage(format!(
+                "{key} = \"auto\": cannot tell how much memory {} has (neither NVML nor the CUDA runtime answered); set {key} to {instead}, or GPTREC_MEMORY_LIMIT_MB=N to plan with N MiB",
+                self.tracker.sample(self.device).1
+            ))
+        })
+    }
+}
+
 /// `batch.micro = "auto"`: every rank finds the largest micro batch (among those that keep
 /// `batch.global` exactly, up to `batch.max_micro`) whose estimate fits its memory with the
 /// safety margin — and, on a GPU, that really runs a forward and backward pass with the
@@ -81,9 +94,9 @@ pub fn auto_micro(
         plan: TrainPlan { config, .. },
         shape,
         device,
-        memory_limit,
         env,
         tracker,
+        ..
     } = *probe;
     let candidates = config
         .batch
@@ -92,15 +105,10 @@ pub fn auto_micro(
     warm_up_nccl(comm, config.dist.bucket_mb, device, ctx)?;
     let at = memory::placement(device, env.local_world_size);
     let name = tracker.sample(device).1;
-    let Some(memory::Budget {
+    let memory::Budget {
         bytes: budget,
         source,
-    }) = memory::budget(device, memory_limit, env.local_world_size)
-    else {
-        return Err(AutoMicroError::Usage(format!(
-            "batch.micro = \"auto\": cannot tell how much memory {name} has (neither NVML nor the CUDA runtime answered); set batch.micro to a number, or GPTREC_MEMORY_LIMIT_MB=N to plan with N MiB"
-        )));
-    };
+    } = probe.budget("batch.micro", "a number")?;
     let mut mine = None;
     let mut tried = Vec::new();
     for plan in &candidates {

@@ -7,6 +7,7 @@
 //! collective for the tools). Neither the runtime nor the recommender knows about any of this.
 
 pub mod auto_micro;
+pub mod auto_zero;
 pub mod curves;
 pub mod error_line;
 mod gpu_choice;

@@ -137,6 +137,22 @@ impl Start {
     fn leader(&self) -> bool {
         self.env.rank == 0
     }
+
+    /// What the planning steps (`"auto"` settings) plan with.
+    fn probe<'a>(
+        &'a self,
+        tracker: &'a PhaseTracker,
+        shape: &'a common::memory::DataShape,
+    ) -> worker::auto_micro::Probe<'a> {
+        worker::auto_micro::Probe {
+            plan: &self.plan,
+            shape,
+            device: self.device,
+            memory_limit: self.memory_limit,
+            env: &self.env,
+            tracker,
+        }
+    }
 }
 
 fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Failure> {
@@ -178,6 +194,9 @@ fn run(cli: &Cli, tracker: &PhaseTracker, alloc_conf_set: bool) -> Result<(), Fa
     let mut task = build_model(&start, &data, &vs, comm.as_mut(), ctx, tracker)?;
     milestones.model_rss = memory::rss_bytes();
     milestones.model_peak = tracker.peak_bytes(start.device);
+    if start.plan.config.dist.zero.is_auto() {
+        plan_zero_stage(&mut start, tracker, &shape, comm.as_mut(), ctx)?;
+    }
     if start.plan.config.batch.micro_auto {
         plan_micro_batch(
             &mut start,
@@ -603,6 +622,36 @@ fn log_data(config: &Config, data: &recommender::RecData) {
     );
 }
 
+/// A planning step's failure with its exit code: a setting that cannot work is a usage error
+/// (2), nothing fitting is an out-of-memory (3).
+fn auto_failure(e: worker::auto_micro::AutoMicroError) -> Failure {
+    use worker::auto_micro::AutoMicroError;
+    match e {
+        AutoMicroError::Usage(_) => usage(e.into()),
+        AutoMicroError::NoFit(_) => Failure {
+            error: e.into(),
+            code: EXIT_OUT_OF_MEMORY,
+        },
+        AutoMicroError::Failed(_) => e.into(),
+    }
+}
+
+/// `dist.zero = "auto"`: the stage the ranks agreed on replaces `"auto"` in the plan's config
+/// (before `batch.micro = "auto"`, which plans with it).
+fn plan_zero_stage(
+    start: &mut Start,
+    tracker: &PhaseTracker,
+    shape: &common::memory::DataShape,
+    comm: &mut dyn runtime::collective::Collective,
+    ctx: OpContext,
+) -> Result<(), Failure> {
+    let probe = start.probe(tracker, shape);
+    let stage = worker::auto_zero::auto_zero(&probe, comm, ctx).map_err(auto_failure)?;
+    start.plan.config.dist.zero = common::config::ZeroStage::Stage(stage);
+    tracker.update(|f| f.plan = start.plan.clone());
+    Ok(())
+}
+
 /// `batch.micro = "auto"`: the plan the ranks agreed on replaces the configured one everywhere.
 fn plan_micro_batch(
     start: &mut Start,
@@ -613,23 +662,9 @@ fn plan_micro_batch(
     comm: &mut dyn runtime::collective::Collective,
     ctx: OpContext,
 ) -> Result<(), Failure> {
-    use worker::auto_micro::{auto_micro, AutoMicroError, Probe};
-    let probe = Probe {
-        plan: &start.plan,
-        shape,
-        device: start.device,
-        memory_limit: start.memory_limit,
-        env: &start.env,
-        tracker,
-    };
-    let batch = auto_micro(&probe, task, vs, comm, ctx).map_err(|e| match e {
-        AutoMicroError::Usage(_) => usage(e.into()),
-        AutoMicroError::NoFit(_) => Failure {
-            error: e.into(),
-            code: EXIT_OUT_OF_MEMORY,
-        },
-        AutoMicroError::Failed(_) => e.into(),
-    })?;
+    let probe = start.probe(tracker, shape);
+    let batch =
+        worker::auto_micro::auto_micro(&probe, task, vs, comm, ctx).map_err(auto_failure)?;
     start.plan = start.plan.with_measured(batch);
     tracker.update(|f| f.plan = start.plan.clone());
     Ok(())

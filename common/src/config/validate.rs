@@ -288,14 +288,15 @@ fn check_dist(dist: &DistConfig) -> Result<(), ConfigError> {
         check_at_least_one("dist.rendezvous_timeout_s", secs)?;
     }
     check_positive("dist.bucket_mb", dist.bucket_mb)?;
-    if dist.zero > 1 {
-        return Err(ConfigError::invalid(
-            "dist.zero",
-            format!(
-                "must be 0 or 1 (got {}): stage 1 shards AdamW's moments; stages 2 and 3 (gradients, parameters) are not built yet",
-                dist.zero
-            ),
-        ));
+    if let ZeroStage::Stage(stage) = dist.zero {
+        if !ZeroStage::BUILT.contains(&stage) {
+            return Err(ConfigError::invalid(
+                "dist.zero",
+                format!(
+                    "must be 0, 1 or \"auto\" (got {stage}): stage 1 shards AdamW's moments; stages 2 and 3 (gradients, parameters) are not built yet"
+                ),
+            ));
+        }
     }
     Ok(())
 }

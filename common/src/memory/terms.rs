@@ -173,7 +173,7 @@ fn kept_once_values(x: &Inputs<'_>, tables: u64, trainable: u64) -> u64 {
 /// less the row-sparse `tables`, whose moments every rank keeps (or its host once).
 fn zero_sharded_values(x: &Inputs<'_>, tables: u64, trainable: u64, shared: u64) -> u64 {
     let dist = &x.config.dist;
-    if dist.zero == 0 || x.plan.world_size < 2 || (shared > 0 && shared == trainable) {
+    if dist.zero.stage() == 0 || x.plan.world_size < 2 || (shared > 0 && shared == trainable) {
         return 0;
     }
     let sparse = if dist.sparse_embeddings { tables } else { 0 };

@@ -6,6 +6,7 @@
 //! Must not: measure anything on a device (the workers do) or start anything.
 
 use super::*;
+use common::config::ZeroStage;
 
 impl Plan {
     /// The memory estimate of one worker next to what each local rank's device has (NVML's
@@ -20,14 +21,27 @@ impl Plan {
         } else {
             DeviceKind::Cuda
         };
+        let budgets = self.local_budgets(kind, gpus);
+        let mut config = wc.config.clone();
+        let mut lines = Vec::new();
+        if wc.batch.world_size > 1 {
+            let est = Estimating {
+                config: &wc.config,
+                data: DataShape::best_known(&wc.config),
+                at: Placement::new(kind, self.nproc as u64),
+            };
+            let (stage, stage_lines) = est.zero_stages(&wc.batch, &budgets);
+            if let Some(stage) = stage {
+                config.dist.zero = ZeroStage::Stage(stage);
+            }
+            lines.extend(stage_lines);
+        }
         let est = Estimating {
-            config: &wc.config,
+            config: &config,
             data: DataShape::best_known(&wc.config),
             at: Placement::new(kind, self.nproc as u64),
         };
-        let budgets = self.local_budgets(kind, gpus);
         let mut plan = wc.batch;
-        let mut lines = Vec::new();
         if wc.config.batch.micro_auto {
             let (chosen, line) = est.auto_micro(&wc.batch, &budgets);
             plan = chosen.unwrap_or(plan);
@@ -180,6 +194,83 @@ struct Estimating<'a> {
 }
 
 impl Estimating<'_> {
+    /// Each built ZeRO stage against the tightest local rank (the terms that differ, the peak,
+    /// whether it fits), shown with `dist.zero = "auto"` or when the configured stage does not
+    /// fit, and with `"auto"` the stage it picks from every local rank's budget (`None`: keep the configured one, or no stage fits or the memory is
+    /// unknown, which the workers then find too).
+    fn zero_stages(
+        &self,
+        configured: &BatchPlan,
+        budgets: &[(String, Option<(u64, u64)>)],
+    ) -> (Option<u8>, Vec<String>) {
+        use common::memory::stages;
+        let auto = self.config.dist.zero.is_auto();
+        let free: Vec<u64> = budgets.iter().filter_map(|(_, b)| b.map(|b| b.0)).collect();
+        let Some(&tightest) = free.iter().min() else {
+            let line = "ZeRO stages: memory unknown; dist.zero \"auto\" is chosen by each worker on its own device";
+            return (
+                None,
+                if auto {
+                    vec![line.to_string()]
+                } else {
+                    Vec::new()
+                },
+            );
+        };
+        let candidates: Vec<BatchPlan> = if self.config.batch.micro_auto {
+            std::iter::once(*configured)
+                .chain(common::memory::smaller_micro_plans(configured))
+                .collect()
+        } else {
+            vec![*configured]
+        };
+        let fits_in =
+            |budget| stages::stage_fits(self.config, &candidates, &self.data, self.at, budget);
+        let mut lines = vec![format!(
+            "ZeRO stages (dist.zero = {}; per worker, against the tightest local rank's {}):",
+            self.config.dist.zero,
+            mib_text(tightest)
+        )];
+        let tight = fits_in(tightest);
+        lines.extend(
+            stages::stage_lines(&tight, tightest)
+                .into_iter()
+                .map(|l| format!("  {l}")),
+        );
+        if !auto {
+            // A configured stage: the section only where it may help, when that stage does
+            // not fit.
+            let configured_fits = tight
+                .iter()
+                .any(|f| f.stage == self.config.dist.zero.stage() && f.fits);
+            return (None, if configured_fits { Vec::new() } else { lines });
+        }
+        let per_rank: Vec<Vec<(u8, u64)>> = free
+            .iter()
+            .map(|&b| fits_in(b).iter().map(|f| (f.stage, f.micro())).collect())
+            .collect();
+        let (chosen, line) = match stages::choose(&stages::agree(&per_rank)) {
+            Some(s) => (Some(s), format!(
+                "dist.zero \"auto\": by the estimate, stage {s} (the least traffic, then the largest micro batch, then the lower stage; each worker checks its own budget at start)"
+            )),
+            None if !self.config.batch.micro_auto => {
+                let least = stages::least_memory(&tight).map(|f| f.stage);
+                (least, format!(
+                    "dist.zero \"auto\": by the estimate no stage fits micro {}; stage {} needs the least: {}",
+                    configured.micro,
+                    least.unwrap_or(0),
+                    stages::shortfall(&tight, tightest)
+                ))
+            }
+            None => (None, format!(
+                "dist.zero \"auto\": by the estimate no stage fits: {}; the workers will stop with the reason",
+                stages::shortfall(&tight, tightest)
+            )),
+        };
+        lines.push(line);
+        (chosen, lines)
+    }
+
     /// What `micro = "auto"` would choose from the estimate (the smallest over the ranks), and
     /// the line saying so.
     fn auto_micro(

@@ -208,7 +208,7 @@ fn ddp_config(setup: &TrainSetup<'_>, task: &dyn Task, timeout: Duration) -> Ddp
         shared_tables: config.dist.shared_tables,
         shard_optimizer: config.dist.shard_optimizer,
         overlap_backward: config.dist.overlap_backward,
-        zero: config.dist.zero,
+        zero: config.dist.zero.stage(),
     }
 }
 
