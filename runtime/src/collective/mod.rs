@@ -160,6 +160,14 @@ pub trait Collective: Send {
         reduce_scatter_by_all_reduce(self, flat, op, ctx)
     }
 
+    /// Whether [`Collective::reduce_scatter`] of a contiguous f32 buffer is this backend's own
+    /// (less traffic than an all-reduce). Where it is not (the default), it is a whole
+    /// all-reduce, and a caller holding several tensors all-reduces them in place instead of
+    /// copying them into one buffer first: the same sums.
+    fn reduce_scatter_is_native(&self) -> bool {
+        false
+    }
+
     /// Fills the contiguous f32 tensor `flat` outside this rank's shard from the ranks that
     /// hold the rest, so that after [`Collective::reduce_scatter`] it is what
     /// [`Collective::all_reduce`] gives, bit for bit. Default: every rank's shard copied to

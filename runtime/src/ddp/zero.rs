@@ -190,7 +190,13 @@ impl ZeroLayout {
         ctx: OpContext,
     ) -> Result<(), DdpError> {
         for b in &self.buckets {
-            let grads: Vec<Tensor> = b.params.iter().map(|&i| params[i].grad()).collect();
+            let mut grads: Vec<Tensor> = b.params.iter().map(|&i| params[i].grad()).collect();
+            if grads.len() > 1 && !comm.reduce_scatter_is_native() {
+                // The backend's reduce-scatter would be a whole all-reduce of a copy: reduce
+                // the gradients where they are, as DDP does (every shard then holds its sums).
+                comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
+                continue;
+            }
             let (mut flat, in_place) = flat_of(&grads)?;
             let own = comm.reduce_scatter(&mut flat, ReduceOp::Avg, ctx)?;
             if own != b.shards[self.rank] {

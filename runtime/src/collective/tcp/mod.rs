@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 
 use link::{exchange, read_exact_until, write_all_until};
 
-use super::shm::{copy_own, Bytes, ShmFailure, ShmGroup};
+use super::shm::{Bytes, ShmFailure, ShmGroup};
 use super::{
     flatten_f32, flatten_into, unflatten_into, Collective, CollectiveError, HostShared, OpContext,
     ReduceOp,
@@ -449,60 +449,6 @@ impl TcpCollective {
             }),
         }
     }
-
-    /// All-gather of the contiguous CPU tensor `mine` into `out` (contiguous CPU tensors like
-    /// it, one per rank), through shared memory when the job is on one host.
-    fn gather_staged(
-        &mut self,
-        mine: &Tensor,
-        out: &mut [Tensor],
-        ctx: OpContext,
-    ) -> Result<(), CollectiveError> {
-        // SAFETY: `mine` and `out` outlive these views; nothing else touches them meanwhile.
-        let (mine_bytes, parts): (Bytes, Vec<Bytes>) =
-            unsafe { (bytes_of(mine), out.iter().map(|t| bytes_of(t)).collect()) };
-        if self.world == 1 {
-            copy_own(mine_bytes, parts[0], false);
-            return Ok(());
-        }
-        let deadline = Instant::now() + ctx.timeout;
-        let seq = self.seq + 1;
-        let gathered = self
-            .whole_job_shm()
-            .map(|shm| shm.all_gather(mine_bytes, &parts, seq, deadline));
-        match gathered {
-            Some(done) => {
-                self.seq = seq;
-                done.map_err(|f| self.shm_op_error("all_gather", f, ctx, mine_bytes.len))
-            }
-            None => self.socket_all_gather(mine_bytes, &parts, ctx, deadline),
-        }
-    }
-
-    /// Ring all-gather: `mine` into `parts[rank]`, then each rank passes the part it received
-    /// last to the next one, W - 1 times, until every part is filled.
-    fn socket_all_gather(
-        &mut self,
-        mine: Bytes,
-        parts: &[Bytes],
-        ctx: OpContext,
-        deadline: Instant,
-    ) -> Result<(), CollectiveError> {
-        self.handshake("all_gather", 3, mine.len as u64, ctx, deadline)?;
-        let (w, r) = (self.world, self.rank);
-        copy_own(mine, parts[r], false);
-        // SAFETY: every part is `mine.len` bytes and ours alone during the operation (see
-        // Bytes); the part sent and the part received differ at every step.
-        unsafe {
-            for s in 0..w - 1 {
-                let (send, recv) = (parts[(r + w - s) % w], parts[(r + 2 * w - s - 1) % w]);
-                let send = std::slice::from_raw_parts(send.ptr as *const u8, send.len);
-                let recv = std::slice::from_raw_parts_mut(recv.ptr, recv.len);
-                self.transfer(send, Sink::Copy(recv), "all_gather", ctx, deadline)?;
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Collective for TcpCollective {
@@ -655,15 +601,24 @@ impl Collective for TcpCollective {
         self.ring_reduce_scatter(flat, op, ctx)
     }
 
+    /// The ring's own halves apply where the ring alone carries the sums (for f32 CPU buffers;
+    /// others fall back to an all-reduce all the same).
+    fn reduce_scatter_is_native(&self) -> bool {
+        self.world > 1 && self.ring_only()
+    }
+
     fn all_gather_shards(
         &mut self,
         flat: &mut Tensor,
         ctx: OpContext,
     ) -> Result<(), CollectiveError> {
-        if !self.ring_shards(flat) {
-            return super::all_gather_shards_by_copy(self, flat, ctx);
+        if self.ring_shards(flat) {
+            self.ring_all_gather(flat, ctx)
+        } else if self.shm_shards(flat) {
+            self.shm_all_gather_shards(flat, ctx)
+        } else {
+            super::all_gather_shards_by_copy(self, flat, ctx)
         }
-        self.ring_all_gather(flat, ctx)
     }
 
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError> {
@@ -785,6 +740,7 @@ fn split_pair<T>(buf: &mut [T], send: (usize, usize), recv: (usize, usize)) -> (
     }
 }
 
+mod gather;
 mod link;
 mod ring;
 mod setup;

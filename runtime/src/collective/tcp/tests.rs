@@ -526,8 +526,8 @@ fn uneven(rank: usize, i: usize) -> f32 {
 }
 
 /// `reduce_scatter` leaves each rank's shard exactly as `all_reduce` would, the shards
-/// partition the buffer, and `all_gather_shards` after it gives `all_reduce`'s result bit for
-/// bit: over the ring alone (its own halves), with shared memory and across hosts (the
+/// partition the buffer, and `all_gather_shards` after it (with everything outside the shard
+/// overwritten) gives `all_reduce`'s result bit for bit: over the ring alone (its own halves), with shared memory and across hosts (the
 /// defaults), at every world, for sizes the world does not divide, summed and averaged.
 #[test]
 fn reduce_scatter_then_all_gather_shards_is_all_reduce_bit_for_bit() {
@@ -564,6 +564,11 @@ fn reduce_scatter_then_all_gather_shards_is_all_reduce_bit_for_bit() {
                 let mut flat = Tensor::from_slice(&data);
                 let shard = comm.reduce_scatter(&mut flat, op, CTX).unwrap();
                 let scattered = Vec::<f32>::try_from(&flat).unwrap();
+                // What lies outside the shard is unspecified (a whole all-reduce leaves the
+                // sums there): overwrite it, so that only the gathering can restore it.
+                let (lo, hi) = (shard.start as i64, shard.end as i64);
+                let _ = flat.narrow(0, 0, lo).fill_(f64::NAN);
+                let _ = flat.narrow(0, hi, len as i64 - hi).fill_(f64::NAN);
                 comm.all_gather_shards(&mut flat, CTX).unwrap();
                 let reduced = Vec::<f32>::try_from(&whole[0]).unwrap();
                 let gathered = Vec::<f32>::try_from(&flat).unwrap();
