@@ -34,6 +34,7 @@ pub mod data_layout;
 pub mod env_contract;
 pub mod files;
 pub mod flight;
+pub mod host_memory;
 pub mod hostlist;
 pub mod job_shape;
 pub mod job_terms;

@@ -1,43 +1,51 @@
 #!/usr/bin/env bash
-# ZeRO stage 1 (`dist.zero = 1`) against DDP (`dist.zero = 0`) on the CPU over the TCP ring alone
-# (`shared_memory` and `shard_optimizer` off: the path of GPUs and several hosts): a
-# dense BPR model of 1,800 x EMBED rows (tables not row-sparse, so their moments are sharded),
-# at world 2 and 4. Per run: the estimate's optimizer term and peak, the peak RSS each rank
-# measured (the highest), the steady throughput, and test NDCG@10 (stage 1 must print DDP's).
+# ZeRO stage 1 (`dist.zero = 1`) against DDP (`dist.zero = 0`) on the CPU, over the TCP ring alone
+# (the path of several hosts) and through shared memory (one host; `shard_optimizer` off, so
+# this is the engine's stage 1, the path `dist.zero = "auto"` takes there): a dense BPR model of
+# 1,800 x EMBED rows (tables not row-sparse, so their moments are sharded), at world 2 and 4.
+# Per run: the estimate's optimizer term and peak, the peak RSS each rank measured (the
+# highest), the steady throughput, rank 0's update and collective time per step, and test
+# NDCG@10 (stage 1 must print DDP's).
 #
-# Usage: scripts/bench/zero.sh          (EMBED=32768 by default: 59M values; about 3.5 minutes here)
+# Usage: scripts/bench/zero.sh          (EMBED=32768 by default: 59M values; about 7 minutes here)
 set -eu
 cd "$(dirname "$0")/../.."
 . scripts/bench/lib.sh
 embed="${EMBED:-32768}"
 
-for world in 2 4; do
+for transport in ring shm; do
+  shm=false; [ "$transport" = shm ] && shm=true
+  for world in 2 4; do
   for zero in 0 1; do
-    launch_logged "w$world-z$zero" --num-processes "$world" --master-port 0 configs/default.toml \
-      --set run.output_dir=\""$out"\" --set run.name=\""w$world-z$zero"\" \
+    launch_logged "$transport-w$world-z$zero" --num-processes "$world" --master-port 0 configs/default.toml \
+      --set run.output_dir=\""$out"\" --set run.name=\""$transport-w$world-z$zero"\" \
       --set checkpoint.resume=\"never\" --set eval.patience=0 --set train.epochs=1 \
       --set data.synthetic=\"small\" --set model.kind=\"bpr\" --set model.embedding_dim="$embed" \
       --set batch.global=2048 \
       --set dist.shard_optimizer=false --set dist.shared_tables=false \
-      --set dist.sparse_embeddings=false --set dist.shared_memory=false --set dist.zero="$zero"
+      --set dist.sparse_embeddings=false --set dist.shared_memory="$shm" --set dist.zero="$zero"
+  done
   done
 done
 
 python3 - "$out" "$embed" <<'PY'
 import json, os, sys
 out, embed = sys.argv[1], sys.argv[2]
-print("BPR, 1,800 x %s dense rows, TCP ring, one epoch" % embed)
-print("| world | dist.zero | optimizer term (estimate) MiB | estimated peak MiB | measured peak RSS MiB | steady samples/s | test NDCG@10 |")
-print("|---|---|---|---|---|---|---|")
-for world in (2, 4):
-    for zero in (0, 1):
-        run = os.path.join(out, "w%d-z%d" % (world, zero))
-        mem = json.load(open(os.path.join(run, "memory.json")))
-        terms = {t["name"]: t["mib"] for t in mem["estimate"]["terms"]}
-        recs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
-        summary = [r for r in recs if r["kind"] == "summary"][-1]
-        test = [r for r in recs if r.get("split") == "test"][-1]
-        print("| %d | %d | %.1f | %.1f | %.1f | %.0f | %.4f |" % (
-            world, zero, terms["optimizer (AdamW)"], mem["estimate"]["peak_mib"],
-            max(summary["peak_rss_mib"]), summary["steady_samples_per_s"], test["ndcg@10"]))
+print("BPR, 1,800 x %s dense rows, one epoch" % embed)
+print("| transport | world | dist.zero | optimizer term (estimate) MiB | estimated peak MiB | measured peak RSS MiB | steady samples/s | update ms / step | collective ms / step | test NDCG@10 |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for transport in ("ring", "shm"):
+    for world in (2, 4):
+        for zero in (0, 1):
+            run = os.path.join(out, "%s-w%d-z%d" % (transport, world, zero))
+            mem = json.load(open(os.path.join(run, "memory.json")))
+            terms = {t["name"]: t["mib"] for t in mem["estimate"]["terms"]}
+            recs = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+            summary = [r for r in recs if r["kind"] == "summary"][-1]
+            test = [r for r in recs if r.get("split") == "test"][-1]
+            steps = summary["steady_time_per_step_ms"]
+            print("| %s | %d | %d | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f | %.4f |" % (
+                transport, world, zero, terms["optimizer (AdamW)"], mem["estimate"]["peak_mib"],
+                max(summary["peak_rss_mib"]), summary["steady_samples_per_s"],
+                steps["update"], steps["collective"], test["ndcg@10"]))
 PY

@@ -196,14 +196,20 @@ pub fn usage(device: Device) -> (Usage, String) {
             };
             (u, format!("cuda:{i} ({name})"))
         }
-        _ => (
-            Usage {
-                used: rss_bytes(),
-                free: proc_kb("/proc/meminfo", "MemAvailable:").unwrap_or(0),
-                total: proc_kb("/proc/meminfo", "MemTotal:").unwrap_or(0),
-            },
-            "cpu".to_string(),
-        ),
+        _ => {
+            let host = common::host_memory::host_memory();
+            (
+                Usage {
+                    used: rss_bytes(),
+                    free: host.as_ref().map_or(0, |m| m.available),
+                    total: host.as_ref().map_or(0, |m| m.total),
+                },
+                match host.and_then(|m| m.cgroup) {
+                    Some(cgroup) => format!("cpu in cgroup {cgroup}"),
+                    None => "cpu".to_string(),
+                },
+            )
+        }
     }
 }
 
@@ -234,9 +240,11 @@ pub fn budget(device: Device, limit: Option<u64>, local_world: u32) -> Option<Bu
         _ => Some(limit.map_or_else(
             || {
                 let (u, _) = usage(device);
+                let source = common::host_memory::host_memory()
+                    .map_or_else(|| "available RAM".into(), |m| m.source());
                 Budget {
                     bytes: u.free / u64::from(local_world.max(1)) + u.used,
-                    source: format!("available RAM / {local_world} workers"),
+                    source: format!("{source} / {local_world} workers"),
                 }
             },
             simulated_budget,

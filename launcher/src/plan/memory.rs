@@ -107,7 +107,7 @@ impl Plan {
     /// `GPTREC_MEMORY_LIMIT_MB` the workers read too (tests, and "what if this GPU were
     /// smaller"), else its device's (free, total) bytes.
     fn local_budgets(&self, kind: DeviceKind, gpus: &[Gpu]) -> Vec<(String, Option<(u64, u64)>)> {
-        let ram = memory_info();
+        let ram = common::host_memory::host_memory();
         let limit = std::env::var("GPTREC_MEMORY_LIMIT_MB")
             .ok()
             .and_then(|t| common::memory::parse_memory_limit(&t).ok());
@@ -119,19 +119,20 @@ impl Plan {
                         "simulated limit GPTREC_MEMORY_LIMIT_MB".to_string(),
                         Some((bytes, bytes)),
                     ),
-                    _ => self.device_budget(kind, gpus, ram, local_rank),
+                    _ => self.device_budget(kind, gpus, ram.as_ref(), local_rank),
                 }
             })
             .collect()
     }
 
     /// A local rank's device name and (free, total) bytes: NVML's figures for its GPU, or its
-    /// share of the node's available RAM.
+    /// share of the node's available RAM (under the cgroup's memory limit, when there is one:
+    /// then the limit is the total and the name says which cgroup).
     fn device_budget(
         &self,
         kind: DeviceKind,
         gpus: &[Gpu],
-        ram: Option<(u64, u64)>,
+        ram: Option<&common::host_memory::HostMemory>,
         local_rank: u32,
     ) -> (String, Option<(u64, u64)>) {
         match kind {
@@ -144,8 +145,11 @@ impl Plan {
                 None => (format!("cuda:{local_rank} (missing)"), None),
             },
             DeviceKind::Cpu => (
-                "cpu".to_string(),
-                ram.map(|(avail, total)| (avail / u64::from(self.nproc.max(1)), total)),
+                match ram.and_then(|m| m.cgroup.as_deref()) {
+                    Some(cgroup) => format!("cpu in cgroup {cgroup}"),
+                    None => "cpu".to_string(),
+                },
+                ram.map(|m| (m.available / u64::from(self.nproc.max(1)), m.total)),
             ),
         }
     }
@@ -324,16 +328,4 @@ impl Estimating<'_> {
         }
         w
     }
-}
-
-/// (MemAvailable, MemTotal) in bytes from `/proc/meminfo`.
-fn memory_info() -> Option<(u64, u64)> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let field = |key: &str| -> Option<u64> {
-        text.lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-    };
-    Some((field("MemAvailable:")?, field("MemTotal:")?))
 }

@@ -1,0 +1,273 @@
+//! What the host lets this process's memory grow to: `/proc/meminfo`'s available and total
+//! memory, bounded by the memory limit of the cgroup the process runs in (v2 `memory.max`, v1
+//! `memory.limit_in_bytes`; the tightest of the cgroup and its ancestors) less what that cgroup
+//! already uses. A container's, a Slurm job's or a Kubernetes pod's limit is what the kernel's
+//! OOM killer enforces, not the host's RAM, so the memory plan must see it.
+//!
+//! Reads files only (the parsing is pure, for tests); a figure that cannot be read is `None`,
+//! never an error or a panic.
+
+use std::path::{Path, PathBuf};
+
+/// Memory a process on this host may still use, and its ceiling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostMemory {
+    /// Bytes the host (or the cgroup, when its limit is lower) can still give.
+    pub available: u64,
+    /// The ceiling: the cgroup's limit when it is below the host's RAM, else `MemTotal`.
+    pub total: u64,
+    /// The cgroup whose limit is the ceiling (its path in its hierarchy), when one is.
+    pub cgroup: Option<String>,
+}
+
+impl HostMemory {
+    /// Where the figures come from, for messages: `available RAM` or `the memory limit of
+    /// cgroup /slurm/job_42`.
+    pub fn source(&self) -> String {
+        match &self.cgroup {
+            Some(path) => format!("the memory limit of cgroup {path}"),
+            None => "available RAM".into(),
+        }
+    }
+}
+
+/// This process's memory on this host, read now.
+pub fn host_memory() -> Option<HostMemory> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |key: &str| -> Option<u64> {
+        meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    };
+    let (available, total) = (field("MemAvailable:")?, field("MemTotal:")?);
+    let read = |p: &Path| std::fs::read_to_string(p).ok();
+    let limit = match (
+        read(Path::new("/proc/self/cgroup")),
+        read(Path::new("/proc/self/mountinfo")),
+    ) {
+        (Some(cgroup), Some(mountinfo)) => cgroup_limit(&cgroup, &mountinfo, read),
+        _ => None,
+    };
+    Some(bounded(available, total, limit))
+}
+
+/// The host's figures under a cgroup's limit, when that limit is the lower.
+fn bounded(available: u64, total: u64, limit: Option<CgroupLimit>) -> HostMemory {
+    match limit {
+        Some(l) if l.limit < total => HostMemory {
+            available: available.min(l.limit.saturating_sub(l.usage)),
+            total: l.limit,
+            cgroup: Some(l.path),
+        },
+        _ => HostMemory {
+            available,
+            total,
+            cgroup: None,
+        },
+    }
+}
+
+/// The tightest memory limit over a cgroup and its ancestors, what that cgroup uses, and its
+/// path in the hierarchy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct CgroupLimit {
+    limit: u64,
+    usage: u64,
+    path: String,
+}
+
+/// Limits at or above this are "no limit" (v1 writes 2^63 rounded down to a page).
+const UNLIMITED: u64 = 1 << 62;
+
+/// From `/proc/self/cgroup` and `/proc/self/mountinfo`'s text, reading the controller's files
+/// with `read`: the v1 memory controller's hierarchy where it is mounted (it is the one that
+/// limits memory on a hybrid host), else the v2 one.
+fn cgroup_limit(
+    cgroup: &str,
+    mountinfo: &str,
+    read: impl Fn(&Path) -> Option<String>,
+) -> Option<CgroupLimit> {
+    let v1 = cgroup.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then_some(path)
+    });
+    let v2 = cgroup.lines().find_map(|l| l.strip_prefix("0::"));
+    let (path, mount, files) =
+        match v1.and_then(|p| Some((p, mount_of(mountinfo, Some("memory"))?))) {
+            Some((p, m)) => (p, m, ("memory.limit_in_bytes", "memory.usage_in_bytes")),
+            None => {
+                let p = v2?;
+                (
+                    p,
+                    mount_of(mountinfo, None)?,
+                    ("memory.max", "memory.current"),
+                )
+            }
+        };
+    tightest(path, &mount, files, read)
+}
+
+/// Where a hierarchy is mounted: (mount point, the hierarchy's path that is its root). The v1
+/// hierarchy holding `controller`, or the v2 one for `None`.
+fn mount_of(mountinfo: &str, controller: Option<&str>) -> Option<(PathBuf, String)> {
+    mountinfo.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        let left: Vec<&str> = left.split(' ').collect();
+        let right: Vec<&str> = right.split(' ').collect();
+        let (fstype, options) = (*right.first()?, right.get(2).copied().unwrap_or(""));
+        let wanted = match controller {
+            Some(c) => fstype == "cgroup" && options.split(',').any(|o| o == c),
+            None => fstype == "cgroup2",
+        };
+        if !wanted {
+            return None;
+        }
+        Some((PathBuf::from(left.get(4)?), left.get(3)?.to_string()))
+    })
+}
+
+/// The lowest limit from the cgroup at `path` up to the mount's root, with that cgroup's usage.
+fn tightest(
+    path: &str,
+    (mount, root): &(PathBuf, String),
+    (limit_file, usage_file): (&str, &str),
+    read: impl Fn(&Path) -> Option<String>,
+) -> Option<CgroupLimit> {
+    // Inside a cgroup namespace or a container the root is the process's own cgroup: "/".
+    let relative = path
+        .strip_prefix(root.as_str())
+        .unwrap_or(path)
+        .trim_start_matches('/');
+    let mut best: Option<CgroupLimit> = None;
+    let mut dir = relative.to_string();
+    loop {
+        let at = mount.join(&dir);
+        let number = |file: &str| -> Option<u64> { read(&at.join(file))?.trim().parse().ok() };
+        if let Some(limit) = number(limit_file).filter(|l| *l < UNLIMITED) {
+            if best.as_ref().is_none_or(|b| limit < b.limit) {
+                best = Some(CgroupLimit {
+                    limit,
+                    usage: number(usage_file).unwrap_or(0),
+                    path: format!("/{dir}"),
+                });
+            }
+        }
+        if dir.is_empty() {
+            return best;
+        }
+        dir = dir
+            .rsplit_once('/')
+            .map_or(String::new(), |(up, _)| up.to_string());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    const V1_MOUNTS: &str = "\
+30 25 0:26 / /sys/fs/cgroup/memory rw,relatime shared:12 - cgroup cgroup rw,memory
+31 25 0:27 / /sys/fs/cgroup/unified rw,relatime shared:13 - cgroup2 cgroup2 rw
+32 25 0:28 / /sys/fs/cgroup/cpu rw,relatime shared:14 - cgroup cgroup rw,cpu
+";
+    const V2_MOUNTS: &str = "\
+29 23 0:25 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate
+";
+
+    fn files(entries: &[(&str, &str)]) -> impl Fn(&Path) -> Option<String> {
+        let map: HashMap<PathBuf, String> = entries
+            .iter()
+            .map(|(p, v)| (PathBuf::from(p), v.to_string()))
+            .collect();
+        move |p: &Path| map.get(p).cloned()
+    }
+
+    #[test]
+    fn a_v1_memory_limit_bounds_the_host_and_the_tightest_ancestor_counts() {
+        let cgroup = "4:memory:/slurm/job_42/step_0\n1:cpu:/\n0::/\n";
+        let read = files(&[
+            (
+                "/sys/fs/cgroup/memory/slurm/job_42/step_0/memory.limit_in_bytes",
+                "9223372036854771712\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/slurm/job_42/memory.limit_in_bytes",
+                "2147483648\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/slurm/job_42/memory.usage_in_bytes",
+                "536870912\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/slurm/memory.limit_in_bytes",
+                "8589934592\n",
+            ),
+            (
+                "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                "9223372036854771712\n",
+            ),
+        ]);
+        let l = cgroup_limit(cgroup, V1_MOUNTS, read).unwrap();
+        assert_eq!(
+            l,
+            CgroupLimit {
+                limit: 2 << 30,
+                usage: 512 << 20,
+                path: "/slurm/job_42".into()
+            }
+        );
+        let m = bounded(10 << 30, 16 << 30, Some(l));
+        assert_eq!((m.available, m.total), (1536 << 20, 2 << 30));
+        assert_eq!(m.source(), "the memory limit of cgroup /slurm/job_42");
+    }
+
+    #[test]
+    fn a_v2_memory_max_counts_and_max_means_none() {
+        let cgroup = "0::/kubepods/pod1/ctr\n";
+        let read = files(&[
+            ("/sys/fs/cgroup/kubepods/pod1/ctr/memory.max", "max\n"),
+            ("/sys/fs/cgroup/kubepods/pod1/memory.max", "1073741824\n"),
+            ("/sys/fs/cgroup/kubepods/pod1/memory.current", "104857600\n"),
+            ("/sys/fs/cgroup/kubepods/memory.max", "max\n"),
+        ]);
+        let l = cgroup_limit(cgroup, V2_MOUNTS, read).unwrap();
+        assert_eq!((l.limit, l.usage), (1 << 30, 100 << 20));
+        assert_eq!(l.path, "/kubepods/pod1");
+        let none = files(&[("/sys/fs/cgroup/memory.max", "max\n")]);
+        assert_eq!(cgroup_limit("0::/\n", V2_MOUNTS, none), None);
+    }
+
+    #[test]
+    fn inside_a_container_the_root_is_its_own_cgroup() {
+        // A cgroup namespace: the process sees "/" and the mount's root is "/" too.
+        let read = files(&[("/sys/fs/cgroup/memory.max", "536870912\n")]);
+        let l = cgroup_limit("0::/\n", V2_MOUNTS, read).unwrap();
+        assert_eq!((l.limit, l.path.as_str()), (512 << 20, "/"));
+        // A mount whose root is the process's cgroup (some runtimes bind-mount it).
+        let mounts = "29 23 0:25 /docker/abc /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        let read = files(&[("/sys/fs/cgroup/memory.max", "268435456\n")]);
+        let l = cgroup_limit("0::/docker/abc\n", mounts, read).unwrap();
+        assert_eq!(l.limit, 256 << 20);
+    }
+
+    #[test]
+    fn a_limit_above_the_ram_or_nothing_readable_leaves_the_host_figures() {
+        let l = CgroupLimit {
+            limit: 64 << 30,
+            usage: 0,
+            path: "/big".into(),
+        };
+        let m = bounded(10 << 30, 16 << 30, Some(l));
+        assert_eq!((m.available, m.total, m.cgroup.clone()), (10 << 30, 16 << 30, None));
+        assert_eq!(m.source(), "available RAM");
+        assert_eq!(cgroup_limit("garbage", "", files(&[])), None);
+        assert_eq!(cgroup_limit("0::/x\n", V1_MOUNTS, files(&[])), None);
+    }
+}
