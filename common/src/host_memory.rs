@@ -265,7 +265,10 @@ mod tests {
             path: "/big".into(),
         };
         let m = bounded(10 << 30, 16 << 30, Some(l));
-        assert_eq!((m.available, m.total, m.cgroup.clone()), (10 << 30, 16 << 30, None));
+        assert_eq!(
+            (m.available, m.total, m.cgroup.clone()),
+            (10 << 30, 16 << 30, None)
+        );
         assert_eq!(m.source(), "available RAM");
         assert_eq!(cgroup_limit("garbage", "", files(&[])), None);
         assert_eq!(cgroup_limit("0::/x\n", V1_MOUNTS, files(&[])), None);

@@ -4,7 +4,8 @@
 # this is the engine's stage 1, the path `dist.zero = "auto"` takes there): a dense BPR model of
 # 1,800 x EMBED rows (tables not row-sparse, so their moments are sharded), at world 2 and 4.
 # Per run: the estimate's optimizer term and peak, the peak RSS each rank measured (the
-# highest), the steady throughput, rank 0's update and collective time per step, and test
+# highest), the steady throughput, rank 0's update and collective time per step, the bytes a
+# rank sent per step (the most of any rank), and test
 # NDCG@10 (stage 1 must print DDP's).
 #
 # Usage: scripts/bench/zero.sh          (EMBED=32768 by default: 59M values; about 7 minutes here)
@@ -32,8 +33,8 @@ python3 - "$out" "$embed" <<'PY'
 import json, os, sys
 out, embed = sys.argv[1], sys.argv[2]
 print("BPR, 1,800 x %s dense rows, one epoch" % embed)
-print("| transport | world | dist.zero | optimizer term (estimate) MiB | estimated peak MiB | measured peak RSS MiB | steady samples/s | update ms / step | collective ms / step | test NDCG@10 |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("| transport | world | dist.zero | optimizer term (estimate) MiB | estimated peak MiB | measured peak RSS MiB | steady samples/s | update ms / step | collective ms / step | sent MiB / step | test NDCG@10 |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for transport in ("ring", "shm"):
     for world in (2, 4):
         for zero in (0, 1):
@@ -44,8 +45,9 @@ for transport in ("ring", "shm"):
             summary = [r for r in recs if r["kind"] == "summary"][-1]
             test = [r for r in recs if r.get("split") == "test"][-1]
             steps = summary["steady_time_per_step_ms"]
-            print("| %s | %d | %d | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f | %.4f |" % (
+            print("| %s | %d | %d | %.1f | %.1f | %.1f | %.0f | %.0f | %.0f | %.0f | %.4f |" % (
                 transport, world, zero, terms["optimizer (AdamW)"], mem["estimate"]["peak_mib"],
                 max(summary["peak_rss_mib"]), summary["steady_samples_per_s"],
-                steps["update"], steps["collective"], test["ndcg@10"]))
+                steps["update"], steps["collective"], max(summary["sent_mib_per_step"]),
+                test["ndcg@10"]))
 PY

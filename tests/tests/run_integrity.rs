@@ -553,3 +553,55 @@ fn zero_stage_1_gives_ddps_results_and_checkpoints_that_any_world_resumes() {
     let metrics = |name: &str| test_metrics(&out.join(name));
     assert_eq!(metrics("zero-then-3"), metrics("ddp-then-3"));
 }
+
+/// Each rank counts the bytes it hands to the others during its steps, and the summary (and
+/// its record) gives them per step: ZeRO stage 1 sends DDP's bytes over the ring (its
+/// reduce-scatter and all-gather are the all-reduce's two halves), and through shared memory,
+/// where its reduce-scatter is a whole all-reduce, at most half as much again.
+#[test]
+fn every_rank_counts_what_it_sends_and_stage_1_sends_ddps_bytes_over_the_ring() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path();
+    let sent = |name: &str, sets: &[&str]| -> Vec<f64> {
+        let mut all = vec![
+            "train.epochs=1",
+            "dist.shard_optimizer=false",
+            "dist.shared_tables=false",
+            "dist.sparse_embeddings=false",
+        ];
+        all.extend(sets);
+        let ran = run_ok(2, out, name, &all, &[]);
+        ran.assert_stdout_all(&["  traffic: sent per step per rank ["]);
+        let summary = records(&out.join(name))
+            .into_iter()
+            .rev()
+            .find(|r| r["kind"] == "summary")
+            .expect("a summary record");
+        let per_rank: Vec<f64> = summary["sent_mib_per_step"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no sent_mib_per_step: {summary}"))
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(per_rank.len(), 2, "{summary}");
+        assert!(per_rank.iter().all(|&m| m > 0.0), "{summary}");
+        per_rank
+    };
+    let ring = ["dist.shared_memory=false"];
+    let ddp = sent("ring-ddp", &ring);
+    let zero = sent("ring-zero", &[&ring[..], &["dist.zero=1"]].concat());
+    for (z, d) in zero.iter().zip(&ddp) {
+        assert!(
+            (z / d - 1.0).abs() < 0.02,
+            "ring: stage 1 {zero:?} vs DDP {ddp:?}"
+        );
+    }
+    let shm_ddp = sent("shm-ddp", &[]);
+    let shm_zero = sent("shm-zero", &["dist.zero=1"]);
+    for (z, d) in shm_zero.iter().zip(&shm_ddp) {
+        assert!(
+            z > d && *z <= d * 1.52,
+            "shared memory: stage 1 {shm_zero:?} vs DDP {shm_ddp:?}"
+        );
+    }
+}

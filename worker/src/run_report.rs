@@ -180,6 +180,7 @@ impl RunSummary<'_> {
                 "collective": t.collective_ms, "update": t.update_ms,
             })).collect::<Vec<_>>(),
             "straggler_rank": crate::trainer::straggler(&r.rank_times).map(|s| s.0),
+            "sent_mib_per_step": r.sent_per_step.iter().map(|&b| mib(b)).collect::<Vec<_>>(),
             "steady_time_per_step_ms": r.steady_rank_time.map(|t| json!({
                 "compute": t.compute_ms, "data": t.data_ms,
                 "collective": t.collective_ms, "update": t.update_ms,
@@ -208,6 +209,18 @@ impl RunSummary<'_> {
         );
         for line in crate::trainer::rank_time_lines(&r.rank_times, self.device.is_cuda()) {
             println!("{line}");
+        }
+        if !r.sent_per_step.is_empty() {
+            let sent: Vec<String> = r
+                .sent_per_step
+                .iter()
+                .map(|&b| format!("{:.2}", mib(b)))
+                .collect();
+            println!(
+                "  traffic: sent per step per rank [{}] MiB (dist.zero = {})",
+                sent.join(", "),
+                self.plan.config.dist.zero
+            );
         }
         let measured_peak = match &r.peak_device {
             Some(dev) => dev.iter().copied().max().unwrap_or(0),

@@ -351,6 +351,10 @@ impl Collective for Recorded {
         self.run(entry, |c| c.reduce_scatter(flat, reduce, ctx))
     }
 
+    fn bytes_sent(&self) -> Option<u64> {
+        self.inner.bytes_sent()
+    }
+
     fn reduce_scatter_is_native(&self) -> bool {
         self.inner.reduce_scatter_is_native()
     }

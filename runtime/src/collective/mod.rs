@@ -160,6 +160,14 @@ pub trait Collective: Send {
         reduce_scatter_by_all_reduce(self, flat, op, ctx)
     }
 
+    /// Bytes this rank has handed to the others since the collective was made (payload and
+    /// headers written to a socket, or put into shared memory for the others to read; on NCCL,
+    /// what its ring algorithms send for each operation's size), or `None` where the backend
+    /// does not count (the default).
+    fn bytes_sent(&self) -> Option<u64> {
+        None
+    }
+
     /// Whether [`Collective::reduce_scatter`] of a contiguous f32 buffer is this backend's own
     /// (less traffic than an all-reduce). Where it is not (the default), it is a whole
     /// all-reduce, and a caller holding several tensors all-reduces them in place instead of

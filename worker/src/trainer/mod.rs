@@ -123,6 +123,10 @@ pub struct TrainReport {
     pub seconds_per_epoch: Option<f64>,
     /// Each rank's time per step, in rank order (empty when this run took no step).
     pub rank_times: Vec<RankTime>,
+    /// Bytes each rank handed to the others per optimizer step of this run, in rank order
+    /// (`Collective::bytes_sent` over the steps, divided by their number; empty when the
+    /// backend does not count or no step was taken).
+    pub sent_per_step: Vec<u64>,
     /// Optimizer steps this run took (0 when it only evaluated a finished run).
     pub steps_run: u64,
     /// The summary record of the run that ended where this one started (rank 0), whose
@@ -558,6 +562,7 @@ impl<'t> Trainer<'t> {
         ));
         self.task.begin_step(step);
         let lr = self.schedule.lr_at(step);
+        let sent_before = self.ddp.comm().bytes_sent();
         // An allocation failure is reported (and the rank exits) before anything else happens,
         // so the launcher sees this rank fail first.
         let stats = self.setup.memory.check(self.ddp.step(
@@ -578,6 +583,9 @@ impl<'t> Trainer<'t> {
         self.progress.time += stats.time;
         self.progress.data += self.task.take_data_time();
         self.progress.add_step(t0.elapsed().as_secs_f64());
+        if let (Some(before), Some(after)) = (sent_before, self.ddp.comm().bytes_sent()) {
+            *self.progress.sent.get_or_insert(0) += after.saturating_sub(before);
+        }
         if self.term_launch_at == Some(step) {
             // Preemption, for tests: the launcher is told to stop, as Slurm would tell it.
             let _ = nix::sys::signal::kill(nix::unistd::getppid(), nix::sys::signal::SIGTERM);
@@ -668,6 +676,11 @@ impl<'t> Trainer<'t> {
         } else {
             Vec::new()
         };
+        // Every rank's backend counts or none does (the same backend everywhere).
+        let sent_per_step = match self.progress.sent {
+            Some(sent) if steps_run > 0 => gather_u64(self.ddp.comm(), sent / steps_run, ctx)?,
+            _ => Vec::new(),
+        };
         let p = &self.progress;
         let global = self.setup.plan.batch.global;
         Ok(TrainReport {
@@ -697,6 +710,7 @@ impl<'t> Trainer<'t> {
             seconds_per_epoch: (p.full_epochs > 0)
                 .then(|| p.full_epoch_secs / p.full_epochs as f64),
             rank_times,
+            sent_per_step,
             steps_run,
             earlier_summary: self.earlier_summary,
         })

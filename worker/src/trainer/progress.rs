@@ -30,6 +30,9 @@ pub(super) struct Progress {
     pub(super) checkpoint_secs: f64,
     /// [`Progress::time`] and [`Progress::data`] when the warm-up steps were done.
     pub(super) warm: Option<(runtime::ddp::StepTime, Duration)>,
+    /// Bytes this rank sent to the others during its steps (`None`: the backend does not
+    /// count).
+    pub(super) sent: Option<u64>,
 }
 
 /// Steps of a run that are not steady state (CUDA kernels chosen, the allocator's pools
@@ -74,6 +77,7 @@ impl Progress {
             eval_secs: 0.0,
             checkpoint_secs: 0.0,
             warm: None,
+            sent: None,
         }
     }
 

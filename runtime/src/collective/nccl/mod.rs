@@ -277,6 +277,9 @@ pub struct NcclCollective {
     comm: Communicator<RawComm>,
     store: StoreClient,
     seq: u64,
+    /// What NCCL's ring algorithms send from this rank for the operations run so far
+    /// ([`Collective::bytes_sent`]): computed from their sizes, NCCL does not count.
+    sent: u64,
 }
 
 impl NcclCollective {
@@ -347,6 +350,7 @@ impl NcclCollective {
             comm,
             store,
             seq: 0,
+            sent: 0,
         })
     }
 
@@ -503,6 +507,9 @@ impl Collective for NcclCollective {
             op: red,
         };
         self.run("all_reduce", ctx, call, deadline)?;
+        // A ring all-reduce: a reduce-scatter and an all-gather, each (W-1)/W of the buffer.
+        let bytes = (flat.numel() * flat.kind().elt_size_in_bytes()) as u64;
+        self.sent += 2 * bytes * (self.world as u64 - 1) / self.world as u64;
         if !direct {
             unflatten_into(&flat, tensors)?;
         }
@@ -527,6 +534,10 @@ impl Collective for NcclCollective {
                 root: root as i32,
             };
             self.run("broadcast", ctx, call, deadline)?;
+            // Along the ring every rank but the last forwards the whole buffer.
+            if (self.rank + 1) % self.world != root {
+                self.sent += bytes as u64;
+            }
             if buf.data_ptr() != t.data_ptr() {
                 t.f_copy_(&buf)?;
             }
@@ -554,7 +565,13 @@ impl Collective for NcclCollective {
             bytes,
         };
         self.run("all_gather", ctx, call, deadline)?;
+        // Around the ring every part but the one arriving last passes through each rank.
+        self.sent += (bytes * (self.world - 1)) as u64;
         (0..self.world as i64).map(|i| Ok(out.f_get(i)?)).collect()
+    }
+
+    fn bytes_sent(&self) -> Option<u64> {
+        Some(self.sent)
     }
 
     fn barrier(&mut self, ctx: OpContext) -> Result<(), CollectiveError> {

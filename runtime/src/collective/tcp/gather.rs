@@ -47,6 +47,7 @@ impl TcpCollective {
         match gathered {
             Some(done) => {
                 self.seq = seq;
+                self.sent += mine_bytes.len as u64;
                 done.map_err(|f| self.shm_op_error("all_gather", f, ctx, mine_bytes.len))
             }
             None => self.socket_all_gather(mine_bytes, parts, ctx, deadline),

@@ -66,6 +66,9 @@ pub struct TcpCollective {
     /// Operations issued so far; identical on every rank when they call the same operations.
     seq: u64,
     scratch: Vec<f32>,
+    /// Bytes this rank has handed to the others: written to its socket, or put into shared
+    /// memory for them to read ([`Collective::bytes_sent`]).
+    sent: u64,
 }
 
 /// This rank's part in the ring between hosts.
@@ -163,6 +166,7 @@ impl TcpCollective {
         let Some((to_next, from_prev)) = self.links.as_mut() else {
             return Ok(());
         };
+        self.sent += send.len() as u64;
         match exchange(to_next, from_prev, send, sink, &mut self.scratch, deadline) {
             Ok(()) => Ok(()),
             Err(LinkFailure::Timeout) => Err(self.timeout_error(op, ctx)),
@@ -231,6 +235,7 @@ impl TcpCollective {
         let Some(shm) = self.shm.as_mut() else {
             return Ok(());
         };
+        self.sent += std::mem::size_of_val(buf) as u64;
         shm.all_reduce(buf, self.seq, deadline)
             .map_err(|failure| self.shm_error(failure, ctx, buf.len()))
     }
@@ -301,6 +306,9 @@ impl TcpCollective {
         let done = shm.broadcast(parts, root, seq, deadline);
         self.seq = seq;
         let len = parts.iter().map(|p| p.len).sum();
+        if root == self.rank {
+            self.sent += len as u64;
+        }
         done.map_err(|f| self.shm_op_error("broadcast", f, ctx, len))?;
         Ok(true)
     }
@@ -338,6 +346,7 @@ impl TcpCollective {
         let deadline = Instant::now() + ctx.timeout;
         self.seq += 1;
         let seq = self.seq;
+        self.sent += (n * 4) as u64;
         let reduced = match self.shm.as_mut() {
             Some(shm) => shm
                 .all_reduce_arena(n, seq, deadline)
@@ -413,6 +422,7 @@ impl TcpCollective {
         let Some((to_next, from_prev)) = self.links.as_mut() else {
             return Ok(());
         };
+        let sent = &mut self.sent;
         let mut result = Ok(());
         'parts: for part in parts.iter().filter(|p| p.len > 0) {
             // SAFETY: valid for `len` bytes and ours alone during the operation (see Bytes).
@@ -425,6 +435,7 @@ impl TcpCollective {
                     }
                 }
                 if forward {
+                    *sent += piece.len() as u64;
                     if let Err(e) = write_all_until(to_next, piece, deadline) {
                         result = Err(e);
                         break 'parts;
@@ -599,6 +610,10 @@ impl Collective for TcpCollective {
             return super::reduce_scatter_by_all_reduce(self, flat, op, ctx);
         }
         self.ring_reduce_scatter(flat, op, ctx)
+    }
+
+    fn bytes_sent(&self) -> Option<u64> {
+        Some(self.sent)
     }
 
     /// The ring's own halves apply where the ring alone carries the sums (for f32 CPU buffers;

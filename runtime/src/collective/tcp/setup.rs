@@ -167,6 +167,7 @@ impl TcpCollective {
             store,
             seq: 0,
             scratch: Vec::new(),
+            sent: 0,
         };
         if world == 1 {
             return Ok(comm);
