@@ -1117,7 +1117,7 @@ timeout_s = 60
         );
         assert_eq!(
             err(&["dist.zero=4"]),
-            "--set dist.zero=4: `dist.zero`: must be a ZeRO stage (0, 1, 2 or 3) or \"auto\" (got 4)"
+            "--set dist.zero=4: `dist.zero`: must be 0, 1 or \"auto\" (got 4)"
         );
         assert!(err(&["dist.zero=\"most\""]).contains("(got \"most\")"));
         assert!(err(&["dist.zero=-1"]).contains("(got -1)"));

@@ -57,7 +57,7 @@ pub fn host_memory() -> Option<HostMemory> {
 fn bounded(available: u64, total: u64, limit: Option<CgroupLimit>) -> HostMemory {
     match limit {
         Some(l) if l.limit < total => HostMemory {
-            available: available.min(l.limit.saturating_sub(l.usage)),
+            available: available.min(l.headroom),
             total: l.limit,
             cgroup: Some(l.path),
         },
@@ -69,17 +69,29 @@ fn bounded(available: u64, total: u64, limit: Option<CgroupLimit>) -> HostMemory
     }
 }
 
-/// The tightest memory limit over a cgroup and its ancestors, what that cgroup uses, and its
-/// path in the hierarchy.
+/// What the cgroups from a process's own up to its hierarchy's root allow: the lowest limit
+/// (and the cgroup that sets it), and the least room left under any of them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct CgroupLimit {
     limit: u64,
-    usage: u64,
+    /// The least, over the limited cgroups, of the limit less the working set (usage less the
+    /// inactive page cache the kernel reclaims before it kills: what kubelet counts too).
+    headroom: u64,
     path: String,
 }
 
 /// Limits at or above this are "no limit" (v1 writes 2^63 rounded down to a page).
 const UNLIMITED: u64 = 1 << 62;
+
+/// A hierarchy's files: the limit, the usage, and the `memory.stat` key of the inactive page
+/// cache in it.
+type Files = (&'static str, &'static str, &'static str);
+const V1_FILES: Files = (
+    "memory.limit_in_bytes",
+    "memory.usage_in_bytes",
+    "total_inactive_file",
+);
+const V2_FILES: Files = ("memory.max", "memory.current", "inactive_file");
 
 /// From `/proc/self/cgroup` and `/proc/self/mountinfo`'s text, reading the controller's files
 /// with `read`: the v1 memory controller's hierarchy where it is mounted (it is the one that
@@ -97,66 +109,76 @@ fn cgroup_limit(
             .any(|c| c == "memory")
             .then_some(path)
     });
-    let v2 = cgroup.lines().find_map(|l| l.strip_prefix("0::"));
-    let (path, mount, files) =
-        match v1.and_then(|p| Some((p, mount_of(mountinfo, Some("memory"))?))) {
-            Some((p, m)) => (p, m, ("memory.limit_in_bytes", "memory.usage_in_bytes")),
-            None => {
-                let p = v2?;
-                (
-                    p,
-                    mount_of(mountinfo, None)?,
-                    ("memory.max", "memory.current"),
-                )
-            }
-        };
-    tightest(path, &mount, files, read)
+    if let Some(at) = v1.and_then(|p| mount_of(mountinfo, Some("memory"), p)) {
+        return tightest(&at, V1_FILES, &read);
+    }
+    let v2 = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    tightest(&mount_of(mountinfo, None, v2)?, V2_FILES, &read)
 }
 
-/// Where a hierarchy is mounted: (mount point, the hierarchy's path that is its root). The v1
-/// hierarchy holding `controller`, or the v2 one for `None`.
-fn mount_of(mountinfo: &str, controller: Option<&str>) -> Option<(PathBuf, String)> {
-    mountinfo.lines().find_map(|line| {
-        let (left, right) = line.split_once(" - ")?;
-        let left: Vec<&str> = left.split(' ').collect();
-        let right: Vec<&str> = right.split(' ').collect();
-        let (fstype, options) = (*right.first()?, right.get(2).copied().unwrap_or(""));
-        let wanted = match controller {
-            Some(c) => fstype == "cgroup" && options.split(',').any(|o| o == c),
-            None => fstype == "cgroup2",
-        };
-        if !wanted {
-            return None;
-        }
-        Some((PathBuf::from(left.get(4)?), left.get(3)?.to_string()))
-    })
+/// Where the cgroup at `path` lies on disk: the mount of its hierarchy (the v1 one holding
+/// `controller`, or the v2 one for `None`) whose root is `path` or one of its ancestors (the
+/// longest such), and `path` below that root. `None` when no mount shows it (another
+/// namespace's cgroup: better no limit than another cgroup's).
+fn mount_of(mountinfo: &str, controller: Option<&str>, path: &str) -> Option<(PathBuf, String)> {
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let left: Vec<&str> = left.split(' ').collect();
+            let right: Vec<&str> = right.split(' ').collect();
+            let (fstype, options) = (*right.first()?, right.get(2).copied().unwrap_or(""));
+            let wanted = match controller {
+                Some(c) => fstype == "cgroup" && options.split(',').any(|o| o == c),
+                None => fstype == "cgroup2",
+            };
+            let (root, point) = (*left.get(3)?, *left.get(4)?);
+            let below = below(path, root)?;
+            wanted.then(|| (root.len(), PathBuf::from(point), below.to_string()))
+        })
+        .max_by_key(|(len, ..)| *len)
+        .map(|(_, point, below)| (point, below))
 }
 
-/// The lowest limit from the cgroup at `path` up to the mount's root, with that cgroup's usage.
+/// `path` relative to `root` when `root` is it or one of its ancestors (whole components).
+fn below<'p>(path: &'p str, root: &str) -> Option<&'p str> {
+    let root = root.trim_end_matches('/');
+    let rest = path.strip_prefix(root)?;
+    (rest.is_empty() || rest.starts_with('/')).then(|| rest.trim_start_matches('/'))
+}
+
+/// The limits from the cgroup at `below` (under `mount`) up to the mount's root.
 fn tightest(
-    path: &str,
-    (mount, root): &(PathBuf, String),
-    (limit_file, usage_file): (&str, &str),
-    read: impl Fn(&Path) -> Option<String>,
+    (mount, below): &(PathBuf, String),
+    (limit_file, usage_file, inactive_key): Files,
+    read: &impl Fn(&Path) -> Option<String>,
 ) -> Option<CgroupLimit> {
-    // Inside a cgroup namespace or a container the root is the process's own cgroup: "/".
-    let relative = path
-        .strip_prefix(root.as_str())
-        .unwrap_or(path)
-        .trim_start_matches('/');
     let mut best: Option<CgroupLimit> = None;
-    let mut dir = relative.to_string();
+    let mut dir = below.clone();
     loop {
         let at = mount.join(&dir);
         let number = |file: &str| -> Option<u64> { read(&at.join(file))?.trim().parse().ok() };
         if let Some(limit) = number(limit_file).filter(|l| *l < UNLIMITED) {
-            if best.as_ref().is_none_or(|b| limit < b.limit) {
-                best = Some(CgroupLimit {
+            let inactive = read(&at.join("memory.stat")).and_then(|stat| {
+                stat.lines()
+                    .find_map(|l| l.strip_prefix(inactive_key)?.strip_prefix(' '))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+            });
+            let used = number(usage_file)
+                .unwrap_or(0)
+                .saturating_sub(inactive.unwrap_or(0));
+            let headroom = limit.saturating_sub(used);
+            best = Some(match best {
+                Some(b) if b.limit <= limit => CgroupLimit {
+                    headroom: b.headroom.min(headroom),
+                    ..b
+                },
+                b => CgroupLimit {
                     limit,
-                    usage: number(usage_file).unwrap_or(0),
+                    headroom: b.map_or(headroom, |b| b.headroom.min(headroom)),
                     path: format!("/{dir}"),
-                });
-            }
+                },
+            });
         }
         if dir.is_empty() {
             return best;
@@ -219,7 +241,7 @@ mod tests {
             l,
             CgroupLimit {
                 limit: 2 << 30,
-                usage: 512 << 20,
+                headroom: 1536 << 20,
                 path: "/slurm/job_42".into()
             }
         );
@@ -238,7 +260,7 @@ mod tests {
             ("/sys/fs/cgroup/kubepods/memory.max", "max\n"),
         ]);
         let l = cgroup_limit(cgroup, V2_MOUNTS, read).unwrap();
-        assert_eq!((l.limit, l.usage), (1 << 30, 100 << 20));
+        assert_eq!((l.limit, l.headroom), (1 << 30, 924 << 20));
         assert_eq!(l.path, "/kubepods/pod1");
         let none = files(&[("/sys/fs/cgroup/memory.max", "max\n")]);
         assert_eq!(cgroup_limit("0::/\n", V2_MOUNTS, none), None);
@@ -261,7 +283,7 @@ mod tests {
     fn a_limit_above_the_ram_or_nothing_readable_leaves_the_host_figures() {
         let l = CgroupLimit {
             limit: 64 << 30,
-            usage: 0,
+            headroom: 64 << 30,
             path: "/big".into(),
         };
         let m = bounded(10 << 30, 16 << 30, Some(l));
@@ -272,5 +294,41 @@ mod tests {
         assert_eq!(m.source(), "available RAM");
         assert_eq!(cgroup_limit("garbage", "", files(&[])), None);
         assert_eq!(cgroup_limit("0::/x\n", V1_MOUNTS, files(&[])), None);
+    }
+
+    #[test]
+    fn reclaimable_page_cache_is_room_and_the_least_room_of_any_ancestor_counts() {
+        let cgroup = "0::/job/step\n";
+        let read = files(&[
+            // The step: 1 GiB limit, 900 MiB used of which 600 MiB inactive page cache.
+            ("/sys/fs/cgroup/job/step/memory.max", "1073741824\n"),
+            ("/sys/fs/cgroup/job/step/memory.current", "943718400\n"),
+            (
+                "/sys/fs/cgroup/job/step/memory.stat",
+                "anon 1\ninactive_file 629145600\nactive_file 0\n",
+            ),
+            // The job: a larger limit, but its other steps leave it 200 MiB.
+            ("/sys/fs/cgroup/job/memory.max", "2147483648\n"),
+            ("/sys/fs/cgroup/job/memory.current", "1937768448\n"),
+        ]);
+        let l = cgroup_limit(cgroup, V2_MOUNTS, read).unwrap();
+        assert_eq!(l.limit, 1 << 30);
+        assert_eq!(l.path, "/job/step");
+        assert_eq!(
+            l.headroom,
+            200 << 20,
+            "the job's room, not the step's 724 MiB"
+        );
+    }
+
+    #[test]
+    fn a_cgroup_no_mount_shows_is_no_limit_rather_than_another_ones() {
+        // The mount shows /docker/abc's subtree; /docker/abcd is not under it.
+        let mounts = "29 23 0:25 /docker/abc /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        let read = files(&[("/sys/fs/cgroup/memory.max", "268435456\n")]);
+        assert_eq!(cgroup_limit("0::/docker/abcd\n", mounts, read), None);
+        assert_eq!(below("/docker/abc/x", "/docker/abc"), Some("x"));
+        assert_eq!(below("/docker/abcd", "/docker/abc"), None);
+        assert_eq!(below("/a/b", "/"), Some("a/b"));
     }
 }

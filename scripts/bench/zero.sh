@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ZeRO stage 1 (`dist.zero = 1`) against DDP (`dist.zero = 0`) on the CPU, over the TCP ring alone
-# (the path of several hosts) and through shared memory (one host; `shard_optimizer` off, so
-# this is the engine's stage 1, the path `dist.zero = "auto"` takes there): a dense BPR model of
+# (the path of several hosts) and through shared memory (one host, with `shard_optimizer` off:
+# the engine's stage 1, not shard_optimizer's shared-memory form): a dense BPR model of
 # 1,800 x EMBED rows (tables not row-sparse, so their moments are sharded), at world 2 and 4.
 # Per run: the estimate's optimizer term and peak, the peak RSS each rank measured (the
 # highest), the steady throughput, rank 0's update and collective time per step, the bytes a

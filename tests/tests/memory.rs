@@ -434,7 +434,7 @@ fn zero_auto_stops_before_training_when_no_stage_fits_naming_each_term() {
     );
     out.assert_code(3);
     out.assert_stderr(
-        "dist.zero = \"auto\": no ZeRO stage fits even micro 1 on rank(s) 0, 1 (cpu, 270.0 MiB usable); here: stage 1 at micro 1 x grad_accum 128 x world 2 = global 256 needs ",
+        "dist.zero = \"auto\": no ZeRO stage fits even the smallest micro batch on rank(s) 0, 1 (cpu, 270.0 MiB usable); here: stage 1 at micro 1 x grad_accum 128 x world 2 = global 256 needs ",
     );
     out.assert_stderr("optimizer (AdamW) ");
     assert!(!out.all().contains("epoch 1/1 step"), "{}", out.all());

@@ -121,7 +121,7 @@ fn no_fit(
         None => Vec::new(),
     };
     AutoMicroError::NoFit(format!(
-        "dist.zero = \"auto\": no ZeRO stage fits even micro 1 on rank(s) {} ({name}, {} usable){mine}; {}",
+        "dist.zero = \"auto\": no ZeRO stage fits even the smallest micro batch on rank(s) {} ({name}, {} usable){mine}; {}",
         short.join(", "),
         mib_text(usable(budget)),
         if levers.is_empty() {

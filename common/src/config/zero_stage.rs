@@ -66,7 +66,7 @@ impl serde::Serialize for ZeroStage {
 impl<'de> serde::Deserialize<'de> for ZeroStage {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<ZeroStage, D::Error> {
         struct Visitor;
-        const EXPECTED: &str = "a ZeRO stage (0, 1, 2 or 3) or \"auto\"";
+        const EXPECTED: &str = "0, 1 or \"auto\"";
         impl serde::de::Visitor<'_> for Visitor {
             type Value = ZeroStage;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -75,6 +75,7 @@ impl<'de> serde::Deserialize<'de> for ZeroStage {
             fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ZeroStage, E> {
                 match u8::try_from(v) {
                     Ok(s) if s <= 3 => Ok(ZeroStage::Stage(s)),
+                    // 2 and 3 reach validation, which says they are not built yet.
                     _ => Err(E::custom(format!("must be {EXPECTED} (got {v})"))),
                 }
             }

@@ -170,8 +170,8 @@ pub trait Collective: Send {
 
     /// Whether [`Collective::reduce_scatter`] of a contiguous f32 buffer is this backend's own
     /// (less traffic than an all-reduce). Where it is not (the default), it is a whole
-    /// all-reduce, and a caller holding several tensors all-reduces them in place instead of
-    /// copying them into one buffer first: the same sums.
+    /// all-reduce, and a caller holding several tensors all-reduces them as they are (as DDP
+    /// does) instead of first copying them into a buffer of its own: the same sums.
     fn reduce_scatter_is_native(&self) -> bool {
         false
     }

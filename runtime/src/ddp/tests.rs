@@ -366,8 +366,9 @@ fn train_embeddings_on(
 }
 
 /// ZeRO stage 1 on every backend (`zero = 1`): the tcp ring (its own reduce-scatter and
-/// all-gather), the ring with shared memory and two hosts of two (where the backend falls back
-/// to a whole all-reduce and a gathering copy), world 1 to 4, a bucket that no world divides
+/// all-gather), the ring with shared memory (a whole all-reduce, and the shards gathered
+/// through shared memory) and two hosts of two (a whole all-reduce and a gathering copy),
+/// world 1 to 4, a bucket that no world divides
 /// with rows crossing the shards' edges, gradient accumulation, clipping at work on some
 /// steps, dense and row-sparse tables: loss, norms, parameters and both moments (gathered)
 /// are DDP's, bit for bit.

@@ -193,7 +193,7 @@ impl ZeroLayout {
             let mut grads: Vec<Tensor> = b.params.iter().map(|&i| params[i].grad()).collect();
             if grads.len() > 1 && !comm.reduce_scatter_is_native() {
                 // The backend's reduce-scatter would be a whole all-reduce of a copy: reduce
-                // the gradients where they are, as DDP does (every shard then holds its sums).
+                // the gradients as DDP does (every shard then holds its sums).
                 comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
                 continue;
             }
