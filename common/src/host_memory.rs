@@ -53,6 +53,20 @@ pub fn host_memory() -> Option<HostMemory> {
     Some(bounded(available, total, limit))
 }
 
+/// Processes the kernel's OOM killer has ended on this host since it booted (`/proc/vmstat`'s
+/// `oom_kill`, Linux 4.13 and later; those a cgroup's limit caused included), or `None`.
+pub fn oom_kills() -> Option<u64> {
+    let vmstat = std::fs::read_to_string("/proc/vmstat").ok()?;
+    oom_kill_count(&vmstat)
+}
+
+fn oom_kill_count(vmstat: &str) -> Option<u64> {
+    vmstat
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// The host's figures under a cgroup's limit, when that limit is the lower.
 fn bounded(available: u64, total: u64, limit: Option<CgroupLimit>) -> HostMemory {
     match limit {
@@ -319,6 +333,12 @@ mod tests {
             200 << 20,
             "the job's room, not the step's 724 MiB"
         );
+    }
+
+    #[test]
+    fn the_oom_kill_count_is_read_from_vmstat() {
+        assert_eq!(oom_kill_count("pgfault 12\noom_kill 3\nfoo 1\n"), Some(3));
+        assert_eq!(oom_kill_count("pgfault 12\n"), None);
     }
 
     #[test]

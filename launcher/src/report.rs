@@ -10,6 +10,7 @@ use nix::sys::signal::Signal;
 
 pub mod error_file;
 pub mod flight;
+pub mod oom;
 
 /// How one worker ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,6 +153,9 @@ pub fn failure_summary(
         },
         r.after.as_secs_f64()
     );
+    if let Some(line) = oom::line(r) {
+        let _ = writeln!(out, "{line}");
+    }
     if !remote.is_empty() {
         let list = remote
             .iter()

@@ -132,6 +132,7 @@ pub fn run_once(
     events: &(Sender<Event>, Receiver<Event>),
 ) -> GroupEnd {
     crate::shm_sweep::sweep_and_log();
+    crate::report::oom::mark_start();
     let display = crate::progress::wanted().then(|| {
         crate::progress::Display::start((0..plan.nproc).map(|l| plan.worker_env(l, round).rank))
     });

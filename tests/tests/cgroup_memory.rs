@@ -164,3 +164,31 @@ fn a_cgroup_memory_limit_is_the_budget_and_zero_auto_plans_with_it() {
         "{all}"
     );
 }
+
+/// A worker the kernel's OOM killer ends (here under the cgroup's limit) is named as out of
+/// memory in the failure summary, with the limit it ran under, not as a bare SIGKILL.
+#[test]
+fn a_worker_the_oom_killer_ends_is_reported_as_out_of_memory() {
+    let cgroup = match MemoryCgroup::make("oom") {
+        Ok(c) => c,
+        Err(why) => {
+            eprintln!("skipping: {why}");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out = format!("run.output_dir={:?}", dir.path().display().to_string());
+    // Two workers of this model take about 1.4 GiB together.
+    cgroup.limit_mib(900);
+    let ran = cgroup.launch(&args(&out, &[]));
+    let all = ran.all();
+    assert_eq!(ran.code(), Some(137), "{all}");
+    let name = cgroup.dir.file_name().unwrap().to_string_lossy().to_string();
+    assert!(all.contains("killed by SIGKILL"), "{all}");
+    assert!(
+        all.contains(&format!(
+            "most likely ran out of memory under the memory limit of cgroup /{name} (900.0 MiB)"
+        )),
+        "{all}"
+    );
+}
