@@ -39,6 +39,13 @@ impl MemoryCgroup {
         Ok(MemoryCgroup { dir, limit_file })
     }
 
+    /// Its path below the hierarchy's root, as `/proc/self/cgroup` gives it, less the `/`.
+    fn name(&self) -> String {
+        self.dir
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().to_string())
+    }
+
     fn limit_mib(&self, mib: u64) {
         std::fs::write(self.dir.join(self.limit_file), (mib << 20).to_string())
             .expect("write the cgroup's limit");
@@ -79,6 +86,17 @@ impl Drop for MemoryCgroup {
     }
 }
 
+/// A fresh memory cgroup (or `None`, having said why the test skips), a fresh output
+/// directory and the `--set` that sends the runs there.
+fn cgroup_and_output(tag: &str) -> Option<(MemoryCgroup, tempfile::TempDir, String)> {
+    let cgroup = MemoryCgroup::make(tag)
+        .map_err(|why| eprintln!("skipping: {why}"))
+        .ok()?;
+    let dir = tempfile::tempdir().unwrap();
+    let out = format!("run.output_dir={:?}", dir.path().display().to_string());
+    Some((cgroup, dir, out))
+}
+
 /// BPR with wide dense ID tables on the tiny data: the AdamW moments are a large share, so
 /// ZeRO stage 1 needs visibly less (the same model as tests/tests/memory.rs's).
 const WIDE_DENSE: [&str; 6] = [
@@ -110,15 +128,9 @@ fn stage_peak(stdout: &str, stage: u8) -> f64 {
 
 #[test]
 fn a_cgroup_memory_limit_is_the_budget_and_zero_auto_plans_with_it() {
-    let cgroup = match MemoryCgroup::make("plan") {
-        Ok(c) => c,
-        Err(why) => {
-            eprintln!("skipping: {why}");
-            return;
-        }
+    let Some((cgroup, _dir, out)) = cgroup_and_output("plan") else {
+        return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let out = format!("run.output_dir={:?}", dir.path().display().to_string());
     // Roomy: both stages fit; the figures to place the limit between them.
     cgroup.limit_mib(64 << 10);
     let mut dry = args(&out, &["dist.zero=\"auto\""]);
@@ -131,12 +143,7 @@ fn a_cgroup_memory_limit_is_the_budget_and_zero_auto_plans_with_it() {
     // Two workers share the cgroup: each plans with half of it, 90% of that usable.
     let limit = ((zero + one) / 2.0 / 0.9 * 2.0).round() as u64;
     cgroup.limit_mib(limit);
-    let name = cgroup
-        .dir
-        .file_name()
-        .unwrap()
-        .to_string_lossy()
-        .to_string();
+    let name = cgroup.name();
     let tight = cgroup.launch(&dry);
     tight.assert_code(0);
     tight.assert_stdout_all(&[
@@ -169,21 +176,15 @@ fn a_cgroup_memory_limit_is_the_budget_and_zero_auto_plans_with_it() {
 /// memory in the failure summary, with the limit it ran under, not as a bare SIGKILL.
 #[test]
 fn a_worker_the_oom_killer_ends_is_reported_as_out_of_memory() {
-    let cgroup = match MemoryCgroup::make("oom") {
-        Ok(c) => c,
-        Err(why) => {
-            eprintln!("skipping: {why}");
-            return;
-        }
+    let Some((cgroup, _dir, out)) = cgroup_and_output("oom") else {
+        return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let out = format!("run.output_dir={:?}", dir.path().display().to_string());
     // Two workers of this model take about 1.4 GiB together.
     cgroup.limit_mib(900);
     let ran = cgroup.launch(&args(&out, &[]));
     let all = ran.all();
     assert_eq!(ran.code(), Some(137), "{all}");
-    let name = cgroup.dir.file_name().unwrap().to_string_lossy().to_string();
+    let name = cgroup.name();
     assert!(all.contains("killed by SIGKILL"), "{all}");
     assert!(
         all.contains(&format!(
