@@ -97,33 +97,16 @@ fn cgroup_and_output(tag: &str) -> Option<(MemoryCgroup, tempfile::TempDir, Stri
     Some((cgroup, dir, out))
 }
 
-/// BPR with wide dense ID tables on the tiny data: the AdamW moments are a large share, so
-/// ZeRO stage 1 needs visibly less (the same model as tests/tests/memory.rs's).
-const WIDE_DENSE: [&str; 6] = [
-    "model.kind=\"bpr\"",
-    "model.embedding_dim=32768",
-    "dist.sparse_embeddings=false",
-    "dist.shard_optimizer=false",
-    "train.epochs=1",
-    "data.synthetic=\"tiny\"",
-];
-
 fn args<'a>(out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec!["--num-processes", "2", "configs/default.toml", "--set", out];
-    for set in WIDE_DENSE.iter().chain(extra) {
+    for set in WIDE_DENSE
+        .iter()
+        .chain([&"data.synthetic=\"tiny\""])
+        .chain(extra)
+    {
         args.extend(["--set", set]);
     }
     args
-}
-
-/// `stage N: ... peak X MiB ...` of a dry run: X.
-fn stage_peak(stdout: &str, stage: u8) -> f64 {
-    let line = stdout
-        .lines()
-        .find(|l| l.trim_start().starts_with(&format!("stage {stage}:")))
-        .unwrap_or_else(|| panic!("no stage {stage} line:\n{stdout}"));
-    let rest = line.split(" peak ").nth(1).unwrap_or_default();
-    rest.split(' ').next().unwrap_or_default().parse().unwrap()
 }
 
 #[test]

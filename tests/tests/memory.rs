@@ -334,26 +334,6 @@ fn activation_checkpointing_trains_the_same_model() {
     }
 }
 
-/// A model whose AdamW moments are a large share of its memory, so that ZeRO stage 1 (which
-/// shards them) needs visibly less: BPR with wide dense ID tables (about 44 MiB of parameters
-/// on the tiny data), not the one-host shared-memory form of stage 1.
-const WIDE_DENSE: [&str; 5] = [
-    "model.kind=\"bpr\"",
-    "model.embedding_dim=32768",
-    "dist.sparse_embeddings=false",
-    "dist.shard_optimizer=false",
-    "train.epochs=1",
-];
-
-/// `stage N: ... peak X MiB at micro M: ...` of a dry run's ZeRO section: X.
-fn stage_peak(stdout: &str, stage: u8) -> f64 {
-    let line = stdout
-        .lines()
-        .find(|l| l.trim_start().starts_with(&format!("stage {stage}:")))
-        .unwrap_or_else(|| panic!("no stage {stage} line:\n{stdout}"));
-    peak_after(line, " peak ")
-}
-
 /// `dist.zero = "auto"` with a memory cap between the two stages' estimates: the dry run shows
 /// both stages and picks stage 1; the run takes stage 1 on every rank and trains.
 #[test]

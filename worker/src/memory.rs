@@ -239,11 +239,13 @@ pub fn budget(device: Device, limit: Option<u64>, local_world: u32) -> Option<Bu
         Device::Cuda(i) => gpu_budget(limit, || nvml_memory(i), || cuda_memory(i)),
         _ => Some(limit.map_or_else(
             || {
-                let (u, _) = usage(device);
-                let source = common::host_memory::host_memory()
-                    .map_or_else(|| "available RAM".into(), |m| m.source());
+                // This process's share of what the host (or its cgroup) has left, plus what it
+                // holds already (as `usage` counts it on the CPU), read once.
+                let host = common::host_memory::host_memory();
+                let free = host.as_ref().map_or(0, |m| m.available);
+                let source = host.map_or_else(|| "available RAM".into(), |m| m.source());
                 Budget {
-                    bytes: u.free / u64::from(local_world.max(1)) + u.used,
+                    bytes: free / u64::from(local_world.max(1)) + rss_bytes(),
                     source: format!("{source} / {local_world} workers"),
                 }
             },

@@ -22,32 +22,26 @@ impl Plan {
             DeviceKind::Cuda
         };
         let budgets = self.local_budgets(kind, gpus);
-        let mut config = wc.config.clone();
         let mut lines = Vec::new();
-        if wc.batch.world_size > 1 {
-            let est = Estimating {
-                config: &wc.config,
-                data: DataShape::best_known(&wc.config),
-                at: Placement::new(kind, self.nproc as u64),
-            };
-            let (stage, stage_lines) = est.zero_stages(&wc.batch, &budgets);
-            if let Some(stage) = stage {
-                config.dist.zero = ZeroStage::Stage(stage);
-            }
-            lines.extend(stage_lines);
-        }
-        let est = Estimating {
-            config: &config,
+        let mut est = Estimating {
+            config: wc.config.clone(),
             data: DataShape::best_known(&wc.config),
             at: Placement::new(kind, self.nproc as u64),
         };
+        if wc.batch.world_size > 1 {
+            let (stage, stage_lines) = est.zero_stages(&wc.batch, &budgets);
+            if let Some(stage) = stage {
+                est.config.dist.zero = ZeroStage::Stage(stage);
+            }
+            lines.extend(stage_lines);
+        }
         let mut plan = wc.batch;
         if wc.config.batch.micro_auto {
             let (chosen, line) = est.auto_micro(&wc.batch, &budgets);
             plan = chosen.unwrap_or(plan);
             lines.push(line);
         }
-        let estimate = estimate(est.config, &plan, &est.data, est.at);
+        let estimate = estimate(&est.config, &plan, &est.data, est.at);
         let peak = estimate.peak_bytes();
         lines.push(format!(
             "estimate per worker ({}, {}; {}):",
@@ -191,17 +185,19 @@ pub struct MemoryCheck {
 }
 
 /// The estimate's inputs for the dry run's checks.
-struct Estimating<'a> {
-    config: &'a Config,
+struct Estimating {
+    /// The config, with `dist.zero = "auto"` resolved once [`Estimating::zero_stages`] chose.
+    config: Config,
     data: DataShape,
     at: Placement,
 }
 
-impl Estimating<'_> {
+impl Estimating {
     /// Each built ZeRO stage against the tightest local rank (the terms that differ, the peak,
     /// whether it fits), shown with `dist.zero = "auto"` or when the configured stage does not
-    /// fit, and with `"auto"` the stage it picks from every local rank's budget (`None`: keep the configured one, or no stage fits or the memory is
-    /// unknown, which the workers then find too).
+    /// fit, and with `"auto"` the stage it picks from every local rank's budget (`None`: keep
+    /// the configured one, or no stage fits or the memory is unknown, which the workers then
+    /// find too).
     fn zero_stages(
         &self,
         configured: &BatchPlan,
@@ -229,7 +225,7 @@ impl Estimating<'_> {
             vec![*configured]
         };
         let fits_in =
-            |budget| stages::stage_fits(self.config, &candidates, &self.data, self.at, budget);
+            |budget| stages::stage_fits(&self.config, &candidates, &self.data, self.at, budget);
         let mut lines = vec![format!(
             "ZeRO stages (dist.zero = {}; per worker, against the tightest local rank's {}):",
             self.config.dist.zero,
@@ -249,7 +245,11 @@ impl Estimating<'_> {
                 .any(|f| f.stage == self.config.dist.zero.stage() && f.fits);
             return (None, if configured_fits { Vec::new() } else { lines });
         }
-        let per_rank: Vec<Vec<(u8, u64)>> = free
+        // Local ranks with the same budget answer alike: each budget is asked once.
+        let mut budgets_once = free.clone();
+        budgets_once.sort_unstable();
+        budgets_once.dedup();
+        let per_rank: Vec<Vec<(u8, u64)>> = budgets_once
             .iter()
             .map(|&b| fits_in(b).iter().map(|f| (f.stage, f.micro())).collect())
             .collect();
@@ -286,7 +286,7 @@ impl Estimating<'_> {
             .iter()
             .filter_map(|(_, b)| b.map(|(free, _)| free))
             .filter_map(|free| {
-                largest_fitting_plan(self.config, configured, &self.data, self.at, free)
+                largest_fitting_plan(&self.config, configured, &self.data, self.at, free)
             })
             .min_by_key(|p| p.micro);
         let line = match chosen {
@@ -303,7 +303,7 @@ impl Estimating<'_> {
     /// The warning for `rank`, whose `free` bytes do not hold `peak` with the margin: the
     /// largest micro batch that fits and keeps the global batch, and other levers.
     fn does_not_fit(&self, rank: &str, plan: &BatchPlan, peak: u64, free: u64) -> String {
-        let (config, data, at) = (self.config, &self.data, self.at);
+        let (config, data, at) = (&self.config, &self.data, self.at);
         let mut w = format!(
             "{rank}: the estimate {} leaves less than {:.0}% of {} free",
             mib_text(peak),
