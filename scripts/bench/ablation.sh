@@ -23,7 +23,8 @@ bash scripts/data/ml100k.sh >/dev/null
 # negative, or the softmax against every item), the capacity (embedding 64 or 256), the user
 # tower (the user's ID row, or the pool of their history) and text (bpr: none; gpt2rec: GPT-2
 # features of every user and item).
-bpr=(train.loss=\"bpr\" model.user_tower=\"id\" model.embedding_dim=64 train.lr=1e-3 model.l2=0)
+bpr=(train.loss=\"bpr\" model.user_tower=\"id\" model.embedding_dim=64 train.lr=1e-3 model.l2=0
+  train.epochs=300 train.weight_decay=0.0)
 variants=(
   "bpr: BPR loss, ID, 64 (RecBole's BPR)|model.kind=\"bpr\" ${bpr[*]}"
   "gpt2rec: BPR loss, ID, 64 (before)|${bpr[*]} model.text_l2=1e-2"
