@@ -3,7 +3,9 @@
 //! terminal), and log lines printed above that bar.
 
 use common::progress::{Phase, ProgressRecord};
-use tracing::info;
+use tracing::{info, warn};
+
+use runtime::ddp::Ddp;
 
 use runtime::ddp::StepStats;
 
@@ -127,4 +129,55 @@ pub(super) fn new_bar(total_steps: u64, position: u64) -> indicatif::ProgressBar
     );
     bar.set_position(position);
     bar
+}
+
+/// Why `dist.overlap_backward`, asked for, is not in effect (`None`: it is, or was not asked
+/// for): the engine turns it off where no bucket is all-reduced after backward, and a user
+/// who set it should not have to read the reference to learn that.
+fn overlap_ignored(asked: bool, ddp: &Ddp) -> Option<String> {
+    if !asked || ddp.overlaps_backward() {
+        return None;
+    }
+    Some(if ddp.world_size() == 1 {
+        "one process has no all-reduce to overlap".to_string()
+    } else if ddp.sharded() {
+        "the shared-memory optimizer (dist.shard_optimizer) reduces each share after backward; set dist.shard_optimizer = false to overlap an all-reduce instead".to_string()
+    } else if ddp.zero_stage() >= 1 {
+        format!(
+            "ZeRO stage {} reduce-scatters the gradient buckets after backward",
+            ddp.zero_stage()
+        )
+    } else {
+        "the model has no dense gradients to all-reduce".to_string()
+    })
+}
+
+/// What the ranks of one host keep once in shared memory, if anything, and whether the
+/// gradient all-reduce overlaps backward (rank 0 says it), or why not when it was asked to.
+pub(super) fn log_sharing(ddp: &Ddp, overlap_asked: bool) {
+    let (world, shared) = (ddp.world_size(), ddp.shared_tables());
+    if ddp.sharded() {
+        info!(
+            "parameters, AdamW moments and gradients kept in shared memory: each of the {world} ranks reduces, clips and updates its share of every parameter's rows (dist.shard_optimizer)"
+        );
+    } else if !shared.is_empty() {
+        info!(
+            "embedding tables {} kept once in shared memory: each of the {world} ranks updates its share of their rows",
+            shared.join(", ")
+        );
+    }
+    if ddp.zero_stage() == 1 {
+        info!(
+            "ZeRO stage 1 (dist.zero = 1): each of the {world} ranks keeps the AdamW moments of its shard of every gradient bucket; gradients reduce-scattered, parameters all-gathered"
+        );
+    }
+    if ddp.overlaps_backward() {
+        info!(
+            "gradient buckets ({}) all-reduced during the backward pass as they become ready (dist.overlap_backward)",
+            ddp.bucket_count()
+        );
+    }
+    if let Some(why) = overlap_ignored(overlap_asked, ddp) {
+        warn!("dist.overlap_backward = true does nothing in this run: {why}");
+    }
 }

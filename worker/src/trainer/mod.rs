@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use common::config::Config;
 use common::train_plan::TrainPlan;
 use tch::{nn, Device};
-use tracing::{info, warn};
+use tracing::warn;
 
 use crate::memory::{self, PhaseTracker};
 use crate::run_dir::MetricsLog;
@@ -326,7 +326,7 @@ impl<'t> Trainer<'t> {
         let mut ddp = Ddp::new(comm, vs, ddp_config(setup, &*task, timeout))?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
         if rank == 0 {
-            log_sharing(&ddp);
+            logging::log_sharing(&ddp, config.dist.overlap_backward);
         }
         ddp.set_probe(peak_memory_probe(setup.memory.clone(), vs.device()));
         if let Some(flag) = crate::preempt::flag() {
@@ -746,32 +746,5 @@ fn io(path: &Path, source: std::io::Error) -> TrainError {
     TrainError::Io {
         path: path.display().to_string(),
         source,
-    }
-}
-
-/// What the ranks of one host keep once in shared memory, if anything, and whether the
-/// gradient all-reduce overlaps backward (rank 0 says it).
-fn log_sharing(ddp: &Ddp) {
-    let (world, shared) = (ddp.world_size(), ddp.shared_tables());
-    if ddp.sharded() {
-        info!(
-            "parameters, AdamW moments and gradients kept in shared memory: each of the {world} ranks reduces, clips and updates its share of every parameter's rows (dist.shard_optimizer)"
-        );
-    } else if !shared.is_empty() {
-        info!(
-            "embedding tables {} kept once in shared memory: each of the {world} ranks updates its share of their rows",
-            shared.join(", ")
-        );
-    }
-    if ddp.zero_stage() == 1 {
-        info!(
-            "ZeRO stage 1 (dist.zero = 1): each of the {world} ranks keeps the AdamW moments of its shard of every gradient bucket; gradients reduce-scattered, parameters all-gathered"
-        );
-    }
-    if ddp.overlaps_backward() {
-        info!(
-            "gradient buckets ({}) all-reduced during the backward pass as they become ready (dist.overlap_backward)",
-            ddp.bucket_count()
-        );
     }
 }
