@@ -11,7 +11,7 @@ pub(super) struct Faults {
     pub(super) stop_before: Option<u64>,
     pub(super) die_before: Option<u64>,
     /// `GPTREC_FAULT_TERM_LAUNCH=STEP`: rank 0 sends SIGTERM to its parent (`launch`) after
-    /// that step, as a preemption would.
+    /// that step, as a preemption would, and waits (at most 10 s) until launch has passed it on.
     pub(super) term_launch_at: Option<u64>,
 }
 

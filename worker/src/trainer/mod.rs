@@ -589,6 +589,14 @@ impl<'t> Trainer<'t> {
         if self.term_launch_at == Some(step) {
             // Preemption, for tests: the launcher is told to stop, as Slurm would tell it.
             let _ = nix::sys::signal::kill(nix::unistd::getppid(), nix::sys::signal::SIGTERM);
+            // Until launch has passed it on (at most 10 s): the stop then falls on the next
+            // step however loaded the machine, and the test checks where it falls.
+            if let Some(flag) = crate::preempt::flag() {
+                let until = Instant::now() + Duration::from_secs(10);
+                while !flag.load(std::sync::atomic::Ordering::SeqCst) && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
         }
         self.log_step(epoch, lr, &stats, t0.elapsed().as_secs_f64())?;
         Ok(stats.stop_requested)
