@@ -11,6 +11,8 @@
 #            behind configs/ml-100k.toml:
 #            model.kind="gpt2rec" train.loss="softmax" model.embedding_dim=256 train.lr=3e-3
 #            model.user_tower="history","both" model.l2=1e-2 model.text_l2=1e-1,1.0
+#            Every run is CONFIG as it ships plus the grid's values: earlier searches in
+#            docs/figures.md ran on the config of their day (e.g. 300 epochs, no weight decay).
 #   NPROC    processes (default: 2)
 #   OUT      where the runs go (default: scripts/bench/out/tune-DATE)
 # For instance the earlier search of BPR's learning rate:

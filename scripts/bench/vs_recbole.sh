@@ -34,7 +34,7 @@
 # RecBole filters and splits nothing); the item universe is every item with a positive
 # interaction (export-split checks each is in some file, so RecBole's item set is ours); one
 # uniform negative per positive, never one of the user's train items; validation every epoch
-# on NDCG@10, at most 300 epochs, the best validation model tested; full ranking over all items, the user's train items excluded on
+# on NDCG@10, at most 300 epochs (our gpt2rec: the config's 20), the best validation model tested; full ranking over all items, the user's train items excluded on
 # valid and train+valid items on test; metrics averaged over the users with at least one test
 # item (941 of 943 on ML-100k: a user with fewer than 10 positives has no valid/test share);
 # NDCG's ideal DCG over min(|R(u)|, K) hits.

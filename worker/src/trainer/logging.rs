@@ -141,7 +141,7 @@ fn overlap_ignored(asked: bool, ddp: &Ddp) -> Option<String> {
     Some(if ddp.world_size() == 1 {
         "one process has no all-reduce to overlap".to_string()
     } else if ddp.sharded() {
-        "the shared-memory optimizer (dist.shard_optimizer) reduces each share after backward; set dist.shard_optimizer = false to overlap an all-reduce instead".to_string()
+        "the shared-memory optimizer (dist.shard_optimizer) reduces each share after backward; set dist.shard_optimizer = false and dist.zero = 0 to overlap an all-reduce instead".to_string()
     } else if ddp.zero_stage() >= 1 {
         format!(
             "ZeRO stage {} reduce-scatters the gradient buckets after backward",
