@@ -296,9 +296,7 @@ impl Ddp {
                 &ddp.buckets,
             ));
         }
-        // Alone, or sharded, there is no bucket all-reduce to overlap.
-        let sharded = ddp.shards.is_some() || ddp.zero.is_some();
-        if ddp.config.overlap_backward && !alone && !sharded && ddp.bucket_count() > 0 {
+        if ddp.config.overlap_backward && ddp.overlap_unavailable().is_none() {
             ddp.overlap = Some(Overlap::new(&ddp.params, &ddp.param_names, &ddp.buckets)?);
         }
         Ok(ddp)
@@ -372,6 +370,25 @@ impl Ddp {
     /// Number of all-reduce calls per optimizer step.
     pub fn bucket_count(&self) -> usize {
         self.buckets.len()
+    }
+
+    /// Why no bucket all-reduce could overlap the backward pass here, if none could: the rule
+    /// behind [`DdpConfig::overlap_backward`]'s "where it applies" (`None`: it can).
+    pub fn overlap_unavailable(&self) -> Option<String> {
+        Some(if self.world_size() == 1 {
+            "one process has no all-reduce to overlap".to_string()
+        } else if self.shards.is_some() {
+            "the shared-memory optimizer (dist.shard_optimizer) reduces each share after backward; set dist.shard_optimizer = false and dist.zero = 0 to overlap an all-reduce instead".to_string()
+        } else if self.zero.is_some() {
+            format!(
+                "ZeRO stage {} reduce-scatters the gradient buckets after backward",
+                self.zero_stage()
+            )
+        } else if self.bucket_count() == 0 {
+            "the model has no dense gradients to all-reduce".to_string()
+        } else {
+            return None;
+        })
     }
 
     /// Whether the buckets' all-reduce overlaps the backward pass

@@ -5,9 +5,7 @@
 use common::progress::{Phase, ProgressRecord};
 use tracing::{info, warn};
 
-use runtime::ddp::Ddp;
-
-use runtime::ddp::StepStats;
+use runtime::ddp::{Ddp, StepStats};
 
 use super::{StepRecord, TrainError, Trainer};
 
@@ -131,27 +129,6 @@ pub(super) fn new_bar(total_steps: u64, position: u64) -> indicatif::ProgressBar
     bar
 }
 
-/// Why `dist.overlap_backward`, asked for, is not in effect (`None`: it is, or was not asked
-/// for): the engine turns it off where no bucket is all-reduced after backward, and a user
-/// who set it should not have to read the reference to learn that.
-fn overlap_ignored(asked: bool, ddp: &Ddp) -> Option<String> {
-    if !asked || ddp.overlaps_backward() {
-        return None;
-    }
-    Some(if ddp.world_size() == 1 {
-        "one process has no all-reduce to overlap".to_string()
-    } else if ddp.sharded() {
-        "the shared-memory optimizer (dist.shard_optimizer) reduces each share after backward; set dist.shard_optimizer = false and dist.zero = 0 to overlap an all-reduce instead".to_string()
-    } else if ddp.zero_stage() >= 1 {
-        format!(
-            "ZeRO stage {} reduce-scatters the gradient buckets after backward",
-            ddp.zero_stage()
-        )
-    } else {
-        "the model has no dense gradients to all-reduce".to_string()
-    })
-}
-
 /// What the ranks of one host keep once in shared memory, if anything, and whether the
 /// gradient all-reduce overlaps backward (rank 0 says it), or why not when it was asked to.
 pub(super) fn log_sharing(ddp: &Ddp, overlap_asked: bool) {
@@ -177,7 +154,7 @@ pub(super) fn log_sharing(ddp: &Ddp, overlap_asked: bool) {
             ddp.bucket_count()
         );
     }
-    if let Some(why) = overlap_ignored(overlap_asked, ddp) {
+    if let Some(why) = overlap_asked.then(|| ddp.overlap_unavailable()).flatten() {
         warn!("dist.overlap_backward = true does nothing in this run: {why}");
     }
 }
