@@ -28,6 +28,7 @@ for r in $(seq "$rounds"); do
   for d in "$@"; do
     i=$((i + 1))
     "$d/launch" --num-processes "${PROCS:-2}" --master-port 0 configs/default.toml \
+      --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
       --set run.output_dir=\""$out"\" --set run.name=\""b$i-$r"\" \
       --set data.synthetic=\"small\" --set model.kind=\""${MODEL:-bpr}"\" \
       --set model.text_mode=\"cached\" --set train.epochs=2 --set model.max_text_tokens=32 \

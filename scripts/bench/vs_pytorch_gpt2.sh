@@ -105,6 +105,7 @@ ours() { # name precision micro global dump
   [ "$precision" != f32 ] && tf32=true
   rm -rf "$dump"
   if ! GPTREC_DUMP_PEER="$dump" "$launch" --num-processes "$procs" --master-port 0 configs/default.toml \
+    --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
     --set run.output_dir=\""$out"\" --set run.name=\""$name"\" "${data_set[@]}" "${model_set[@]}" \
     --set train.epochs="$epochs" --set train.bf16="$bf16" --set train.tf32="$tf32" \
     --set checkpoint.resume=\"never\" --set eval.patience=0 \

@@ -79,7 +79,8 @@ run() {
 }
 
 backend=${CHECK_BACKEND:-nccl}
-base=("$repo/configs/default.toml" --set dist.backend=\"$backend\")
+# BPR with ID users, as the PyTorch peers train (configs/default.toml ships the softmax).
+base=("$repo/configs/default.toml" --set dist.backend=\"$backend\" --set train.loss=\"bpr\" --set model.user_tower=\"id\")
 dyn=("$repo/configs/dynamic.toml" --set dist.backend=\"$backend\")
 # GPT-2 small (124M, random weights), every block training, on the tiny data (about 3,600 samples an epoch).
 gpt2=(--set model.preset=\"gpt2\" --set model.trainable_layers=12 --set data.synthetic=\"tiny\" --set train.epochs=2 --set eval.patience=0)

@@ -161,6 +161,7 @@ fn what_the_directory_cannot_do_is_refused_before_any_worker_starts() {
         &[
             "model.max_text_tokens=32",
             "model.text_mode=\"dynamic\"",
+            "train.loss=\"bpr\"",
             "model.trainable_layers=3",
         ],
     );

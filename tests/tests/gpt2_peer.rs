@@ -109,6 +109,8 @@ fn the_dump_leaves_training_unchanged() {
     let sets = [
         "data.synthetic=\"tiny\"",
         "model.text_mode=\"dynamic\"",
+        "train.loss=\"bpr\"",
+        "model.user_tower=\"id\"",
         "model.max_text_tokens=4",
         "train.epochs=1",
         "batch.global=64",
@@ -150,6 +152,16 @@ fn the_dump_leaves_training_unchanged() {
     cached.assert_stderr(
         "the peer mirrors model.kind = \"gpt2rec\" with model.text_mode = \"dynamic\"",
     );
+    let history = [&sets[..], &["model.user_tower=\"history\""]].concat();
+    let pooled = launch_default_config(
+        out.path(),
+        "pooled",
+        None,
+        &[("GPTREC_DUMP_PEER", &dump_text)],
+        &history,
+    );
+    pooled.assert_code(1);
+    pooled.assert_stderr("the peer mirrors model.user_tower = \"id\"");
 }
 
 /// A bad setting is one line naming it, before anything runs.

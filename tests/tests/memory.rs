@@ -79,7 +79,12 @@ fn dry_run_prints_the_estimate_and_warns_with_a_plan_that_keeps_the_global_batch
     // same global batch is named, and so is the cached mode.
     let out = dry_run(
         &[("GPTREC_MEMORY_LIMIT_MB", "690")],
-        &["--set", "model.text_mode=\"dynamic\""],
+        &[
+            "--set",
+            "model.text_mode=\"dynamic\"",
+            "--set",
+            "train.loss=\"bpr\"",
+        ],
     );
     out.assert_code(0);
     out.assert_stdout_all(&["activations (GPT-2)"]);
@@ -226,6 +231,7 @@ fn micro_auto_picks_the_largest_micro_that_fits_every_rank_and_keeps_the_global_
         &[("GPTREC_MEMORY_LIMIT_MB", "700@1")],
         &[
             "model.text_mode=\"dynamic\"",
+            "train.loss=\"bpr\"",
             "batch.micro=\"auto\"",
             "train.epochs=1",
         ],
@@ -305,6 +311,7 @@ fn activation_checkpointing_trains_the_same_model() {
             &[],
             &[
                 "model.text_mode=\"dynamic\"",
+                "train.loss=\"bpr\"",
                 "train.epochs=1",
                 &format!("model.activation_checkpointing={on}"),
             ],

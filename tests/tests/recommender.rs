@@ -68,7 +68,9 @@ fn default_config_trains_and_beats_popularity() {
         .unwrap();
     assert!(last_epoch >= 2, "{}", out.stderr);
     let (first, last) = (mean_loss(1), mean_loss(last_epoch));
-    assert!(last < first * 0.8, "loss {first} -> {last}");
+    // The default's softmax over 800 items starts near ln 800 = 6.7 and ends near 5.7 (BPR's
+    // loss, near ln 2 at first, halves): a model that does not learn stays within noise.
+    assert!(last < first * 0.95, "loss {first} -> {last}");
 
     // The baseline on the same (cached) data.
     let pop = run(dir.path(), "pop", &["model.kind=\"pop\""]);

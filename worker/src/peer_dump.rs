@@ -102,6 +102,12 @@ fn dump(
     if plan.config.train.loss != common::config::LossKind::Bpr {
         bail!("the peer mirrors train.loss = \"bpr\"; this run has train.loss = \"softmax\"");
     }
+    if m.user_tower != common::config::UserTower::Id {
+        bail!(
+            "the peer mirrors model.user_tower = \"id\" (a user is their ID row); this run has {:?}",
+            m.user_tower
+        );
+    }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     // meta.json marks a whole dump: one from an earlier run goes first.
     let meta_path = dir.join("meta.json");
