@@ -73,7 +73,7 @@ mkdir -p "$sub/target/release"
 ln -s "$launch" "$sub/target/release/launch"
 ln -s "$repo/configs" "$sub/configs"
 tiny=(configs/default.toml --num-processes 2 --set 'data.synthetic="tiny"' --set 'model.kind="bpr"'
-  --set train.epochs=1 --set eval.patience=0)
+  --set 'train.loss="bpr"' --set 'model.user_tower="id"' --set train.epochs=1 --set eval.patience=0)
 step_re='epoch [0-9]+/[0-9]+ step [0-9]+'
 
 # wait_for FILE REGEX SECONDS: the time (us) FILE first has a line matching REGEX (polled

@@ -102,11 +102,13 @@ fn dump(
     if plan.config.train.loss != common::config::LossKind::Bpr {
         bail!("the peer mirrors train.loss = \"bpr\"; this run has train.loss = \"softmax\"");
     }
-    if m.user_tower != common::config::UserTower::Id {
-        bail!(
-            "the peer mirrors model.user_tower = \"id\" (a user is their ID row); this run has {:?}",
-            m.user_tower
-        );
+    let tower = match m.user_tower {
+        common::config::UserTower::Id => None,
+        common::config::UserTower::History => Some("history"),
+        common::config::UserTower::Both => Some("both"),
+    };
+    if let Some(tower) = tower {
+        bail!("the peer mirrors model.user_tower = \"id\" (a user is their ID row and text); this run has model.user_tower = \"{tower}\"");
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     // meta.json marks a whole dump: one from an earlier run goes first.
