@@ -1148,6 +1148,8 @@ timeout_s = 60
         assert!(err(&[softmax, "model.text_mode=\"dynamic\""]).contains(
             "`train.negatives` = 0 (the full softmax) would run GPT-2 over every item's text"
         ));
+        assert!(err(&[softmax, "model.text_mode=\"dynamic\""])
+            .ends_with("(train.negatives = 256, say) or train.loss = \"bpr\""));
         assert!(err(&["train.loss=\"hinge\""]).contains("train.loss"));
         let c = parse_with(
             MINIMAL,

@@ -275,7 +275,7 @@ fn check_loss(train: &TrainConfig, model: &ModelConfig) -> Result<(), ConfigErro
     if softmax && train.negatives == 0 && dynamic {
         return Err(ConfigError::invalid(
             "train.negatives",
-            "= 0 (the full softmax) would run GPT-2 over every item's text in every micro-batch in dynamic text mode: set a number of shared negatives, e.g. 256",
+            "= 0 (the full softmax) would run GPT-2 over every item's text in every micro-batch in dynamic text mode: set a number of shared negatives (train.negatives = 256, say) or train.loss = \"bpr\"",
         ));
     }
     Ok(())
