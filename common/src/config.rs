@@ -1145,11 +1145,11 @@ timeout_s = 60
             err(&[softmax, "train.negatives=8", "train.negative_power=-1.0"])
                 .contains("`train.negative_power` must be >= 0 and finite (got -1)")
         );
-        assert!(err(&[softmax, "model.text_mode=\"dynamic\""]).contains(
+        let dynamic = err(&[softmax, "model.text_mode=\"dynamic\""]);
+        assert!(dynamic.contains(
             "`train.negatives` = 0 (the full softmax) would run GPT-2 over every item's text"
         ));
-        assert!(err(&[softmax, "model.text_mode=\"dynamic\""])
-            .ends_with("(train.negatives = 256, say) or train.loss = \"bpr\""));
+        assert!(dynamic.ends_with("(train.negatives = 256, say) or train.loss = \"bpr\""));
         assert!(err(&["train.loss=\"hinge\""]).contains("train.loss"));
         let c = parse_with(
             MINIMAL,

@@ -26,7 +26,7 @@ run_case() { # kind mode epochs
   [ "$mode" = dynamic ] && extra=(--set model.trainable_layers=1)
   t0=$(date +%s.%N)
   launch_logged "$name" --num-processes 1 --master-port 0 configs/default.toml \
-      --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
+      "${bpr_id[@]}" \
       --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
       --set data.synthetic=\""$size"\" --set data.cold_items=0.1 --set data.cold_users=0.1 \
       --set model.kind=\""$kind"\" --set model.text_mode=\""$mode"\" "${extra[@]}" \

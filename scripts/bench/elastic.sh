@@ -30,7 +30,7 @@ node() { # name dir port every -> starts one node in the background, pid in $!
   GPTREC_TRACE_SAMPLES="$dir/trace" "$launch" --nnodes 1:2 --num-processes 2 \
     --rdzv-endpoint "127.0.0.1:$port" --rdzv-id "bench-$port" \
     --rdzv-conf last_call_timeout=2 --max-restarts 3 --grace-period 5 configs/default.toml \
-    --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
+    "${bpr_id[@]}" \
     --set run.output_dir=\""$dir"\" --set data.synthetic=\"full\" --set model.kind=\"bpr\" \
     --set train.epochs=2 --set eval.patience=0 --set batch.global=256 --set batch.micro=64 \
     --set checkpoint.every_n_steps="$every" >"$out/$name.log" 2>&1 &

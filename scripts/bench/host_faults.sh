@@ -143,8 +143,7 @@ ours() {
       --rdzv-backend c10d --rdzv-endpoint "h0:$port" --run-id-file "$dir/job.id" \
       --rdzv-conf last_call_timeout=5 --rdzv-timeout 30 --max-restarts 3 --grace-period 2 \
       configs/default.toml --set run.output_dir=\""$dir"\" --set data.synthetic=\"tiny\" \
-      --set model.kind=\"bpr\" --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
-      --set train.epochs=20 --set eval.patience=0 \
+      --set model.kind=\"bpr\" "${bpr_id[@]}" --set train.epochs=20 --set eval.patience=0 \
       --set dist.timeout_s=$dist_timeout --set batch.global=24 --set batch.micro=2 \
       --set checkpoint.every_n_steps=50 2>&1 | stamp >"$dir/h$i.log" &
     if [ "$i" = 0 ]; then

@@ -9,6 +9,12 @@ echo "runs in $out"
 
 . scripts/bench/summary.sh
 
+# The model the benchmarks on configs/default.toml measured and the PyTorch peers implement:
+# BPR with an ID row per user (the default itself ships the softmax over the pooled history).
+# Scripts that may run without this file (vs_pytorch_gpt2.sh with GPTREC_BIN, ab_builds.sh,
+# slurm_start.sh, scripts/gpu/check.sh) spell the same two settings out.
+bpr_id=(--set 'train.loss="bpr"' --set 'model.user_tower="id"')
+
 # Runs the launcher with its output in $out/NAME.log; on failure says so with the log's tail:
 # launch_logged NAME ARGS...
 launch_logged() {

@@ -28,7 +28,7 @@ run_case() { # name procs sets...
   local sets=()
   for s in "$@"; do sets+=(--set "$s"); done
   if ! "$launch" --num-processes "$procs" --master-port 0 configs/default.toml \
-      --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
+      "${bpr_id[@]}" \
       --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
       --set checkpoint.resume=\"never\" --set eval.patience=0 --set train.epochs=1 \
       "${sets[@]}" >"$out/$name.log" 2>&1; then

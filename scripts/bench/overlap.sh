@@ -38,7 +38,7 @@ run() { # model transport overlap repeat -> the run directory
   [ "$transport" = sockets ] && shm=false
   local name="overlap-$model-$transport-$overlap-$again"
   launch_logged "$name" --num-processes 2 --master-port 0 configs/default.toml \
-    --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
+    "${bpr_id[@]}" \
     --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
     --set model.kind=\""$kind"\" --set model.text_mode=\""$mode"\" \
     "${blocks[@]}" --set model.max_text_tokens=32 --set train.epochs="$epochs" \

@@ -18,7 +18,7 @@ run() { # model procs pin repeat -> the run directory
   local name="$model-p$procs-$pin-$again" flags=()
   [ "$pin" = pin ] && flags=(--pin)
   launch_logged "$name" --num-processes "$procs" "${flags[@]}" configs/default.toml \
-    --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
+    "${bpr_id[@]}" \
     --set run.output_dir=\""$out"\" --set run.name=\""$name"\" --set model.kind=\""$kind"\" \
     --set train.epochs=2 --set checkpoint.resume=\"never\" --set eval.patience=0 \
     --set batch.global=256 --set batch.micro=64 || exit 1

@@ -26,7 +26,7 @@ run_case() { # size procs kind mode epochs
   [ "$kind" = gpt2rec ] && [ "$mode" = dynamic ] && blocks=(--set model.trainable_layers=1)
   t0=$(date +%s.%N)
   launch_logged "$name" --num-processes "$procs" --master-port 0 configs/default.toml \
-      --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
+      "${bpr_id[@]}" \
       --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
       --set data.synthetic=\""$size"\" --set model.kind=\""$kind"\" \
       --set model.text_mode=\""$mode"\" --set train.epochs="$epochs" \

@@ -38,7 +38,7 @@ run() { # size model procs shm sparse shared shard repeat -> the run directory
   [ "$size" = full ] && epochs=1
   local name="$size-$model-p$procs-shm$shm-sparse$sparse-shared$shared-shard$shard-$again"
   "$launch" --num-processes "$procs" --master-port 0 configs/default.toml \
-    --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
+    "${bpr_id[@]}" \
     --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
     --set data.synthetic=\""$size"\" --set model.kind=\""$kind"\" \
     --set model.text_mode=\""$mode"\" --set train.epochs="$epochs" \

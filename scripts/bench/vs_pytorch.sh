@@ -22,7 +22,7 @@ ours() { # data model procs epochs -> samples/s
   [ "$model" = bpr ] && kind=bpr
   local name="ours-$(basename "$data")-$model-p$procs"
   "$launch" --num-processes "$procs" --master-port 0 configs/default.toml \
-    --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
+    "${bpr_id[@]}" \
     --set run.output_dir=\""$out"\" --set run.name=\""$name"\" \
     --set data.dir=\""$data"\" --set model.kind=\""$kind"\" --set model.text_mode=\"cached\" \
     --set train.epochs="$epochs" --set checkpoint.resume=\"never\" --set eval.patience=0 \

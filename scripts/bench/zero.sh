@@ -19,7 +19,7 @@ for transport in ring shm; do
   for world in 2 4; do
   for zero in 0 1; do
     launch_logged "$transport-w$world-z$zero" --num-processes "$world" --master-port 0 configs/default.toml \
-      --set train.loss=\"bpr\" --set model.user_tower=\"id\" \
+      "${bpr_id[@]}" \
       --set run.output_dir=\""$out"\" --set run.name=\""$transport-w$world-z$zero"\" \
       --set checkpoint.resume=\"never\" --set eval.patience=0 --set train.epochs=1 \
       --set data.synthetic=\"small\" --set model.kind=\"bpr\" --set model.embedding_dim="$embed" \

@@ -26,7 +26,7 @@ trap 'for d in "${made[@]}"; do rmdir "$d" 2>/dev/null || true; done' EXIT
 
 sets=(--set run.output_dir=\""$out"\" --set checkpoint.resume=\"never\" --set eval.patience=0
   --set train.epochs=1 --set data.synthetic=\"small\" --set model.kind=\"bpr\"
-  --set train.loss=\"bpr\" --set model.user_tower=\"id\"
+  "${bpr_id[@]}"
   --set model.embedding_dim="$embed" --set batch.global=2048 --set dist.shard_optimizer=false
   --set dist.shared_tables=false --set dist.sparse_embeddings=false --set dist.shared_memory=false)
 
