@@ -240,7 +240,7 @@ impl ShmGroup {
     /// (given the buffer's index), with the synchronisation around them (see the module doc).
     /// `check` is the operation whose descriptors every member's must match (its first chunk);
     /// `last` says whether it ends the operation.
-    fn chunk_with(
+    pub(super) fn chunk_with(
         &self,
         deadline: Instant,
         check: Option<u64>,

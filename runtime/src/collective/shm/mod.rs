@@ -18,6 +18,7 @@
 
 mod arena;
 mod copy;
+mod scatter;
 mod segment;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,6 +42,8 @@ const OP_KIND_AT: usize = 80;
 const PID_AT: usize = 128;
 const CHUNKED: u64 = 1;
 const IN_ARENA: u64 = 2;
+/// [`ShmGroup::reduce_scatter`].
+const REDUCE_SCATTER: u64 = 6;
 /// Floats per slice boundary: slices start on a cache line (64 bytes).
 const ALIGN_FLOATS: usize = 16;
 
@@ -214,7 +217,7 @@ impl ShmGroup {
             self.check_descriptors(seq)?;
         }
         let (lo, hi) = slice_bounds(n, members, self.me);
-        self.sum_slice(which, &mut part[lo..hi], lo);
+        self.sum_slice(which, &mut part[lo..hi], lo, true);
         mine.progress().store(2 * g + 2, Ordering::Release);
         self.wait_all(2 * g + 2, deadline)?;
         for (j, seg) in self
@@ -238,9 +241,9 @@ impl ShmGroup {
     }
 
     /// Our slice (`ours`, starting at float `lo` of the chunk) := the sum over members, in member
-    /// order (ours from `ours`, the others' from their buffer `which`); the sum is also left in
-    /// our buffer for the others to copy.
-    fn sum_slice(&self, which: usize, ours: &mut [f32], lo: usize) {
+    /// order (ours from `ours`, the others' from their buffer `which`); with `share`, the sum is
+    /// also left in our buffer for the others to copy.
+    fn sum_slice(&self, which: usize, ours: &mut [f32], lo: usize, share: bool) {
         const BLOCK: usize = 1024;
         let mut acc = [0f32; BLOCK];
         let dst = self.segments[self.me].buffer(which);
@@ -258,8 +261,10 @@ impl ShmGroup {
                 accumulate(acc, j, src);
             }
             block.copy_from_slice(acc);
-            // SAFETY: our own slice of our buffer; nobody reads it before we publish 2g+2.
-            unsafe { copy(acc.as_ptr(), dst.add(start), acc.len()) };
+            if share {
+                // SAFETY: our own slice of our buffer; nobody reads it before we publish 2g+2.
+                unsafe { copy(acc.as_ptr(), dst.add(start), acc.len()) };
+            }
         }
     }
 
@@ -334,6 +339,7 @@ impl ShmGroup {
 fn op_words(kind: u64) -> String {
     match kind & 0xff {
         CHUNKED | IN_ARENA => "all_reduce".to_string(),
+        REDUCE_SCATTER => "reduce_scatter".to_string(),
         copy::BARRIER => "barrier".to_string(),
         copy::BROADCAST => format!("broadcast from member {}", kind >> 8),
         copy::ALL_GATHER => "all_gather".to_string(),

@@ -606,20 +606,24 @@ impl Collective for TcpCollective {
         op: ReduceOp,
         ctx: OpContext,
     ) -> Result<std::ops::Range<usize>, CollectiveError> {
-        if !self.ring_shards(flat) {
-            return super::reduce_scatter_by_all_reduce(self, flat, op, ctx);
+        if self.ring_shards(flat) {
+            return self.ring_reduce_scatter(flat, op, ctx);
         }
-        self.ring_reduce_scatter(flat, op, ctx)
+        if self.shm_shards(flat) {
+            return self.shm_reduce_scatter(flat, op, ctx);
+        }
+        super::reduce_scatter_by_all_reduce(self, flat, op, ctx)
     }
 
     fn bytes_sent(&self) -> Option<u64> {
         Some(self.sent)
     }
 
-    /// The ring's own halves apply where the ring alone carries the sums (for f32 CPU buffers;
-    /// others fall back to an all-reduce all the same).
+    /// The ring's own halves apply where the ring alone carries the sums, the arenas' where
+    /// the job is on one host with shared memory (for f32 CPU buffers; others fall back to an
+    /// all-reduce all the same).
     fn reduce_scatter_is_native(&self) -> bool {
-        self.world > 1 && self.ring_only()
+        self.world > 1 && (self.ring_only() || (self.shm.is_some() && self.hosts.is_none()))
     }
 
     fn all_gather_shards(
@@ -758,6 +762,7 @@ fn split_pair<T>(buf: &mut [T], send: (usize, usize), recv: (usize, usize)) -> (
 mod gather;
 mod link;
 mod ring;
+mod scatter;
 mod setup;
 
 #[cfg(any(test, feature = "test-support"))]

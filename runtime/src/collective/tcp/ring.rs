@@ -109,8 +109,9 @@ impl TcpCollective {
 /// A contiguous f32 CPU tensor's elements, for as long as the tensor is borrowed.
 ///
 /// # Safety
-/// `flat` must be a contiguous f32 CPU tensor ([`TcpCollective::ring_shards`] checks it).
-unsafe fn f32_slice(flat: &mut Tensor) -> &mut [f32] {
+/// `flat` must be a contiguous f32 CPU tensor ([`TcpCollective::ring_shards`] and
+/// [`TcpCollective::shm_shards`] check it).
+pub(super) unsafe fn f32_slice(flat: &mut Tensor) -> &mut [f32] {
     let n = flat.numel();
     std::slice::from_raw_parts_mut(flat.data_ptr() as *mut f32, n)
 }
