@@ -379,11 +379,6 @@ impl Ddp {
             "one process has no all-reduce to overlap".to_string()
         } else if self.shards.is_some() {
             "the shared-memory optimizer (dist.shard_optimizer) reduces each share after backward; set dist.shard_optimizer = false and dist.zero = 0 to overlap an all-reduce instead".to_string()
-        } else if self.zero.is_some() {
-            format!(
-                "ZeRO stage {} reduce-scatters the gradient buckets after backward",
-                self.zero_stage()
-            )
         } else if self.bucket_count() == 0 {
             "the model has no dense gradients to all-reduce".to_string()
         } else {
@@ -520,7 +515,7 @@ impl Ddp {
     }
 
     /// Runs the micro-batches of `window`; with overlap, beside the communication thread that
-    /// reduces the buckets meanwhile. Returns the losses and the time spent waiting for that
+    /// reduces the buckets meanwhile (all-reduced, or reduce-scattered under ZeRO). Returns the losses and the time spent waiting for that
     /// thread after the last backward pass.
     fn run_window<B>(
         &mut self,
@@ -539,7 +534,12 @@ impl Ddp {
         let buckets = (self.buckets.iter())
             .map(|b| b.iter().map(|&i| params[i].shallow_clone()).collect())
             .collect();
-        overlap.around(self.comm.as_mut(), buckets, ctx, |arm| {
+        // Under ZeRO the buckets are reduce-scattered, as its update would after backward.
+        let scatter = |comm: &mut dyn Collective, b, grads, ctx| match &self.zero {
+            Some(zero) => zero.reduce_bucket(comm, b, grads, ctx),
+            None => overlap::all_reduce_bucket(comm, b, grads, ctx),
+        };
+        overlap.around(self.comm.as_mut(), buckets, ctx, &scatter, |arm| {
             micro_batches(window, model, sparse, |whole| arm.arm(whole))
         })
     }

@@ -515,7 +515,7 @@ fn latest_checkpoint(run_dir: &Path) -> PathBuf {
 /// tables so that they are sharded) gives DDP's results, and its checkpoints are DDP's byte for
 /// byte (the moments gathered on save: one format whatever the stage), so a run saved at world
 /// 2 and resumed at world 3 under stage 1 ends as the one saved and resumed under stage 0.
-/// `dist.overlap_backward`, which stage 1 cannot honour, is named as doing nothing.
+/// With `dist.overlap_backward` the buckets are reduce-scattered during backward: the same.
 #[test]
 fn zero_stage_1_gives_ddps_results_and_checkpoints_that_any_world_resumes() {
     let dir = tempfile::tempdir().unwrap();
@@ -529,15 +529,21 @@ fn zero_stage_1_gives_ddps_results_and_checkpoints_that_any_world_resumes() {
     let zero = [&ddp[..], &["dist.zero=1"]].concat();
     let zero_line = "ZeRO stage 1 (dist.zero = 1): each of the 2 ranks keeps the AdamW moments";
     let plain = run_ok(2, out, "ddp", &ddp, &[]);
-    let ignored = "dist.overlap_backward = true does nothing in this run: ZeRO stage 1 reduce-scatters the gradient buckets after backward";
     assert!(!plain.stderr.contains(zero_line), "{}", plain.stderr);
-    // Asked to overlap, which stage 1 cannot: said once, and the results stay DDP's.
+    // Asked to overlap: the buckets are reduce-scattered during backward, said once, and the
+    // results stay DDP's.
     let overlapped = [&zero[..], &["dist.overlap_backward=true"]].concat();
     let zero_run = run_ok(2, out, "zero", &overlapped, &[]);
     zero_run.assert_stderr(zero_line);
+    let during = "reduce-scattered during the backward pass as they become ready";
     assert_eq!(
-        zero_run.stderr.matches(ignored).count(),
+        zero_run.stderr.matches(during).count(),
         1,
+        "{}",
+        zero_run.stderr
+    );
+    assert!(
+        !zero_run.stderr.contains("does nothing"),
         "{}",
         zero_run.stderr
     );

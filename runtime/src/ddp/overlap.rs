@@ -4,9 +4,10 @@
 //! Owns: the post-accumulate-grad hooks on the parameters of the dense buckets (through the
 //! C++ shim `runtime/csrc/grad_hooks.cpp`), which say when autograd has accumulated into a
 //! parameter's gradient during the window's last backward pass; and the communication thread
-//! that, while that pass runs, averages each bucket across the ranks as soon as all of its
-//! gradients are final, strictly in bucket order (as PyTorch's DDP reducer launches them), so
-//! every rank issues the same operations in the same order, only earlier.
+//! that, while that pass runs, reduces each bucket across the ranks (all-reduced, or
+//! reduce-scattered under ZeRO: the engine says how) as soon as all of its gradients are final,
+//! strictly in bucket order (as PyTorch's DDP reducer launches them), so every rank issues the
+//! same operations in the same order, only earlier.
 //!
 //! Must not: regroup or reorder the buckets (the same all-reduce of the same bytes as the
 //! engine's plain path gives the same numbers), touch the row-sparse tables or the summary (they
@@ -24,7 +25,7 @@ use std::time::{Duration, Instant};
 use tch::Tensor;
 
 use super::DdpError;
-use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
+use crate::collective::{Collective, OpContext, ReduceOp};
 use crate::shim::take_error;
 
 /// What can go wrong with overlap itself (the collectives' own errors stay theirs).
@@ -94,23 +95,25 @@ impl Overlap {
     }
 
     /// Runs `compute` (the window's micro-batches, which calls [`Arm::arm`] just before its
-    /// last backward pass) on this thread while a communication thread averages `buckets`
-    /// (each bucket's parameters) in order, each as soon as its gradients are final or, at the
-    /// latest, once `compute` has returned, whatever it returned (a rank with a loss that is
-    /// not finite still takes part in every reduction). When `compute` fails, no further
-    /// bucket starts. Returns what `compute` gave and the time spent waiting for the
+    /// last backward pass) on this thread while a communication thread reduces `buckets`
+    /// (each bucket's parameters) in order with `reduce` (given the bucket's index and
+    /// gradients; [`all_reduce_bucket`] for DDP), each as soon as its gradients are final or,
+    /// at the latest, once `compute` has returned, whatever it returned (a rank with a loss
+    /// that is not finite still takes part in every reduction). When `compute` fails, no
+    /// further bucket starts. Returns what `compute` gave and the time spent waiting for the
     /// communication thread after it.
     pub(super) fn around<T>(
         &mut self,
         comm: &mut dyn Collective,
         buckets: Vec<Vec<Tensor>>,
         ctx: OpContext,
+        reduce: &BucketReduce<'_>,
         compute: impl FnOnce(&Arm<'_>) -> Result<T, DdpError>,
     ) -> Result<(T, Duration), DdpError> {
         let readiness = &*self.readiness;
         readiness.prepare();
         let (computed, reduced, armed, waited) = std::thread::scope(|s| {
-            let reducer = s.spawn(move || readiness.reduce_in_order(comm, buckets, ctx));
+            let reducer = s.spawn(move || readiness.reduce_in_order(comm, buckets, ctx, reduce));
             // Ends the wait of the communication thread even if `compute` panics.
             let gate = GateGuard(Some(readiness));
             let computed = compute(&Arm(readiness));
@@ -297,14 +300,15 @@ impl Readiness {
         armed
     }
 
-    /// The communication thread: averages each bucket in order once it may go. Returns how
+    /// The communication thread: reduces each bucket in order once it may go. Returns how
     /// many started before the gate opened.
     fn reduce_in_order(
         &self,
         comm: &mut dyn Collective,
         buckets: Vec<Vec<Tensor>>,
         ctx: OpContext,
-    ) -> Result<usize, CollectiveError> {
+        reduce: &BucketReduce<'_>,
+    ) -> Result<usize, DdpError> {
         let _no_grad = tch::no_grad_guard();
         let mut early = 0;
         for (b, params) in buckets.iter().enumerate() {
@@ -313,8 +317,8 @@ impl Readiness {
                 Some(before_gate) => early += usize::from(before_gate),
             }
             // Read here, not before: the gradient is final once its hook has run.
-            let mut grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
-            comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
+            let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
+            reduce(comm, b, grads, ctx)?;
         }
         Ok(early)
     }
@@ -336,6 +340,22 @@ impl Readiness {
             gate = self.wake.wait(gate).unwrap_or_else(PoisonError::into_inner);
         }
     }
+}
+
+/// How the communication thread reduces bucket `b` (its gradients, final): the same
+/// operations the engine's plain path runs after backward.
+pub(super) type BucketReduce<'a> =
+    dyn Fn(&mut dyn Collective, usize, Vec<Tensor>, OpContext) -> Result<(), DdpError> + Sync + 'a;
+
+/// DDP's reduction of a bucket: its gradients averaged over the ranks.
+pub(super) fn all_reduce_bucket(
+    comm: &mut dyn Collective,
+    _bucket: usize,
+    mut grads: Vec<Tensor>,
+    ctx: OpContext,
+) -> Result<(), DdpError> {
+    comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
+    Ok(())
 }
 
 /// A lock whose holder never panics in a way that leaves the data inconsistent (plain flags

@@ -111,6 +111,8 @@ enum Keep {
     Zero,
     /// [`Keep::Zero`] with the row-sparse tables once per host (`shared_tables`).
     ZeroSharedTables,
+    /// [`Keep::Zero`] with the buckets reduce-scattered during backward (`overlap_backward`).
+    ZeroOverlapped,
 }
 
 /// Where the test's ranks run.
@@ -265,8 +267,11 @@ fn train_embeddings_on(
             },
             shared_tables: matches!(keep, Keep::SharedTables | Keep::ZeroSharedTables),
             shard_optimizer: keep == Keep::Sharded,
-            overlap_backward: keep == Keep::Overlapped,
-            zero: u8::from(matches!(keep, Keep::Zero | Keep::ZeroSharedTables)),
+            overlap_backward: matches!(keep, Keep::Overlapped | Keep::ZeroOverlapped),
+            zero: u8::from(matches!(
+                keep,
+                Keep::Zero | Keep::ZeroSharedTables | Keep::ZeroOverlapped
+            )),
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         let exchanged = if sparse && world > 1 { 2 } else { 0 };
@@ -277,11 +282,14 @@ fn train_embeddings_on(
         assert_eq!(ddp.shared_tables().len(), if shared { 2 } else { 0 });
         let sharded = keep == Keep::Sharded && world > 1 && options.shared_memory && one_host;
         assert_eq!(ddp.sharded(), sharded);
-        let zero = matches!(keep, Keep::Zero | Keep::ZeroSharedTables);
+        let zero = matches!(
+            keep,
+            Keep::Zero | Keep::ZeroSharedTables | Keep::ZeroOverlapped
+        );
         assert_eq!(ddp.zero_stage(), u8::from(zero && world > 1));
         assert_eq!(
             ddp.overlaps_backward(),
-            keep == Keep::Overlapped && world > 1
+            matches!(keep, Keep::Overlapped | Keep::ZeroOverlapped) && world > 1
         );
         // The sparse runs also carry a probe (which moves the masks in the summary) and
         // must still train as the dense ones do.
@@ -366,8 +374,8 @@ fn train_embeddings_on(
 }
 
 /// ZeRO stage 1 on every backend (`zero = 1`): the tcp ring (its own reduce-scatter and
-/// all-gather), the ring with shared memory (a whole all-reduce, and the shards gathered
-/// through shared memory) and two hosts of two (a whole all-reduce and a gathering copy),
+/// all-gather), the ring with shared memory (its own too) and two hosts of two (a whole
+/// all-reduce and a gathering copy), after backward and during it (`overlap_backward`),
 /// world 1 to 4, a bucket that no world divides
 /// with rows crossing the shards' edges, gradient accumulation, clipping at work on some
 /// steps, dense and row-sparse tables: loss, norms, parameters and both moments (gathered)
@@ -425,6 +433,21 @@ fn zero_stage_1_trains_exactly_as_ddp_on_every_backend() {
                 values(&t_state),
                 values(&state),
                 "{at}, shared tables: moments"
+            );
+            // The buckets reduce-scattered during backward, by the communication thread
+            // (before the summary and the row-sparse exchange): the same bits too.
+            let (o_loss, o_params, o_norms, o_state) = run(Keep::ZeroOverlapped);
+            assert_eq!(bits64(&o_norms), bits64(&norms), "{at}, overlapped: norms");
+            assert_eq!(bits64(&o_loss), bits64(&loss), "{at}, overlapped: loss");
+            assert_eq!(
+                bits32(&o_params),
+                bits32(&params),
+                "{at}, overlapped: parameters"
+            );
+            assert_eq!(
+                values(&o_state),
+                values(&state),
+                "{at}, overlapped: moments"
             );
         }
     }

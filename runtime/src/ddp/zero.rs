@@ -181,39 +181,53 @@ impl ZeroLayout {
         start..start + width
     }
 
-    /// Reduce-scatters (averages) each bucket's gradients and writes this rank's shard back
-    /// into the parameters' gradients (the rest of them is left unreduced and unused).
+    /// Reduce-scatters (averages) each bucket's gradients (see [`ZeroLayout::reduce_bucket`]).
     fn reduce_scatter(
         &self,
         comm: &mut dyn Collective,
         params: &[Tensor],
         ctx: OpContext,
     ) -> Result<(), DdpError> {
-        for b in &self.buckets {
-            let mut grads: Vec<Tensor> = b.params.iter().map(|&i| params[i].grad()).collect();
-            if grads.len() > 1 && !comm.reduce_scatter_is_native() {
-                // The backend's reduce-scatter would be a whole all-reduce of a copy: reduce
-                // the gradients as DDP does (every shard then holds its sums).
-                comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
-                continue;
-            }
-            let (mut flat, in_place) = flat_of(&grads)?;
-            let own = comm.reduce_scatter(&mut flat, ReduceOp::Avg, ctx)?;
-            if own != b.shards[self.rank] {
-                return Err(layout_changed(&own, &b.shards[self.rank]));
-            }
-            if in_place {
-                continue;
-            }
-            for (grad, &at) in grads.iter().zip(&b.offsets) {
-                let span = at..at + grad.numel();
-                let part = intersect(&span, &own);
-                if !part.is_empty() {
-                    let len = part.len() as i64;
-                    grad.f_view([-1])?
-                        .f_narrow(0, (part.start - at) as i64, len)?
-                        .f_copy_(&flat.f_narrow(0, part.start as i64, len)?)?;
-                }
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            let grads: Vec<Tensor> = bucket.params.iter().map(|&i| params[i].grad()).collect();
+            self.reduce_bucket(comm, b, grads, ctx)?;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters (averages) bucket `b`'s gradients `grads` and writes this rank's shard
+    /// back into them (the rest is left unreduced and unused): after backward, or from the
+    /// communication thread during it (`dist.overlap_backward`).
+    pub(super) fn reduce_bucket(
+        &self,
+        comm: &mut dyn Collective,
+        b: usize,
+        mut grads: Vec<Tensor>,
+        ctx: OpContext,
+    ) -> Result<(), DdpError> {
+        let bucket = &self.buckets[b];
+        if grads.len() > 1 && !comm.reduce_scatter_is_native() {
+            // The backend's reduce-scatter would be a whole all-reduce of a copy: reduce the
+            // gradients as DDP does (every shard then holds its sums).
+            comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
+            return Ok(());
+        }
+        let (mut flat, in_place) = flat_of(&grads)?;
+        let own = comm.reduce_scatter(&mut flat, ReduceOp::Avg, ctx)?;
+        if own != bucket.shards[self.rank] {
+            return Err(layout_changed(&own, &bucket.shards[self.rank]));
+        }
+        if in_place {
+            return Ok(());
+        }
+        for (grad, &at) in grads.iter().zip(&bucket.offsets) {
+            let span = at..at + grad.numel();
+            let part = intersect(&span, &own);
+            if !part.is_empty() {
+                let len = part.len() as i64;
+                grad.f_view([-1])?
+                    .f_narrow(0, (part.start - at) as i64, len)?
+                    .f_copy_(&flat.f_narrow(0, part.start as i64, len)?)?;
             }
         }
         Ok(())
@@ -504,7 +518,9 @@ impl Ddp {
     ) -> Result<f64, DdpError> {
         let reducing = Instant::now();
         self.reduce_sparse(summary, ctx)?;
-        zero.reduce_scatter(self.comm.as_mut(), &self.params, ctx)?;
+        if self.overlap.is_none() {
+            zero.reduce_scatter(self.comm.as_mut(), &self.params, ctx)?;
+        }
         let rows = zero.all_row_sums(self.comm.as_mut(), &self.params, ctx)?;
         time.collective += reducing.elapsed();
 

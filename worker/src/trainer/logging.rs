@@ -149,8 +149,12 @@ pub(super) fn log_sharing(ddp: &Ddp, overlap_asked: bool) {
         );
     }
     if ddp.overlaps_backward() {
+        let how = match ddp.zero_stage() {
+            0 => "all-reduced",
+            _ => "reduce-scattered",
+        };
         info!(
-            "gradient buckets ({}) all-reduced during the backward pass as they become ready (dist.overlap_backward)",
+            "gradient buckets ({}) {how} during the backward pass as they become ready (dist.overlap_backward)",
             ddp.bucket_count()
         );
     }
