@@ -1112,18 +1112,19 @@ timeout_s = 60
     fn zero_is_a_stage_that_is_built_or_auto() {
         let err = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap_err().to_string();
         assert_eq!(
-            err(&["dist.zero=2"]),
-            "--set dist.zero=2: `dist.zero` must be 0, 1 or \"auto\" (got 2): stage 1 shards AdamW's moments; stages 2 and 3 (gradients, parameters) are not built yet"
+            err(&["dist.zero=3"]),
+            "--set dist.zero=3: `dist.zero` must be 0, 1, 2 or \"auto\" (got 3): stage 1 shards AdamW's moments, stage 2 also the gradients; stage 3 (the parameters) is not built yet"
         );
         assert_eq!(
             err(&["dist.zero=4"]),
-            "--set dist.zero=4: `dist.zero`: must be 0, 1 or \"auto\" (got 4)"
+            "--set dist.zero=4: `dist.zero`: must be 0, 1, 2 or \"auto\" (got 4)"
         );
         assert!(err(&["dist.zero=\"most\""]).contains("(got \"most\")"));
         assert!(err(&["dist.zero=-1"]).contains("(got -1)"));
         let zero = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap().dist.zero;
         assert_eq!(zero(&[]), ZeroStage::Stage(0));
         assert_eq!(zero(&["dist.zero=1"]), ZeroStage::Stage(1));
+        assert_eq!(zero(&["dist.zero=2"]), ZeroStage::Stage(2));
         assert_eq!(zero(&["dist.zero=\"auto\""]), ZeroStage::Auto);
         // In a file, the error names the value's place.
         let e = super::tests::err("[batch]\nmicro = 4\n[dist]\nzero = \"x\"\n");
@@ -1528,7 +1529,7 @@ timeout_s = 60
             timeout_s in 1u64..=u64::MAX,
             rendezvous_timeout_s in prop::option::of(1u64..=u64::MAX),
             (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
-            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret, zero) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), prop_oneof![Just(ZeroStage::Stage(0)), Just(ZeroStage::Stage(1)), Just(ZeroStage::Auto)]),
+            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret, zero) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), prop_oneof![Just(ZeroStage::Stage(0)), Just(ZeroStage::Stage(1)), Just(ZeroStage::Stage(2)), Just(ZeroStage::Auto)]),
             (every_n_steps, keep, resume, load_optimizer) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"], any::<bool>()),
             (scorer, l2, max_text_tokens, trainable_layers) in (prop_oneof![Just(ScorerKind::Dot), Just(ScorerKind::Mlp)], prop_oneof![Just(0.0f64), 0.0f64..1.0], 1usize..=1024, prop::option::of(0u32..=48)),
             (topk, every_n_epochs, patience, batch_users, cold_items, cold_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096, prop_oneof![Just(0.0f64), 0.0f64..=0.5], prop_oneof![Just(0.0f64), 0.0f64..=0.5]),

@@ -1,6 +1,7 @@
 // Gradient-ready hooks for `runtime::ddp::overlap`: puts a post-accumulate-grad hook on a
 // parameter (the `torch::Tensor*` that tch's `Tensor::as_ptr` gives) that calls a Rust function
-// with the parameter's index each time autograd has accumulated into its `.grad`.
+// with the parameter's index each time autograd has accumulated into its `.grad`; and drops a
+// parameter's gradient once ZeRO stage 2 has kept its shard (`runtime::ddp::zero`).
 //
 // Owns: the hook objects and the C++ exceptions of registering them (turned into a malloc'd
 // error string for Rust, never thrown across the boundary). Must not: call into Rust for
@@ -92,6 +93,22 @@ char* gptrec_clear_grad_hook(const at::Tensor* tensor) {
     auto& hook = torch::autograd::impl::post_acc_grad_hooks(*tensor);
     if (dynamic_cast<RustHook*>(hook.get()) != nullptr) {
       torch::autograd::impl::set_post_acc_grad_hooks(*tensor, nullptr);
+    }
+    return nullptr;
+  } catch (const std::exception& e) {
+    return gptrec_error_copy(e.what());
+  } catch (...) {
+    return gptrec_error_copy("an unknown C++ exception");
+  }
+}
+
+// Drops `*tensor`'s gradient, as `param.grad = None` does (ZeRO stage 2 keeps only its shard
+// elsewhere); its memory goes once no other tensor refers to it. Returns nullptr, or an error
+// to free with gptrec_free_error.
+char* gptrec_release_grad(const at::Tensor* tensor) {
+  try {
+    if (tensor->defined() && torch::autograd::impl::get_autograd_meta(*tensor) != nullptr) {
+      tensor->mutable_grad().reset();
     }
     return nullptr;
   } catch (const std::exception& e) {

@@ -66,8 +66,10 @@ pub struct DdpConfig {
     pub overlap_backward: bool,
     /// ZeRO stage: 0 keeps everything on every rank; 1 keeps AdamW's moments of the dense
     /// parameters once across the ranks, each rank its shard (see `zero`), on any backend and
-    /// across hosts: the same numbers. Where `shard_optimizer` applies (one CPU host, shared
-    /// memory) that faster form of stage 1 is used instead. Ignored by a rank alone.
+    /// across hosts: the same numbers; 2 also their gradients (each bucket reduce-scattered
+    /// during the last backward pass, as with `overlap_backward`, and only the shard kept).
+    /// Where `shard_optimizer` applies (one CPU host, shared memory) that faster form of stage
+    /// 1 is used instead. Ignored by a rank alone.
     pub zero: u8,
 }
 
@@ -87,7 +89,9 @@ pub enum DdpError {
     Optim(#[from] OptimError),
     #[error("expected {expected} micro-batches per optimizer step, got {got}")]
     Window { expected: usize, got: usize },
-    #[error("ZeRO stage {0} is not built (stage 1 shards AdamW's moments)")]
+    #[error(
+        "ZeRO stage {0} is not built (stage 1 shards AdamW's moments, stage 2 also the gradients)"
+    )]
     ZeroStage(u8),
     #[error("internal error: {0}")]
     Internal(String),
@@ -232,7 +236,7 @@ impl Ddp {
         vs: &nn::VarStore,
         config: DdpConfig,
     ) -> Result<Ddp, DdpError> {
-        if config.zero > 1 {
+        if config.zero > 2 {
             return Err(DdpError::ZeroStage(config.zero));
         }
         let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
@@ -289,14 +293,18 @@ impl Ddp {
             ddp.shared = SharedTables::new(ddp.comm.as_mut(), &ddp.params, &tables, ctx)?;
         }
         if ddp.config.zero >= 1 && !alone && ddp.shards.is_none() {
-            give_dense_grads(&ddp.params)?;
             ddp.zero = Some(ZeroLayout::new(
                 ddp.comm.as_ref(),
                 &ddp.params,
                 &ddp.buckets,
-            ));
+                ddp.config.zero,
+            )?);
+            ddp.give_dense_grads()?;
         }
-        if ddp.config.overlap_backward && ddp.overlap_unavailable().is_none() {
+        // Stage 2 reduces each bucket as backward goes: its point is that the whole gradients
+        // never exist at once.
+        let stage_2 = ddp.zero_stage() == 2;
+        if (ddp.config.overlap_backward || stage_2) && ddp.overlap_unavailable().is_none() {
             ddp.overlap = Some(Overlap::new(&ddp.params, &ddp.param_names, &ddp.buckets)?);
         }
         Ok(ddp)
@@ -535,9 +543,9 @@ impl Ddp {
             .map(|b| b.iter().map(|&i| params[i].shallow_clone()).collect())
             .collect();
         // Under ZeRO the buckets are reduce-scattered, as its update would after backward.
-        let scatter = |comm: &mut dyn Collective, b, grads, ctx| match &self.zero {
-            Some(zero) => zero.reduce_bucket(comm, b, grads, ctx),
-            None => overlap::all_reduce_bucket(comm, b, grads, ctx),
+        let scatter = |comm: &mut dyn Collective, b, members: &[Tensor], ctx| match &self.zero {
+            Some(zero) => zero.reduce_bucket(comm, b, members, ctx),
+            None => overlap::all_reduce_bucket(comm, b, members, ctx),
         };
         overlap.around(self.comm.as_mut(), buckets, ctx, &scatter, |arm| {
             micro_batches(window, model, sparse, |whole| arm.arm(whole))
@@ -626,9 +634,11 @@ impl Ddp {
 
     /// Zeroes every gradient before a step (giving dense ones first): a sparse table whose last
     /// exchange was row-sparse only on the rows it exchanged, the only ones not zero (a whole
-    /// table is most of a step's memory traffic otherwise).
+    /// table is most of a step's memory traffic otherwise). Under ZeRO stage 2 the buckets'
+    /// parameters have none (their shards were kept, the gradients dropped): autograd makes
+    /// them in backward.
     fn zero_grads(&mut self) -> Result<(), DdpError> {
-        give_dense_grads(&self.params)?;
+        self.give_dense_grads()?;
         let mut done = vec![false; self.params.len()];
         for table in &mut self.sparse {
             table.used = Some(vec![0.0; table.rows as usize]);
@@ -642,6 +652,24 @@ impl Ddp {
             if !done {
                 p.zero_grad();
             }
+        }
+        Ok(())
+    }
+
+    /// [`give_dense_grads`] to the parameters, but under ZeRO stage 2 to those outside the
+    /// buckets only: the buckets' gradients are made by autograd in backward and dropped once
+    /// their shards are kept (a zero gradient given here would be a whole one more at the
+    /// first step's peak).
+    fn give_dense_grads(&self) -> Result<(), DdpError> {
+        match self.zero.as_ref().filter(|z| z.stage() == 2) {
+            Some(zero) => {
+                let others: Vec<Tensor> = (self.params.iter().enumerate())
+                    .filter(|(i, _)| !zero.in_bucket(*i))
+                    .map(|(_, p)| p.shallow_clone())
+                    .collect();
+                give_dense_grads(&others)?;
+            }
+            None => give_dense_grads(&self.params)?,
         }
         Ok(())
     }

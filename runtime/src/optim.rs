@@ -299,6 +299,13 @@ impl AdamW {
     ///
     /// Panics if `params.len()` differs from the number given to `new` (a programming error).
     pub fn step(&mut self, params: &[Tensor], lr: f64) {
+        self.step_with(params, lr, &[]);
+    }
+
+    /// [`AdamW::step`], with `parts[i]` (where given) as parameter `i`'s gradient over the
+    /// elements this optimizer keeps of it ([`AdamW::with_elements`]), 1-d, instead of its
+    /// `.grad()`: ZeRO stage 2 keeps nothing else of the gradient.
+    pub fn step_with(&mut self, params: &[Tensor], lr: f64, parts: &[Option<Tensor>]) {
         assert_eq!(
             params.len(),
             self.exp_avg.len(),
@@ -324,14 +331,19 @@ impl AdamW {
         };
         // Whole parameters on a GPU go to the fused kernel together, the rest one by one.
         let mut on_gpu = multi_tensor::Batch::default();
-        for ((((param, exp_avg), exp_avg_sq), rows), elements) in params
+        for (i, ((((param, exp_avg), exp_avg_sq), rows), elements)) in params
             .iter()
             .zip(&self.exp_avg)
             .zip(&self.exp_avg_sq)
             .zip(&self.rows)
             .zip(&self.elements)
+            .enumerate()
         {
-            let grad = param.grad();
+            let part = parts
+                .get(i)
+                .and_then(Option::as_ref)
+                .filter(|_| elements.is_some());
+            let grad = part.map_or_else(|| param.grad(), Tensor::shallow_clone);
             if !grad.defined() {
                 continue;
             }
@@ -345,7 +357,10 @@ impl AdamW {
                 (_, Some(e)) if e.is_empty() => continue,
                 (_, Some(e)) => (
                     flat_part(param, e),
-                    flat_part(&grad, e),
+                    match part {
+                        Some(_) => grad,
+                        None => flat_part(&grad, e),
+                    },
                     exp_avg.shallow_clone(),
                     exp_avg_sq.shallow_clone(),
                 ),

@@ -511,13 +511,14 @@ fn latest_checkpoint(run_dir: &Path) -> PathBuf {
     checkpoints.join(latest.trim())
 }
 
-/// ZeRO stage 1 (`dist.zero = 1`; `shard_optimizer` off so that it applies on one host, dense
-/// tables so that they are sharded) gives DDP's results, and its checkpoints are DDP's byte for
-/// byte (the moments gathered on save: one format whatever the stage), so a run saved at world
-/// 2 and resumed at world 3 under stage 1 ends as the one saved and resumed under stage 0.
-/// With `dist.overlap_backward` the buckets are reduce-scattered during backward: the same.
+/// ZeRO stages 1 and 2 (`dist.zero = 1`, `2`; `shard_optimizer` off so that they apply on one
+/// host, dense tables so that they are sharded) give DDP's results, and their checkpoints are
+/// DDP's byte for byte (the moments gathered on save: one format whatever the stage), so a run
+/// saved at world 2 under stage 2 and resumed at world 3 under stage 1 ends as the one saved
+/// and resumed under stage 0. With `dist.overlap_backward` stage 1's buckets are
+/// reduce-scattered during backward: the same.
 #[test]
-fn zero_stage_1_gives_ddps_results_and_checkpoints_that_any_world_resumes() {
+fn zero_stages_give_ddps_results_and_checkpoints_that_any_world_and_stage_resumes() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path();
     let ddp = [
@@ -551,18 +552,39 @@ fn zero_stage_1_gives_ddps_results_and_checkpoints_that_any_world_resumes() {
         test_metrics(&out.join("zero")),
         test_metrics(&out.join("ddp"))
     );
+    // Stage 2 (the gradients sharded too, reduce-scattered during backward): the same.
+    let zero_2 = [&ddp[..], &["dist.zero=2"]].concat();
+    run_ok(2, out, "zero-2", &zero_2, &[]).assert_stderr_all(&[
+        "ZeRO stage 2 (dist.zero = 2): each of the 2 ranks keeps the AdamW moments and the reduced gradients",
+        "reduce-scattered during the backward pass as they become ready (ZeRO stage 2)",
+    ]);
+    assert_eq!(
+        test_metrics(&out.join("zero-2")),
+        test_metrics(&out.join("ddp"))
+    );
+    // With accumulation stage 2 saves nothing at the peak: said, with the way out.
+    let accumulating = [&zero_2[..], &["batch.micro=48"]].concat();
+    run_ok(2, out, "zero-2-accum", &accumulating, &[]).assert_stderr(
+        "ZeRO stage 2 with batch.grad_accum = 2: the micro-batches before the last keep whole gradients",
+    );
+    assert_eq!(
+        test_metrics(&out.join("zero-2-accum")),
+        test_metrics(&out.join("ddp"))
+    );
     for file in ["model.safetensors", "optimizer.safetensors"] {
         let of = |run: &str| tensor_bytes(&latest_checkpoint(&out.join(run)).join(file));
         let want = of("ddp");
         assert!(want.keys().any(|k| k.starts_with("exp_avg")) || file == "model.safetensors");
-        assert!(
-            of("zero") == want,
-            "{file}: the ZeRO run's checkpoint differs from DDP's"
-        );
+        for run in ["zero", "zero-2"] {
+            assert!(
+                of(run) == want,
+                "{file}: the {run} run's checkpoint differs from DDP's"
+            );
+        }
     }
-    // Saved at world 2 and resumed at world 3 under each stage: rank 0 reads the whole state
-    // and every rank keeps its shard of it.
-    run_stopped_after("1", out, "zero-then-3", &zero);
+    // Saved at world 2 and resumed at world 3 under another stage (2 then 1): rank 0 reads
+    // the whole state and every rank keeps its shard of it.
+    run_stopped_after("1", out, "zero-then-3", &zero_2);
     run_stopped_after("1", out, "ddp-then-3", &ddp);
     let resumed = run_ok(3, out, "zero-then-3", &zero, &[]);
     resumed.assert_stderr_all(&["resuming with world 3", "each of the 3 ranks keeps"]);

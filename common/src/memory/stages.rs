@@ -229,8 +229,8 @@ mod tests {
     fn ranks_agree_on_the_smallest_micro_per_stage() {
         let a = vec![(0, 64), (1, 64)];
         let b = vec![(0, 0), (1, 32)];
-        assert_eq!(agree(&[a, b]), vec![(0, 0), (1, 32)]);
-        assert_eq!(agree(&[]), vec![(0, 0), (1, 0)]);
+        assert_eq!(agree(&[a, b]), vec![(0, 0), (1, 32), (2, 0)]);
+        assert_eq!(agree(&[]), vec![(0, 0), (1, 0), (2, 0)]);
     }
 
     #[test]
@@ -239,24 +239,39 @@ mod tests {
         let p = plan(256, 64, 1, 4);
         let at = Placement::new(DeviceKind::Cuda, 4);
         let need = |stage| estimate(&with_stage(&c, stage), &p, &data(), at).peak_bytes();
-        let (zero, one) = (need(0), need(1));
+        let (zero, one, two) = (need(0), need(1), need(2));
         assert!(one < zero, "stage 1 shards the moments: {one} vs {zero}");
-        let budget = ((zero + one) as f64 / 2.0 / (1.0 - SAFETY_MARGIN)) as u64;
+        // This model's gradients fit in fewer than two buckets: stage 2 holds them whole
+        // during backward, and its shards on top.
+        assert!(two > one, "stage 2 on a small model: {two} vs {one}");
+        let budget = ((one + one.max(zero.min(two))) as f64 / 2.0 / (1.0 - SAFETY_MARGIN)) as u64;
         let fits = stage_fits(&c, &[p], &data(), at, budget);
         let micro: Vec<(u8, u64)> = fits.iter().map(|f| (f.stage, f.micro())).collect();
-        assert_eq!(micro, vec![(0, 0), (1, 64)]);
+        assert_eq!(micro, vec![(0, 0), (1, 64), (2, 0)]);
         assert_eq!(choose(&micro), Some(1));
         let lines = stage_lines(&fits, budget);
-        assert!(
-            lines[0].starts_with("stage 0: optimizer (AdamW) "),
-            "{lines:?}"
-        );
+        assert!(lines[0].starts_with("stage 0: gradients "), "{lines:?}");
+        assert!(lines[0].contains("optimizer (AdamW) "), "{lines:?}");
         assert!(lines[0].contains("short by"), "{lines:?}");
         assert!(lines[1].ends_with("at micro 64: fits"), "{lines:?}");
-        assert!(
-            !lines[0].contains("gradients"),
-            "stage 1 keeps them: {lines:?}"
-        );
+        assert!(lines[2].contains("short by"), "{lines:?}");
+    }
+
+    #[test]
+    fn stage_2_keeps_a_shard_of_a_large_models_gradients_and_whole_ones_while_accumulating() {
+        let mut c = config();
+        c.model.embedding_dim = 131_072; // 175 MiB of gradients, 7 buckets of 25 MiB
+        let at = Placement::new(DeviceKind::Cuda, 4);
+        let term = |stage, accum| {
+            let p = plan(256, 64 / accum, accum, 4);
+            estimate(&with_stage(&c, stage), &p, &data(), at).term("gradients")
+        };
+        let (whole, sharded) = (term(1, 1), term(2, 1));
+        assert!(whole > 150 << 20, "{whole}");
+        // A quarter of them, and two buckets (dist.bucket_mb 25) in flight.
+        assert_eq!(sharded, whole.div_ceil(4) + 2 * 25 * 1024 * 1024);
+        assert_eq!(term(2, 2), whole + whole.div_ceil(4));
+        assert_eq!(term(0, 1), whole);
     }
 
     #[test]

@@ -167,8 +167,8 @@ fn kept_once_values(x: &Inputs<'_>, tables: u64, trainable: u64) -> u64 {
     }
 }
 
-/// Of the trainable values, those whose moments ZeRO stage 1 shards (`runtime::ddp`'s `zero`):
-/// every dense one where `dist.zero = 1` applies (several ranks, and not the one-host shared
+/// Of the trainable values, those whose moments ZeRO shards (`runtime::ddp`'s `zero`; stage 2
+/// their gradients too): every dense one where `dist.zero` 1 or 2 applies (several ranks, and not the one-host shared
 /// memory form of stage 1, which keeps every trainable value once: `shared == trainable`),
 /// less the row-sparse `tables`, whose moments every rank keeps (or its host once).
 fn zero_sharded_values(x: &Inputs<'_>, tables: u64, trainable: u64, shared: u64) -> u64 {
@@ -197,12 +197,7 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
                 _ => format!("{params} f32: {parts}, less {shared} kept once per host"),
             },
         },
-        MemoryTerm {
-            name: "gradients",
-            bytes: trainable * F32,
-            held: Held::Always,
-            detail: format!("{trainable} trainable f32"),
-        },
+        gradients_term(x, s),
         optimizer_term(x, s),
     ];
     if shared > 0 {
@@ -243,6 +238,41 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         });
     }
     terms
+}
+
+/// The gradients: one per trainable value; under ZeRO stage 2 with no accumulation, of the
+/// dense ones (those whose moments are sharded) this rank's shard, plus up to two buckets whole
+/// during backward (the one filling and the one being reduce-scattered). With accumulation
+/// the micro-batches before the last keep them whole (DDP's sums need them), and the shards
+/// come on top.
+fn gradients_term(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
+    let (trainable, sharded) = (s.trainable, s.zero_sharded);
+    let world = x.plan.world_size.max(1);
+    let mut term = MemoryTerm {
+        name: "gradients",
+        bytes: trainable * F32,
+        held: Held::Always,
+        detail: format!("{trainable} trainable f32"),
+    };
+    if x.config.dist.zero.stage() < 2 || sharded == 0 {
+        return term;
+    }
+    let shard = sharded.div_ceil(world);
+    if x.plan.grad_accum > 1 {
+        term.bytes = (trainable + shard) * F32;
+        term.detail = format!(
+            "{trainable} trainable f32 whole while accumulating, + 1/{world} of {sharded} (dist.zero = 2)"
+        );
+        return term;
+    }
+    let bucket_mb = x.config.dist.bucket_mb;
+    let in_flight = ((2.0 * bucket_mb * MIB) as u64 / F32).min(sharded);
+    term.bytes = (trainable - sharded + shard + in_flight) * F32;
+    term.detail = format!(
+        "{} f32 + 1/{world} of {sharded} dense ones (dist.zero = 2) + 2 buckets whole during backward (dist.bucket_mb {bucket_mb})",
+        trainable - sharded
+    );
+    term
 }
 
 /// What the parameters are, for the term's detail: `IDs (6040+3629) x 64 + projections ...`.
@@ -293,7 +323,8 @@ fn optimizer_term(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
             (0, 0) => "2 moments per trainable value".into(),
             (_, 0) => "2 moments per trainable value not kept once per host".into(),
             _ => format!(
-                "2 moments per trainable value not kept once per host, of {sharded} dense ones 1/{world} (dist.zero = 1)"
+                "2 moments per trainable value not kept once per host, of {sharded} dense ones 1/{world} (dist.zero = {})",
+                x.config.dist.zero.stage()
             ),
         },
     }

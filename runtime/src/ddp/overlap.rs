@@ -316,9 +316,8 @@ impl Readiness {
                 None => break,
                 Some(before_gate) => early += usize::from(before_gate),
             }
-            // Read here, not before: the gradient is final once its hook has run.
-            let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
-            reduce(comm, b, grads, ctx)?;
+            // The gradients are read there, not before: final once their hooks have run.
+            reduce(comm, b, params, ctx)?;
         }
         Ok(early)
     }
@@ -342,18 +341,19 @@ impl Readiness {
     }
 }
 
-/// How the communication thread reduces bucket `b` (its gradients, final): the same
-/// operations the engine's plain path runs after backward.
+/// How the communication thread reduces bucket `b` (its parameters, whose gradients are
+/// final): the same operations the engine's plain path runs after backward.
 pub(super) type BucketReduce<'a> =
-    dyn Fn(&mut dyn Collective, usize, Vec<Tensor>, OpContext) -> Result<(), DdpError> + Sync + 'a;
+    dyn Fn(&mut dyn Collective, usize, &[Tensor], OpContext) -> Result<(), DdpError> + Sync + 'a;
 
-/// DDP's reduction of a bucket: its gradients averaged over the ranks.
+/// DDP's reduction of a bucket: its parameters' gradients averaged over the ranks.
 pub(super) fn all_reduce_bucket(
     comm: &mut dyn Collective,
     _bucket: usize,
-    mut grads: Vec<Tensor>,
+    params: &[Tensor],
     ctx: OpContext,
 ) -> Result<(), DdpError> {
+    let mut grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
     comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
     Ok(())
 }

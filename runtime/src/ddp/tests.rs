@@ -113,6 +113,9 @@ enum Keep {
     ZeroSharedTables,
     /// [`Keep::Zero`] with the buckets reduce-scattered during backward (`overlap_backward`).
     ZeroOverlapped,
+    /// ZeRO stage 2 (`zero = 2`): the gradients sharded too (reduce-scattered during backward,
+    /// only the shard kept).
+    Zero2,
 }
 
 /// Where the test's ranks run.
@@ -268,10 +271,11 @@ fn train_embeddings_on(
             shared_tables: matches!(keep, Keep::SharedTables | Keep::ZeroSharedTables),
             shard_optimizer: keep == Keep::Sharded,
             overlap_backward: matches!(keep, Keep::Overlapped | Keep::ZeroOverlapped),
-            zero: u8::from(matches!(
-                keep,
-                Keep::Zero | Keep::ZeroSharedTables | Keep::ZeroOverlapped
-            )),
+            zero: match keep {
+                Keep::Zero | Keep::ZeroSharedTables | Keep::ZeroOverlapped => 1,
+                Keep::Zero2 => 2,
+                _ => 0,
+            },
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         let exchanged = if sparse && world > 1 { 2 } else { 0 };
@@ -282,14 +286,15 @@ fn train_embeddings_on(
         assert_eq!(ddp.shared_tables().len(), if shared { 2 } else { 0 });
         let sharded = keep == Keep::Sharded && world > 1 && options.shared_memory && one_host;
         assert_eq!(ddp.sharded(), sharded);
-        let zero = matches!(
-            keep,
-            Keep::Zero | Keep::ZeroSharedTables | Keep::ZeroOverlapped
-        );
-        assert_eq!(ddp.zero_stage(), u8::from(zero && world > 1));
+        let zero = match keep {
+            Keep::Zero | Keep::ZeroSharedTables | Keep::ZeroOverlapped => 1,
+            Keep::Zero2 => 2,
+            _ => 0,
+        };
+        assert_eq!(ddp.zero_stage(), if world > 1 { zero } else { 0 });
         assert_eq!(
             ddp.overlaps_backward(),
-            matches!(keep, Keep::Overlapped | Keep::ZeroOverlapped) && world > 1
+            matches!(keep, Keep::Overlapped | Keep::ZeroOverlapped | Keep::Zero2) && world > 1
         );
         // The sparse runs also carry a probe (which moves the masks in the summary) and
         // must still train as the dense ones do.
@@ -302,7 +307,7 @@ fn train_embeddings_on(
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         ddp.set_stop_flag(stop.clone());
         let mut adam = ddp.optimizer(0.9, 0.999, 1e-8, 0.01);
-        if ddp.zero_stage() == 1 {
+        if ddp.zero_stage() >= 1 {
             // Each rank keeps the moments of about 1/world of the dense parameters.
             let kept = |i: usize| adam.elements_kept(i).map(|e| e.end - e.start);
             let dense: i64 = (ddp.params().iter().enumerate())
@@ -373,15 +378,16 @@ fn train_embeddings_on(
     results.into_iter().next().unwrap()
 }
 
-/// ZeRO stage 1 on every backend (`zero = 1`): the tcp ring (its own reduce-scatter and
-/// all-gather), the ring with shared memory (its own too) and two hosts of two (a whole
-/// all-reduce and a gathering copy), after backward and during it (`overlap_backward`),
+/// ZeRO stages 1 and 2 on every backend (`zero = 1`, `2`): the tcp ring (its own
+/// reduce-scatter and all-gather), the ring with shared memory (its own too) and two hosts of
+/// two (a whole all-reduce and a gathering copy); stage 1 after backward and during it
+/// (`overlap_backward`), stage 2 during it with only the gradients' shards kept;
 /// world 1 to 4, a bucket that no world divides
 /// with rows crossing the shards' edges, gradient accumulation, clipping at work on some
 /// steps, dense and row-sparse tables: loss, norms, parameters and both moments (gathered)
 /// are DDP's, bit for bit.
 #[test]
-fn zero_stage_1_trains_exactly_as_ddp_on_every_backend() {
+fn zero_stages_1_and_2_train_exactly_as_ddp_on_every_backend() {
     use crate::collective::tcp::TcpOptions;
     let bits32 = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
         v.iter()
@@ -449,6 +455,16 @@ fn zero_stage_1_trains_exactly_as_ddp_on_every_backend() {
                 values(&state),
                 "{at}, overlapped: moments"
             );
+            // Stage 2: the gradients sharded too, only this rank's shard of each bucket kept.
+            let (g_loss, g_params, g_norms, g_state) = run(Keep::Zero2);
+            assert_eq!(bits64(&g_norms), bits64(&norms), "{at}, stage 2: norms");
+            assert_eq!(bits64(&g_loss), bits64(&loss), "{at}, stage 2: loss");
+            assert_eq!(
+                bits32(&g_params),
+                bits32(&params),
+                "{at}, stage 2: parameters"
+            );
+            assert_eq!(values(&g_state), values(&state), "{at}, stage 2: moments");
         }
     }
 }
@@ -757,4 +773,21 @@ fn a_step_reads_the_device_once_whatever_its_micro_batches() {
         });
         assert_eq!(reads, vec![vec![1; 4]; 2], "grad_accum {grad_accum}");
     }
+}
+
+/// ZeRO stage 2 makes the zeros of its gradient shards positive by adding `0.0` (DDP's
+/// gradients start from zeros, so theirs are): libtorch must not skip that addition.
+#[test]
+fn adding_zero_makes_negative_zeros_positive_and_keeps_every_other_value() {
+    let values = [-0.0f32, 0.0, -1.5, 2.25, f32::MIN_POSITIVE, -f32::MAX];
+    let t = Tensor::from_slice(&values);
+    let _ = t.shallow_clone().f_add_scalar_(0.0).unwrap();
+    let bits: Vec<u32> = Vec::<f32>::try_from(&t)
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    let want: Vec<u32> = values.iter().map(|x| (x + 0.0).to_bits()).collect();
+    assert_eq!(bits, want);
+    assert_eq!(bits[0], 0, "-0.0 + 0.0 is 0.0");
 }

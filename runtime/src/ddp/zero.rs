@@ -1,4 +1,4 @@
-//! ZeRO stage 1 on any backend ([`super::DdpConfig::zero`] = 1): each rank keeps AdamW's
+//! ZeRO stages 1 and 2 on any backend ([`super::DdpConfig::zero`]): each rank keeps AdamW's
 //! moments for its shard of every dense bucket only (the backend's partition of the bucket's
 //! flat buffer, [`Collective::shard_of`]), so the moments take 1/W of their memory. A step is
 //! then: the bucket's gradients reduce-scattered (each shard holds exactly what the all-reduce
@@ -8,12 +8,22 @@
 //! and updated; the parameters all-gathered. The gradients, the row sums, their order and the
 //! element-wise update are the unsharded step's: on CPU tensors the same bits as DDP.
 //!
-//! Owns: the layout (which elements and rows each rank holds, which rows cross an edge) and
-//! the step's exchanges. Must not: know what the parameters mean or keep state between steps
-//! other than the layout (the moments are the optimizer's), nor touch the row-sparse tables
-//! (the engine exchanges and updates them whole, as without ZeRO).
+//! Stage 2 also shards the gradients: once a bucket is reduce-scattered (by the communication
+//! thread during the last backward pass, [`super::overlap`]) its shard is copied into a buffer
+//! of this rank's own and its parameters' gradients are dropped, so the whole gradients of the
+//! buckets already reduced never exist at once, and none is kept between steps (autograd makes
+//! them anew in the next backward). The update reads the shard buffers. A zero a rank's
+//! backward made negative (`-0.0`, where DDP's zeroed gradient gives `0.0 + -0.0 = 0.0`) is
+//! made positive in the shard, the only place a sign of zero could differ.
+//!
+//! Owns: the layout (which elements and rows each rank holds, which rows cross an edge), stage
+//! 2's shard buffers and the step's exchanges. Must not: know what the parameters mean or keep
+//! state between steps other than the layout and those buffers (the moments are the
+//! optimizer's), nor touch the row-sparse tables (the engine exchanges and updates them whole,
+//! as without ZeRO).
 
 use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use tch::{Device, Kind, Tensor};
@@ -22,6 +32,7 @@ use super::{not_finite_norm, Ddp, DdpError, StepTime};
 use crate::clip::{add_rows, device_row_sums, row_sums, sum_of_squares, ClipGrad};
 use crate::collective::{flatten_f32, unflatten_into, Collective, OpContext, ReduceOp};
 use crate::optim::AdamW;
+use crate::shim::take_error;
 
 /// One dense bucket as a flat buffer.
 struct Bucket {
@@ -78,17 +89,36 @@ pub(super) struct ZeroLayout {
     straddlers: Vec<(usize, usize, i64)>,
     /// See [`ZeroLayout::elements`].
     elements: Vec<Option<Range<i64>>>,
+    /// Per parameter: its bucket and where it starts in the bucket's buffer (`None`: in none).
+    place: Vec<Option<(usize, usize)>>,
+    /// Stage 2: per bucket, this rank's shard of the reduced gradients (written by
+    /// [`ZeroLayout::reduce_bucket`], maybe on the communication thread, read by the update
+    /// once it has joined; the lock makes the layout shareable with that thread, it is never
+    /// contended); `None` under stage 1.
+    grad_shards: Option<Mutex<Vec<Tensor>>>,
     rank: usize,
+}
+
+mod ffi {
+    use std::ffi::c_char;
+
+    extern "C" {
+        /// See `csrc/grad_hooks.cpp`: `param.grad = None`; null or an error for
+        /// [`crate::shim::take_error`].
+        pub fn gptrec_release_grad(tensor: *const torch_sys::C_tensor) -> *mut c_char;
+    }
 }
 
 impl ZeroLayout {
     /// The layout of `buckets` (indices into `params`, every rank the same) over `comm`'s
-    /// ranks, from the backend's partition ([`Collective::shards_of`]).
+    /// ranks, from the backend's partition ([`Collective::shards_of`]), for ZeRO `stage` (1 or
+    /// 2: with its gradient shard buffers, zeroed, on the parameters' device).
     pub(super) fn new(
         comm: &dyn Collective,
         params: &[Tensor],
         buckets: &[Vec<usize>],
-    ) -> ZeroLayout {
+        stage: u8,
+    ) -> Result<ZeroLayout, DdpError> {
         let shapes: Vec<Shape> = params.iter().map(shape_of).collect();
         let lens: Vec<usize> = (buckets.iter())
             .map(|b| b.iter().map(|&i| params[i].numel()).sum())
@@ -98,6 +128,8 @@ impl ZeroLayout {
             shapes,
             straddlers: Vec::new(),
             elements: Vec::new(),
+            place: vec![None; params.len()],
+            grad_shards: None,
             rank: comm.rank(),
         };
         for (members, len) in buckets.iter().zip(lens) {
@@ -118,7 +150,69 @@ impl ZeroLayout {
         }
         layout.straddlers = layout.find_straddlers();
         layout.elements = layout.find_elements();
-        layout
+        for (b, bucket) in layout.buckets.iter().enumerate() {
+            for (&i, &at) in bucket.params.iter().zip(&bucket.offsets) {
+                layout.place[i] = Some((b, at));
+            }
+        }
+        if stage >= 2 {
+            let device = params.first().map_or(Device::Cpu, Tensor::device);
+            let shard = |b: &Bucket| b.shards[layout.rank].len() as i64;
+            let shards = (layout.buckets.iter())
+                .map(|b| Tensor::f_zeros([shard(b)], (Kind::Float, device)))
+                .collect::<Result<_, _>>()?;
+            layout.grad_shards = Some(Mutex::new(shards));
+        }
+        Ok(layout)
+    }
+
+    /// The stage this layout serves: 2 with gradient shards, else 1.
+    pub(super) fn stage(&self) -> u8 {
+        if self.grad_shards.is_some() {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Whether parameter `i` is in a dense bucket (its gradient is dropped under stage 2).
+    pub(super) fn in_bucket(&self, i: usize) -> bool {
+        self.place.get(i).is_some_and(Option::is_some)
+    }
+
+    /// Parameter `i`'s reduced gradient over its elements `span` (of its values flattened),
+    /// which lie in this rank's shard: a view of its gradient, or under stage 2 of the
+    /// bucket's shard buffer.
+    fn grad_span(&self, params: &[Tensor], i: usize, span: Range<i64>) -> Result<Tensor, DdpError> {
+        let len = span.end - span.start;
+        let Some(shards) = &self.grad_shards else {
+            return Ok(params[i]
+                .grad()
+                .f_view([-1])?
+                .f_narrow(0, span.start, len)?);
+        };
+        let Some((b, at)) = self.place[i] else {
+            return Err(DdpError::Internal(
+                "a gradient shard of a parameter in no bucket".into(),
+            ));
+        };
+        let start = (at + span.start as usize) - self.buckets[b].shards[self.rank].start;
+        let shard = shards.lock().unwrap_or_else(PoisonError::into_inner)[b].shallow_clone();
+        Ok(shard.f_narrow(0, start as i64, len)?)
+    }
+
+    /// Under stage 2, per parameter, its reduced gradient over the elements this rank keeps
+    /// (for [`AdamW::step_with`]); empty under stage 1 (the update reads the gradients).
+    fn own_grads(&self, params: &[Tensor]) -> Result<Vec<Option<Tensor>>, DdpError> {
+        if self.grad_shards.is_none() {
+            return Ok(Vec::new());
+        }
+        (self.elements.iter().enumerate())
+            .map(|(i, e)| match e {
+                Some(e) if !e.is_empty() => self.grad_span(params, i, e.clone()).map(Some),
+                _ => Ok(None),
+            })
+            .collect()
     }
 
     /// Per parameter, the elements (of its values flattened) this rank holds: `None` for one
@@ -189,33 +283,45 @@ impl ZeroLayout {
         ctx: OpContext,
     ) -> Result<(), DdpError> {
         for (b, bucket) in self.buckets.iter().enumerate() {
-            let grads: Vec<Tensor> = bucket.params.iter().map(|&i| params[i].grad()).collect();
-            self.reduce_bucket(comm, b, grads, ctx)?;
+            let members: Vec<Tensor> = bucket
+                .params
+                .iter()
+                .map(|&i| params[i].shallow_clone())
+                .collect();
+            self.reduce_bucket(comm, b, &members, ctx)?;
         }
         Ok(())
     }
 
-    /// Reduce-scatters (averages) bucket `b`'s gradients `grads` and writes this rank's shard
-    /// back into them (the rest is left unreduced and unused): after backward, or from the
-    /// communication thread during it (`dist.overlap_backward`).
+    /// Reduce-scatters (averages) the gradients of bucket `b`'s parameters `members` and writes
+    /// this rank's shard back into them (the rest is left unreduced and unused), or under stage
+    /// 2 into its shard buffer, dropping the gradients: after backward, or from the
+    /// communication thread during it.
     pub(super) fn reduce_bucket(
         &self,
         comm: &mut dyn Collective,
         b: usize,
-        mut grads: Vec<Tensor>,
+        members: &[Tensor],
         ctx: OpContext,
     ) -> Result<(), DdpError> {
         let bucket = &self.buckets[b];
+        let mut grads = match self.grad_shards {
+            Some(_) => made_whole(members)?,
+            None => members.iter().map(Tensor::grad).collect(),
+        };
         if grads.len() > 1 && !comm.reduce_scatter_is_native() {
             // The backend's reduce-scatter would be a whole all-reduce of a copy: reduce the
             // gradients as DDP does (every shard then holds its sums).
             comm.all_reduce(&mut grads, ReduceOp::Avg, ctx)?;
-            return Ok(());
+            return self.keep_shard(b, members, &grads, None);
         }
         let (mut flat, in_place) = flat_of(&grads)?;
         let own = comm.reduce_scatter(&mut flat, ReduceOp::Avg, ctx)?;
         if own != bucket.shards[self.rank] {
             return Err(layout_changed(&own, &bucket.shards[self.rank]));
+        }
+        if self.grad_shards.is_some() {
+            return self.keep_shard(b, members, &grads, Some(&flat));
         }
         if in_place {
             return Ok(());
@@ -229,6 +335,55 @@ impl ZeroLayout {
                     .f_narrow(0, (part.start - at) as i64, len)?
                     .f_copy_(&flat.f_narrow(0, part.start as i64, len)?)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Stage 2 (nothing otherwise): bucket `b`'s reduced shard into its buffer, from the
+    /// reduce-scattered `flat` or else from the reduced `grads`, its zeros made positive; then
+    /// the `members`' gradients dropped.
+    fn keep_shard(
+        &self,
+        b: usize,
+        members: &[Tensor],
+        grads: &[Tensor],
+        flat: Option<&Tensor>,
+    ) -> Result<(), DdpError> {
+        let Some(shards) = &self.grad_shards else {
+            return Ok(());
+        };
+        let shard = shards.lock().unwrap_or_else(PoisonError::into_inner)[b].shallow_clone();
+        let (bucket, shard) = (&self.buckets[b], &shard);
+        let own = &bucket.shards[self.rank];
+        match flat {
+            Some(flat) => {
+                let own = flat.f_narrow(0, own.start as i64, own.len() as i64)?;
+                shard.shallow_clone().f_copy_(&own)?;
+            }
+            None => {
+                for (grad, &at) in grads.iter().zip(&bucket.offsets) {
+                    let part = intersect(&(at..at + grad.numel()), own);
+                    if !part.is_empty() {
+                        let len = part.len() as i64;
+                        shard
+                            .f_narrow(0, (part.start - own.start) as i64, len)?
+                            .f_copy_(&grad.f_view([-1])?.f_narrow(
+                                0,
+                                (part.start - at) as i64,
+                                len,
+                            )?)?;
+                    }
+                }
+            }
+        }
+        // -0.0 + 0.0 = 0.0: DDP's gradients start from zeros, ours (dropped) do not.
+        let _ = shard.shallow_clone().f_add_scalar_(0.0)?;
+        for p in members {
+            // SAFETY: `p` is a live tch tensor; the shim only resets its autograd metadata's
+            // gradient (autograd is done with it: its bucket's hooks have all run).
+            take_error(unsafe { ffi::gptrec_release_grad(p.as_ptr()) }).map_err(|e| {
+                DdpError::Internal(format!("could not drop a gradient (ZeRO stage 2): {e}"))
+            })?;
         }
         Ok(())
     }
@@ -257,12 +412,12 @@ impl ZeroLayout {
             let span = self.straddler_span(s);
             let part = intersect(&span, &bucket.shards[self.rank]);
             if !part.is_empty() {
-                let grad = params[bucket.params[pos]].grad().f_view([-1])?;
                 let from = (part.start - bucket.offsets[pos]) as i64;
                 let len = part.len() as i64;
+                let grad = self.grad_span(params, bucket.params[pos], from..from + len)?;
                 whole
                     .f_narrow(0, (at + part.start - span.start) as i64, len)?
-                    .f_copy_(&grad.f_narrow(0, from, len)?)?;
+                    .f_copy_(&grad)?;
             }
             at += span.len();
         }
@@ -294,8 +449,13 @@ impl ZeroLayout {
                 let width = self.shapes[i].width;
                 let crosses = !rows.is_empty() && at + rows.end as usize * width > shard.end;
                 let inside = rows.start..rows.end - i64::from(crosses);
-                let grad = params[i].grad().f_view([-1])?;
-                sums.add(&grad, width, inside)?;
+                // The rows' values alone (row sums of no row, or of empty rows, read nothing).
+                let w = width as i64;
+                let values = match inside.is_empty() || w == 0 {
+                    true => Tensor::f_zeros([0], (Kind::Float, params[i].device()))?,
+                    false => self.grad_span(params, i, inside.start * w..inside.end * w)?,
+                };
+                sums.add(&values, width, 0..inside.end - inside.start)?;
                 if crosses {
                     let s = (b, pos, rows.end - 1);
                     let k = self.straddlers.iter().position(|&x| x == s);
@@ -451,8 +611,8 @@ impl ZeroLayout {
 }
 
 impl Ddp {
-    /// An AdamW for this engine's parameters: with ZeRO stage 1, holding moments for this
-    /// rank's shard of the dense parameters only.
+    /// An AdamW for this engine's parameters: under ZeRO, holding moments for this rank's
+    /// shard of the dense parameters only.
     pub fn optimizer(&self, beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> AdamW {
         let elements = match &self.zero {
             Some(zero) => zero.elements().to_vec(),
@@ -478,13 +638,13 @@ impl Ddp {
         Ok(state)
     }
 
-    /// The ZeRO stage in effect: 1 where [`super::DdpConfig::zero`] asked for it and it applies
+    /// The ZeRO stage in effect: the one [`super::DdpConfig::zero`] asked for where it applies
     /// (several ranks, not sharded through shared memory), else 0.
     pub fn zero_stage(&self) -> u8 {
-        u8::from(self.zero.is_some())
+        self.zero.as_ref().map_or(0, ZeroLayout::stage)
     }
 
-    /// ZeRO stage 1's reduction, clipping and update, after the summary (`summary` names the
+    /// ZeRO's reduction, clipping and update, after the summary (`summary` names the
     /// sparse tables' touched rows); returns the gradient norm before clipping.
     pub(super) fn zero_update(
         &mut self,
@@ -537,11 +697,9 @@ impl Ddp {
             for (i, p) in self.params.iter().enumerate() {
                 let grad = p.grad();
                 match (optimizer.elements_kept(i), self.listed(i)) {
+                    (Some(e), _) if e.is_empty() => {}
                     (Some(e), _) => {
-                        let _ = grad
-                            .f_view([-1])?
-                            .f_narrow(0, e.start, e.end - e.start)?
-                            .f_mul_scalar_(coef)?;
+                        let _ = zero.grad_span(&self.params, i, e)?.f_mul_scalar_(coef)?;
                     }
                     (None, Some(rows)) => crate::rows::scale(&grad, rows, coef)?,
                     (None, None) => {
@@ -555,7 +713,7 @@ impl Ddp {
         if let Some(shared) = &self.shared {
             shared.attach(optimizer)?;
         }
-        optimizer.step(&self.params, lr);
+        optimizer.step_with(&self.params, lr, &zero.own_grads(&self.params)?);
         time.update += updating.elapsed();
         let gathering = Instant::now();
         zero.all_gather_params(self.comm.as_mut(), &self.params, ctx)?;
@@ -572,7 +730,8 @@ impl Ddp {
         let mut sum = 0.0;
         for (i, p) in self.params.iter().enumerate() {
             let grad = p.grad();
-            if !grad.defined() {
+            // A dense parameter counts by its row sums (stage 2 has dropped its gradient).
+            if !grad.defined() && rows[i].is_none() {
                 continue;
             }
             sum += match &rows[i] {
@@ -586,6 +745,23 @@ impl Ddp {
         }
         Ok(sum.sqrt())
     }
+}
+
+/// Stage 2's gradients of `members` to reduce: each as autograd left it, a dense zero one
+/// where this rank's batches did not reach the parameter (DDP's zeroed gradient) and a dense
+/// copy of a sparse one.
+fn made_whole(members: &[Tensor]) -> Result<Vec<Tensor>, tch::TchError> {
+    members
+        .iter()
+        .map(|p| {
+            let grad = p.grad();
+            match (grad.defined(), grad.defined() && grad.is_sparse()) {
+                (false, _) => p.f_zeros_like(),
+                (true, true) => grad.f_to_dense(None, false),
+                (true, false) => Ok(grad),
+            }
+        })
+        .collect()
 }
 
 /// A bucket's tensors as one flat f32 buffer: the tensor itself, flattened, when it is the only

@@ -129,9 +129,10 @@ pub(super) fn new_bar(total_steps: u64, position: u64) -> indicatif::ProgressBar
     bar
 }
 
-/// What the ranks of one host keep once in shared memory, if anything, and whether the
-/// gradient all-reduce overlaps backward (rank 0 says it), or why not when it was asked to.
-pub(super) fn log_sharing(ddp: &Ddp, overlap_asked: bool) {
+/// What the ranks of one host keep once in shared memory, if anything, the ZeRO stage, and
+/// whether the gradient reduction overlaps backward (rank 0 says it), or why not when it was
+/// asked to.
+pub(super) fn log_sharing(ddp: &Ddp, overlap_asked: bool, grad_accum: usize) {
     let (world, shared) = (ddp.world_size(), ddp.shared_tables());
     if ddp.sharded() {
         info!(
@@ -143,19 +144,29 @@ pub(super) fn log_sharing(ddp: &Ddp, overlap_asked: bool) {
             shared.join(", ")
         );
     }
-    if ddp.zero_stage() == 1 {
-        info!(
+    match ddp.zero_stage() {
+        1 => info!(
             "ZeRO stage 1 (dist.zero = 1): each of the {world} ranks keeps the AdamW moments of its shard of every gradient bucket; gradients reduce-scattered, parameters all-gathered"
-        );
+        ),
+        2 => info!(
+            "ZeRO stage 2 (dist.zero = 2): each of the {world} ranks keeps the AdamW moments and the reduced gradients of its shard of every gradient bucket only; gradients reduce-scattered, parameters all-gathered"
+        ),
+        _ => {}
     }
     if ddp.overlaps_backward() {
-        let how = match ddp.zero_stage() {
-            0 => "all-reduced",
-            _ => "reduce-scattered",
+        let (how, why) = match ddp.zero_stage() {
+            0 => ("all-reduced", "dist.overlap_backward"),
+            1 => ("reduce-scattered", "dist.overlap_backward"),
+            _ => ("reduce-scattered", "ZeRO stage 2"),
         };
         info!(
-            "gradient buckets ({}) {how} during the backward pass as they become ready (dist.overlap_backward)",
+            "gradient buckets ({}) {how} during the backward pass as they become ready ({why})",
             ddp.bucket_count()
+        );
+    }
+    if ddp.zero_stage() == 2 && grad_accum > 1 {
+        warn!(
+            "ZeRO stage 2 with batch.grad_accum = {grad_accum}: the micro-batches before the last keep whole gradients (DDP's sums need them), so the peak is stage 1's plus the gradient shards; dist.zero = 1 needs less here, or raise batch.micro to need no accumulation"
         );
     }
     if let Some(why) = overlap_asked.then(|| ddp.overlap_unavailable()).flatten() {

@@ -326,7 +326,8 @@ impl<'t> Trainer<'t> {
         let mut ddp = Ddp::new(comm, vs, ddp_config(setup, &*task, timeout))?;
         let (rank, world) = (ddp.rank(), ddp.world_size());
         if rank == 0 {
-            logging::log_sharing(&ddp, config.dist.overlap_backward);
+            let grad_accum = setup.plan.batch.grad_accum as usize;
+            logging::log_sharing(&ddp, config.dist.overlap_backward, grad_accum);
         }
         ddp.set_probe(peak_memory_probe(setup.memory.clone(), vs.device()));
         if let Some(flag) = crate::preempt::flag() {
