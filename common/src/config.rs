@@ -507,11 +507,14 @@ pub struct DistConfig {
     /// several hosts included, and the numbers are DDP's (bit for bit on CPUs). On one CPU host
     /// with shared memory, `shard_optimizer` is the faster form of stage 1 and is used instead.
     /// Row-sparse embedding tables keep their moments whole (on every rank, or once per host
-    /// with `shared_tables`). `"auto"`: the memory plan chooses, before training, among the
-    /// built stages with the least traffic (0 and 1 both move DDP's bytes) the one that fits
-    /// the largest micro batch on every rank, the lower stage on a tie (`launch --dry-run`
-    /// prints each stage's terms and the choice); where none fits, the run stops before
-    /// training and names the shortfall per term. Stages 2 and 3 are not built yet.
+    /// with `shared_tables`). `2` also shards the gradients: each bucket reduce-scattered during
+    /// the last backward pass, only this rank's shard kept (with gradient accumulation the
+    /// earlier micro-batches keep whole ones, so it then needs more than stage 1).
+    /// `"auto"`: the memory plan chooses, before training, among the built stages with the
+    /// least traffic (0, 1 and 2 all move DDP's bytes) the one that fits the largest micro
+    /// batch on every rank, the lower stage on a tie (`launch --dry-run` prints each stage's
+    /// terms and the choice); where none fits, the run stops before training and names the
+    /// shortfall per term. Stage 3 is not built yet.
     /// Checkpoints hold the whole state whatever the stage: any stage and world size resumes
     /// them. Default: `0`.
     pub zero: ZeroStage,

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Tensor};
 
 use crate::clip::{clip_grads, ClipGrad};
 use crate::collective::{Collective, CollectiveError, OpContext, ReduceOp};
@@ -21,13 +21,16 @@ mod param_check;
 mod sharded_step;
 mod shared_tables;
 mod summary;
+mod window;
 mod zero;
+mod zero_step;
 pub use host_shards::mean_into;
 use host_shards::HostShards;
 use overlap::Overlap;
 pub use overlap::OverlapError;
 use shared_tables::SharedTables;
 use summary::touched_rows;
+use window::{micro_batches, WindowLoss};
 use zero::ZeroLayout;
 
 /// Engine settings (from `[train]`, `[batch]` and `[dist]`).
@@ -58,11 +61,11 @@ pub struct DdpConfig {
     /// update its share of every parameter's rows (see `host_shards`): the unsharded step's
     /// numbers, with no gradient all-reduce. Replaces `shared_tables` where it applies.
     pub shard_optimizer: bool,
-    /// Overlap the dense buckets' all-reduce with the window's last backward pass: a
-    /// communication thread averages each bucket, in bucket order, as soon as autograd has
-    /// accumulated every gradient in it (gradient hooks, see `overlap`); the same operations,
-    /// earlier, so the same numbers. For the all-reduce path only: ignored by a sharded engine
-    /// and by a rank alone.
+    /// Overlap the dense buckets' reduction with the window's last backward pass: a
+    /// communication thread averages each bucket (all-reduced, or under ZeRO reduce-scattered),
+    /// in bucket order, as soon as autograd has accumulated every gradient in it (gradient
+    /// hooks, see `overlap`); the same operations, earlier, so the same numbers. Ignored by the
+    /// shared-memory sharded engine and by a rank alone; ZeRO stage 2 turns it on by itself.
     pub overlap_backward: bool,
     /// ZeRO stage: 0 keeps everything on every rank; 1 keeps AdamW's moments of the dense
     /// parameters once across the ranks, each rank its shard (see `zero`), on any backend and
@@ -116,7 +119,9 @@ pub trait MicroBatchLoss<B> {
     /// all-reduce may start during the last backward pass only when this holds, and otherwise
     /// once `finish_backward` has returned. Default: true, as `finish_backward` does nothing by
     /// default; a model that runs backward passes of its own there must say false (the engine
-    /// stops with an error when it sees a gradient grow after its bucket could start).
+    /// stops with an error when it sees a gradient grow after its bucket could start). Under
+    /// ZeRO stage 2 a wrong `true` is worse than an error: the communication thread drops a
+    /// bucket's gradients while autograd may still accumulate into them (undefined behaviour).
     fn backward_is_whole(&self) -> bool {
         true
     }
@@ -224,7 +229,8 @@ pub struct Ddp {
     left_out: Vec<u64>,
     /// The gradient hooks and their state, with [`DdpConfig::overlap_backward`] where it applies.
     overlap: Option<Overlap>,
-    /// Where each rank's shard lies, with ZeRO stage 1 ([`DdpConfig::zero`]) where it applies.
+    /// Where each rank's shard lies, with ZeRO stage 1 or 2 ([`DdpConfig::zero`]) where it
+    /// applies.
     zero: Option<ZeroLayout>,
 }
 
@@ -638,6 +644,10 @@ impl Ddp {
     /// parameters have none (their shards were kept, the gradients dropped): autograd makes
     /// them in backward.
     fn zero_grads(&mut self) -> Result<(), DdpError> {
+        if let Some(zero) = self.zero.as_ref().filter(|z| z.stage() == 2) {
+            // Whatever gave them one (the set-up, a window that failed): autograd makes them.
+            zero.drop_bucket_grads(&self.params)?;
+        }
         self.give_dense_grads()?;
         let mut done = vec![false; self.params.len()];
         for table in &mut self.sparse {
@@ -689,76 +699,6 @@ impl Ddp {
             .filter(|(grad, _)| grad.defined())
             .map(|(grad, rows)| ClipGrad { grad, rows })
             .collect()
-    }
-}
-
-/// This rank's share of a window's loss: the micro-batches' losses / window length, summed in
-/// f64 where they were computed (read with the step's summary, not one by one: each read would
-/// be a host wait). Not finite when any of them was not.
-struct WindowLoss {
-    local: Tensor,
-}
-
-/// Forward and backward of each micro-batch of `window` (loss / window length, gradients
-/// accumulating), marking the rows each used in `sparse`; `before_last_backward` runs just
-/// before the last backward pass with the model's [`MicroBatchLoss::backward_is_whole`]. A loss
-/// that is not finite is found by the step's summary, after the window (the update is then
-/// refused on every rank).
-fn micro_batches<B>(
-    window: &[B],
-    model: &mut impl MicroBatchLoss<B>,
-    sparse: &mut [SparseTable],
-    before_last_backward: impl FnOnce(bool),
-) -> Result<WindowLoss, DdpError> {
-    let scale = 1.0 / window.len() as f64;
-    let mut before_last_backward = Some(before_last_backward);
-    let mut local: Option<Tensor> = None;
-    for (k, micro) in window.iter().enumerate() {
-        model.phase(StepPhase::Forward);
-        let loss = model.loss(micro)?;
-        // As `value as f64 * scale` summed on the host was: the same f64 arithmetic.
-        let share = loss
-            .f_detach()?
-            .f_to_kind(Kind::Double)?
-            .f_mul_scalar(scale)?;
-        local = Some(match local {
-            None => share,
-            Some(sum) => sum.f_add(&share)?,
-        });
-        model.phase(StepPhase::Backward);
-        if k + 1 == window.len() {
-            if let Some(arm) = before_last_backward.take() {
-                arm(model.backward_is_whole());
-            }
-        }
-        (loss * scale).f_backward()?;
-        model.finish_backward()?;
-        mark_rows_used(sparse, model);
-    }
-    let local = match local {
-        Some(sum) => sum,
-        None => Tensor::f_zeros([], (Kind::Double, tch::Device::Cpu))?,
-    };
-    Ok(WindowLoss { local })
-}
-
-/// Adds the rows the last micro-batch used to each sparse table's mask (`used` is set to all
-/// zeros when the step's zeroing starts, and dropped for good once the model cannot tell).
-fn mark_rows_used<B>(sparse: &mut [SparseTable], model: &impl MicroBatchLoss<B>) {
-    for table in sparse {
-        let Some(used) = table.used.as_mut() else {
-            continue;
-        };
-        let rows = model.rows_used(&table.name);
-        let fits = |r: &i64| (0..table.rows).contains(r);
-        match rows {
-            Some(rows) if rows.iter().all(fits) => {
-                for &r in rows {
-                    used[r as usize] = 1.0;
-                }
-            }
-            _ => table.used = None,
-        }
     }
 }
 

@@ -221,7 +221,7 @@ pub struct AdamW {
     /// or `None` for all of it.
     rows: Vec<Option<Range<i64>>>,
     /// Per parameter: the only elements (of its values flattened) this optimizer holds moments
-    /// for and updates ([`AdamW::with_elements`], ZeRO stage 1), or `None` for all of it.
+    /// for and updates ([`AdamW::with_elements`], ZeRO stages 1 and 2), or `None` for all of it.
     elements: Vec<Option<Range<i64>>>,
     /// Every parameter's shape: what its moments have in a checkpoint, whatever is kept here.
     shapes: Vec<Vec<i64>>,
@@ -236,7 +236,7 @@ impl AdamW {
     }
 
     /// [`AdamW::new`], keeping moments for and updating only `elements[i]` of parameter `i`'s
-    /// flattened values where it is `Some` (a rank's shard under ZeRO stage 1): the moments of
+    /// flattened values where it is `Some` (a rank's shard under ZeRO stages 1 and 2): the moments of
     /// the rest are never allocated here. The update is element-wise, so each element gets
     /// the bits the whole parameter's update would give it.
     ///

@@ -562,6 +562,16 @@ fn zero_stages_give_ddps_results_and_checkpoints_that_any_world_and_stage_resume
         test_metrics(&out.join("zero-2")),
         test_metrics(&out.join("ddp"))
     );
+    // Stage 2 asked for with the shared-memory optimizer on (its default on one CPU host),
+    // which then runs instead: said.
+    let sharded = [
+        "train.epochs=1",
+        "dist.sparse_embeddings=false",
+        "dist.zero=2",
+    ];
+    run_ok(2, out, "zero-2-sharded", &sharded, &[]).assert_stderr(
+        "dist.zero = 2 does nothing in this run: dist.shard_optimizer (one CPU host, shared memory) runs instead",
+    );
     // With accumulation stage 2 saves nothing at the peak: said, with the way out.
     let accumulating = [&zero_2[..], &["batch.micro=48"]].concat();
     run_ok(2, out, "zero-2-accum", &accumulating, &[]).assert_stderr(

@@ -260,7 +260,7 @@ mod tests {
     #[test]
     fn stage_2_keeps_a_shard_of_a_large_models_gradients_and_whole_ones_while_accumulating() {
         let mut c = config();
-        c.model.embedding_dim = 131_072; // 175 MiB of gradients, 7 buckets of 25 MiB
+        c.model.embedding_dim = 131_072; // 175 MiB of gradients, the largest table 100 MiB
         let at = Placement::new(DeviceKind::Cuda, 4);
         let term = |stage, accum| {
             let p = plan(256, 64 / accum, accum, 4);
@@ -268,8 +268,12 @@ mod tests {
         };
         let (whole, sharded) = (term(1, 1), term(2, 1));
         assert!(whole > 150 << 20, "{whole}");
-        // A quarter of them, and two buckets (dist.bucket_mb 25) in flight.
-        assert_eq!(sharded, whole.div_ceil(4) + 2 * 25 * 1024 * 1024);
+        // A quarter of them, and whole during backward the largest table (a bucket of its
+        // own) and one bucket (dist.bucket_mb 25).
+        let largest = 4 * data().users.max(data().items) * 131_072;
+        assert!(largest > 50 << 20, "{largest}");
+        assert_eq!(sharded, whole.div_ceil(4) + largest + 25 * 1024 * 1024);
+        assert!(sharded < whole, "{sharded} vs {whole}");
         assert_eq!(term(2, 2), whole + whole.div_ceil(4));
         assert_eq!(term(0, 1), whole);
     }

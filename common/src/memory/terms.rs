@@ -39,7 +39,7 @@ pub(super) struct Sizes {
     /// see [`kept_once_values`]).
     pub(super) shared: u64,
     /// Trainable values whose AdamW moments each rank keeps only its share of under ZeRO stage
-    /// 1 (`dist.zero`; 0 where it does not apply: see [`zero_sharded_values`]).
+    /// 1 or 2 (`dist.zero`; 0 where it does not apply: see [`zero_sharded_values`]).
     pub(super) zero_sharded: u64,
 }
 
@@ -240,11 +240,12 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
     terms
 }
 
-/// The gradients: one per trainable value; under ZeRO stage 2 with no accumulation, of the
-/// dense ones (those whose moments are sharded) this rank's shard, plus up to two buckets whole
-/// during backward (the one filling and the one being reduce-scattered). With accumulation
-/// the micro-batches before the last keep them whole (DDP's sums need them), and the shards
-/// come on top.
+/// The gradients: one per trainable value; under ZeRO stage 2, of the dense ones (those whose
+/// moments are sharded) this rank's shard, plus what is whole during backward: two buckets (the
+/// one filling and the one being reduce-scattered), or the largest parameter (a bucket of its
+/// own) and one more. With accumulation, or with activation checkpointing (the buckets are
+/// then reduced once the recomputation is done), the whole gradients exist at once (DDP's sums
+/// need them), and the shards come on top.
 fn gradients_term(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
     let (trainable, sharded) = (s.trainable, s.zero_sharded);
     let world = x.plan.world_size.max(1);
@@ -258,18 +259,29 @@ fn gradients_term(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
         return term;
     }
     let shard = sharded.div_ceil(world);
-    if x.plan.grad_accum > 1 {
+    let whole = match (
+        x.plan.grad_accum > 1,
+        x.config.model.activation_checkpointing,
+    ) {
+        (true, _) => Some("while accumulating"),
+        (false, true) => Some("with activation checkpointing"),
+        (false, false) => None,
+    };
+    if let Some(why) = whole {
         term.bytes = (trainable + shard) * F32;
         term.detail = format!(
-            "{trainable} trainable f32 whole while accumulating, + 1/{world} of {sharded} (dist.zero = 2)"
+            "{trainable} trainable f32 whole {why}, + 1/{world} of {sharded} (dist.zero = 2)"
         );
         return term;
     }
     let bucket_mb = x.config.dist.bucket_mb;
-    let in_flight = ((2.0 * bucket_mb * MIB) as u64 / F32).min(sharded);
+    let bucket = (bucket_mb * MIB) as u64 / F32;
+    let in_flight = (2 * bucket)
+        .max(largest_trainable(x, s) + bucket)
+        .min(sharded);
     term.bytes = (trainable - sharded + shard + in_flight) * F32;
     term.detail = format!(
-        "{} f32 + 1/{world} of {sharded} dense ones (dist.zero = 2) + 2 buckets whole during backward (dist.bucket_mb {bucket_mb})",
+        "{} f32 + 1/{world} of {sharded} dense ones (dist.zero = 2) + {in_flight} whole during backward (2 buckets of dist.bucket_mb {bucket_mb}, or the largest parameter and a bucket)",
         trainable - sharded
     );
     term
@@ -310,7 +322,7 @@ fn largest_trainable(x: &Inputs<'_>, s: &Sizes) -> u64 {
 }
 
 /// AdamW's two moments: per trainable value, less those kept once per host, and of the ones
-/// ZeRO stage 1 shards only this rank's share.
+/// ZeRO stages 1 and 2 shard only this rank's share.
 fn optimizer_term(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
     let (trainable, shared, sharded) = (s.trainable, s.shared, s.zero_sharded);
     let world = x.plan.world_size.max(1);

@@ -31,9 +31,9 @@ use crate::shim::take_error;
 /// What can go wrong with overlap itself (the collectives' own errors stay theirs).
 #[derive(Debug, thiserror::Error)]
 pub enum OverlapError {
-    #[error("cannot hook the gradient of `{param}` (for dist.overlap_backward): {detail}")]
+    #[error("cannot hook the gradient of `{param}` (for dist.overlap_backward or dist.zero = 2): {detail}")]
     Hook { param: String, detail: String },
-    #[error("step {step}: the gradient of `{param}` was accumulated into again after its bucket's all-reduce could start during backward (the model's finish_backward adds to gradients, but its MicroBatchLoss::backward_is_whole says it does not); set dist.overlap_backward = false")]
+    #[error("step {step}: the gradient of `{param}` was accumulated into again after its bucket's all-reduce could start during backward (the model's finish_backward adds to gradients, but its MicroBatchLoss::backward_is_whole says it does not); set dist.overlap_backward = false (dist.zero = 1 under ZeRO stage 2)")]
     Late { step: u64, param: String },
 }
 

@@ -24,14 +24,12 @@
 
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
-use std::time::Instant;
 
 use tch::{Device, Kind, Tensor};
 
-use super::{not_finite_norm, Ddp, DdpError, StepTime};
-use crate::clip::{add_rows, device_row_sums, row_sums, sum_of_squares, ClipGrad};
+use super::DdpError;
+use crate::clip::{device_row_sums, row_sums};
 use crate::collective::{flatten_f32, unflatten_into, Collective, OpContext, ReduceOp};
-use crate::optim::AdamW;
 use crate::shim::take_error;
 
 /// One dense bucket as a flat buffer.
@@ -156,6 +154,14 @@ impl ZeroLayout {
             }
         }
         if stage >= 2 {
+            let in_buckets = buckets.iter().flatten().map(|&i| &params[i]);
+            if let Some(p) = in_buckets.clone().find(|p| p.kind() != Kind::Float) {
+                return Err(DdpError::Internal(format!(
+                    "ZeRO stage 2 keeps f32 gradient shards; a parameter of shape {:?} is {:?}",
+                    p.size(),
+                    p.kind()
+                )));
+            }
             let device = params.first().map_or(Device::Cpu, Tensor::device);
             let shard = |b: &Bucket| b.shards[layout.rank].len() as i64;
             let shards = (layout.buckets.iter())
@@ -183,7 +189,12 @@ impl ZeroLayout {
     /// Parameter `i`'s reduced gradient over its elements `span` (of its values flattened),
     /// which lie in this rank's shard: a view of its gradient, or under stage 2 of the
     /// bucket's shard buffer.
-    fn grad_span(&self, params: &[Tensor], i: usize, span: Range<i64>) -> Result<Tensor, DdpError> {
+    pub(super) fn grad_span(
+        &self,
+        params: &[Tensor],
+        i: usize,
+        span: Range<i64>,
+    ) -> Result<Tensor, DdpError> {
         let len = span.end - span.start;
         let Some(shards) = &self.grad_shards else {
             return Ok(params[i]
@@ -203,7 +214,7 @@ impl ZeroLayout {
 
     /// Under stage 2, per parameter, its reduced gradient over the elements this rank keeps
     /// (for [`AdamW::step_with`]); empty under stage 1 (the update reads the gradients).
-    fn own_grads(&self, params: &[Tensor]) -> Result<Vec<Option<Tensor>>, DdpError> {
+    pub(super) fn own_grads(&self, params: &[Tensor]) -> Result<Vec<Option<Tensor>>, DdpError> {
         if self.grad_shards.is_none() {
             return Ok(Vec::new());
         }
@@ -276,7 +287,7 @@ impl ZeroLayout {
     }
 
     /// Reduce-scatters (averages) each bucket's gradients (see [`ZeroLayout::reduce_bucket`]).
-    fn reduce_scatter(
+    pub(super) fn reduce_scatter(
         &self,
         comm: &mut dyn Collective,
         params: &[Tensor],
@@ -378,14 +389,15 @@ impl ZeroLayout {
         }
         // -0.0 + 0.0 = 0.0: DDP's gradients start from zeros, ours (dropped) do not.
         let _ = shard.shallow_clone().f_add_scalar_(0.0)?;
-        for p in members {
-            // SAFETY: `p` is a live tch tensor; the shim only resets its autograd metadata's
-            // gradient (autograd is done with it: its bucket's hooks have all run).
-            take_error(unsafe { ffi::gptrec_release_grad(p.as_ptr()) }).map_err(|e| {
-                DdpError::Internal(format!("could not drop a gradient (ZeRO stage 2): {e}"))
-            })?;
-        }
-        Ok(())
+        members.iter().try_for_each(drop_grad)
+    }
+
+    /// Stage 2: drops the gradient of every parameter in a bucket (before a step: autograd
+    /// makes them in backward, and the shards are what the update reads).
+    pub(super) fn drop_bucket_grads(&self, params: &[Tensor]) -> Result<(), DdpError> {
+        (self.buckets.iter())
+            .flat_map(|b| &b.params)
+            .try_for_each(|&i| drop_grad(&params[i]))
     }
 
     /// Every straddling row whole, in `straddlers` order, on every rank: each rank gives its
@@ -477,7 +489,7 @@ impl ZeroLayout {
 
     /// Every dense parameter's row sums (`None` for the others), from every rank's own ones
     /// (one all-gather, padded to the longest).
-    fn all_row_sums(
+    pub(super) fn all_row_sums(
         &self,
         comm: &mut dyn Collective,
         params: &[Tensor],
@@ -543,7 +555,7 @@ impl ZeroLayout {
     }
 
     /// Overwrites every rank's parameters with each shard's owner's (after the update).
-    fn all_gather_params(
+    pub(super) fn all_gather_params(
         &self,
         comm: &mut dyn Collective,
         params: &[Tensor],
@@ -568,7 +580,7 @@ impl ZeroLayout {
     /// (`exp_avg.{i}`, `exp_avg_sq.{i}` at `2i`, `2i + 1`), on rank 0 only: the others take
     /// part in the gathering, one bucket at a time, and keep their shards (whole moments on
     /// every rank would undo stage 1's saving at each checkpoint).
-    fn gather_moments(
+    pub(super) fn gather_moments(
         &self,
         comm: &mut dyn Collective,
         params: &[Tensor],
@@ -610,141 +622,12 @@ impl ZeroLayout {
     }
 }
 
-impl Ddp {
-    /// An AdamW for this engine's parameters: under ZeRO, holding moments for this rank's
-    /// shard of the dense parameters only.
-    pub fn optimizer(&self, beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> AdamW {
-        let elements = match &self.zero {
-            Some(zero) => zero.elements().to_vec(),
-            None => vec![None; self.params.len()],
-        };
-        AdamW::with_elements(&self.params, elements, beta1, beta2, eps, weight_decay)
-    }
-
-    /// The optimizer state for a checkpoint (rank 0 saves it), whole whatever the stage: the
-    /// format does not depend on it, so any world size and stage can resume it. Under ZeRO
-    /// every rank must call it at the same point (the moments' shards are gathered to rank 0),
-    /// and the other ranks get their shards only.
-    pub fn optimizer_state(
-        &mut self,
-        optimizer: &AdamW,
-        ctx: OpContext,
-    ) -> Result<Vec<(String, Tensor)>, DdpError> {
-        let mut state = optimizer.state_tensors();
-        if let Some(zero) = &self.zero {
-            let _guard = tch::no_grad_guard();
-            zero.gather_moments(self.comm.as_mut(), &self.params, &mut state, ctx)?;
-        }
-        Ok(state)
-    }
-
-    /// The ZeRO stage in effect: the one [`super::DdpConfig::zero`] asked for where it applies
-    /// (several ranks, not sharded through shared memory), else 0.
-    pub fn zero_stage(&self) -> u8 {
-        self.zero.as_ref().map_or(0, ZeroLayout::stage)
-    }
-
-    /// ZeRO's reduction, clipping and update, after the summary (`summary` names the
-    /// sparse tables' touched rows); returns the gradient norm before clipping.
-    pub(super) fn zero_update(
-        &mut self,
-        summary: &[f32],
-        optimizer: &mut AdamW,
-        lr: f64,
-        ctx: OpContext,
-        time: &mut StepTime,
-    ) -> Result<f64, DdpError> {
-        let zero = (self.zero.take())
-            .ok_or_else(|| DdpError::Internal("a ZeRO step without its layout".into()))?;
-        let made_here = zero.elements();
-        let done = match (0..self.params.len()).all(|i| optimizer.elements_kept(i) == made_here[i]) {
-            true => self.zero_update_with(&zero, summary, optimizer, lr, ctx, time),
-            false => Err(DdpError::Internal(
-                "under ZeRO the optimizer must come from Ddp::optimizer (it keeps this rank's shard)".into(),
-            )),
-        };
-        self.zero = Some(zero);
-        done
-    }
-
-    fn zero_update_with(
-        &mut self,
-        zero: &ZeroLayout,
-        summary: &[f32],
-        optimizer: &mut AdamW,
-        lr: f64,
-        ctx: OpContext,
-        time: &mut StepTime,
-    ) -> Result<f64, DdpError> {
-        let reducing = Instant::now();
-        self.reduce_sparse(summary, ctx)?;
-        if self.overlap.is_none() {
-            zero.reduce_scatter(self.comm.as_mut(), &self.params, ctx)?;
-        }
-        let rows = zero.all_row_sums(self.comm.as_mut(), &self.params, ctx)?;
-        time.collective += reducing.elapsed();
-
-        let updating = Instant::now();
-        let grad_norm = self.zero_norm(&rows)?;
-        if !grad_norm.is_finite() {
-            // The same on every rank (from the same row sums): all stop together.
-            return Err(not_finite_norm(ctx.step, grad_norm));
-        }
-        // As `clip::clip_grads` scales: the sparse tables whole (or by rows), our elements of
-        // the rest (the only ones the update reads).
-        let coef = self.config.max_grad_norm / (grad_norm + 1e-6);
-        if coef < 1.0 {
-            for (i, p) in self.params.iter().enumerate() {
-                let grad = p.grad();
-                match (optimizer.elements_kept(i), self.listed(i)) {
-                    (Some(e), _) if e.is_empty() => {}
-                    (Some(e), _) => {
-                        let _ = zero.grad_span(&self.params, i, e)?.f_mul_scalar_(coef)?;
-                    }
-                    (None, Some(rows)) => crate::rows::scale(&grad, rows, coef)?,
-                    (None, None) => {
-                        let _ = grad.shallow_clone().f_mul_scalar_(coef)?;
-                    }
-                }
-            }
-        }
-        // Row-sparse tables kept once per host: each rank updates its rows there, as without
-        // ZeRO, and nobody reads them before all have (the barrier below).
-        if let Some(shared) = &self.shared {
-            shared.attach(optimizer)?;
-        }
-        optimizer.step_with(&self.params, lr, &zero.own_grads(&self.params)?);
-        time.update += updating.elapsed();
-        let gathering = Instant::now();
-        zero.all_gather_params(self.comm.as_mut(), &self.params, ctx)?;
-        if self.shared.is_some() {
-            self.comm.barrier(ctx)?;
-        }
-        time.collective += gathering.elapsed();
-        Ok(grad_norm)
-    }
-
-    /// The global norm as `clip::clip_grads` takes it: each parameter's sum of squares in
-    /// parameter order, a dense one's from its gathered row sums.
-    fn zero_norm(&self, rows: &[Option<Vec<f64>>]) -> Result<f64, DdpError> {
-        let mut sum = 0.0;
-        for (i, p) in self.params.iter().enumerate() {
-            let grad = p.grad();
-            // A dense parameter counts by its row sums (stage 2 has dropped its gradient).
-            if !grad.defined() && rows[i].is_none() {
-                continue;
-            }
-            sum += match &rows[i] {
-                Some(_) if p.numel() == 0 => 0.0,
-                Some(sums) => add_rows(sums.len() as i64, None, |r| sums[r])?,
-                None => sum_of_squares(&ClipGrad {
-                    grad,
-                    rows: self.listed(i),
-                })?,
-            };
-        }
-        Ok(sum.sqrt())
-    }
+/// `p.grad = None`: its memory goes once nothing else refers to it.
+fn drop_grad(p: &Tensor) -> Result<(), DdpError> {
+    // SAFETY: `p` is a live tch tensor; the shim only resets its autograd metadata's gradient,
+    // which autograd is done with (its bucket's hooks have all run, or no backward runs).
+    take_error(unsafe { ffi::gptrec_release_grad(p.as_ptr()) })
+        .map_err(|e| DdpError::Internal(format!("could not drop a gradient (ZeRO stage 2): {e}")))
 }
 
 /// Stage 2's gradients of `members` to reduce: each as autograd left it, a dense zero one

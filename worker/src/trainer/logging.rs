@@ -2,6 +2,7 @@
 //! line at every tenth of an epoch with the ranks' largest peak memory (or a progress bar in a
 //! terminal), and log lines printed above that bar.
 
+use common::config::Config;
 use common::progress::{Phase, ProgressRecord};
 use tracing::{info, warn};
 
@@ -132,7 +133,8 @@ pub(super) fn new_bar(total_steps: u64, position: u64) -> indicatif::ProgressBar
 /// What the ranks of one host keep once in shared memory, if anything, the ZeRO stage, and
 /// whether the gradient reduction overlaps backward (rank 0 says it), or why not when it was
 /// asked to.
-pub(super) fn log_sharing(ddp: &Ddp, overlap_asked: bool, grad_accum: usize) {
+pub(super) fn log_sharing(ddp: &Ddp, config: &Config, grad_accum: usize) {
+    let (overlap_asked, zero_asked) = (config.dist.overlap_backward, config.dist.zero.stage());
     let (world, shared) = (ddp.world_size(), ddp.shared_tables());
     if ddp.sharded() {
         info!(
@@ -164,9 +166,18 @@ pub(super) fn log_sharing(ddp: &Ddp, overlap_asked: bool, grad_accum: usize) {
             ddp.bucket_count()
         );
     }
+    if ddp.sharded() && zero_asked >= 2 {
+        warn!(
+            "dist.zero = {zero_asked} does nothing in this run: dist.shard_optimizer (one CPU host, shared memory) runs instead, which shards the AdamW moments but keeps each rank's gradients whole; set dist.shard_optimizer = false for stage {zero_asked}"
+        );
+    }
     if ddp.zero_stage() == 2 && grad_accum > 1 {
         warn!(
             "ZeRO stage 2 with batch.grad_accum = {grad_accum}: the micro-batches before the last keep whole gradients (DDP's sums need them), so the peak is stage 1's plus the gradient shards; dist.zero = 1 needs less here, or raise batch.micro to need no accumulation"
+        );
+    } else if ddp.zero_stage() == 2 && config.model.activation_checkpointing {
+        warn!(
+            "ZeRO stage 2 with model.activation_checkpointing: the buckets are reduced once the recomputation is done, so the whole gradients exist at once and the peak is stage 1's plus the gradient shards; dist.zero = 1 needs less here"
         );
     }
     if let Some(why) = overlap_asked.then(|| ddp.overlap_unavailable()).flatten() {

@@ -327,7 +327,7 @@ impl<'t> Trainer<'t> {
         let (rank, world) = (ddp.rank(), ddp.world_size());
         if rank == 0 {
             let grad_accum = setup.plan.batch.grad_accum as usize;
-            logging::log_sharing(&ddp, config.dist.overlap_backward, grad_accum);
+            logging::log_sharing(&ddp, config, grad_accum);
         }
         ddp.set_probe(peak_memory_probe(setup.memory.clone(), vs.device()));
         if let Some(flag) = crate::preempt::flag() {

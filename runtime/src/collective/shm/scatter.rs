@@ -35,6 +35,10 @@ impl ShmGroup {
         );
         self.describe(seq, data.len(), REDUCE_SCATTER);
         let per = piece_floats(members);
+        assert!(
+            per * members <= CHUNK_BYTES / 4,
+            "reduce_scatter: {members} members do not fit a chunk"
+        );
         let longest = parts.iter().map(Range::len).max().unwrap_or(0);
         let chunks = longest.div_ceil(per);
         let (me, base) = (self.me, data.as_mut_ptr());
@@ -95,6 +99,10 @@ mod tests {
     fn every_members_piece_fits_its_slot_of_the_buffer() {
         for members in [1, 2, 3, 4, 7, 64, 1000, 20_000] {
             let per = piece_floats(members);
+            assert!(
+                per * members <= CHUNK_BYTES / 4,
+                "reduce_scatter: {members} members do not fit a chunk"
+            );
             assert!(
                 per >= 1 && per * members * 4 <= CHUNK_BYTES,
                 "{members}: {per}"
