@@ -213,7 +213,7 @@ impl ZeroLayout {
     }
 
     /// Under stage 2, per parameter, its reduced gradient over the elements this rank keeps
-    /// (for [`AdamW::step_with`]); empty under stage 1 (the update reads the gradients).
+    /// (for [`crate::optim::AdamW::step_with`]); empty under stage 1 (the update reads the gradients).
     pub(super) fn own_grads(&self, params: &[Tensor]) -> Result<Vec<Option<Tensor>>, DdpError> {
         if self.grad_shards.is_none() {
             return Ok(Vec::new());
