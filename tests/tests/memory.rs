@@ -301,59 +301,53 @@ fn activation_checkpointing_trains_the_same_model() {
     // Dynamic GPT-2 with micro 64 x grad_accum 2 x world 2: the checkpointed run recomputes
     // every block (dropout on) during backward and must follow the plain run step by step.
     let dir = tempfile::tempdir().unwrap();
-    let mut runs = Vec::new();
-    for on in [false, true] {
-        let name = format!("ckpt-{on}");
-        let (out, _) = run(
-            dir.path(),
-            &name,
-            &name,
-            &[],
-            &[
-                "model.text_mode=\"dynamic\"",
-                "train.loss=\"bpr\"",
-                "train.epochs=1",
-                &format!("model.activation_checkpointing={on}"),
-            ],
-        );
+    // One dynamic run with `sets` on top: its whole output (it must succeed) and its records.
+    let dynamic = |name: &str, sets: &[&str]| {
+        let mut all_sets = vec![
+            "model.text_mode=\"dynamic\"",
+            "train.loss=\"bpr\"",
+            "train.epochs=1",
+        ];
+        all_sets.extend_from_slice(sets);
+        let (out, _) = run(dir.path(), name, name, &[], &all_sets);
         let all = out.all();
         assert_eq!(out.code(), Some(0), "{all}");
+        (all, records(&dir.path().join(name).join("metrics.jsonl")))
+    };
+    let mut runs = Vec::new();
+    for on in [false, true] {
+        let (all, records) = dynamic(
+            &format!("ckpt-{on}"),
+            &[&format!("model.activation_checkpointing={on}")],
+        );
         // Tiny GPT-2 has 2 blocks, both trained: both are recomputed.
         assert_eq!(
             all.contains("activation checkpointing: 2 GPT-2 block(s)"),
             on,
             "{all}"
         );
-        runs.push(records(&dir.path().join(&name).join("metrics.jsonl")));
+        runs.push(records);
     }
     // ZeRO stage 2 with checkpointing (no accumulation): its buckets are reduce-scattered once
     // the recomputation is done, which rank 0 says; the same records as DDP's.
     let mut zero_runs = Vec::new();
     for stage in ["0", "2"] {
-        let name = format!("ckpt-zero-{stage}");
-        let (out, _) = run(
-            dir.path(),
-            &name,
-            &name,
-            &[],
+        let zero = format!("dist.zero={stage}");
+        let (all, records) = dynamic(
+            &format!("ckpt-zero-{stage}"),
             &[
-                "model.text_mode=\"dynamic\"",
-                "train.loss=\"bpr\"",
-                "train.epochs=1",
                 "model.activation_checkpointing=true",
                 "batch.micro=128",
                 "dist.shard_optimizer=false",
-                &format!("dist.zero={stage}"),
+                &zero,
             ],
         );
-        let all = out.all();
-        assert_eq!(out.code(), Some(0), "{all}");
         assert_eq!(
             all.contains("ZeRO stage 2 with model.activation_checkpointing: the buckets are reduced once the recomputation is done"),
             stage == "2",
             "{all}"
         );
-        zero_runs.push(records(&dir.path().join(&name).join("metrics.jsonl")));
+        zero_runs.push(records);
     }
     let bits = |runs: &[(String, u64, f64, f64, f64)]| -> Vec<(String, u64, [u64; 3])> {
         (runs.iter())

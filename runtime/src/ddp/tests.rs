@@ -421,50 +421,26 @@ fn zero_stages_1_and_2_train_exactly_as_ddp_on_every_backend() {
             };
             assert_eq!(names(&z_state), names(&state), "{at}: state names");
             assert_eq!(values(&z_state), values(&state), "{at}: moments");
-            // With the row-sparse tables kept once per host, as by default (each rank updates
-            // its rows of them): the same bits too.
-            let (t_loss, t_params, t_norms, t_state) = run(Keep::ZeroSharedTables);
-            assert_eq!(
-                bits64(&t_norms),
-                bits64(&norms),
-                "{at}, shared tables: norms"
-            );
-            assert_eq!(bits64(&t_loss), bits64(&loss), "{at}, shared tables: loss");
-            assert_eq!(
-                bits32(&t_params),
-                bits32(&params),
-                "{at}, shared tables: parameters"
-            );
-            assert_eq!(
-                values(&t_state),
-                values(&state),
-                "{at}, shared tables: moments"
-            );
-            // The buckets reduce-scattered during backward, by the communication thread
-            // (before the summary and the row-sparse exchange): the same bits too.
-            let (o_loss, o_params, o_norms, o_state) = run(Keep::ZeroOverlapped);
-            assert_eq!(bits64(&o_norms), bits64(&norms), "{at}, overlapped: norms");
-            assert_eq!(bits64(&o_loss), bits64(&loss), "{at}, overlapped: loss");
-            assert_eq!(
-                bits32(&o_params),
-                bits32(&params),
-                "{at}, overlapped: parameters"
-            );
-            assert_eq!(
-                values(&o_state),
-                values(&state),
-                "{at}, overlapped: moments"
-            );
-            // Stage 2: the gradients sharded too, only this rank's shard of each bucket kept.
-            let (g_loss, g_params, g_norms, g_state) = run(Keep::Zero2);
-            assert_eq!(bits64(&g_norms), bits64(&norms), "{at}, stage 2: norms");
-            assert_eq!(bits64(&g_loss), bits64(&loss), "{at}, stage 2: loss");
-            assert_eq!(
-                bits32(&g_params),
-                bits32(&params),
-                "{at}, stage 2: parameters"
-            );
-            assert_eq!(values(&g_state), values(&state), "{at}, stage 2: moments");
+            // The same bits too: with the row-sparse tables kept once per host, as by default
+            // (each rank updates its rows of them); with the buckets reduce-scattered during
+            // backward by the communication thread (before the summary and the row-sparse
+            // exchange); and under stage 2, only this rank's shard of each bucket's gradients
+            // kept.
+            for (keep, what) in [
+                (Keep::ZeroSharedTables, "shared tables"),
+                (Keep::ZeroOverlapped, "overlapped"),
+                (Keep::Zero2, "stage 2"),
+            ] {
+                let (k_loss, k_params, k_norms, k_state) = run(keep);
+                assert_eq!(bits64(&k_norms), bits64(&norms), "{at}, {what}: norms");
+                assert_eq!(bits64(&k_loss), bits64(&loss), "{at}, {what}: loss");
+                assert_eq!(
+                    bits32(&k_params),
+                    bits32(&params),
+                    "{at}, {what}: parameters"
+                );
+                assert_eq!(values(&k_state), values(&state), "{at}, {what}: moments");
+            }
         }
     }
 }
