@@ -6,7 +6,7 @@
 
 mod support;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -37,18 +37,39 @@ fn killed_launch_leaves(id: &str, cgroup: bool) -> Vec<String> {
         cmd.env("LAUNCH_CGROUP", "off");
     }
     let mut launch = cmd.spawn().unwrap();
-    let started = wait_processes(id, 6, T);
+    // The shells and the subshell live for a moment beside the sleeps they start, so the
+    // count alone can pass 6 on the way: wait for the settled set, by command line.
+    let settled = [
+        "sleep 60", "sleep 60", "sleep 61", "sleep 61", "sleep 62", "sleep 62",
+    ];
+    let start = Instant::now();
+    let mut started = Vec::new();
+    while start.elapsed() < T {
+        started = command_lines(&processes_of_run(id));
+        started.sort();
+        if started == settled {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(
-        started.len(),
-        6,
+        started, settled,
         "2 x (sleep 62, setsid sleep 60, sleep 61)"
     );
     kill(Pid::from_raw(launch.id() as i32), Signal::SIGKILL).unwrap();
     let _ = launch.wait();
     std::thread::sleep(Duration::from_secs(2));
     let left = processes_of_run(id);
-    let named = left
-        .iter()
+    let named = command_lines(&left);
+    for &pid in &left {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    named
+}
+
+/// The command lines of `pids`, arguments joined by spaces (empty for one already gone).
+fn command_lines(pids: &[i32]) -> Vec<String> {
+    pids.iter()
         .map(|pid| {
             let line = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             String::from_utf8_lossy(&line)
@@ -56,11 +77,7 @@ fn killed_launch_leaves(id: &str, cgroup: bool) -> Vec<String> {
                 .trim()
                 .to_string()
         })
-        .collect();
-    for &pid in &left {
-        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-    }
-    named
+        .collect()
 }
 
 /// Whether `launch` would put this job in a cgroup here (its dry run says so).
