@@ -1,5 +1,7 @@
 //! The runtime's build script: compiles the C++ shims `csrc/grad_hooks.cpp` (gradient-ready
-//! hooks for `ddp::overlap`) and `csrc/fused_adamw.cpp` (multi-tensor AdamW for `optim`) against the libtorch that `tch` links, and embeds the same rpath
+//! hooks for `ddp::overlap`), `csrc/fused_adamw.cpp` (multi-tensor AdamW for `optim`) and
+//! `csrc/param_storage.cpp` (ZeRO stage 3's parameter storage, `ddp::gate`) against the libtorch
+//! that `tch` links, and embeds the same rpath
 //! as the worker's (`../worker/build.rs`, run here as a module) so that this crate's tests find
 //! libtorch without LD_LIBRARY_PATH.
 //!
@@ -13,7 +15,11 @@ use std::path::PathBuf;
 #[path = "../worker/build.rs"]
 mod libtorch_rpath;
 
-const SHIMS: [&str; 2] = ["csrc/grad_hooks.cpp", "csrc/fused_adamw.cpp"];
+const SHIMS: [&str; 3] = [
+    "csrc/grad_hooks.cpp",
+    "csrc/fused_adamw.cpp",
+    "csrc/param_storage.cpp",
+];
 const HEADERS: [&str; 1] = ["csrc/shim_error.h"];
 
 fn main() {

@@ -116,6 +116,7 @@ fn run(b: Bench, overlap: bool) -> Vec<Times> {
             shard_optimizer: false,
             overlap_backward: overlap,
             zero: 0,
+            units: Vec::new(),
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).expect("engine");
         assert_eq!(ddp.overlaps_backward(), overlap);

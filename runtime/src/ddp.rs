@@ -15,6 +15,7 @@ use crate::host_read;
 use crate::optim::{AdamW, OptimError};
 use crate::rows;
 
+mod gate;
 mod host_shards;
 mod overlap;
 mod param_check;
@@ -24,6 +25,8 @@ mod summary;
 mod window;
 mod zero;
 mod zero_step;
+use gate::Gate;
+pub use gate::ParamGate;
 pub use host_shards::mean_into;
 use host_shards::HostShards;
 use overlap::Overlap;
@@ -72,8 +75,17 @@ pub struct DdpConfig {
     /// across hosts: the same numbers; 2 also their gradients (each bucket reduce-scattered
     /// during the last backward pass, as with `overlap_backward`, and only the shard kept).
     /// Where `shard_optimizer` applies (one CPU host, shared memory) that faster form of stage
-    /// 1 is used instead. Ignored by a rank alone.
+    /// 1 is used instead. 3 also shards the parameters' values: between uses each rank keeps
+    /// its shard only, and the model gathers each unit of [`DdpConfig::units`] around its
+    /// forward and backward through [`Ddp::param_gate`] (see `gate`). Ignored by a rank alone.
     pub zero: u8,
+    /// The model's units, in its forward order: name prefixes, each unit holding the trainable
+    /// dense parameters whose names start with it (the first prefix that matches). At every
+    /// stage each unit is one bucket (the others are bucketed by size), so that every stage
+    /// reduces the same buckets and gives the same bits. Under ZeRO stage 3 the model enters
+    /// and leaves each by this name, and the parameters in none are gathered for each whole
+    /// window. Empty: buckets by size only (stage 3 then gathers everything for each window).
+    pub units: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -93,7 +105,7 @@ pub enum DdpError {
     #[error("expected {expected} micro-batches per optimizer step, got {got}")]
     Window { expected: usize, got: usize },
     #[error(
-        "ZeRO stage {0} is not built (stage 1 shards AdamW's moments, stage 2 also the gradients)"
+        "ZeRO stage {0} does not exist (stage 1 shards AdamW's moments, stage 2 also the gradients, stage 3 also the parameters)"
     )]
     ZeroStage(u8),
     #[error("internal error: {0}")]
@@ -229,9 +241,12 @@ pub struct Ddp {
     left_out: Vec<u64>,
     /// The gradient hooks and their state, with [`DdpConfig::overlap_backward`] where it applies.
     overlap: Option<Overlap>,
-    /// Where each rank's shard lies, with ZeRO stage 1 or 2 ([`DdpConfig::zero`]) where it
-    /// applies.
-    zero: Option<ZeroLayout>,
+    /// Where each rank's shard lies, with ZeRO ([`DdpConfig::zero`]) where it applies.
+    zero: Option<std::sync::Arc<ZeroLayout>>,
+    /// ZeRO stage 3's parameter gate, where it applies.
+    gate: Option<Gate>,
+    /// Stage 3: the last window's units were reduce-scattered during its backward pass.
+    reduced_in_backward: bool,
 }
 
 impl Ddp {
@@ -242,7 +257,7 @@ impl Ddp {
         vs: &nn::VarStore,
         config: DdpConfig,
     ) -> Result<Ddp, DdpError> {
-        if config.zero > 2 {
+        if config.zero > 3 {
             return Err(DdpError::ZeroStage(config.zero));
         }
         let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
@@ -266,11 +281,19 @@ impl Ddp {
             })
             .collect();
         let params: Vec<Tensor> = trainable.iter().map(|(_, t)| t.shallow_clone()).collect();
-        let param_names = trainable.iter().map(|(name, _)| name.clone()).collect();
+        let param_names: Vec<String> = trainable.iter().map(|(name, _)| name.clone()).collect();
         let dense: Vec<usize> = (0..params.len())
             .filter(|i| !sparse.iter().any(|s| s.index == *i))
             .collect();
-        let buckets = make_buckets(&params, &dense, config.bucket_bytes);
+        // With units the buckets follow them at every stage: the ring's sums depend on where
+        // an element lies in its bucket, so every stage must reduce the same buckets.
+        let (buckets, unit_names) = match config.units.is_empty() {
+            true => (
+                make_buckets(&params, &dense, config.bucket_bytes),
+                Vec::new(),
+            ),
+            false => unit_buckets(&param_names, &dense, &params, &config),
+        };
         let mut ddp = Ddp {
             comm,
             params,
@@ -286,6 +309,8 @@ impl Ddp {
             left_out: Vec::new(),
             overlap: None,
             zero: None,
+            gate: None,
+            reduced_in_backward: false,
         };
         ddp.broadcast_params(0)?;
         if ddp.config.shard_optimizer {
@@ -299,18 +324,31 @@ impl Ddp {
             ddp.shared = SharedTables::new(ddp.comm.as_mut(), &ddp.params, &tables, ctx)?;
         }
         if ddp.config.zero >= 1 && !alone && ddp.shards.is_none() {
-            ddp.zero = Some(ZeroLayout::new(
+            let layout = std::sync::Arc::new(ZeroLayout::new(
                 ddp.comm.as_ref(),
                 &ddp.params,
                 &ddp.buckets,
                 ddp.config.zero,
             )?);
+            if layout.stage() == 3 {
+                let declared = ddp.config.units.clone();
+                let gate = Gate::new(
+                    layout.clone(),
+                    &ddp.params,
+                    &ddp.param_names,
+                    unit_names,
+                    declared,
+                )?;
+                ddp.gate = Some(gate);
+            }
+            ddp.zero = Some(layout);
             ddp.give_dense_grads()?;
         }
         // Stage 2 reduces each bucket as backward goes: its point is that the whole gradients
-        // never exist at once.
+        // never exist at once. Stage 3's gate does so itself, with the gatherings in between.
         let stage_2 = ddp.zero_stage() == 2;
-        if (ddp.config.overlap_backward || stage_2) && ddp.overlap_unavailable().is_none() {
+        let overlap = ddp.config.overlap_backward && ddp.gate.is_none();
+        if (overlap || stage_2) && ddp.overlap_unavailable().is_none() {
             ddp.overlap = Some(Overlap::new(&ddp.params, &ddp.param_names, &ddp.buckets)?);
         }
         Ok(ddp)
@@ -342,12 +380,14 @@ impl Ddp {
         self.comm.as_mut()
     }
 
-    /// The trainable parameters, in the engine's (name-sorted) order.
+    /// The trainable parameters, in the engine's (name-sorted) order. Under ZeRO stage 3 their
+    /// values are there only after [`Ddp::gather_params`] (until the next step).
     pub fn params(&self) -> &[Tensor] {
         &self.params
     }
 
-    /// (name, variable) pairs of the whole model, trainable or not, for checkpoints.
+    /// (name, variable) pairs of the whole model, trainable or not, for checkpoints (under ZeRO
+    /// stage 3 after [`Ddp::gather_params`]).
     pub fn named_variables(&self) -> Vec<(String, Tensor)> {
         self.variables
             .iter()
@@ -426,6 +466,7 @@ impl Ddp {
     pub fn broadcast_params(&mut self, root: usize) -> Result<(), DdpError> {
         let ctx = self.ctx(0);
         let _guard = tch::no_grad_guard();
+        self.gather_params()?;
         let shared = self.kept_once();
         let mut views: Vec<Tensor> = (self.variables.iter())
             .filter(|(name, _)| !shared.contains(&name.as_str()))
@@ -528,6 +569,26 @@ impl Ddp {
         Ok(stats)
     }
 
+    /// Under ZeRO stage 3, every parameter's values gathered on every rank and kept until the
+    /// next step (for an evaluation, a checkpoint, reading them): every rank must call it at the
+    /// same point. Nothing to do otherwise.
+    pub fn gather_params(&mut self) -> Result<(), DdpError> {
+        let ctx = self.ctx(0);
+        match &self.gate {
+            Some(gate) => {
+                let _guard = tch::no_grad_guard();
+                gate.gate.gather_all(self.comm.as_mut(), ctx)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// ZeRO stage 3's gate, for the model to gather each of its units around their use
+    /// (`None` where stage 3 does not apply: the parameters always hold their values).
+    pub fn param_gate(&self) -> Option<ParamGate> {
+        self.gate.as_ref().map(|g| g.gate.clone())
+    }
+
     /// Runs the micro-batches of `window`; with overlap, beside the communication thread that
     /// reduces the buckets meanwhile (all-reduced, or reduce-scattered under ZeRO). Returns the losses and the time spent waiting for that
     /// thread after the last backward pass.
@@ -538,6 +599,16 @@ impl Ddp {
         ctx: OpContext,
     ) -> Result<(WindowLoss, Duration), DdpError> {
         let sparse = &mut self.sparse;
+        if let Some(gate) = &self.gate {
+            let gate = &gate.gate;
+            let lent = gate.lend(self.comm.as_mut(), ctx)?;
+            let computed = micro_batches(window, model, sparse, |whole| gate.arm(whole));
+            let closed = gate.close(computed.is_ok());
+            drop(lent);
+            // A hook's error is the cause of a backward pass that stopped.
+            self.reduced_in_backward = closed?;
+            return Ok((computed?, Duration::ZERO));
+        }
         let Some(overlap) = self.overlap.as_mut() else {
             return Ok((
                 micro_batches(window, model, sparse, |_| {})?,
@@ -644,7 +715,7 @@ impl Ddp {
     /// parameters have none (their shards were kept, the gradients dropped): autograd makes
     /// them in backward.
     fn zero_grads(&mut self) -> Result<(), DdpError> {
-        if let Some(zero) = self.zero.as_ref().filter(|z| z.stage() == 2) {
+        if let Some(zero) = self.zero.as_ref().filter(|z| z.stage() >= 2) {
             // Whatever gave them one (the set-up, a window that failed): autograd makes them.
             zero.drop_bucket_grads(&self.params)?;
         }
@@ -671,7 +742,7 @@ impl Ddp {
     /// their shards are kept (a zero gradient given here would be a whole one more at the
     /// first step's peak).
     fn give_dense_grads(&self) -> Result<(), DdpError> {
-        match self.zero.as_ref().filter(|z| z.stage() == 2) {
+        match self.zero.as_ref().filter(|z| z.stage() >= 2) {
             Some(zero) => {
                 let others: Vec<Tensor> = (self.params.iter().enumerate())
                     .filter(|(i, _)| !zero.in_bucket(*i))
@@ -709,6 +780,38 @@ fn not_finite_norm(step: u64, grad_norm: f64) -> DdpError {
         step,
         detail: format!("the gradient norm is {grad_norm}; lower train.lr or check the data"),
     }
+}
+
+/// The buckets of a model with units, and their unit names: one per unit of `config.units` that holds
+/// dense parameters (`dense`, indices into `params`, named `names`), the last declared first
+/// (the order in which backward completes them), then the other dense parameters in the usual
+/// buckets, unnamed (each gathered for a whole window).
+fn unit_buckets(
+    names: &[String],
+    dense: &[usize],
+    params: &[Tensor],
+    config: &DdpConfig,
+) -> (Vec<Vec<usize>>, Vec<Option<String>>) {
+    let unit_of = |i: usize| (config.units.iter()).position(|u| names[i].starts_with(u.as_str()));
+    let mut buckets = Vec::new();
+    let mut labels = Vec::new();
+    for (u, unit) in config.units.iter().enumerate().rev() {
+        let members: Vec<usize> = (dense.iter().copied())
+            .filter(|&i| unit_of(i) == Some(u))
+            .collect();
+        if !members.is_empty() {
+            buckets.push(members);
+            labels.push(Some(unit.clone()));
+        }
+    }
+    let rest: Vec<usize> = (dense.iter().copied())
+        .filter(|&i| unit_of(i).is_none())
+        .collect();
+    for bucket in make_buckets(params, &rest, config.bucket_bytes) {
+        buckets.push(bucket);
+        labels.push(None);
+    }
+    (buckets, labels)
 }
 
 /// Gives each of `params` that has no gradient yet a dense zero one. An embedding whose
@@ -756,3 +859,6 @@ fn make_buckets(params: &[Tensor], which: &[usize], bucket_bytes: usize) -> Vec<
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod zero3_tests;

@@ -306,6 +306,19 @@ impl AdamW {
     /// elements this optimizer keeps of it ([`AdamW::with_elements`]), 1-d, instead of its
     /// `.grad()`: ZeRO stage 2 keeps nothing else of the gradient.
     pub fn step_with(&mut self, params: &[Tensor], lr: f64, parts: &[Option<Tensor>]) {
+        self.step_parts(params, lr, parts, &[])
+    }
+
+    /// [`AdamW::step_with`], with `values[i]` (where given) as parameter `i`'s values over the
+    /// elements this optimizer keeps of it, 1-d, updated in place of the parameter's own: ZeRO
+    /// stage 3 keeps nothing else of them between uses.
+    pub fn step_parts(
+        &mut self,
+        params: &[Tensor],
+        lr: f64,
+        parts: &[Option<Tensor>],
+        values: &[Option<Tensor>],
+    ) {
         assert_eq!(
             params.len(),
             self.exp_avg.len(),
@@ -356,7 +369,10 @@ impl AdamW {
             let (p, g, mut m, mut v) = match (rows, elements) {
                 (_, Some(e)) if e.is_empty() => continue,
                 (_, Some(e)) => (
-                    flat_part(param, e),
+                    match values.get(i).and_then(Option::as_ref) {
+                        Some(kept) => kept.shallow_clone(),
+                        None => flat_part(param, e),
+                    },
                     match part {
                         Some(_) => grad,
                         None => flat_part(&grad, e),

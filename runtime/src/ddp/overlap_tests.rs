@@ -137,6 +137,7 @@ fn train_mlp(
             shard_optimizer: false,
             overlap_backward: overlap,
             zero: 0,
+            units: Vec::new(),
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).map_err(|e| e.to_string())?;
         assert_eq!(ddp.overlaps_backward(), overlap);

@@ -44,6 +44,7 @@ fn a_plain_mlp_trains_data_parallel_through_the_runtime_alone() {
             shard_optimizer: false,
             overlap_backward: false,
             zero: 0,
+            units: Vec::new(),
         };
         let world = ring.world_size();
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
@@ -276,6 +277,7 @@ fn train_embeddings_on(
                 Keep::Zero2 => 2,
                 _ => 0,
             },
+            units: Vec::new(),
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         let exchanged = if sparse && world > 1 { 2 } else { 0 };
@@ -561,6 +563,7 @@ fn the_check_sees_a_rank_off_the_shared_table() {
             shard_optimizer: false,
             overlap_backward: false,
             zero: 0,
+            units: Vec::new(),
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         assert_eq!(ddp.shared_tables(), vec!["items"]);
@@ -700,6 +703,7 @@ fn linear_engine(
         shard_optimizer: false,
         overlap_backward: true,
         zero: 0,
+        units: Vec::new(),
     };
     let ddp = Ddp::new(comm, &vs, config).unwrap();
     let adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.0);

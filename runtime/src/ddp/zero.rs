@@ -94,6 +94,10 @@ pub(super) struct ZeroLayout {
     /// once it has joined; the lock makes the layout shareable with that thread, it is never
     /// contended); `None` under stage 1.
     grad_shards: Option<Mutex<Vec<Tensor>>>,
+    /// Stage 3: per bucket, this rank's shard of the parameters' values, the only copy kept
+    /// between uses (the update writes it; [`ZeroLayout::gather_bucket`] makes the whole
+    /// values from every rank's); `None` under stages 1 and 2.
+    param_shards: Option<Mutex<Vec<Tensor>>>,
     rank: usize,
 }
 
@@ -128,6 +132,7 @@ impl ZeroLayout {
             elements: Vec::new(),
             place: vec![None; params.len()],
             grad_shards: None,
+            param_shards: None,
             rank: comm.rank(),
         };
         for (members, len) in buckets.iter().zip(lens) {
@@ -157,28 +162,129 @@ impl ZeroLayout {
             let in_buckets = buckets.iter().flatten().map(|&i| &params[i]);
             if let Some(p) = in_buckets.clone().find(|p| p.kind() != Kind::Float) {
                 return Err(DdpError::Internal(format!(
-                    "ZeRO stage 2 keeps f32 gradient shards; a parameter of shape {:?} is {:?}",
+                    "ZeRO stages 2 and 3 keep f32 shards; a parameter of shape {:?} is {:?}",
                     p.size(),
                     p.kind()
                 )));
             }
             let device = params.first().map_or(Device::Cpu, Tensor::device);
             let shard = |b: &Bucket| b.shards[layout.rank].len() as i64;
-            let shards = (layout.buckets.iter())
-                .map(|b| Tensor::f_zeros([shard(b)], (Kind::Float, device)))
-                .collect::<Result<_, _>>()?;
-            layout.grad_shards = Some(Mutex::new(shards));
+            let shards = || -> Result<Vec<Tensor>, tch::TchError> {
+                (layout.buckets.iter())
+                    .map(|b| Tensor::f_zeros([shard(b)], (Kind::Float, device)))
+                    .collect()
+            };
+            layout.grad_shards = Some(Mutex::new(shards()?));
+            if stage >= 3 {
+                layout.param_shards = Some(Mutex::new(shards()?));
+            }
         }
         Ok(layout)
     }
 
-    /// The stage this layout serves: 2 with gradient shards, else 1.
+    /// The stage this layout serves: 3 with parameter shards, 2 with gradient shards, else 1.
     pub(super) fn stage(&self) -> u8 {
-        if self.grad_shards.is_some() {
-            2
-        } else {
-            1
+        match (&self.param_shards, &self.grad_shards) {
+            (Some(_), _) => 3,
+            (None, Some(_)) => 2,
+            (None, None) => 1,
         }
+    }
+
+    /// The bucket parameter `i` is in, if any.
+    pub(super) fn bucket_of(&self, i: usize) -> Option<usize> {
+        self.place.get(i).copied().flatten().map(|(b, _)| b)
+    }
+
+    /// The parameters of bucket `b` (indices into the engine's).
+    pub(super) fn members(&self, b: usize) -> &[usize] {
+        &self.buckets[b].params
+    }
+
+    /// How many buckets there are.
+    pub(super) fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Stage 3: copies this rank's elements of every bucket's whole parameters (the values
+    /// every rank has after the broadcast, a checkpoint's load or a gathering) into its
+    /// parameter shards, which are the values from then on.
+    pub(super) fn take_param_shards(&self, params: &[Tensor]) -> Result<(), DdpError> {
+        let Some(shards) = &self.param_shards else {
+            return Ok(());
+        };
+        let shards = shards.lock().unwrap_or_else(PoisonError::into_inner);
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            let own = &bucket.shards[self.rank];
+            for (&i, &at) in bucket.params.iter().zip(&bucket.offsets) {
+                let part = intersect(&(at..at + self.numel(i)), own);
+                if part.is_empty() {
+                    continue;
+                }
+                let len = part.len() as i64;
+                let values = params[i]
+                    .f_view([-1])?
+                    .f_narrow(0, (part.start - at) as i64, len)?;
+                shards[b]
+                    .f_narrow(0, (part.start - own.start) as i64, len)?
+                    .f_copy_(&values)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stage 3: bucket `b`'s parameters' whole values (`members`, its parameters in order),
+    /// from every rank's shard, into their storage (given memory again where it was released;
+    /// see [`super::gate`]).
+    pub(super) fn gather_bucket(
+        &self,
+        comm: &mut dyn Collective,
+        b: usize,
+        members: &[Tensor],
+        ctx: OpContext,
+    ) -> Result<(), DdpError> {
+        let Some(shards) = &self.param_shards else {
+            return Err(DdpError::Internal(
+                "a stage 3 gathering without parameter shards".into(),
+            ));
+        };
+        let bucket = &self.buckets[b];
+        let own = &bucket.shards[self.rank];
+        let shard = shards.lock().unwrap_or_else(PoisonError::into_inner)[b].shallow_clone();
+        let mut flat = Tensor::f_empty([bucket.len as i64], (Kind::Float, shard.device()))?;
+        flat.f_narrow(0, own.start as i64, own.len() as i64)?
+            .f_copy_(&shard)?;
+        comm.all_gather_shards(&mut flat, ctx)?;
+        for (p, &at) in members.iter().zip(&bucket.offsets) {
+            let values = flat.f_narrow(0, at as i64, p.numel() as i64)?;
+            super::gate::refill(p, &values)?;
+        }
+        Ok(())
+    }
+
+    /// Under stage 3, per parameter, its values over the elements this rank keeps (views of
+    /// the parameter shards, for [`crate::optim::AdamW::step_parts`]); empty otherwise.
+    pub(super) fn own_values(&self) -> Result<Vec<Option<Tensor>>, DdpError> {
+        let Some(shards) = &self.param_shards else {
+            return Ok(Vec::new());
+        };
+        let shards = shards.lock().unwrap_or_else(PoisonError::into_inner);
+        (self.elements.iter().enumerate())
+            .map(|(i, e)| {
+                let (Some(e), Some((b, at))) = (e, self.place[i]) else {
+                    return Ok(None);
+                };
+                if e.is_empty() {
+                    return Ok(None);
+                }
+                let start = at + e.start as usize - self.buckets[b].shards[self.rank].start;
+                Ok(Some(shards[b].f_narrow(
+                    0,
+                    start as i64,
+                    e.end - e.start,
+                )?))
+            })
+            .collect()
     }
 
     /// Whether parameter `i` is in a dense bucket (its gradient is dropped under stage 2).

@@ -44,7 +44,7 @@ impl Ddp {
     /// The ZeRO stage in effect: the one [`super::DdpConfig::zero`] asked for where it applies
     /// (several ranks, not sharded through shared memory), else 0.
     pub fn zero_stage(&self) -> u8 {
-        self.zero.as_ref().map_or(0, ZeroLayout::stage)
+        self.zero.as_ref().map_or(0, |z| z.stage())
     }
 
     /// ZeRO's reduction, clipping and update, after the summary (`summary` names the
@@ -57,17 +57,15 @@ impl Ddp {
         ctx: OpContext,
         time: &mut StepTime,
     ) -> Result<f64, DdpError> {
-        let zero = (self.zero.take())
+        let zero = (self.zero.clone())
             .ok_or_else(|| DdpError::Internal("a ZeRO step without its layout".into()))?;
         let made_here = zero.elements();
-        let done = match (0..self.params.len()).all(|i| optimizer.elements_kept(i) == made_here[i]) {
+        match (0..self.params.len()).all(|i| optimizer.elements_kept(i) == made_here[i]) {
             true => self.zero_update_with(&zero, summary, optimizer, lr, ctx, time),
             false => Err(DdpError::Internal(
                 "under ZeRO the optimizer must come from Ddp::optimizer (it keeps this rank's shard)".into(),
             )),
-        };
-        self.zero = Some(zero);
-        done
+        }
     }
 
     fn zero_update_with(
@@ -81,7 +79,11 @@ impl Ddp {
     ) -> Result<f64, DdpError> {
         let reducing = Instant::now();
         self.reduce_sparse(summary, ctx)?;
-        if self.overlap.is_none() {
+        let reduced = match &self.gate {
+            Some(_) => self.reduced_in_backward,
+            None => self.overlap.is_some(),
+        };
+        if !reduced {
             zero.reduce_scatter(self.comm.as_mut(), &self.params, ctx)?;
         }
         let rows = zero.all_row_sums(self.comm.as_mut(), &self.params, ctx)?;
@@ -116,10 +118,14 @@ impl Ddp {
         if let Some(shared) = &self.shared {
             shared.attach(optimizer)?;
         }
-        optimizer.step_with(&self.params, lr, &zero.own_grads(&self.params)?);
+        let (grads, values) = (zero.own_grads(&self.params)?, zero.own_values()?);
+        optimizer.step_parts(&self.params, lr, &grads, &values);
         time.update += updating.elapsed();
         let gathering = Instant::now();
-        zero.all_gather_params(self.comm.as_mut(), &self.params, ctx)?;
+        // Stage 3 keeps the updated shards: each unit is gathered where it is used next.
+        if zero.stage() < 3 {
+            zero.all_gather_params(self.comm.as_mut(), &self.params, ctx)?;
+        }
         if self.shared.is_some() {
             self.comm.barrier(ctx)?;
         }
