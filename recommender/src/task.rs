@@ -224,6 +224,16 @@ impl RecTask {
     pub fn checkpointed_blocks(&self) -> usize {
         self.model.checkpointed_blocks()
     }
+
+    /// The model's ZeRO stage 3 units (GPT-2's blocks in dynamic mode), in forward order.
+    pub fn units(&self) -> Vec<String> {
+        self.model.units()
+    }
+
+    /// See [`Recommender::set_param_gate`].
+    pub fn set_param_gate(&mut self, gate: runtime::ddp::ParamGate) {
+        self.model.set_param_gate(gate);
+    }
 }
 
 /// Dynamic mode: `freeze_gpt2` freezes every GPT-2 variable; `trainable_layers = N` leaves only

@@ -435,9 +435,16 @@ impl Ddp {
             "the shared-memory optimizer (dist.shard_optimizer) reduces each share after backward; set dist.shard_optimizer = false and dist.zero = 0 to overlap an all-reduce instead".to_string()
         } else if self.bucket_count() == 0 {
             "the model has no dense gradients to all-reduce".to_string()
+        } else if self.gate.is_some() {
+            "ZeRO stage 3 reduce-scatters each unit during the backward pass itself".to_string()
         } else {
             return None;
         })
+    }
+
+    /// How many units ZeRO stage 3 gathers one at a time (0 where it does not apply).
+    pub fn gathered_units(&self) -> usize {
+        self.gate.as_ref().map_or(0, |g| g.gate.units())
     }
 
     /// Whether the buckets' all-reduce overlaps the backward pass

@@ -38,6 +38,14 @@ impl Task for RecTask {
         RecTask::embedding_tables(self)
     }
 
+    fn units(&self) -> Vec<String> {
+        RecTask::units(self)
+    }
+
+    fn set_param_gate(&mut self, gate: runtime::ddp::ParamGate) {
+        RecTask::set_param_gate(self, gate);
+    }
+
     fn rows_used(&self, table: &str) -> Option<&[i64]> {
         RecTask::rows_used(self, table)
     }

@@ -293,7 +293,7 @@ fn check_dist(dist: &DistConfig) -> Result<(), ConfigError> {
             return Err(ConfigError::invalid(
                 "dist.zero",
                 format!(
-                    "must be 0, 1, 2 or \"auto\" (got {stage}): stage 1 shards AdamW's moments, stage 2 also the gradients; stage 3 (the parameters) is not built yet"
+                    "must be 0, 1, 2, 3 or \"auto\" (got {stage}): stage 1 shards AdamW's moments, stage 2 also the gradients, stage 3 also the parameters"
                 ),
             ));
         }

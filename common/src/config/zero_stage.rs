@@ -15,8 +15,9 @@ pub enum ZeroStage {
 
 impl ZeroStage {
     /// The stages that are built, in order of the traffic a step moves (stages 1 and 2 move
-    /// DDP's bytes: a reduce-scatter and an all-gather are an all-reduce's two halves).
-    pub const BUILT: [u8; 3] = [0, 1, 2];
+    /// DDP's bytes: a reduce-scatter and an all-gather are an all-reduce's two halves; stage 3
+    /// gathers the parameters twice, 1.5x).
+    pub const BUILT: [u8; 4] = [0, 1, 2, 3];
 
     /// The stage to plan and run with: a chosen one as it is; `"auto"` not yet resolved counts
     /// as stage 0 (every rank keeps everything, the most memory: an estimate on the safe side).
@@ -66,7 +67,7 @@ impl serde::Serialize for ZeroStage {
 impl<'de> serde::Deserialize<'de> for ZeroStage {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<ZeroStage, D::Error> {
         struct Visitor;
-        const EXPECTED: &str = "0, 1, 2 or \"auto\"";
+        const EXPECTED: &str = "0, 1, 2, 3 or \"auto\"";
         impl serde::de::Visitor<'_> for Visitor {
             type Value = ZeroStage;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -75,7 +76,7 @@ impl<'de> serde::Deserialize<'de> for ZeroStage {
             fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ZeroStage, E> {
                 match u8::try_from(v) {
                     Ok(s) if s <= 3 => Ok(ZeroStage::Stage(s)),
-                    // 3 reaches validation, which says it is not built yet.
+                    // Validation says which of them are built.
                     _ => Err(E::custom(format!("must be {EXPECTED} (got {v})"))),
                 }
             }

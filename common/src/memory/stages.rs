@@ -122,15 +122,19 @@ pub fn stage_lines(fits: &[StageFit], budget: u64) -> Vec<String> {
         let first = fits.first().map_or(0, |f| f.estimate.term(name));
         fits.iter().any(|f| f.estimate.term(name) != first)
     };
-    let names: Vec<&'static str> = fits
-        .first()
-        .map(|f| f.estimate.terms.iter().map(|t| t.name).collect())
-        .unwrap_or_default();
+    // Every stage's terms, in order of first appearance (stage 3 has terms of its own).
+    let mut names: Vec<&'static str> = Vec::new();
+    for t in fits.iter().flat_map(|f| &f.estimate.terms) {
+        if !names.contains(&t.name) {
+            names.push(t.name);
+        }
+    }
     let varying: Vec<&str> = names.into_iter().filter(|n| differ(n)).collect();
     fits.iter()
         .map(|f| {
             let mut line = format!("stage {}:", f.stage);
-            for name in &varying {
+            let has = |name: &str| f.estimate.terms.iter().any(|t| t.name == name);
+            for name in varying.iter().filter(|n| has(n)) {
                 let _ = write!(line, " {name} {},", mib_text(f.estimate.term(name)));
             }
             let peak = f.estimate.peak_bytes();
@@ -229,8 +233,8 @@ mod tests {
     fn ranks_agree_on_the_smallest_micro_per_stage() {
         let a = vec![(0, 64), (1, 64)];
         let b = vec![(0, 0), (1, 32)];
-        assert_eq!(agree(&[a, b]), vec![(0, 0), (1, 32), (2, 0)]);
-        assert_eq!(agree(&[]), vec![(0, 0), (1, 0), (2, 0)]);
+        assert_eq!(agree(&[a, b]), vec![(0, 0), (1, 32), (2, 0), (3, 0)]);
+        assert_eq!(agree(&[]), vec![(0, 0), (1, 0), (2, 0), (3, 0)]);
     }
 
     #[test]
@@ -239,22 +243,29 @@ mod tests {
         let p = plan(256, 64, 1, 4);
         let at = Placement::new(DeviceKind::Cuda, 4);
         let need = |stage| estimate(&with_stage(&c, stage), &p, &data(), at).peak_bytes();
-        let (zero, one, two) = (need(0), need(1), need(2));
+        let (zero, one, two, three) = (need(0), need(1), need(2), need(3));
         assert!(one < zero, "stage 1 shards the moments: {one} vs {zero}");
         // This model's gradients fit in fewer than two buckets: stage 2 holds them whole
         // during backward, and its shards on top.
         assert!(two > one, "stage 2 on a small model: {two} vs {one}");
+        // Stage 3 without units gathers every parameter for each step: no less again.
+        assert!(
+            three > one,
+            "stage 3 on a model without units: {three} vs {one}"
+        );
         let budget = ((one + one.max(zero.min(two))) as f64 / 2.0 / (1.0 - SAFETY_MARGIN)) as u64;
         let fits = stage_fits(&c, &[p], &data(), at, budget);
         let micro: Vec<(u8, u64)> = fits.iter().map(|f| (f.stage, f.micro())).collect();
-        assert_eq!(micro, vec![(0, 0), (1, 64), (2, 0)]);
+        assert_eq!(micro, vec![(0, 0), (1, 64), (2, 0), (3, 0)]);
         assert_eq!(choose(&micro), Some(1));
         let lines = stage_lines(&fits, budget);
-        assert!(lines[0].starts_with("stage 0: gradients "), "{lines:?}");
+        assert!(lines[0].starts_with("stage 0: parameters "), "{lines:?}");
+        assert!(lines[3].contains("gathered parameters "), "{lines:?}");
         assert!(lines[0].contains("optimizer (AdamW) "), "{lines:?}");
         assert!(lines[0].contains("short by"), "{lines:?}");
         assert!(lines[1].ends_with("at micro 64: fits"), "{lines:?}");
         assert!(lines[2].contains("short by"), "{lines:?}");
+        assert!(lines[3].contains("short by"), "{lines:?}");
     }
 
     #[test]

@@ -200,6 +200,10 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         gradients_term(x, s),
         optimizer_term(x, s),
     ];
+    if let Some(units) = stage_3_units(x, s) {
+        terms[0] = stage_3_parameters(x, s, &parts);
+        terms.extend(gathered_terms(x, s, units));
+    }
     if shared > 0 {
         terms.push(shared_term(x, shared));
     }
@@ -240,6 +244,63 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
     terms
 }
 
+/// Under ZeRO stage 3 (where it applies), the units it gathers one at a time: (values in one,
+/// in all of them), GPT-2's trained blocks; (0, 0) without them (everything is then gathered
+/// for each whole step). `None` where stage 3 does not apply.
+fn stage_3_units(x: &Inputs<'_>, s: &Sizes) -> Option<(u64, u64)> {
+    if x.config.dist.zero.stage() < 3 || s.zero_sharded == 0 {
+        return None;
+    }
+    let unit = if s.trained_blocks > 0 && s.gpt2_trainable > 0 {
+        x.gpt2.block_params()
+    } else {
+        0
+    };
+    Some((unit, (unit * s.trained_blocks).min(s.zero_sharded)))
+}
+
+/// Stage 3's parameters between uses: every value not sharded, and this rank's shard of the
+/// dense ones.
+fn stage_3_parameters(x: &Inputs<'_>, s: &Sizes, parts: &str) -> MemoryTerm {
+    let (params, sharded) = (s.params, s.zero_sharded);
+    let world = x.plan.world_size.max(1);
+    MemoryTerm {
+        name: "parameters",
+        bytes: (params - s.shared - sharded + sharded.div_ceil(world)) * F32,
+        held: Held::Always,
+        detail: format!(
+            "{params} f32: {parts}; of {sharded} dense ones 1/{world} kept between uses (dist.zero = 3)"
+        ),
+    }
+}
+
+/// Stage 3's gathered values: during a step the ones outside the units whole and two units
+/// (the one running and the buffer of the next gathering); during evaluations and
+/// checkpoints every dense value whole.
+fn gathered_terms(x: &Inputs<'_>, s: &Sizes, (unit, in_units): (u64, u64)) -> [MemoryTerm; 2] {
+    let sharded = s.zero_sharded;
+    let window = sharded - in_units;
+    [
+        MemoryTerm {
+            name: "gathered parameters",
+            bytes: (window + 2 * unit).min(sharded) * F32,
+            held: Held::Training,
+            detail: format!(
+                "{window} f32 whole for each step + 2 GPT-2 blocks of {unit} gathered at a time (dist.zero = 3)"
+            ),
+        },
+        MemoryTerm {
+            name: "gathered parameters (evaluation)",
+            bytes: sharded * F32,
+            held: Held::Eval,
+            detail: format!(
+                "{sharded} dense f32 whole for evaluations and checkpoints (dist.zero = 3, {} ranks)",
+                x.plan.world_size
+            ),
+        },
+    ]
+}
+
 /// The gradients: one per trainable value; under ZeRO stage 2, of the dense ones (those whose
 /// moments are sharded) this rank's shard, plus what is whole during backward: two buckets (the
 /// one filling and the one being reduce-scattered), or the largest parameter (a bucket of its
@@ -270,18 +331,24 @@ fn gradients_term(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
     if let Some(why) = whole {
         term.bytes = (trainable + shard) * F32;
         term.detail = format!(
-            "{trainable} trainable f32 whole {why}, + 1/{world} of {sharded} (dist.zero = 2)"
+            "{trainable} trainable f32 whole {why}, + 1/{world} of {sharded} (dist.zero = {})",
+            x.config.dist.zero.stage()
         );
         return term;
     }
     let bucket_mb = x.config.dist.bucket_mb;
     let bucket = (bucket_mb * MIB) as u64 / F32;
-    let in_flight = (2 * bucket)
+    let mut in_flight = (2 * bucket)
         .max(largest_trainable(x, s) + bucket)
         .min(sharded);
+    // Stage 3 reduces each unit once it is complete, the others after the last one.
+    if let Some((unit, in_units)) = stage_3_units(x, s).filter(|(unit, _)| *unit > 0) {
+        in_flight = (sharded - in_units + 2 * unit).min(sharded);
+    }
+    let stage = x.config.dist.zero.stage();
     term.bytes = (trainable - sharded + shard + in_flight) * F32;
     term.detail = format!(
-        "{} f32 + 1/{world} of {sharded} dense ones (dist.zero = 2) + {in_flight} whole during backward (2 buckets of dist.bucket_mb {bucket_mb}, or the largest parameter and a bucket)",
+        "{} f32 + 1/{world} of {sharded} dense ones (dist.zero = {stage}) + {in_flight} whole during backward (2 buckets of dist.bucket_mb {bucket_mb}, or the largest parameter and a bucket; under stage 3 those outside the units and 2 units)",
         trainable - sharded
     );
     term

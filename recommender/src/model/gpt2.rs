@@ -16,6 +16,7 @@ use std::cell::{Cell, RefCell};
 
 use common::config::Gpt2Preset;
 use common::memory::Gpt2Dims;
+use runtime::ddp::ParamGate;
 use serde::Deserialize;
 use tch::{nn, Kind, Tensor};
 
@@ -355,6 +356,11 @@ pub struct Gpt2 {
     pending: RefCell<Vec<Recompute>>,
     /// A training forward ran since the last `finish_backward` (checkpointing or not).
     trained: Cell<bool>,
+    /// Each block's variable-name prefix: its ZeRO stage 3 unit.
+    units: Vec<String>,
+    /// ZeRO stage 3's gate, where the engine shards the parameters: each block is gathered
+    /// around its forward and its backward (see [`Gpt2::set_param_gate`]).
+    gate: Option<ParamGate>,
 }
 
 impl Gpt2 {
@@ -370,6 +376,9 @@ impl Gpt2 {
         let h = (0..config.n_layer)
             .map(|i| Block::new(vs / "h" / i, config))
             .collect();
+        let units = (0..config.n_layer)
+            .map(|i| (vs / "h" / i).path(""))
+            .collect();
         Self {
             wte: normal(&(vs / "wte"), "weight", &[config.vocab_size, config.n_embd]),
             wpe: normal(
@@ -384,7 +393,41 @@ impl Gpt2 {
             checkpointing: false,
             pending: RefCell::new(Vec::new()),
             trained: Cell::new(false),
+            units,
+            gate: None,
         }
+    }
+
+    /// The blocks' variable-name prefixes, in forward order: the units ZeRO stage 3 gathers
+    /// one at a time (`runtime::ddp::DdpConfig::units`).
+    pub fn units(&self) -> &[String] {
+        &self.units
+    }
+
+    /// From now on each block's parameters are gathered through `gate` just before the block
+    /// runs, and released after (in a recorded forward, gathered again for its backward).
+    pub fn set_param_gate(&mut self, gate: ParamGate) {
+        self.gate = Some(gate);
+    }
+
+    /// Block `i` on `x`, its parameters gathered first; `release`: released after (the
+    /// recomputation of a checkpointed block leaves that to its backward).
+    fn run_block(&self, i: usize, x: &Tensor, train: bool, release: bool) -> Tensor {
+        // The forward cannot fail; a gathering that does (a peer gone) ends the rank as a
+        // failed libtorch call would, with the cause.
+        let gated = |what: &str, done: Result<(), runtime::ddp::DdpError>| {
+            if let Err(e) = done {
+                panic!("ZeRO stage 3 could not {what} GPT-2 block {i}: {e}");
+            }
+        };
+        if let Some(gate) = &self.gate {
+            gated("gather", gate.enter(&self.units[i]));
+        }
+        let y = self.h[i].forward(x, train);
+        if let (Some(gate), true) = (&self.gate, release) {
+            gated("release", gate.leave(&self.units[i], &[&y]));
+        }
+        y
     }
 
     /// Activation checkpointing: training forwards keep only each trainable block's input and
@@ -440,9 +483,9 @@ impl Gpt2 {
             None
         };
         let end = first.unwrap_or(self.h.len());
-        for (i, block) in self.h[..end].iter().enumerate() {
+        for i in 0..end {
             seed(i);
-            x = block.forward(&x, train);
+            x = self.run_block(i, &x, train, true);
         }
         if let Some(first) = first {
             let below = x.requires_grad().then(|| x.shallow_clone());
@@ -450,10 +493,10 @@ impl Gpt2 {
             let mut h = x.detach();
             {
                 let _no_grad = tch::no_grad_guard();
-                for (i, block) in self.h.iter().enumerate().skip(first) {
+                for i in first..self.h.len() {
                     inputs.push(h.shallow_clone());
                     seed(i);
-                    h = block.forward(&h, train);
+                    h = self.run_block(i, &h, train, true);
                 }
             }
             let output = h.set_requires_grad(true);
@@ -511,13 +554,14 @@ impl Gpt2 {
                 // This pass did not reach the loss.
                 continue;
             }
-            for (k, block) in self.h.iter().enumerate().skip(r.first).rev() {
+            for k in (r.first..self.h.len()).rev() {
                 let x = r.inputs[k - r.first].detach().set_requires_grad(true);
                 if let Some(s) = r.seeds.get(k - r.first) {
                     tch::manual_seed(*s);
                 }
-                // Only training passes are checkpointed: dropout is on.
-                let y = block.forward(&x, true);
+                // Only training passes are checkpointed: dropout is on. The block's backward
+                // follows at once: its gradients' hooks release it.
+                let y = self.run_block(k, &x, true, false);
                 // d(sum(y * g))/dθ = gᵀ ∂y/∂θ: the vector-Jacobian product backward needs.
                 (y * &grad).f_sum(Kind::Float)?.f_backward()?;
                 grad = x.grad();

@@ -363,6 +363,23 @@ impl Recommender {
         }
     }
 
+    /// The variable-name prefixes of the units ZeRO stage 3 gathers one at a time, in forward
+    /// order: GPT-2's blocks in dynamic mode; none otherwise (everything is then gathered for
+    /// each whole window).
+    pub fn units(&self) -> Vec<String> {
+        match &self.text {
+            Text::Dynamic { gpt2, .. } => gpt2.units().to_vec(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Hands ZeRO stage 3's gate to the parts that gather their units (GPT-2's blocks).
+    pub fn set_param_gate(&mut self, gate: runtime::ddp::ParamGate) {
+        if let Text::Dynamic { gpt2, .. } = &mut self.text {
+            gpt2.set_param_gate(gate);
+        }
+    }
+
     /// GPT-2 blocks each training forward checkpoints (0 without checkpointing or GPT-2).
     pub fn checkpointed_blocks(&self) -> usize {
         match &self.text {

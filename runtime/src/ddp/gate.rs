@@ -148,6 +148,14 @@ struct State {
 #[derive(Clone)]
 pub struct ParamGate(Arc<Shared>);
 
+impl std::fmt::Debug for ParamGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParamGate")
+            .field("units", &self.0.names)
+            .finish()
+    }
+}
+
 /// The engine's side: the gate and its gradient hooks, taken off when it is dropped.
 pub(super) struct Gate {
     pub(super) gate: ParamGate,
@@ -247,6 +255,11 @@ impl Drop for Lent<'_> {
 }
 
 impl ParamGate {
+    /// How many units the model declared that hold trainable parameters.
+    pub fn units(&self) -> usize {
+        self.0.names.iter().filter(|n| n.is_some()).count()
+    }
+
     /// Before unit `name`'s forward: its parameters' values, gathered from every rank's shard
     /// where they were released. Every rank must enter the same units in the same order.
     pub fn enter(&self, name: &str) -> Result<(), DdpError> {

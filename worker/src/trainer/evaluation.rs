@@ -24,6 +24,8 @@ impl Trainer<'_> {
         self.report_progress(common::progress::Phase::Evaluate, true);
         self.setup.memory.enter(Phase::Evaluation);
         let ctx = self.slow_ctx(self.progress.step);
+        // Under ZeRO stage 3 the evaluation reads every parameter whole (until the next step).
+        self.ddp.gather_params()?;
         let valid = self.task.evaluate(Split::Valid, self.ddp.comm(), ctx);
         let Some(m) = self.setup.memory.check(valid)? else {
             return Ok(());
@@ -131,6 +133,7 @@ impl Trainer<'_> {
             let t0 = Instant::now();
             self.setup.memory.enter(Phase::Evaluation);
             let ctx = self.slow_ctx(step);
+            self.ddp.gather_params()?;
             let metrics = self.task.evaluate(split, self.ddp.comm(), ctx);
             let Some(m) = self.setup.memory.check(metrics)? else {
                 continue;
@@ -146,6 +149,8 @@ impl Trainer<'_> {
     }
 
     pub(super) fn load_best(&mut self, step: u64) -> Result<(), TrainError> {
+        // Rank 0 loads into whole parameters (ZeRO stage 3 keeps shards between steps).
+        self.ddp.gather_params()?;
         let leader = self.leader();
         let failure = if leader {
             resume::load_best(

@@ -153,6 +153,10 @@ pub(super) fn log_sharing(ddp: &Ddp, config: &Config, grad_accum: usize) {
         2 => info!(
             "ZeRO stage 2 (dist.zero = 2): each of the {world} ranks keeps the AdamW moments and the reduced gradients of its shard of every gradient bucket only; gradients reduce-scattered, parameters all-gathered"
         ),
+        3 => info!(
+            "ZeRO stage 3 (dist.zero = 3): each of the {world} ranks keeps the parameters, AdamW moments and reduced gradients of its shard of every gradient bucket only; {} units (GPT-2 blocks) gathered around their forward and backward and reduce-scattered as backward completes each, the other parameters gathered for each step, every parameter for evaluations and checkpoints",
+            ddp.gathered_units()
+        ),
         _ => {}
     }
     if ddp.overlaps_backward() {
@@ -171,13 +175,23 @@ pub(super) fn log_sharing(ddp: &Ddp, config: &Config, grad_accum: usize) {
             "dist.zero = {zero_asked} does nothing in this run: dist.shard_optimizer (one CPU host, shared memory) runs instead, which shards the AdamW moments but keeps each rank's gradients whole; set dist.shard_optimizer = false for stage {zero_asked}"
         );
     }
-    if ddp.zero_stage() == 2 && grad_accum > 1 {
+    let stage = ddp.zero_stage();
+    if stage == 2 && grad_accum > 1 {
         warn!(
             "ZeRO stage 2 with batch.grad_accum = {grad_accum}: the micro-batches before the last keep whole gradients (DDP's sums need them), so the peak is stage 1's plus the gradient shards; dist.zero = 1 needs less here, or raise batch.micro to need no accumulation"
         );
-    } else if ddp.zero_stage() == 2 && config.model.activation_checkpointing {
+    } else if stage == 2 && config.model.activation_checkpointing {
         warn!(
             "ZeRO stage 2 with model.activation_checkpointing: the buckets are reduced once the recomputation is done, so the whole gradients exist at once and the peak is stage 1's plus the gradient shards; dist.zero = 1 needs less here"
+        );
+    } else if stage == 3 && (grad_accum > 1 || config.model.activation_checkpointing) {
+        warn!(
+            "ZeRO stage 3 with {}: the whole gradients exist at once (DDP's sums need them), so only the parameters' and moments' sharding saves memory here",
+            if grad_accum > 1 {
+                format!("batch.grad_accum = {grad_accum}")
+            } else {
+                "model.activation_checkpointing".to_string()
+            }
         );
     }
     if let Some(why) = overlap_asked.then(|| ddp.overlap_unavailable()).flatten() {

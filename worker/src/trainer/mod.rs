@@ -213,8 +213,7 @@ fn ddp_config(setup: &TrainSetup<'_>, task: &dyn Task, timeout: Duration) -> Ddp
         shard_optimizer: config.dist.shard_optimizer,
         overlap_backward: config.dist.overlap_backward,
         zero: config.dist.zero.stage(),
-        // Stage 3 is not offered by the config yet (the models do not declare their units).
-        units: Vec::new(),
+        units: task.units(),
     }
 }
 
@@ -326,6 +325,10 @@ impl<'t> Trainer<'t> {
         let config = &setup.plan.config;
         let timeout = Duration::from_secs(config.dist.timeout_s);
         let mut ddp = Ddp::new(comm, vs, ddp_config(setup, &*task, timeout))?;
+        // Under ZeRO stage 3 the model gathers its units through the engine's gate.
+        if let Some(gate) = ddp.param_gate() {
+            task.set_param_gate(gate);
+        }
         let (rank, world) = (ddp.rank(), ddp.world_size());
         if rank == 0 {
             let grad_accum = setup.plan.batch.grad_accum as usize;

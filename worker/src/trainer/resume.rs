@@ -422,6 +422,8 @@ impl Trainer<'_> {
     /// (including its failure, so nobody waits for a rank that gave up); the tensors travel by
     /// broadcast, so no shared file system is needed.
     pub(super) fn resume(&mut self) -> Result<(), TrainError> {
+        // Rank 0 loads into whole parameters (ZeRO stage 3 keeps shards between steps).
+        self.ddp.gather_params()?;
         let decision = if self.leader() {
             self.decide_resume()
         } else {

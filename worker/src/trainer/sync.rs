@@ -41,6 +41,9 @@ pub(super) fn save_checkpoint(
     ctx: OpContext,
 ) -> Result<(), TrainError> {
     state.world_size = ddp.world_size() as u64;
+    // Rank 0 saves whole parameters (ZeRO stage 3 keeps shards between steps): one format
+    // whatever the stage.
+    ddp.gather_params()?;
     saved_by_rank_0(
         ddp,
         |ddp| saver.save(dir, &ddp.named_variables(), optimizer_state, &state, keep),

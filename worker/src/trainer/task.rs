@@ -36,6 +36,14 @@ pub trait Task {
     fn take_data_time(&mut self) -> std::time::Duration {
         std::time::Duration::ZERO
     }
+    /// The model's units for ZeRO stage 3 (`runtime::ddp::DdpConfig::units`): variable-name
+    /// prefixes in forward order, each gathered around its use. Default: none.
+    fn units(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Receives ZeRO stage 3's gate, through which the model gathers its units. Default: the
+    /// task has no units.
+    fn set_param_gate(&mut self, _gate: runtime::ddp::ParamGate) {}
     /// Names of the variables that are embedding tables (few rows touched per step), whose
     /// gradients the engine may exchange row-sparse. Default: none.
     fn embedding_tables(&self) -> Vec<String> {
