@@ -126,6 +126,18 @@ char* gptrec_storage_refill(const at::Tensor* tensor, const at::Tensor* values) 
   });
 }
 
+// Gives `*tensor` (a leaf that requires grad) a dense zero gradient in place of whatever it has,
+// reading only its shape and options, never its values (which may be released). Returns
+// nullptr, or an error to free with gptrec_free_error.
+char* gptrec_give_zero_grad(const at::Tensor* tensor) {
+  return guarded([&] {
+    if (!tensor->defined() || !tensor->requires_grad()) {
+      throw std::runtime_error("not a tensor that requires grad");
+    }
+    tensor->mutable_grad() = at::zeros_like(*tensor, tensor->options().requires_grad(false));
+  });
+}
+
 // The number of bytes `*tensor`'s storage holds now (0 once released). Returns nullptr, or an
 // error to free with gptrec_free_error.
 char* gptrec_storage_bytes(const at::Tensor* tensor, int64_t* bytes) {

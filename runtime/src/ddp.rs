@@ -288,10 +288,11 @@ impl Ddp {
         // With units the buckets follow them at every stage: the ring's sums depend on where
         // an element lies in its bucket, so every stage must reduce the same buckets.
         let (buckets, unit_names) = match config.units.is_empty() {
-            true => (
-                make_buckets(&params, &dense, config.bucket_bytes),
-                Vec::new(),
-            ),
+            true => {
+                let buckets = make_buckets(&params, &dense, config.bucket_bytes);
+                let names = vec![None; buckets.len()];
+                (buckets, names)
+            }
             false => unit_buckets(&param_names, &dense, &params, &config),
         };
         let mut ddp = Ddp {
@@ -744,12 +745,29 @@ impl Ddp {
         Ok(())
     }
 
-    /// [`give_dense_grads`] to the parameters, but under ZeRO stage 2 to those outside the
-    /// buckets only: the buckets' gradients are made by autograd in backward and dropped once
-    /// their shards are kept (a zero gradient given here would be a whole one more at the
-    /// first step's peak).
+    /// [`give_dense_grads`] to the parameters, but under ZeRO stages 2 and 3 without
+    /// accumulation to those outside the buckets only: the buckets' gradients are made by
+    /// autograd in backward and dropped once their shards are kept (a zero gradient given here
+    /// would be a whole one more at the first step's peak). With accumulation they get one too,
+    /// as DDP's do: the micro-batches keep whole gradients anyway, and a row-sparse backward
+    /// must add into a dense gradient in DDP's order (sparse ones summed later would add a
+    /// row's parts in another order, other bits).
     fn give_dense_grads(&self) -> Result<(), DdpError> {
-        match self.zero.as_ref().filter(|z| z.stage() >= 2) {
+        let accumulating = self.config.grad_accum > 1;
+        if let (Some(zero), true) = (self.zero.as_ref().filter(|z| z.stage() == 3), accumulating) {
+            // Stage 3's values may be released: a zero gradient from the shape alone.
+            let (mut buckets, mut others) = (Vec::new(), Vec::new());
+            for (i, p) in self.params.iter().enumerate() {
+                match zero.in_bucket(i) {
+                    true => buckets.push(p),
+                    false => others.push(p.shallow_clone()),
+                }
+            }
+            buckets.into_iter().try_for_each(gate::give_zero_grad)?;
+            give_dense_grads(&others)?;
+            return Ok(());
+        }
+        match (self.zero.as_ref()).filter(|z| z.stage() >= 2 && !accumulating) {
             Some(zero) => {
                 let others: Vec<Tensor> = (self.params.iter().enumerate())
                     .filter(|(i, _)| !zero.in_bucket(*i))

@@ -467,7 +467,7 @@ fn zero_auto_stops_before_training_when_no_stage_fits_naming_each_term() {
 #[test]
 fn each_stages_estimate_holds_what_the_ranks_measure() {
     let dir = tempfile::tempdir().unwrap();
-    for stage in ["0", "1", "2"] {
+    for stage in ["0", "1", "2", "3"] {
         let zero = format!("dist.zero={stage}");
         let mut sets = WIDE_DENSE.to_vec();
         sets.push(&zero);

@@ -504,13 +504,6 @@ fn tensor_bytes(path: &Path) -> std::collections::BTreeMap<String, (String, Vec<
         .collect()
 }
 
-/// The newest checkpoint's directory of a run.
-fn latest_checkpoint(run_dir: &Path) -> PathBuf {
-    let checkpoints = run_dir.join("checkpoints");
-    let latest = std::fs::read_to_string(checkpoints.join("latest")).expect("checkpoints/latest");
-    checkpoints.join(latest.trim())
-}
-
 /// ZeRO stages 1 and 2 (`dist.zero = 1`, `2`; `shard_optimizer` off so that they apply on one
 /// host, dense tables so that they are sharded) give DDP's results, and their checkpoints are
 /// DDP's byte for byte (the moments gathered on save: one format whatever the stage), so a run

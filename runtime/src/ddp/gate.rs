@@ -11,10 +11,11 @@
 //! gathers the unit again for its backward). Once autograd has accumulated a declared unit's
 //! parameter's gradient, its values are released; in the window's last backward pass each unit,
 //! once all its gradients are there and the units before it are done, is reduce-scattered
-//! (stage 2's shard kept, the gradients dropped). Every collective runs on the thread that
-//! reaches it, at a point the model's structure fixes: the same sequence on every rank, as long
-//! as every parameter of a unit gets a gradient in every backward pass (DDP's own rule without
-//! `find_unused_parameters`); a unit left out is an error after the pass.
+//! (stage 2's shard kept, the gradients dropped); those a pass did not complete (a parameter
+//! the model did not use) after it, in order. Every collective runs on the thread that reaches
+//! it, at a point the model's structure fixes: the same sequence on every rank, as long as which
+//! parameters get a gradient does not depend on a rank's data (DDP's own rule without
+//! `find_unused_parameters`).
 //!
 //! Owns: which parameters hold values, the hooks (taken off when the engine drops its
 //! [`Gate`]) and the collective lent for a window. Must not: decide the layout (the layout
@@ -52,6 +53,7 @@ mod ffi {
             tensor: *const torch_sys::C_tensor,
             bytes: *mut i64,
         ) -> *mut c_char;
+        pub fn gptrec_give_zero_grad(tensor: *const torch_sys::C_tensor) -> *mut c_char;
         /// Takes ownership of `ctx` in every case.
         pub fn gptrec_set_before_backward(
             tensor: *const torch_sys::C_tensor,
@@ -91,6 +93,13 @@ pub(super) fn refill(p: &Tensor, values: &Tensor) -> Result<(), DdpError> {
         .map_err(shim_error)
 }
 
+/// Gives `p` a dense zero gradient without reading its values (which may be released).
+pub(super) fn give_zero_grad(p: &Tensor) -> Result<(), DdpError> {
+    // SAFETY: a live tch tensor; the shim reads its metadata and replaces its gradient, which
+    // no backward is using (the engine calls it before a window).
+    take_error(unsafe { ffi::gptrec_give_zero_grad(p.as_ptr()) }).map_err(shim_error)
+}
+
 /// How many bytes `p`'s storage holds now (0 once released).
 #[cfg(test)]
 pub(super) fn storage_bytes(p: &Tensor) -> Result<i64, DdpError> {
@@ -118,8 +127,6 @@ struct Shared {
     names: Vec<Option<String>>,
     /// Every name the model declared, with or without trainable parameters.
     declared: Vec<String>,
-    /// The engine's parameter names, for errors.
-    param_names: Vec<String>,
     state: Mutex<State>,
 }
 
@@ -192,7 +199,6 @@ impl Gate {
             layout,
             names,
             declared,
-            param_names: param_names.to_vec(),
             state: Mutex::new(state),
         });
         let mut gate = Gate {
@@ -359,28 +365,23 @@ impl ParamGate {
         state.armed = whole;
     }
 
-    /// Ends a window's computation (`ok`: it succeeded): the error a hook kept, if any; with an
-    /// armed pass, an error unless every unit was reduced; then every value released. Returns
-    /// whether the units were reduced during backward (else the engine reduces them).
+    /// Ends a window's computation (`ok`: it succeeded): the error a hook kept, if any; after an
+    /// armed pass, the units it did not complete (a parameter the model did not use: zero
+    /// gradients, as DDP's) reduced in order; then every value released. Returns whether the
+    /// units are reduced (else the engine reduces them all).
     pub(super) fn close(&self, ok: bool) -> Result<bool, DdpError> {
         let mut state = self.0.lock();
         if let Some(error) = state.error.take() {
             return Err(error);
         }
         let armed = std::mem::take(&mut state.armed);
-        let units = self.0.layout.bucket_count();
-        if ok && armed && state.next < units {
-            let missing = (self.0.layout.members(state.next).iter())
-                .find(|&&i| !state.accumulated[i])
-                .map_or("?", |&i| self.0.param_names[i].as_str());
-            return Err(DdpError::Internal(format!(
-                "ZeRO stage 3: `{missing}` got no gradient in the last backward pass; every parameter of a unit must get one in every pass (as DDP without find_unused_parameters)"
-            )));
+        if ok && armed {
+            self.0.reduce_from(&mut state, |_, _| true)?;
         }
-        for b in 0..units {
+        for b in 0..self.0.layout.bucket_count() {
             self.0.release_unit(&mut state, b)?;
         }
-        Ok(armed)
+        Ok(ok && armed)
     }
 
     fn members(&self, state: &State, b: usize) -> Vec<Tensor> {
@@ -474,14 +475,25 @@ impl Shared {
         if !state.armed {
             return Ok(());
         }
+        self.reduce_from(&mut state, |accumulated, members| {
+            members.iter().all(|&m| accumulated[m])
+        })
+    }
+
+    /// Reduce-scatters the units from the next one on, in order, while `ready` (given which
+    /// parameters were accumulated in this pass, and the unit's members) says so.
+    fn reduce_from(
+        &self,
+        state: &mut State,
+        ready: impl Fn(&[bool], &[usize]) -> bool,
+    ) -> Result<(), DdpError> {
         while state.next < self.layout.bucket_count() {
             let next = state.next;
             let members = self.layout.members(next);
-            if !members.iter().all(|&m| state.accumulated[m]) {
+            if !ready(&state.accumulated, members) {
                 break;
             }
-            let tensors: Vec<Tensor> = members
-                .iter()
+            let tensors: Vec<Tensor> = (members.iter())
                 .map(|&m| state.params[m].shallow_clone())
                 .collect();
             let Some(comm) = &state.comm else {

@@ -134,6 +134,13 @@ pub fn tiny_bpr_sets(output_dir: &Path) -> Vec<String> {
     .collect()
 }
 
+/// The newest checkpoint's directory of a run.
+pub fn latest_checkpoint(run_dir: &Path) -> PathBuf {
+    let checkpoints = run_dir.join("checkpoints");
+    let latest = std::fs::read_to_string(checkpoints.join("latest")).expect("checkpoints/latest");
+    checkpoints.join(latest.trim())
+}
+
 /// `launch ARGS...`, with piped output, in the repo root, without any job-shape variables of
 /// the environment the tests run in (Slurm's, `PET_*`, `LAUNCH_RUN_ID`): tests set their own.
 pub fn launch_cmd(args: &[&str]) -> Command {
