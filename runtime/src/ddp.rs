@@ -15,18 +15,23 @@ use crate::host_read;
 use crate::optim::{AdamW, OptimError};
 use crate::rows;
 
+mod buckets;
 mod gate;
+mod grads;
 mod host_shards;
 mod overlap;
 mod param_check;
+mod param_storage;
 mod sharded_step;
 mod shared_tables;
 mod summary;
 mod window;
 mod zero;
 mod zero_step;
+use buckets::{make_buckets, unit_buckets};
 use gate::Gate;
 pub use gate::ParamGate;
+pub use grads::give_dense_grads;
 pub use host_shards::mean_into;
 use host_shards::HostShards;
 use overlap::Overlap;
@@ -325,25 +330,7 @@ impl Ddp {
             ddp.shared = SharedTables::new(ddp.comm.as_mut(), &ddp.params, &tables, ctx)?;
         }
         if ddp.config.zero >= 1 && !alone && ddp.shards.is_none() {
-            let layout = std::sync::Arc::new(ZeroLayout::new(
-                ddp.comm.as_ref(),
-                &ddp.params,
-                &ddp.buckets,
-                ddp.config.zero,
-            )?);
-            if layout.stage() == 3 {
-                let declared = ddp.config.units.clone();
-                let gate = Gate::new(
-                    layout.clone(),
-                    &ddp.params,
-                    &ddp.param_names,
-                    unit_names,
-                    declared,
-                )?;
-                ddp.gate = Some(gate);
-            }
-            ddp.zero = Some(layout);
-            ddp.give_dense_grads()?;
+            ddp.set_up_zero(unit_names)?;
         }
         // Stage 2 reduces each bucket as backward goes: its point is that the whole gradients
         // never exist at once. Stage 3's gate does so itself, with the gatherings in between.
@@ -353,6 +340,21 @@ impl Ddp {
             ddp.overlap = Some(Overlap::new(&ddp.params, &ddp.param_names, &ddp.buckets)?);
         }
         Ok(ddp)
+    }
+
+    /// ZeRO's layout over the buckets (`unit_names`: each one's unit, for stage 3's gate).
+    fn set_up_zero(&mut self, unit_names: Vec<Option<String>>) -> Result<(), DdpError> {
+        let (params, stage) = (&self.params, self.config.zero);
+        let layout = ZeroLayout::new(self.comm.as_ref(), params, &self.buckets, stage)?;
+        let layout = std::sync::Arc::new(layout);
+        if layout.stage() == 3 {
+            let declared = self.config.units.clone();
+            let names = &self.param_names;
+            let gate = Gate::new(layout.clone(), params, names, unit_names, declared)?;
+            self.gate = Some(gate);
+        }
+        self.zero = Some(layout);
+        self.give_dense_grads()
     }
 
     /// Every step from now on samples `probe` and reports the ranks' largest value in
@@ -717,69 +719,6 @@ impl Ddp {
         Ok(())
     }
 
-    /// Zeroes every gradient before a step (giving dense ones first): a sparse table whose last
-    /// exchange was row-sparse only on the rows it exchanged, the only ones not zero (a whole
-    /// table is most of a step's memory traffic otherwise). Under ZeRO stage 2 the buckets'
-    /// parameters have none (their shards were kept, the gradients dropped): autograd makes
-    /// them in backward.
-    fn zero_grads(&mut self) -> Result<(), DdpError> {
-        if let Some(zero) = self.zero.as_ref().filter(|z| z.stage() >= 2) {
-            // Whatever gave them one (the set-up, a window that failed): autograd makes them.
-            zero.drop_bucket_grads(&self.params)?;
-        }
-        self.give_dense_grads()?;
-        let mut done = vec![false; self.params.len()];
-        for table in &mut self.sparse {
-            table.used = Some(vec![0.0; table.rows as usize]);
-            // Taken: until this step's exchange, nothing says which rows are non-zero.
-            if let Some(union) = table.union.take() {
-                rows::zero(&self.params[table.index].grad(), &union)?;
-                done[table.index] = true;
-            }
-        }
-        for (p, done) in self.params.iter_mut().zip(done) {
-            if !done {
-                p.zero_grad();
-            }
-        }
-        Ok(())
-    }
-
-    /// [`give_dense_grads`] to the parameters, but under ZeRO stages 2 and 3 without
-    /// accumulation to those outside the buckets only: the buckets' gradients are made by
-    /// autograd in backward and dropped once their shards are kept (a zero gradient given here
-    /// would be a whole one more at the first step's peak). With accumulation they get one too,
-    /// as DDP's do: the micro-batches keep whole gradients anyway, and a row-sparse backward
-    /// must add into a dense gradient in DDP's order (sparse ones summed later would add a
-    /// row's parts in another order, other bits).
-    fn give_dense_grads(&self) -> Result<(), DdpError> {
-        let accumulating = self.config.grad_accum > 1;
-        if let (Some(zero), true) = (self.zero.as_ref().filter(|z| z.stage() == 3), accumulating) {
-            // Stage 3's values may be released: a zero gradient from the shape alone.
-            let (mut buckets, mut others) = (Vec::new(), Vec::new());
-            for (i, p) in self.params.iter().enumerate() {
-                match zero.in_bucket(i) {
-                    true => buckets.push(p),
-                    false => others.push(p.shallow_clone()),
-                }
-            }
-            buckets.into_iter().try_for_each(gate::give_zero_grad)?;
-            give_dense_grads(&others)?;
-            return Ok(());
-        }
-        match (self.zero.as_ref()).filter(|z| z.stage() >= 2 && !accumulating) {
-            Some(zero) => {
-                let others: Vec<Tensor> = (self.params.iter().enumerate())
-                    .filter(|(i, _)| !zero.in_bucket(*i))
-                    .map(|(_, p)| p.shallow_clone())
-                    .collect();
-                give_dense_grads(&others)?;
-            }
-            None => give_dense_grads(&self.params)?,
-        }
-        Ok(())
-    }
-
     /// What clipping reads: each defined gradient, a sparse table's by its exchanged rows.
     fn clip_list(&self) -> Vec<ClipGrad<'_>> {
         let rows = |i: usize| {
@@ -805,81 +744,6 @@ fn not_finite_norm(step: u64, grad_norm: f64) -> DdpError {
         step,
         detail: format!("the gradient norm is {grad_norm}; lower train.lr or check the data"),
     }
-}
-
-/// The buckets of a model with units, and their unit names: one per unit of `config.units` that holds
-/// dense parameters (`dense`, indices into `params`, named `names`), the last declared first
-/// (the order in which backward completes them), then the other dense parameters in the usual
-/// buckets, unnamed (each gathered for a whole window).
-fn unit_buckets(
-    names: &[String],
-    dense: &[usize],
-    params: &[Tensor],
-    config: &DdpConfig,
-) -> (Vec<Vec<usize>>, Vec<Option<String>>) {
-    let unit_of = |i: usize| (config.units.iter()).position(|u| names[i].starts_with(u.as_str()));
-    let mut buckets = Vec::new();
-    let mut labels = Vec::new();
-    for (u, unit) in config.units.iter().enumerate().rev() {
-        let members: Vec<usize> = (dense.iter().copied())
-            .filter(|&i| unit_of(i) == Some(u))
-            .collect();
-        if !members.is_empty() {
-            buckets.push(members);
-            labels.push(Some(unit.clone()));
-        }
-    }
-    let rest: Vec<usize> = (dense.iter().copied())
-        .filter(|&i| unit_of(i).is_none())
-        .collect();
-    for bucket in make_buckets(params, &rest, config.bucket_bytes) {
-        buckets.push(bucket);
-        labels.push(None);
-    }
-    (buckets, labels)
-}
-
-/// Gives each of `params` that has no gradient yet a dense zero one. An embedding whose
-/// backward is sparse (`sparse = true`: a few rows instead of a dense table per micro-batch)
-/// then adds into it in place and the gradient stays dense, as the reduction and the optimizer
-/// need; left undefined, the first backward would store a sparse gradient instead. Refuses a
-/// gradient that is already sparse (it cannot be replaced).
-pub fn give_dense_grads(params: &[Tensor]) -> Result<(), tch::TchError> {
-    for p in params {
-        let grad = p.grad();
-        if grad.defined() && grad.is_sparse() {
-            return Err(tch::TchError::Torch(format!(
-                "a parameter of shape {:?} has a sparse gradient: give it a dense one (runtime::ddp::give_dense_grads) before its first backward",
-                p.size()
-            )));
-        }
-        if !grad.defined() && p.requires_grad() {
-            tch::with_grad(|| (p.f_sum(tch::Kind::Float)? * 0.0).f_backward())?;
-        }
-    }
-    Ok(())
-}
-
-/// Groups the parameters `which` (indices into `params`) into buckets of at most
-/// `bucket_bytes` of f32 gradient, in reverse order (the order backward produces gradients, as
-/// PyTorch's DDP does); a parameter larger than a bucket gets one of its own.
-fn make_buckets(params: &[Tensor], which: &[usize], bucket_bytes: usize) -> Vec<Vec<usize>> {
-    let mut buckets: Vec<Vec<usize>> = Vec::new();
-    let mut current: Vec<usize> = Vec::new();
-    let mut bytes = 0usize;
-    for &i in which.iter().rev() {
-        let size = params[i].numel() * 4;
-        if !current.is_empty() && bytes + size > bucket_bytes {
-            buckets.push(std::mem::take(&mut current));
-            bytes = 0;
-        }
-        current.push(i);
-        bytes += size;
-    }
-    if !current.is_empty() {
-        buckets.push(current);
-    }
-    buckets
 }
 
 #[cfg(test)]

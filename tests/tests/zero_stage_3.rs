@@ -118,7 +118,7 @@ fn stage_3_gives_ddps_records_and_checkpoints_on_gpt2_and_bpr() {
             let zero_3 = with(&ddp, &["dist.zero=3"]);
             let ran = run_ok(2, out, &name("zero-3"), &zero_3, &[]);
             ran.assert_stderr(format!(
-                "ZeRO stage 3 (dist.zero = 3): each of the 2 ranks keeps the parameters, AdamW moments and reduced gradients of its shard of every gradient bucket only; {units} units (GPT-2 blocks)"
+                "ZeRO stage 3 (dist.zero = 3): each of the 2 ranks keeps the parameters, AdamW moments and reduced gradients of its shard of every gradient bucket only; {units} units (GPT-2's blocks)"
             ));
             let at = format!("{model}, {variant}");
             let (want, got) = (

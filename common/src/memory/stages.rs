@@ -327,4 +327,41 @@ mod tests {
         let micro: Vec<(u8, u64)> = fits.iter().map(|f| (f.stage, f.micro())).collect();
         assert_eq!(choose(&micro), Some(0));
     }
+
+    /// Stage 3 on dynamic GPT-2 (124M, every weight trains, dense tables) at world 4: the
+    /// parameters term is the values not sharded and a quarter of the others; during a step
+    /// the values outside the blocks are whole and two blocks; for evaluations all of them;
+    /// and on a GPU its peak is below stage 2's, whose parameters are whole throughout.
+    #[test]
+    fn stage_3_counts_the_shards_the_values_outside_the_blocks_and_two_blocks() {
+        let mut c = Config::default();
+        c.model.text_mode = crate::config::TextMode::Dynamic;
+        c.model.preset = crate::config::Gpt2Preset::Gpt2;
+        c.dist.sparse_embeddings = false;
+        let p = plan(64, 4, 4, 4);
+        let at = Placement::new(DeviceKind::Cuda, 4);
+        let e = |stage| estimate(&with_stage(&c, stage), &p, &data(), at);
+        let (two, three) = (e(2), e(3));
+        let params = two.term("parameters");
+        let gpt2 = crate::memory::Gpt2Dims::of(crate::config::Gpt2Preset::Gpt2);
+        let block = gpt2.block_params() * 4;
+        let blocks = 12 * block;
+        assert!(
+            blocks > params / 2,
+            "the blocks are most of the model: {blocks} of {params}"
+        );
+        let values = params / 4;
+        assert_eq!(three.term("parameters"), values.div_ceil(4) * 4);
+        assert_eq!(
+            three.term("gathered parameters"),
+            params - blocks + 2 * block
+        );
+        assert_eq!(three.term("gathered parameters (evaluation)"), params);
+        assert!(
+            three.peak_bytes() < two.peak_bytes(),
+            "{} vs {}",
+            three.peak_bytes(),
+            two.peak_bytes()
+        );
+    }
 }

@@ -398,8 +398,11 @@ impl Gpt2 {
         }
     }
 
-    /// The blocks' variable-name prefixes, in forward order: the units ZeRO stage 3 gathers
-    /// one at a time (`runtime::ddp::DdpConfig::units`).
+    /// The units ZeRO stage 3 gathers one at a time (`runtime::ddp::DdpConfig::units`), in
+    /// forward order: the blocks. The embedding tables are not: the recommender runs GPT-2
+    /// several times a step (users' and items' texts, each micro-batch), and gathering its token
+    /// table for each lookup moved 2.5x DDP's bytes a step (`scripts/bench/zero3.sh`, tiny
+    /// preset, world 2); they are gathered once per step with the other parameters.
     pub fn units(&self) -> &[String] {
         &self.units
     }
@@ -413,21 +416,26 @@ impl Gpt2 {
     /// Block `i` on `x`, its parameters gathered first; `release`: released after (the
     /// recomputation of a checkpointed block leaves that to its backward).
     fn run_block(&self, i: usize, x: &Tensor, train: bool, release: bool) -> Tensor {
-        // The forward cannot fail; a gathering that does (a peer gone) ends the rank as a
-        // failed libtorch call would, with the cause.
-        let gated = |what: &str, done: Result<(), runtime::ddp::DdpError>| {
-            if let Err(e) = done {
-                panic!("ZeRO stage 3 could not {what} GPT-2 block {i}: {e}");
-            }
-        };
-        if let Some(gate) = &self.gate {
-            gated("gather", gate.enter(&self.units[i]));
-        }
+        let unit = &self.units[i];
+        self.gated(unit, "gather", |gate| gate.enter(unit));
         let y = self.h[i].forward(x, train);
-        if let (Some(gate), true) = (&self.gate, release) {
-            gated("release", gate.leave(&self.units[i], &[&y]));
+        if release {
+            self.gated(unit, "release", |gate| gate.leave(unit, &[&y]));
         }
         y
+    }
+
+    /// Runs `step` on the gate, if any. The forward cannot fail: a gathering that does (a peer
+    /// gone) ends the rank as a failed libtorch call would, with the cause.
+    fn gated(
+        &self,
+        unit: &str,
+        what: &str,
+        step: impl FnOnce(&ParamGate) -> Result<(), runtime::ddp::DdpError>,
+    ) {
+        if let Some(Err(e)) = self.gate.as_ref().map(step) {
+            panic!("ZeRO stage 3 could not {what} GPT-2's unit {unit}: {e}");
+        }
     }
 
     /// Activation checkpointing: training forwards keep only each trainable block's input and

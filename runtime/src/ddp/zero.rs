@@ -257,7 +257,7 @@ impl ZeroLayout {
         comm.all_gather_shards(&mut flat, ctx)?;
         for (p, &at) in members.iter().zip(&bucket.offsets) {
             let values = flat.f_narrow(0, at as i64, p.numel() as i64)?;
-            super::gate::refill(p, &values)?;
+            super::param_storage::refill(p, &values)?;
         }
         Ok(())
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 
-use super::gate::storage_bytes;
+use super::param_storage::storage_bytes;
 use super::{Ddp, DdpConfig, MicroBatchLoss, ParamGate};
 use crate::collective::tcp::{TcpCollective, TcpOptions};
 use crate::collective::Collective;
