@@ -16,6 +16,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -36,16 +37,19 @@ typedef void (*gptrec_hook_release_fn)(const void* ctx);
 
 namespace {
 
-// The parameter's storage, checked to hold exactly its values (a view into another tensor's
-// storage would free that tensor's values too).
+// The parameter's storage, checked to hold exactly its values, or nothing once released (a
+// view into another tensor's storage would free that tensor's values too).
 c10::StorageImpl* own_storage(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) {
     throw std::runtime_error("not a tensor with a storage");
   }
-  if (t.storage_offset() != 0 || !t.is_contiguous()) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  bool whole = storage->nbytes() == bytes || storage->nbytes() == 0;
+  if (t.storage_offset() != 0 || !t.is_contiguous() || !whole) {
     throw std::runtime_error("its values are not the whole of a contiguous storage");
   }
-  return t.storage().unsafeGetStorageImpl();
+  return storage;
 }
 
 // Calls Rust once per gradient that reaches the tensor; owns the context.
@@ -111,6 +115,8 @@ char* gptrec_storage_refill(const at::Tensor* tensor, const at::Tensor* values) 
     }
     size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
     if (storage->nbytes() != bytes) {
+      // On the tensor's device, whichever is current on this thread (as PyTorch's resize).
+      c10::DeviceGuard on_its_device(t.device());
       c10::Allocator* allocator = storage->allocator();
       if (allocator == nullptr) {
         allocator = c10::GetAllocator(t.device().type());

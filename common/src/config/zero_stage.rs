@@ -16,7 +16,8 @@ pub enum ZeroStage {
 impl ZeroStage {
     /// The stages that are built, in order of the traffic a step moves (stages 1 and 2 move
     /// DDP's bytes: a reduce-scatter and an all-gather are an all-reduce's two halves; stage 3
-    /// gathers the parameters twice, 1.5x).
+    /// gathers each unit for its forward and again for its backward, 1.5x for a model that runs
+    /// each unit once a micro-batch).
     pub const BUILT: [u8; 4] = [0, 1, 2, 3];
 
     /// The stage to plan and run with: a chosen one as it is; `"auto"` not yet resolved counts

@@ -330,10 +330,10 @@ mod tests {
 
     /// Stage 3 on dynamic GPT-2 (124M, every weight trains, dense tables) at world 4: the
     /// parameters term is the values not sharded and a quarter of the others; during a step
-    /// the values outside the blocks are whole and two blocks; for evaluations all of them;
+    /// the values outside the blocks are whole and three blocks; for evaluations all of them;
     /// and on a GPU its peak is below stage 2's, whose parameters are whole throughout.
     #[test]
-    fn stage_3_counts_the_shards_the_values_outside_the_blocks_and_two_blocks() {
+    fn stage_3_counts_the_shards_the_values_outside_the_blocks_and_three_blocks() {
         let mut c = Config::default();
         c.model.text_mode = crate::config::TextMode::Dynamic;
         c.model.preset = crate::config::Gpt2Preset::Gpt2;
@@ -354,7 +354,7 @@ mod tests {
         assert_eq!(three.term("parameters"), values.div_ceil(4) * 4);
         assert_eq!(
             three.term("gathered parameters"),
-            params - blocks + 2 * block
+            params - blocks + 3 * block
         );
         assert_eq!(three.term("gathered parameters (evaluation)"), params);
         assert!(

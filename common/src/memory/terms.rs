@@ -274,19 +274,19 @@ fn stage_3_parameters(x: &Inputs<'_>, s: &Sizes, parts: &str) -> MemoryTerm {
     }
 }
 
-/// Stage 3's gathered values: during a step the ones outside the units whole and two units
-/// (the one running and the buffer of the next gathering); during evaluations and
-/// checkpoints every dense value whole.
+/// Stage 3's gathered values: during a step the ones outside the units whole and three units
+/// (in backward the one whose pass just ran, the next one and the buffer it is gathered
+/// through); during evaluations and checkpoints every dense value whole.
 fn gathered_terms(x: &Inputs<'_>, s: &Sizes, (unit, in_units): (u64, u64)) -> [MemoryTerm; 2] {
     let sharded = s.zero_sharded;
     let window = sharded - in_units;
     [
         MemoryTerm {
             name: "gathered parameters",
-            bytes: (window + 2 * unit).min(sharded) * F32,
+            bytes: (window + 3 * unit).min(sharded) * F32,
             held: Held::Training,
             detail: format!(
-                "{window} f32 whole for each step + 2 GPT-2 blocks of {unit} gathered at a time (dist.zero = 3)"
+                "{window} f32 whole for each step + 3 GPT-2 blocks of {unit} (the one running, the next and its gathering buffer; dist.zero = 3)"
             ),
         },
         MemoryTerm {

@@ -420,7 +420,7 @@ impl Gpt2 {
         self.gated(unit, "gather", |gate| gate.enter(unit));
         let y = self.h[i].forward(x, train);
         if release {
-            self.gated(unit, "release", |gate| gate.leave(unit, &[&y]));
+            self.gated(unit, "release", |gate| gate.leave(unit, &[x], &[&y]));
         }
         y
     }

@@ -103,6 +103,9 @@ struct State {
     next: usize,
     /// The first error a hook met (hooks cannot return one to the engine).
     error: Option<DdpError>,
+    /// The most declared units that held their values at once since the last window opened.
+    #[cfg(test)]
+    most_held: usize,
 }
 
 /// ZeRO stage 3's handle for the model: see the module's documentation. Cheap to clone.
@@ -148,6 +151,8 @@ impl Gate {
             accumulated: vec![false; params.len()],
             next: 0,
             error: None,
+            #[cfg(test)]
+            most_held: 0,
         };
         let shared = Arc::new(Shared {
             layout,
@@ -215,6 +220,12 @@ impl Drop for Lent<'_> {
 }
 
 impl ParamGate {
+    /// The most declared units that held their values at once during the last window.
+    #[cfg(test)]
+    pub(super) fn most_units_held(&self) -> usize {
+        self.0.lock().most_held
+    }
+
     /// How many units the model declared that hold trainable parameters.
     pub fn units(&self) -> usize {
         self.0.names.iter().filter(|n| n.is_some()).count()
@@ -230,10 +241,20 @@ impl ParamGate {
         self.0.gather(&mut state, unit)
     }
 
-    /// After unit `name`'s forward, given its outputs: releases its parameters' values and, in a
-    /// forward that autograd records, hooks each output that requires grad so that the unit is
-    /// gathered again before its backward runs.
-    pub fn leave(&self, name: &str, outputs: &[&Tensor]) -> Result<(), DdpError> {
+    /// After unit `name`'s forward, given its inputs and outputs: releases its parameters'
+    /// values and, in a forward that autograd records, hooks each output that requires grad so
+    /// that the unit is gathered again before its backward runs, and each input that requires
+    /// grad so that its values go again once that backward is done (the gradient with respect
+    /// to an input is complete only after every node of the unit that reads its values has
+    /// run). Without the second hook a unit the model runs twice a micro-batch (the recommender
+    /// runs GPT-2 on users' and items' texts) would stay gathered from the first pass's
+    /// backward until the second's, and every block with it.
+    pub fn leave(
+        &self,
+        name: &str,
+        inputs: &[&Tensor],
+        outputs: &[&Tensor],
+    ) -> Result<(), DdpError> {
         let Some(unit) = self.0.unit(name)? else {
             return Ok(());
         };
@@ -245,22 +266,36 @@ impl ParamGate {
             self.0.release_unit(&mut state, unit)?;
         }
         // Under no_grad nothing requires grad: no backward will come.
-        for output in outputs.iter().filter(|t| t.requires_grad()) {
-            let ctx = Arc::into_raw(Arc::clone(&self.0)) as *const c_void;
-            // SAFETY: a live tch tensor; the shim takes ownership of `ctx` (an `Arc` reference,
-            // released by `release_shared`) whatever happens.
-            let error = unsafe {
-                ffi::gptrec_set_before_backward(
-                    output.as_ptr(),
-                    before_backward,
-                    release_shared,
-                    ctx,
-                    unit as i64,
-                )
-            };
-            take_error(error).map_err(shim_error)?;
+        let needing = |ts: &[&Tensor]| -> Vec<Tensor> {
+            (ts.iter())
+                .filter(|t| t.requires_grad())
+                .map(|t| t.shallow_clone())
+                .collect()
+        };
+        for output in needing(outputs) {
+            self.hook(&output, before_backward, unit)?;
+        }
+        for input in needing(inputs) {
+            self.hook(&input, after_backward, unit)?;
         }
         Ok(())
+    }
+
+    /// Runs `call` with unit `unit` each time autograd has computed the gradient with respect
+    /// to `tensor`.
+    fn hook(
+        &self,
+        tensor: &Tensor,
+        call: ffi::BeforeBackward,
+        unit: usize,
+    ) -> Result<(), DdpError> {
+        let ctx = Arc::into_raw(Arc::clone(&self.0)) as *const c_void;
+        // SAFETY: a live tch tensor; the shim takes ownership of `ctx` (an `Arc` reference,
+        // released by `release_shared`) whatever happens.
+        let error = unsafe {
+            ffi::gptrec_set_before_backward(tensor.as_ptr(), call, release_shared, ctx, unit as i64)
+        };
+        take_error(error).map_err(shim_error)
     }
 
     /// Gathers every unit and keeps all values until the next window (for an evaluation, a
@@ -299,6 +334,10 @@ impl ParamGate {
         state.armed = false;
         state.next = 0;
         state.accumulated.iter_mut().for_each(|a| *a = false);
+        #[cfg(test)]
+        {
+            state.most_held = 0;
+        }
         let opened = self.0.open(&mut state);
         if opened.is_err() {
             state.comm = None;
@@ -353,6 +392,8 @@ impl Shared {
     /// A window's start: the shards taken from whole values, the window-long units gathered,
     /// the declared ones released.
     fn open(&self, state: &mut State) -> Result<(), DdpError> {
+        // Copies between parameters and shards are not part of any model's graph.
+        let _no_grad = tch::no_grad_guard();
         if state.whole {
             self.layout.take_param_shards(&state.params)?;
             state.whole = false;
@@ -379,6 +420,7 @@ impl Shared {
 
     /// Unit `b`'s values, gathered where any of its parameters was released.
     fn gather(&self, state: &mut State, b: usize) -> Result<(), DdpError> {
+        let _no_grad = tch::no_grad_guard();
         let members = self.layout.members(b);
         if members.iter().all(|&i| state.filled[i]) {
             return Ok(());
@@ -397,6 +439,14 @@ impl Shared {
             .collect();
         self.layout.gather_bucket(comm, b, &tensors, state.ctx)?;
         members.iter().for_each(|&i| state.filled[i] = true);
+        #[cfg(test)]
+        {
+            let held = (0..self.names.len())
+                .filter(|&u| self.names[u].is_some())
+                .filter(|&u| self.layout.members(u).iter().all(|&i| state.filled[i]))
+                .count();
+            state.most_held = state.most_held.max(held);
+        }
         Ok(())
     }
 
@@ -441,6 +491,7 @@ impl Shared {
         state: &mut State,
         ready: impl Fn(&[bool], &[usize]) -> bool,
     ) -> Result<(), DdpError> {
+        let _no_grad = tch::no_grad_guard();
         while state.next < self.layout.bucket_count() {
             let next = state.next;
             let members = self.layout.members(next);
@@ -492,6 +543,26 @@ extern "C" fn before_backward(ctx: *const c_void, unit: i64) -> i32 {
             return Ok(());
         }
         shared.gather(&mut state, unit as usize)
+    }));
+    let error = match done {
+        Ok(Ok(())) => return 0,
+        Ok(Err(e)) => e,
+        Err(_) => DdpError::Internal("ZeRO stage 3's backward hook panicked".into()),
+    };
+    shared.keep(error);
+    1
+}
+
+/// The hook on a unit's input: its backward is done for this pass, its values go.
+extern "C" fn after_backward(ctx: *const c_void, unit: i64) -> i32 {
+    // SAFETY: as in `accumulated`.
+    let shared = unsafe { &*(ctx as *const Shared) };
+    let done = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        let mut state = shared.lock();
+        match state.whole {
+            true => Ok(()),
+            false => shared.release_unit(&mut state, unit as usize),
+        }
     }));
     let error = match done {
         Ok(Ok(())) => return 0,

@@ -29,8 +29,8 @@ mod ffi {
 }
 
 /// Frees the memory of `p`'s values (the tensor stays; its values must not be read until
-/// [`refill`]: a kernel that does reads through a null pointer and the process dies of
-/// SIGSEGV, loudly, never on stale values).
+/// [`refill`]: a kernel that does reads through a null pointer, which fails loudly, with an
+/// error or a crash, never on stale values).
 pub(super) fn release(p: &Tensor) -> Result<(), DdpError> {
     // SAFETY: `p` is a live tch tensor; the shim checks that its storage holds exactly its
     // values and swaps the storage's data pointer, which no kernel is using (the gate releases

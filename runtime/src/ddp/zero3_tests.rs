@@ -1,4 +1,4 @@
-//! ZeRO stages 1-3 against DDP: a model of three declared units (each layer gathered around its
+//! ZeRO stages 1-3 against DDP: a model of six declared units run twice a micro-batch (each layer gathered around its
 //! forward and its backward) and an embedding table gathered for each whole window, trained
 //! with gradient accumulation and clipping on sizes no world divides, over the tcp ring, the
 //! ring with shared memory and two hosts of two: the same loss, norms, parameters and moments,
@@ -27,7 +27,7 @@ impl Tower {
     fn new(vs: &nn::VarStore) -> Tower {
         let root = vs.root();
         let table = nn::embedding(&root / "table", 37, 6, Default::default());
-        let sizes = [(6, 7), (7, 5), (5, 5)];
+        let sizes = [(6, 7), (7, 5), (5, 5), (5, 6), (6, 5), (5, 5)];
         let layers = (sizes.iter().enumerate())
             .map(|(k, &(i, o))| {
                 let name = format!("layer{k}");
@@ -65,6 +65,7 @@ impl Tower {
     fn unit<T>(
         &self,
         name: &str,
+        input: &Tensor,
         run: impl FnOnce() -> T,
         outputs: impl Fn(&T) -> Vec<&Tensor>,
     ) -> T {
@@ -73,22 +74,29 @@ impl Tower {
         }
         let out = run();
         if let Some(gate) = &self.gate {
-            gate.leave(name, &outputs(&out)).unwrap();
+            gate.leave(name, &[input], &outputs(&out)).unwrap();
         }
         out
     }
 }
 
 impl MicroBatchLoss<Vec<i64>> for Tower {
+    /// Two passes through the layers (the ids, then the ids shifted), as the recommender runs
+    /// GPT-2 on users' and items' texts.
     fn loss(&mut self, micro: &Vec<i64>) -> Result<Tensor, tch::TchError> {
         let ids = Tensor::from_slice(micro);
-        let mut x = self.table.forward(&ids);
-        for (name, layer) in &self.layers {
-            x = self.unit(name, || layer.forward(&x).tanh(), |y| vec![y]);
+        let mut passes = Vec::new();
+        for shift in [0, 5] {
+            let ids = (&ids + shift).remainder(37);
+            let mut x = self.table.forward(&ids);
+            for (name, layer) in &self.layers {
+                x = self.unit(name, &x, || layer.forward(&x).tanh(), |y| vec![y]);
+            }
+            let out = self.unit("frozen.", &x, || self.frozen.forward(&x), |y| vec![y]);
+            let y = self.targets.index_select(0, &ids).unsqueeze(1);
+            passes.push((out - y).square().mean(Kind::Float));
         }
-        let out = self.unit("frozen.", || self.frozen.forward(&x), |y| vec![y]);
-        let y = self.targets.index_select(0, &ids).unsqueeze(1);
-        Ok((out - y).square().mean(Kind::Float))
+        Ok(&passes[0] + &passes[1])
     }
 }
 
@@ -116,9 +124,10 @@ fn train(rank: usize, ring: TcpCollective, zero: u8) -> Run {
         shard_optimizer: false,
         overlap_backward: false,
         zero,
-        units: ["layer0.", "layer1.", "layer2.", "frozen."]
-            .map(String::from)
-            .to_vec(),
+        units: (0..6)
+            .map(|k| format!("layer{k}."))
+            .chain(["frozen.".to_string()])
+            .collect(),
     };
     let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
     model.gate = ddp.param_gate();
@@ -148,6 +157,12 @@ fn train(rank: usize, ring: TcpCollective, zero: u8) -> Run {
                     let sharded = !name.starts_with("frozen");
                     assert_eq!(held == 0, sharded, "{name} holds {held} bytes");
                 }
+            }
+            if let Some(gate) = &model.gate {
+                // Each pass's backward releases a layer once it is done: at most the one that
+                // just ran and the next of the six, never all of them.
+                let most = gate.most_units_held();
+                assert!((1..=2).contains(&most), "{most} of 6 layers held at once");
             }
             if losses.len() == 12 {
                 break 'train;

@@ -154,8 +154,11 @@ pub(super) fn log_sharing(ddp: &Ddp, config: &Config, grad_accum: usize) {
             "ZeRO stage 2 (dist.zero = 2): each of the {world} ranks keeps the AdamW moments and the reduced gradients of its shard of every gradient bucket only; gradients reduce-scattered, parameters all-gathered"
         ),
         3 => info!(
-            "ZeRO stage 3 (dist.zero = 3): each of the {world} ranks keeps the parameters, AdamW moments and reduced gradients of its shard of every gradient bucket only; {} units (GPT-2's blocks) gathered around their forward and backward and reduce-scattered as backward completes each, the other parameters gathered for each step, every parameter for evaluations and checkpoints",
-            ddp.gathered_units()
+            "ZeRO stage 3 (dist.zero = 3): each of the {world} ranks keeps the parameters, AdamW moments and reduced gradients of its shard of every gradient bucket only; {}, every parameter for evaluations and checkpoints",
+            match ddp.gathered_units() {
+                0 => "the model has no units: every parameter gathered for each step".to_string(),
+                n => format!("{n} units (GPT-2's blocks) gathered around their forward and backward and reduce-scattered as backward completes each, the other parameters gathered for each step"),
+            }
         ),
         _ => {}
     }

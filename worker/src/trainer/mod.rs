@@ -168,6 +168,8 @@ pub fn train(
     trainer.prepare_run_dir()?;
     trainer.fit()?;
     let tested = trainer.timed(Spent::Evaluation, Trainer::test)?;
+    // Whatever reads the model after training finds its values (ZeRO stage 3 keeps shards).
+    trainer.ddp.gather_params()?;
     // A finished run's files are on disk before it reports.
     trainer.checkpoints_on_disk(trainer.progress.step)?;
     trainer.report_progress(common::progress::Phase::Done, true);
