@@ -37,9 +37,9 @@ use crate::shim::take_error;
 mod ffi {
     use std::ffi::{c_char, c_void};
 
-    pub type Accumulated = extern "C" fn(ctx: *const c_void, index: i64);
+    pub use super::super::overlap::ffi::{gptrec_clear_grad_hook, gptrec_set_grad_hook, Release};
+
     pub type BeforeBackward = extern "C" fn(ctx: *const c_void, unit: i64) -> i32;
-    pub type Release = extern "C" fn(ctx: *const c_void);
 
     extern "C" {
         /// See `csrc/param_storage.cpp` (takes ownership of `ctx` in every case); null or an
@@ -51,15 +51,6 @@ mod ffi {
             ctx: *const c_void,
             unit: i64,
         ) -> *mut c_char;
-        /// See `csrc/grad_hooks.cpp` (takes ownership of `ctx` in every case).
-        pub fn gptrec_set_grad_hook(
-            tensor: *const torch_sys::C_tensor,
-            ready: Accumulated,
-            release: Release,
-            ctx: *const c_void,
-            index: i64,
-        ) -> *mut c_char;
-        pub fn gptrec_clear_grad_hook(tensor: *const torch_sys::C_tensor) -> *mut c_char;
     }
 }
 
@@ -310,7 +301,7 @@ impl ParamGate {
             return Ok(());
         }
         for b in 0..self.0.layout.bucket_count() {
-            let members = self.members(&state, b);
+            let members = self.0.tensors(&state, b);
             self.0.layout.gather_bucket(comm, b, &members, ctx)?;
             for &i in self.0.layout.members(b) {
                 state.filled[i] = true;
@@ -376,12 +367,6 @@ impl ParamGate {
         }
         Ok(ok && armed)
     }
-
-    fn members(&self, state: &State, b: usize) -> Vec<Tensor> {
-        (self.0.layout.members(b).iter())
-            .map(|&i| state.params[i].shallow_clone())
-            .collect()
-    }
 }
 
 impl Shared {
@@ -418,6 +403,13 @@ impl Shared {
         }
     }
 
+    /// Unit `b`'s parameters (shallow copies), in bucket order.
+    fn tensors(&self, state: &State, b: usize) -> Vec<Tensor> {
+        (self.layout.members(b).iter())
+            .map(|&i| state.params[i].shallow_clone())
+            .collect()
+    }
+
     /// Unit `b`'s values, gathered where any of its parameters was released.
     fn gather(&self, state: &mut State, b: usize) -> Result<(), DdpError> {
         let _no_grad = tch::no_grad_guard();
@@ -433,10 +425,7 @@ impl Shared {
         // SAFETY: the `Lent` guard that set the pointer keeps the engine's exclusive borrow of
         // the collective until it is dropped, which clears it under this same lock.
         let comm = unsafe { &mut *comm.0 };
-        let tensors: Vec<Tensor> = members
-            .iter()
-            .map(|&i| state.params[i].shallow_clone())
-            .collect();
+        let tensors = self.tensors(state, b);
         self.layout.gather_bucket(comm, b, &tensors, state.ctx)?;
         members.iter().for_each(|&i| state.filled[i] = true);
         #[cfg(test)]
@@ -498,9 +487,7 @@ impl Shared {
             if !ready(&state.accumulated, members) {
                 break;
             }
-            let tensors: Vec<Tensor> = (members.iter())
-                .map(|&m| state.params[m].shallow_clone())
-                .collect();
+            let tensors = self.tensors(state, next);
             let Some(comm) = &state.comm else {
                 break;
             };

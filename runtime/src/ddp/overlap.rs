@@ -37,7 +37,8 @@ pub enum OverlapError {
     Late { step: u64, param: String },
 }
 
-mod ffi {
+/// The gradient hooks' shim, also ZeRO stage 3's gate's (`super::gate`).
+pub(super) mod ffi {
     use std::ffi::{c_char, c_void};
 
     pub type GradReady = extern "C" fn(ctx: *const c_void, index: i64);

@@ -215,20 +215,31 @@ impl ZeroLayout {
         };
         let shards = shards.lock().unwrap_or_else(PoisonError::into_inner);
         for (b, bucket) in self.buckets.iter().enumerate() {
-            let own = &bucket.shards[self.rank];
-            for (&i, &at) in bucket.params.iter().zip(&bucket.offsets) {
-                let part = intersect(&(at..at + self.numel(i)), own);
-                if part.is_empty() {
-                    continue;
-                }
-                let len = part.len() as i64;
-                let values = params[i]
-                    .f_view([-1])?
-                    .f_narrow(0, (part.start - at) as i64, len)?;
-                shards[b]
-                    .f_narrow(0, (part.start - own.start) as i64, len)?
-                    .f_copy_(&values)?;
+            let members: Vec<Tensor> = (bucket.params.iter())
+                .map(|&i| params[i].shallow_clone())
+                .collect();
+            self.copy_own_parts(b, &members, &shards[b])?;
+        }
+        Ok(())
+    }
+
+    /// Bucket `b`'s `members` (one tensor per parameter, in bucket order: values or
+    /// gradients), over the elements that lie in this rank's shard, into `shard`.
+    fn copy_own_parts(&self, b: usize, members: &[Tensor], shard: &Tensor) -> Result<(), DdpError> {
+        let bucket = &self.buckets[b];
+        let own = &bucket.shards[self.rank];
+        for (member, &at) in members.iter().zip(&bucket.offsets) {
+            let part = intersect(&(at..at + member.numel()), own);
+            if part.is_empty() {
+                continue;
             }
+            let len = part.len() as i64;
+            let from = member
+                .f_view([-1])?
+                .f_narrow(0, (part.start - at) as i64, len)?;
+            shard
+                .f_narrow(0, (part.start - own.start) as i64, len)?
+                .f_copy_(&from)?;
         }
         Ok(())
     }
@@ -477,21 +488,7 @@ impl ZeroLayout {
                 let own = flat.f_narrow(0, own.start as i64, own.len() as i64)?;
                 shard.shallow_clone().f_copy_(&own)?;
             }
-            None => {
-                for (grad, &at) in grads.iter().zip(&bucket.offsets) {
-                    let part = intersect(&(at..at + grad.numel()), own);
-                    if !part.is_empty() {
-                        let len = part.len() as i64;
-                        shard
-                            .f_narrow(0, (part.start - own.start) as i64, len)?
-                            .f_copy_(&grad.f_view([-1])?.f_narrow(
-                                0,
-                                (part.start - at) as i64,
-                                len,
-                            )?)?;
-                    }
-                }
-            }
+            None => self.copy_own_parts(b, grads, shard)?,
         }
         // -0.0 + 0.0 = 0.0: DDP's gradients start from zeros, ours (dropped) do not.
         let _ = shard.shallow_clone().f_add_scalar_(0.0)?;
