@@ -272,6 +272,14 @@ pub struct ModelConfig {
     /// Evaluation pools the whole history. At least 0, below 1. Default: `0.0`.
     #[serde(skip_serializing_if = "is_default")]
     pub history_dropout: f32,
+    /// With a history tower, also an item-item matrix (items x items, zero at the start) whose
+    /// rows for a user's training items are pooled as the history rows are, giving each item a
+    /// score added to the model's: EASE's form (a user's scores are their history times an
+    /// item-item matrix) trained with the model's loss, beside the low-rank pool. Its weight
+    /// decay is the optimizer's. Refused with `user_tower = "id"`; a run with more than 8,192
+    /// items refuses it at start. Default: `false`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub item_item: bool,
 }
 
 /// What represents a user (`model.user_tower`).
@@ -305,6 +313,7 @@ impl Default for ModelConfig {
             activation_checkpointing: false,
             user_tower: UserTower::Id,
             history_dropout: 0.0,
+            item_item: false,
         }
     }
 }
@@ -1093,6 +1102,27 @@ timeout_s = 60
     }
 
     #[test]
+    fn item_item_needs_a_history() {
+        let err = parse_with(MINIMAL, &["model.item_item=true"])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "--set model.item_item=true: `model.item_item` pools a user's history: set model.user_tower = \"history\" or \"both\""
+        );
+        let c = parse_with(
+            MINIMAL,
+            &["model.user_tower=\"both\"", "model.item_item=true"],
+        )
+        .unwrap();
+        assert!(c.model.item_item);
+        assert!(
+            !parse_with(MINIMAL, &[]).unwrap().model.item_item,
+            "off by default"
+        );
+    }
+
+    #[test]
     fn history_dropout_needs_a_history_and_a_share_below_one() {
         let err = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap_err().to_string();
         assert_eq!(
@@ -1551,7 +1581,7 @@ timeout_s = 60
             Config {
                 run: RunConfig { name, output_dir, seed },
                 data: DataConfig { dir, synthetic, min_rating, cold_items, cold_users, split_seed: None },
-                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false, user_tower: UserTower::Id, history_dropout: 0.0 },
+                model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false, user_tower: UserTower::Id, history_dropout: 0.0, item_item: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false, tf32: true, ..Default::default() },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
                 dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, zero, require_secret },

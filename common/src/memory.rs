@@ -662,6 +662,13 @@ mod tests {
             at(&c).term("activations (softmax)"),
             (256 * 64 * 8 + 64 * 256 * 6) * 4
         );
+        c.model.item_item = true;
+        assert_eq!(
+            at(&c).term("parameters"),
+            ((6040 + 2 * 3629) * 64 + 3629 * 3629) * 4,
+            "the item-item matrix"
+        );
+        c.model.item_item = false;
         c.train.loss = LossKind::Bpr;
         c.train.negatives = 0;
         c.model.user_tower = UserTower::Id;

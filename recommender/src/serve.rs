@@ -156,6 +156,15 @@ pub fn export_vectors(
     }
     let out = |e: OutputError| RecError::Invalid(e.to_string());
     let (users, items) = task.tables();
+    // With the item-item matrix a user row ends with its item-item scores: an identity after
+    // each item's row keeps the score a plain dot product.
+    let extra = users.size()[1] - items.size()[1];
+    let items = if extra > 0 {
+        let eye = Tensor::eye(extra, (items.kind(), items.device()));
+        Tensor::cat(&[items, eye], 1)
+    } else {
+        items
+    };
     let tensors = [
         (
             "users",

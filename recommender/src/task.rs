@@ -166,6 +166,13 @@ impl RecTask {
                 }
             }
         };
+        if config.model.item_item && ds.n_items as usize > crate::ease::MAX_ITEMS {
+            return Err(RecError::Invalid(format!(
+                "model.item_item: {} items would make a {0} x {0} matrix; at most {} items (set model.item_item = false)",
+                ds.n_items,
+                crate::ease::MAX_ITEMS
+            )));
+        }
         tch::manual_seed(config.run.seed as i64 + 1);
         let rec_config = RecConfig {
             n_users: i64::from(ds.n_users),
@@ -180,6 +187,7 @@ impl RecTask {
             text_l2: config.model.text_l2,
             zero_text_proj: config.model.text_proj_init == TextProjInit::Zero,
             user_tower: config.model.user_tower,
+            item_item: config.model.item_item,
         };
         let mut model = Recommender::new(&vs.root(), rec_config, text);
         if config.model.user_tower != UserTower::Id {

@@ -100,8 +100,20 @@ fn listed(stdout: &str, header: &str) -> Vec<u32> {
 
 #[test]
 fn recommendations_leave_out_what_was_rated_and_match_the_exported_vectors() {
+    recommend_and_export(&[]);
+}
+
+/// With the item-item matrix a user's row ends with its item scores and an item's with an
+/// identity: the exported vectors still rank as the printed lists do.
+#[test]
+fn an_item_item_model_s_exported_vectors_rank_as_its_lists() {
+    recommend_and_export(&["model.user_tower=\"history\"", "model.item_item=true"]);
+}
+
+/// Trains the default config with `sets`, then checks its lists and its exported vectors.
+fn recommend_and_export(sets: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
-    let run = train(tmp.path(), "rec", &[]);
+    let run = train(tmp.path(), "rec", sets);
     let export = tmp.path().join("export");
     let run_s = run.display().to_string();
     let export_s = export.display().to_string();

@@ -102,7 +102,8 @@ fn check_model(model: &ModelConfig) -> Result<(), ConfigError> {
     check_dynamic_only(model)
 }
 
-/// `model.history_dropout`: a share below 1, and only where a history is pooled.
+/// `model.history_dropout` (a share below 1) and `model.item_item`: only where a history is
+/// pooled.
 fn check_history_dropout(model: &ModelConfig) -> Result<(), ConfigError> {
     let p = model.history_dropout;
     if !(0.0..1.0).contains(&p) {
@@ -115,6 +116,12 @@ fn check_history_dropout(model: &ModelConfig) -> Result<(), ConfigError> {
         return Err(ConfigError::invalid(
             "model.history_dropout",
             "does nothing: model.user_tower is \"id\" (no history is pooled); remove it",
+        ));
+    }
+    if model.item_item && model.user_tower == UserTower::Id {
+        return Err(ConfigError::invalid(
+            "model.item_item",
+            "pools a user's history: set model.user_tower = \"history\" or \"both\"",
         ));
     }
     Ok(())

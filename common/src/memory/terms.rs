@@ -94,7 +94,7 @@ pub(super) fn model_sizes(x: &Inputs<'_>) -> Sizes {
     let history = if m.user_tower == UserTower::Id {
         0
     } else {
-        x.data.items * dim
+        x.data.items * dim + item_item_values(x)
     };
     let proj = if x.text.is_some() {
         2 * (d * dim + dim)
@@ -364,6 +364,9 @@ fn parameter_parts(x: &Inputs<'_>, s: &Sizes) -> String {
     if s.history > 0 {
         parts.push(format!("history {} x {dim}", x.data.items));
     }
+    if item_item_values(x) > 0 {
+        parts.push(format!("item-item {0} x {0}", x.data.items));
+    }
     if s.mlp > 0 {
         parts.push("MLP scorer".into());
     }
@@ -516,6 +519,16 @@ fn softmax_activations(x: &Inputs<'_>, width: u64) -> MemoryTerm {
         detail: format!(
             "{n} negatives x {width} x {ID_ROW_COPIES} copies + micro {b} x {n} logits x {LOGIT_COPIES} copies, x 4 B"
         ),
+    }
+}
+
+/// The item-item matrix's values (`model.item_item`, with a history tower; 0 without).
+fn item_item_values(x: &Inputs<'_>) -> u64 {
+    let m = &x.config.model;
+    if m.item_item && m.user_tower != UserTower::Id {
+        x.data.items * x.data.items
+    } else {
+        0
     }
 }
 

@@ -8,7 +8,7 @@ use runtime::rng::{mix, GOLDEN};
 /// with the history alone on real ML-100k (seed 42, softmax, dim 256, lr 3e-3, l2 1e-2), 0.5
 /// gave validation NDCG@10 0.2588 and the plain sum (0) 0.2316; the mean (1), at lr 1e-3 and
 /// l2 0.1, 0.2369.
-const POOL_EXPONENT: f32 = 0.5;
+pub(crate) const POOL_EXPONENT: f32 = 0.5;
 
 /// Tags the history dropout's stream apart from the step's other draws.
 const STREAM: u64 = 0x6869_7374_6f72_7921; // "history!"
@@ -66,6 +66,27 @@ impl History {
             (Some(&a), Some(&b)) => &self.items[a..b],
             _ => &[], // a user without history (cold, or beyond the table)
         }
+    }
+
+    /// The number of `user`'s training items (0 for a user without history).
+    pub(crate) fn len_of(&self, user: i64) -> usize {
+        self.of(user).len()
+    }
+
+    /// Whether `item` is among `user`'s training items.
+    pub(crate) fn contains(&self, user: i64, item: i64) -> bool {
+        self.of(user).contains(&item)
+    }
+
+    /// `embedding_bag`'s inputs for the plain sums of `users`' rows: the items and where each
+    /// user's start.
+    pub(crate) fn sums(&self, users: &[i64]) -> (Vec<i64>, Vec<i64>) {
+        let (mut items, mut starts) = (Vec::new(), Vec::new());
+        for &u in users {
+            starts.push(items.len() as i64);
+            items.extend_from_slice(self.of(u));
+        }
+        (items, starts)
     }
 
     /// `embedding_bag`'s inputs for the pools of `users`: the items, where each user's rows

@@ -21,6 +21,8 @@ pub use crate::model::history::{History, PoolDropout};
 pub use common::config::UserTower;
 
 use crate::model::gpt2::Gpt2;
+use tokens::encode_rows;
+pub use tokens::TokenTable;
 
 /// How a user and an item representation become a score.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,58 +51,15 @@ pub struct RecConfig {
     pub zero_text_proj: bool,
     /// What represents a user: the ID row, the pooled history, or both.
     pub user_tower: UserTower,
+    /// With a history tower, also the item-item matrix (`model.item_item`): the pooled rows of
+    /// an items x items matrix add a score per item.
+    pub item_item: bool,
 }
 
 /// Text features of every user and item (rows in dense-id order), e.g. `[n_users, 768]`.
 pub struct TextFeatures {
     pub users: Tensor,
     pub items: Tensor,
-}
-
-/// Token ids `[n, t]` (i64) and mask `[n, t]` (1 real, 0 pad, right-padded) of every row's
-/// text, and each row's number of real tokens on the host (so a batch is cut to its longest
-/// text without asking the device).
-pub struct TokenTable {
-    pub ids: Tensor,
-    pub mask: Tensor,
-    lengths: Vec<i64>,
-}
-
-impl TokenTable {
-    /// The table of `ids` and `mask` (on the CPU, as the tokenizer makes them) on `device`.
-    pub fn new(ids: &Tensor, mask: &Tensor, device: tch::Device) -> TokenTable {
-        let lengths = Vec::<i64>::try_from(mask.to_device(tch::Device::Cpu).ne(0).sum_dim_intlist(
-            -1,
-            false,
-            Kind::Int64,
-        ))
-        .unwrap_or_default();
-        TokenTable {
-            ids: ids.to_device(device),
-            mask: mask.to_device(device),
-            lengths,
-        }
-    }
-
-    /// The longest real text among rows `ids` (at least 1): from the host's lengths when the
-    /// ids are on the host, else read from the device (outside training's hot path).
-    fn longest(&self, ids: &Tensor) -> i64 {
-        let from_host = (ids.device() == tch::Device::Cpu)
-            .then(|| Vec::<i64>::try_from(ids).ok())
-            .flatten()
-            .and_then(|rows| {
-                rows.iter()
-                    .map(|&r| usize::try_from(r).ok().and_then(|r| self.lengths.get(r)))
-                    .try_fold(0i64, |m, l| l.map(|&l| m.max(l)))
-            });
-        let longest = from_host.unwrap_or_else(|| {
-            let rows = ids.to_device(self.mask.device());
-            let mask = self.mask.index_select(0, &rows);
-            let longest = mask.ne(0).sum_dim_intlist(-1, false, Kind::Int64).max();
-            runtime::host_read::scalar(&longest).map_or(1, |v| v as i64)
-        });
-        longest.max(1)
-    }
 }
 
 /// Where the text part of a representation comes from.
@@ -181,6 +140,8 @@ pub struct Recommender {
     /// Each item's history row (`model.user_tower` `"history"` or `"both"`), pooled into the
     /// representation of the users who have it in their history.
     history_item: Option<nn::Embedding>,
+    /// The item-item matrix (`model.item_item`), pooled as the history rows into item scores.
+    item_item: Option<nn::Embedding>,
     history: History,
     /// Training pools' dropout for the current step (`model.history_dropout`).
     pool_dropout: Option<PoolDropout>,
@@ -190,6 +151,8 @@ pub struct Recommender {
 struct Batch {
     users: Tensor,
     items: Tensor,
+    /// The users' item-item scores [b, n_items] (`model.item_item`).
+    item_scores: Option<Tensor>,
     user_parts: (Tensor, Option<Tensor>),
     item_parts: (Tensor, Option<Tensor>),
 }
@@ -278,6 +241,14 @@ impl Recommender {
             };
             nn::embedding(p / "history_item", config.n_items, config.dim, init)
         });
+        // Zero: the model starts as without it. Dense, as the history rows.
+        let item_item = (config.item_item && config.user_tower != UserTower::Id).then(|| {
+            let init = nn::EmbeddingConfig {
+                ws_init: nn::Init::Const(0.0),
+                ..Default::default()
+            };
+            nn::embedding(p / "item_item", config.n_items, config.n_items, init)
+        });
         Recommender {
             config,
             user_id,
@@ -286,6 +257,7 @@ impl Recommender {
             proj,
             mlp,
             history_item,
+            item_item,
             history: History::default(),
             pool_dropout: None,
         }
@@ -299,55 +271,6 @@ impl Recommender {
     /// The history dropout of the coming training pools (`None`: every item pooled).
     pub fn set_pool_dropout(&mut self, dropout: Option<PoolDropout>) {
         self.pool_dropout = dropout;
-    }
-
-    /// The pooled history rows [b, dim] of `users` (on the host: training gives them so; else
-    /// read from the device) on the model's device, `leave_out[k]` left out of row `k`'s pool;
-    /// a cold user's is the average warm user's (as a cold user's ID row is: it carries the
-    /// popular taste). `None` without a history tower.
-    fn history_pool(&self, users: &Tensor, leave_out: Option<&Tensor>) -> Option<Tensor> {
-        let table = self.history_item.as_ref()?;
-        let host = |t: &Tensor| Vec::<i64>::try_from(t.to_device(tch::Device::Cpu)).ok();
-        let users = host(users).unwrap_or_default();
-        let leave_out = leave_out.and_then(host);
-        let pooled = self.pools(table, &users, leave_out.as_deref());
-        let warm = self.config.n_warm_users;
-        if warm == 0 || users.iter().all(|&u| u < warm) {
-            return Some(pooled);
-        }
-        let cold: Vec<bool> = users.iter().map(|&u| u >= warm).collect();
-        let cold = runtime::host_read::to_device(&Tensor::from_slice(&cold), pooled.device());
-        let average = self.average_pool(table);
-        Some(
-            average
-                .expand_as(&pooled)
-                .where_self(&cold.unsqueeze(-1), &pooled),
-        )
-    }
-
-    /// The mean of every warm user's pool [1, dim].
-    fn average_pool(&self, table: &nn::Embedding) -> Tensor {
-        let warm: Vec<i64> = (0..self.config.n_warm_users).collect();
-        self.pools(table, &warm, None)
-            .mean_dim([0i64].as_slice(), true, Kind::Float)
-    }
-
-    /// The pools [b, dim] of `users`, `leave_out[k]` left out of row `k`'s.
-    fn pools(&self, table: &nn::Embedding, users: &[i64], leave_out: Option<&[i64]>) -> Tensor {
-        let (items, starts, weights) = self.history.bag(users, leave_out, self.pool_dropout);
-        let device = table.ws.device();
-        let on = |t: Tensor| runtime::host_read::to_device(&t, device);
-        let (pooled, _, _, _) = Tensor::embedding_bag(
-            &table.ws,
-            &on(Tensor::from_slice(&items)),
-            &on(Tensor::from_slice(&starts)),
-            false,
-            0, // the sum of the weighted rows
-            false,
-            Some(on(Tensor::from_slice(&weights))),
-            false,
-        );
-        pooled
     }
 
     pub fn config(&self) -> RecConfig {
@@ -510,10 +433,14 @@ impl Recommender {
 
     /// Scores of (user, item) pairs: [b] for `users` [b] and `items` [b] (inference: no dropout).
     pub fn score(&self, users: &Tensor, items: &Tensor) -> Tensor {
-        self.score_pairs(
+        let scores = self.score_pairs(
             &self.repr(Side::User, users, false),
             &self.repr(Side::Item, items, false),
-        )
+        );
+        match self.item_scores(users, None) {
+            Some(s) => scores + pick(&s, &items.to_device(s.device())),
+            None => scores,
+        }
     }
 
     /// Representations of every user and every item ([n_users, dim], [n_items, dim]) without
@@ -540,8 +467,14 @@ impl Recommender {
         mut text: impl FnMut(&TextChunks<'_>) -> Result<Vec<Tensor>, E>,
     ) -> Result<(Tensor, Tensor), E> {
         let _guard = tch::no_grad_guard();
+        let users = self.table(Side::User, self.config.n_users, device, &mut text)?;
+        let all = Tensor::arange(self.config.n_users, (Kind::Int64, tch::Device::Cpu));
+        let users = match self.item_scores(&all, None) {
+            Some(s) => Tensor::cat(&[users, s.to_device(device)], 1),
+            None => users,
+        };
         Ok((
-            self.table(Side::User, self.config.n_users, device, &mut text)?,
+            users,
             self.table(Side::Item, self.config.n_items, device, &mut text)?,
         ))
     }
@@ -609,12 +542,29 @@ impl Recommender {
         if let (Some(table), true) = (&self.history_item, warm > 0) {
             average += self.average_pool(table).to_device(rows.device());
         }
-        Some(user_proj.forward(&rows) + average)
+        let users = user_proj.forward(&rows) + average;
+        // With the item-item matrix, a table row (see `score_tables`): the average user's scores.
+        Some(match self.average_item_scores() {
+            Some(s) => {
+                let s = s
+                    .to_device(users.device())
+                    .expand([users.size()[0], -1], false);
+                Tensor::cat(&[users, s], 1)
+            }
+            None => users,
+        })
     }
 
     /// Scores of user representations `u` [b, dim] against item representations `items`
-    /// [n, dim] → [b, n].
+    /// [n, dim] → [b, n]. With the item-item matrix a user table's rows ([`Recommender::tables`])
+    /// are [b, dim + n_items], their item-item scores after the representation, and `items`
+    /// must then be every item's.
     pub fn score_tables(&self, u: &Tensor, items: &Tensor) -> Tensor {
+        let d = items.size()[1];
+        if u.size()[1] > d {
+            let extra = u.narrow(1, d, u.size()[1] - d);
+            return self.score_tables(&u.narrow(1, 0, d), items) + extra;
+        }
         match &self.mlp {
             None => u.matmul(&items.transpose(0, 1)),
             Some(_) => {
@@ -631,7 +581,11 @@ impl Recommender {
         let u = self.repr(Side::User, users, false);
         let all = Tensor::arange(self.config.n_items, (Kind::Int64, u.device()));
         let i = self.repr(Side::Item, &all, false);
-        self.score_tables(&u, &i)
+        let scores = self.score_tables(&u, &i);
+        match self.item_scores(users, None) {
+            Some(s) => scores + s,
+            None => scores,
+        }
     }
 
     /// BPR loss as REFERENCE.md gives it, `-log(1e-10 + sigmoid(pos - neg)).mean()`, plus
@@ -653,6 +607,10 @@ impl Recommender {
         let (u, items) = (&batch.users, &batch.items);
         let (p, n) = (items.narrow(0, 0, b), items.narrow(0, b, b));
         let diff = self.score_pairs(u, &p) - self.score_pairs(u, &n);
+        let diff = match &batch.item_scores {
+            Some(s) => diff + pick(s, pos) - pick(s, neg),
+            None => diff,
+        };
         let bpr = -(diff.sigmoid() + 1e-10).log().mean(Kind::Float);
         let texts = (&batch.user_parts.1, &batch.item_parts.1);
         self.penalised(
@@ -693,6 +651,13 @@ impl Recommender {
             runtime::host_read::to_device(pos, device),
             runtime::host_read::to_device(negatives, device),
         );
+        let (positive, others) = match &batch.item_scores {
+            Some(s) => (
+                positive + pick(s, &pos_d),
+                others + s.index_select(1, &neg_d),
+            ),
+            None => (positive, others),
+        };
         let (positive, others) = match log_expected {
             Some(log_q) => (
                 positive - log_q.index_select(0, &pos_d),
@@ -722,6 +687,7 @@ impl Recommender {
         let user_parts =
             self.parts_leaving_out(Side::User, users, Some(&items.narrow(0, 0, b)), train);
         let item_parts = self.parts(Side::Item, items, train);
+        let item_scores = self.item_scores(users, Some(&items.narrow(0, 0, b)));
         let (users, items) = match (&user_parts, &item_parts) {
             ((u_id, Some(ut)), (i_id, Some(it))) => (u_id + ut, i_id + it),
             ((u_id, _), (i_id, _)) => (u_id.shallow_clone(), i_id.shallow_clone()),
@@ -729,6 +695,7 @@ impl Recommender {
         Batch {
             users,
             items,
+            item_scores,
             user_parts,
             item_parts,
         }
@@ -760,26 +727,10 @@ impl Recommender {
     }
 }
 
-/// GPT-2 features of rows `ids` of `table`: tokens cut to the longest real text among them,
-/// last hidden state mean-pooled over real tokens, then normalised per row (no affine) and
-/// scaled to norm about 1, so that the projected text starts at the scale of the ID embeddings.
-fn encode_rows(gpt2: &Gpt2, table: &TokenTable, ids: &Tensor, train: bool) -> Tensor {
-    let device = table.ids.device();
-    let longest = table.longest(ids);
-    let rows = runtime::host_read::to_device(ids, device);
-    let mask = table.mask.index_select(0, &rows).narrow(1, 0, longest);
-    let tokens = table.ids.index_select(0, &rows).narrow(1, 0, longest);
-    let hidden = gpt2.forward(&tokens, &mask, train);
-    let pooled = Gpt2::mean_pool(&hidden, &mask);
-    let width = pooled.size().last().copied().unwrap_or(1);
-    let normed = pooled.layer_norm(
-        [width].as_slice(),
-        None::<Tensor>,
-        None::<Tensor>,
-        1e-5,
-        false,
-    );
-    normed / (width as f64).sqrt()
+/// Row `k`'s entry at column `ids[k]` of `scores` [b, n] → [b].
+fn pick(scores: &Tensor, ids: &Tensor) -> Tensor {
+    let ids = runtime::host_read::to_device(ids, scores.device());
+    scores.gather(1, &ids.unsqueeze(1), false).squeeze_dim(1)
 }
 
 /// The popularity baseline: every item scored by its number of training interactions.
@@ -795,5 +746,7 @@ pub fn popularity_scores(train: &[Vec<u32>], n_items: usize) -> Vec<f32> {
     counts
 }
 
+mod pools;
 #[cfg(test)]
 mod tests;
+mod tokens;

@@ -27,6 +27,7 @@ fn config(users: i64, items: i64, warm_users: i64, user_tower: UserTower) -> Rec
         text_l2: 0.0,
         zero_text_proj: true,
         user_tower,
+        item_item: false,
     }
 }
 
@@ -166,6 +167,7 @@ fn tables_are_the_representations_bit_for_bit() {
             text_l2: 0.0,
             zero_text_proj: false,
             user_tower: UserTower::Id,
+            item_item: false,
         };
         let features = Text::Cached(TextFeatures {
             users: Tensor::randn([n_users, 12], (Kind::Float, tch::Device::Cpu)),
@@ -442,6 +444,116 @@ fn training_leaves_the_positive_out_of_its_own_pool() {
         .sum(Kind::Float)
         .double_value(&[]);
     assert!((whole - direct).abs() < 1e-6);
+}
+
+/// The history model with the item-item matrix, its entries drawn at random (it starts at zero).
+fn item_item_model() -> (nn::VarStore, Recommender) {
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let config = RecConfig {
+        item_item: true,
+        ..config(4, 6, 3, UserTower::History)
+    };
+    let mut m = Recommender::new(&vs.root(), config, Text::None);
+    m.set_history(History::new(&[vec![0, 2, 5], vec![1], vec![0, 1, 2, 3]]));
+    let _guard = tch::no_grad_guard();
+    let w = m.item_item.as_ref().unwrap().ws.shallow_clone();
+    assert_eq!(w.abs().max().double_value(&[]), 0.0, "starts at zero");
+    w.shallow_clone().copy_(&Tensor::randn_like(&w));
+    (vs, m)
+}
+
+/// Every score (all items, pairs, the tables, a cold user's) is the low-rank score plus the
+/// user's pool of the item-item rows, pooled as the history rows are.
+#[test]
+fn the_item_item_matrix_adds_each_user_s_pooled_rows_to_every_score() {
+    let (_vs, m) = item_item_model();
+    let w = m.item_item.as_ref().unwrap().ws.shallow_clone();
+    let pool = |items: &[i64]| {
+        w.index_select(0, &ids(items))
+            .sum_dim_intlist(0, false, Kind::Float)
+            / (items.len() as f64).sqrt()
+    };
+    let pools = [pool(&[0, 2, 5]), pool(&[1]), pool(&[0, 1, 2, 3])];
+    let cold = Tensor::stack(&pools, 0).mean_dim([0i64].as_slice(), false, Kind::Float);
+    let extra = Tensor::stack(&[&pools[0], &pools[1], &pools[2], &cold], 0);
+    let users = ids(&[0, 1, 2, 3]);
+    let all = m.score_all_items(&users);
+    let low_rank = m
+        .repr(Side::User, &users, false)
+        .matmul(&m.item_id.ws.transpose(0, 1));
+    let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) < 1e-5;
+    assert!(close(&all, &(low_rank + &extra)));
+    let (user_table, item_table) = m.tables(tch::Device::Cpu);
+    assert_eq!(
+        user_table.size(),
+        [4, 8 + 6],
+        "a user row ends with its item scores"
+    );
+    assert!(close(&m.score_tables(&user_table, &item_table), &all));
+    for u in 0..4 {
+        let pair = m.score(
+            &Tensor::full([6], u, (Kind::Int64, tch::Device::Cpu)),
+            &ids(&[0, 1, 2, 3, 4, 5]),
+        );
+        assert!(close(&pair, &all.get(u)), "user {u}");
+    }
+}
+
+/// The training losses add the item-item scores of the pool without the sample's positive.
+#[test]
+fn the_item_item_scores_of_a_training_sample_leave_its_positive_out() {
+    let (_vs, m) = item_item_model();
+    let w = m.item_item.as_ref().unwrap().ws.shallow_clone();
+    let h = m.history_item.as_ref().unwrap().ws.shallow_clone();
+    let pool = |t: &Tensor, items: &[i64]| {
+        t.index_select(0, &ids(items))
+            .sum_dim_intlist(0, false, Kind::Float)
+            / (items.len() as f64).sqrt()
+    };
+    let logits =
+        |items: &[i64]| pool(&h, items).matmul(&m.item_id.ws.transpose(0, 1)) + pool(&w, items);
+    let ce = |l: Tensor, pos: i64| {
+        l.unsqueeze(0)
+            .cross_entropy_for_logits(&ids(&[pos]))
+            .double_value(&[])
+    };
+    let negatives = Tensor::arange(6, (Kind::Int64, tch::Device::Cpu));
+    let loss = m
+        .softmax_loss(&ids(&[0, 2]), &ids(&[2, 3]), &negatives, None, 0.0, true)
+        .double_value(&[]);
+    let expected = (ce(logits(&[0, 5]), 2) + ce(logits(&[0, 1, 2]), 3)) / 2.0;
+    assert!((loss - expected).abs() < 1e-5, "{loss} vs {expected}");
+    let bpr = m
+        .bpr_loss(&ids(&[0]), &ids(&[2]), &ids(&[4]), 0.0, true)
+        .double_value(&[]);
+    let l = logits(&[0, 5]);
+    let diff = l.get(2) - l.get(4);
+    let expected = -(diff.sigmoid() + 1e-10).log().double_value(&[]);
+    assert!((bpr - expected).abs() < 1e-5, "{bpr} vs {expected}");
+}
+
+/// Summing each distinct user's rows once (training without dropout) gives each sample's pool
+/// as pooling it alone does, users repeated and a positive outside the history included.
+#[test]
+fn item_item_scores_summed_once_per_user_are_each_sample_s_pool() {
+    let (_vs, mut m) = item_item_model();
+    let (users, positives) = (ids(&[0, 0, 2, 0, 1, 2]), ids(&[2, 5, 3, 0, 1, 4]));
+    let once = m.item_scores(&users, Some(&positives)).unwrap();
+    let table = m.item_item.as_ref().unwrap();
+    let each = m.pool_of(table, &users, Some(&positives));
+    let diff = (&once - &each).abs().max().double_value(&[]);
+    assert!(diff < 1e-5, "{diff}");
+    assert_eq!(
+        once.get(4).abs().max().double_value(&[]),
+        0.0,
+        "user 1's only item is out"
+    );
+    // With dropout every sample is pooled on its own.
+    m.set_pool_dropout(Some(PoolDropout { rate: 0.5, key: 7 }));
+    let dropped = m.item_scores(&users, Some(&positives)).unwrap();
+    let each = m.pool_of(m.item_item.as_ref().unwrap(), &users, Some(&positives));
+    assert!(dropped.equal(&each));
 }
 
 #[test]
