@@ -258,20 +258,37 @@ fn a_finished_run_keeps_its_summary_and_more_epochs_train_on() {
 }
 
 /// `launch --num-processes N` on the default config with tiny data, the softmax loss and the
-/// history tower beside the ID rows.
-fn softmax_run(out_dir: &Path, name: &str, nproc: &str, micro: &str) -> Vec<(u64, f64)> {
-    let sets = [
+/// history tower beside the ID rows: 24 shared negatives and history dropout, or (`item_item`)
+/// the full softmax, no dropout and the item-item matrix (its rows summed once per user).
+fn softmax_run(
+    out_dir: &Path,
+    name: &str,
+    nproc: &str,
+    micro: &str,
+    item_item: bool,
+) -> Vec<(u64, f64)> {
+    let mut sets = vec![
         format!("run.output_dir={:?}", out_dir.display().to_string()),
         format!("run.name={name:?}"),
         "data.synthetic=\"tiny\"".into(),
         "train.epochs=2".into(),
         "train.loss=\"softmax\"".into(),
-        "train.negatives=24".into(),
-        "train.negative_power=0.75".into(),
         "model.user_tower=\"both\"".into(),
-        "model.history_dropout=0.3".into(),
         format!("batch.micro={micro}"),
     ];
+    sets.extend(if item_item {
+        ["train.negatives=0", "model.item_item=true"]
+            .map(String::from)
+            .to_vec()
+    } else {
+        [
+            "train.negatives=24",
+            "train.negative_power=0.75",
+            "model.history_dropout=0.3",
+        ]
+        .map(String::from)
+        .to_vec()
+    });
     let mut args = vec![
         "--num-processes",
         nproc,
@@ -305,9 +322,20 @@ fn softmax_run(out_dir: &Path, name: &str, nproc: &str, micro: &str) -> Vec<(u64
 /// negatives, as BPR draws them, already differ at the first step: 3.3254 against 3.3326).
 #[test]
 fn the_softmax_run_is_the_same_at_any_world_size() {
+    same_at_worlds_1_and_2(false);
+}
+
+/// The same with the item-item matrix, whose training pools sum each user's rows once per
+/// micro-batch.
+#[test]
+fn the_item_item_run_is_the_same_at_any_world_size() {
+    same_at_worlds_1_and_2(true);
+}
+
+fn same_at_worlds_1_and_2(item_item: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let one = softmax_run(dir.path(), "w1", "1", "96");
-    let two = softmax_run(dir.path(), "w2", "2", "96");
+    let one = softmax_run(dir.path(), "w1", "1", "96", item_item);
+    let two = softmax_run(dir.path(), "w2", "2", "96", item_item);
     assert_eq!(one.len(), two.len());
     assert!(one.len() >= 10, "{one:?}");
     for ((s1, l1), (s2, l2)) in one.iter().zip(&two) {
