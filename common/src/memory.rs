@@ -668,6 +668,11 @@ mod tests {
             ((6040 + 2 * 3629) * 64 + 3629 * 3629) * 4,
             "the item-item matrix"
         );
+        assert_eq!(
+            at(&c).term("activations (softmax)"),
+            (256 * 64 * 8 + 64 * 256 * 6 + 64 * 3629 * 5) * 4,
+            "and its scores"
+        );
         c.model.item_item = false;
         c.train.loss = LossKind::Bpr;
         c.train.negatives = 0;

@@ -19,8 +19,8 @@ use crate::model::recommender::Scorer;
 use crate::task::RecTask;
 use crate::RecError;
 
-/// The `k` best items (dense id, score) for each user representation in `users` [b, dim]
-/// against `items` [n, dim], leaving out `exclude[row]`.
+/// The `k` best items (dense id, score) for each user representation in `users` [b, dim] (or
+/// [b, dim + n] with the item-item matrix) against `items` [n, dim], leaving out `exclude[row]`.
 pub fn top_items(
     task: &RecTask,
     users: &Tensor,
@@ -138,7 +138,8 @@ pub fn parse_new_user(spec: &str, years: bool) -> Result<User, String> {
 pub const EXPORT_FILES: [&str; 2] = ["vectors.safetensors", "ids.json"];
 
 /// Writes `dir/vectors.safetensors` (`users` [n_users, dim], `items` [n_items, dim], f32: a
-/// user's score for an item is the dot product of their rows) and `dir/ids.json` (the original
+/// user's score for an item is the dot product of their rows; `dim + n_items` wide with the
+/// item-item matrix) and `dir/ids.json` (the original
 /// ML-1M id and text of every row, and which rows are cold start), all or nothing: both are
 /// written into a private staging directory inside `dir`, then renamed into place together
 /// (a link at either name is replaced, not written through; a name held by a directory is

@@ -482,12 +482,14 @@ impl RecTask {
     }
 
     /// Representations of every user and every item ([n_users, dim], [n_items, dim]; cold ones
-    /// from their text alone), for serving.
+    /// from their text alone; a user row ends with its item scores with the item-item matrix:
+    /// see [`Recommender::score_tables`]), for serving.
     pub fn tables(&self) -> (Tensor, Tensor) {
         self.model.tables(self.device)
     }
 
-    /// Scores of user representations [b, dim] against item representations [n, dim] → [b, n].
+    /// Scores of user representations [b, dim] (or [b, dim + n]) against item representations
+    /// [n, dim] → [b, n].
     pub fn score_tables(&self, users: &Tensor, items: &Tensor) -> Tensor {
         let _guard = tch::no_grad_guard();
         self.model.score_tables(users, items)
@@ -498,7 +500,7 @@ impl RecTask {
         self.model.config().scorer
     }
 
-    /// Representations [b, dim] of users described only by `texts` (`data::user_text`), through
+    /// Representations [b, dim] (or [b, dim + n_items]) of users described only by `texts` (`data::user_text`), through
     /// the text tower as cold users are; every rank calls it together (cached mode encodes).
     pub fn new_users(
         &self,

@@ -21,19 +21,21 @@ bash scripts/data/ml100k.sh >/dev/null
 
 # name | sets (on top of the config as it ships). The axes: the loss (BPR against one
 # negative, or the softmax against every item), the capacity (embedding 64 or 256), the user
-# tower (the user's ID row, or the pool of their history) and text (bpr: none; gpt2rec: GPT-2
+# tower (the user's ID row, or the pool of their history, with the item-item matrix as shipped)
+# and text (bpr: none; gpt2rec: GPT-2
 # features of every user and item).
-bpr=(train.loss=\"bpr\" model.user_tower=\"id\" model.embedding_dim=64 train.lr=1e-3 model.l2=0
+bpr=(train.loss=\"bpr\" model.user_tower=\"id\" model.item_item=false model.embedding_dim=64 train.lr=1e-3 model.l2=0
   train.epochs=300 train.weight_decay=0.0)
 variants=(
   "bpr: BPR loss, ID, 64 (RecBole's BPR)|model.kind=\"bpr\" ${bpr[*]}"
   "gpt2rec: BPR loss, ID, 64 (before)|${bpr[*]} model.text_l2=1e-2"
-  "MF: softmax, ID, 256|model.kind=\"bpr\" model.user_tower=\"id\""
-  "MF: softmax, history, 256|model.kind=\"bpr\""
-  "gpt2rec: softmax, ID, 256|model.user_tower=\"id\""
-  "gpt2rec: softmax, history, 64|model.embedding_dim=64"
-  "gpt2rec: softmax, history, 256, text_l2 1.0|model.text_l2=1.0"
-  "gpt2rec: softmax, history, 256, text_l2 0.1 (shipped)|"
+  "MF: softmax, ID, 256|model.kind=\"bpr\" model.user_tower=\"id\" model.item_item=false"
+  "MF: softmax, history + item-item, 256|model.kind=\"bpr\""
+  "gpt2rec: softmax, ID, 256|model.user_tower=\"id\" model.item_item=false"
+  "gpt2rec: softmax, history + item-item, 64|model.embedding_dim=64"
+  "gpt2rec: softmax, history + item-item, 256, text_l2 1.0|model.text_l2=1.0"
+  "gpt2rec: softmax, history, 256, weight decay 0.3 (shipped until 2026-11-29)|model.item_item=false train.weight_decay=0.3"
+  "gpt2rec: softmax, history + item-item, 256, text_l2 0.1 (shipped)|"
 )
 # ONLY: run just the variants whose label contains this text.
 if [ -n "${ONLY:-}" ]; then

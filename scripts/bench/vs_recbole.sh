@@ -138,7 +138,7 @@ recbole() { # TAG MODEL SEED [HELPER ARGS...]
 # Our bpr is BPR-MF as RecBole trains it (one negative per positive, the user's ID row,
 # embedding 64, lr 1e-3, no L2, no weight decay, early stopping within 300 epochs), whatever
 # the config ships for gpt2rec.
-bpr_sets=(--set train.loss=\"bpr\" --set model.user_tower=\"id\" --set model.embedding_dim=64
+bpr_sets=(--set train.loss=\"bpr\" --set model.user_tower=\"id\" --set model.item_item=false --set model.embedding_dim=64
   --set train.lr=1e-3 --set model.l2=0 --set train.weight_decay=0.0 --set train.epochs=300)
 ours() { # KIND SEED
   local kind=$1 seed=$2 run="ours-$1-s$2" start end sets=()

@@ -384,11 +384,17 @@ fn parameter_parts(x: &Inputs<'_>, s: &Sizes) -> String {
 /// temporaries of that size.
 fn largest_trainable(x: &Inputs<'_>, s: &Sizes) -> u64 {
     let (d, dim) = (x.d, x.dim);
-    [x.data.users * dim, x.data.items * dim, s.proj / 2, s.mlp]
-        .into_iter()
-        .chain((s.gpt2_trainable > 0).then_some(x.gpt2.vocab_size * d))
-        .max()
-        .unwrap_or(0)
+    [
+        x.data.users * dim,
+        x.data.items * dim,
+        s.proj / 2,
+        s.mlp,
+        item_item_values(x),
+    ]
+    .into_iter()
+    .chain((s.gpt2_trainable > 0).then_some(x.gpt2.vocab_size * d))
+    .max()
+    .unwrap_or(0)
 }
 
 /// AdamW's two moments: per trainable value, less those kept once per host, and of the ones
@@ -512,12 +518,23 @@ fn softmax_activations(x: &Inputs<'_>, width: u64) -> MemoryTerm {
         0 => x.data.items,
         n => u64::from(n),
     };
+    // The item-item matrix's scores [micro, items] and their gradient, gathered at the negatives.
+    let item_scores = if item_item_values(x) > 0 {
+        b * x.data.items * ITEM_SCORE_COPIES
+    } else {
+        0
+    };
     MemoryTerm {
         name: "activations (softmax)",
-        bytes: (n * width * ID_ROW_COPIES + b * n * LOGIT_COPIES) * F32,
+        bytes: (n * width * ID_ROW_COPIES + b * n * LOGIT_COPIES + item_scores) * F32,
         held: Held::Training,
         detail: format!(
-            "{n} negatives x {width} x {ID_ROW_COPIES} copies + micro {b} x {n} logits x {LOGIT_COPIES} copies, x 4 B"
+            "{n} negatives x {width} x {ID_ROW_COPIES} copies + micro {b} x {n} logits x {LOGIT_COPIES} copies{}, x 4 B",
+            if item_scores > 0 {
+                format!(" + micro {b} x {} item-item scores x {ITEM_SCORE_COPIES} copies", x.data.items)
+            } else {
+                String::new()
+            }
         ),
     }
 }
@@ -531,6 +548,9 @@ fn item_item_values(x: &Inputs<'_>) -> u64 {
         0
     }
 }
+
+/// f32 copies of a micro-batch's item-item scores (the sums, the pools, their gradients).
+const ITEM_SCORE_COPIES: u64 = 5;
 
 /// f32 copies of a micro-batch's logits against the negatives.
 const LOGIT_COPIES: u64 = 6;
@@ -603,6 +623,9 @@ pub(super) fn evaluation_term(x: &Inputs<'_>) -> MemoryTerm {
     let (users, items) = (data.users, data.items);
     let eval_users = x.config.eval.batch_users as u64;
     let mut eval = (users + items) * dim * F32 + 3 * eval_users * items * F32;
+    // With the item-item matrix a user row also holds every item's score, made in three copies
+    // (the pools, the cold users' stand-in, the table).
+    eval += 3 * users * item_item_values(x).min(items) * F32;
     if x.config.model.scorer == ScorerKind::Mlp {
         eval += eval_users * items * 2 * dim * F32;
     }

@@ -149,7 +149,8 @@ fn run(cli: &Cli) -> anyhow::Result<()> {
             "exported {} user and {} item vectors of dimension {} to {}/vectors.safetensors (ids in ids.json)",
             data.dataset.n_users,
             data.dataset.n_items,
-            config.model.embedding_dim,
+            config.model.embedding_dim
+                + if config.model.item_item { data.dataset.n_items as usize } else { 0 },
             dir.display()
         );
     }
