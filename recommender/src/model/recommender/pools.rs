@@ -66,30 +66,26 @@ impl Recommender {
             })
             .collect();
         let (items, starts) = self.history.sums(&distinct);
-        let scale: Vec<f32> = users
+        // Per sample: whether its positive is in the pool (1 or 0), and the pool's weight.
+        let (has, weight): (Vec<f32>, Vec<f32>) = users
             .iter()
             .zip(positives)
             .map(|(&u, &p)| {
-                let n = self.history.len_of(u);
                 let has = self.history.contains(u, p);
-                let kept = n - usize::from(has);
-                (
-                    if kept > 0 {
-                        (kept as f32).powf(-POOL_EXPONENT)
-                    } else {
-                        0.0
-                    },
-                    if has { 1.0 } else { 0.0 },
-                )
+                let kept = self.history.len_of(u) - usize::from(has);
+                let weight = match kept {
+                    0 => 0.0,
+                    k => (k as f32).powf(-POOL_EXPONENT),
+                };
+                (f32::from(u8::from(has)), weight)
             })
-            .flat_map(|(s, h)| [s, h])
-            .collect();
-        let sums = bag_sum(table, &items, &starts, None);
+            .unzip();
         let on = |t: Tensor| runtime::host_read::to_device(&t, table.ws.device());
-        let scale = on(Tensor::from_slice(&scale)).view([-1, 2]);
+        let column = |v: &[f32]| on(Tensor::from_slice(v)).unsqueeze(1);
+        let sums =
+            bag_sum(table, &items, &starts, None).index_select(0, &on(Tensor::from_slice(&rows)));
         let positive_rows = table.ws.index_select(0, &on(Tensor::from_slice(positives)));
-        let sums = sums.index_select(0, &on(Tensor::from_slice(&rows)));
-        (sums - positive_rows * scale.narrow(1, 1, 1)) * scale.narrow(1, 0, 1)
+        (sums - positive_rows * column(&has)) * column(&weight)
     }
 
     /// The average warm user's item-item scores [1, n_items] (a cold user's), or `None`.
