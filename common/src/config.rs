@@ -417,6 +417,18 @@ pub enum LossKind {
     Softmax,
 }
 
+/// `dist.offload`: where AdamW's moments live and its update runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OffloadKind {
+    /// Beside the parameters, on their device (the default; `"none"`).
+    #[default]
+    #[serde(rename = "none")]
+    NoOffload,
+    /// In host memory, the update run there (ZeRO-Offload).
+    Optimizer,
+}
+
 /// Learning-rate decay after warm-up.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -523,10 +535,21 @@ pub struct DistConfig {
     /// least traffic (0, 1 and 2 all move DDP's bytes) the one that fits the largest micro
     /// batch on every rank, the lower stage on a tie (`launch --dry-run` prints each stage's
     /// terms and the choice); where none fits, the run stops before training and names the
-    /// shortfall per term. Stage 3 is not built yet.
+    /// shortfall per term. `3` also shards the parameters' values: between uses each rank
+    /// keeps its shard, and the model's units are gathered around their forward and backward
+    /// (1.5x DDP's bytes; `"auto"` takes it only where nothing with less traffic fits).
     /// Checkpoints hold the whole state whatever the stage: any stage and world size resumes
     /// them. Default: `0`.
     pub zero: ZeroStage,
+    /// Where AdamW's moments live and its update runs (as DeepSpeed's `offload_optimizer` and
+    /// ZeRO-Offload): `"none"` beside the parameters; `"optimizer"` in host memory, each
+    /// step copying the values this rank updates (its shard under `zero` 1-3, all of them
+    /// otherwise) and their gradients to the host and the values back, the update on the
+    /// host's threads (`OMP_NUM_THREADS`): a GPU then keeps no moments, 8 bytes per value
+    /// less, for three copies per value a step. The same numbers (bit for bit on CPUs, where it
+    /// adds only the copies). Row-sparse tables kept once per host (`shared_tables`,
+    /// `shard_optimizer`) keep their moments there. Default: `"none"`.
+    pub offload: OffloadKind,
     /// Refuse to run when the run id is no secret (a multi-node run given none, so torchrun's
     /// public `none`, or one derived from the Slurm job), instead of warning that anyone who
     /// reaches the rendezvous can join. `launch` checks it before starting, the worker again
@@ -564,6 +587,7 @@ impl Default for DistConfig {
             shard_optimizer: true,
             overlap_backward: false,
             zero: ZeroStage::Stage(0),
+            offload: OffloadKind::NoOffload,
             require_secret: false,
         }
     }
@@ -976,7 +1000,7 @@ timeout_s = 60
         assert_errors(&[
             (
                 "[batch]\nmicro = 4\n\n[dist]\n  backnd = \"tcp\"\n",
-                "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, zero, require_secret)",
+                "configs/x.toml:5:3: unknown key `backnd` in [dist] (expected one of: backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, zero, offload, require_secret)",
             ),
             (
                 "[batch]\nmicro = 4\n[optim]\nlr = 1\n",
@@ -1139,6 +1163,25 @@ timeout_s = 60
         }
         let c = parse_with(MINIMAL, &[history, "model.history_dropout=0.25"]).unwrap();
         assert_eq!(c.model.history_dropout, 0.25);
+    }
+
+    #[test]
+    fn offload_is_none_or_the_optimizer() {
+        let offload = |sets: &[&str]| parse_with(MINIMAL, sets).map(|c| c.dist.offload);
+        assert_eq!(offload(&[]).unwrap(), OffloadKind::NoOffload);
+        assert_eq!(
+            offload(&["dist.offload=\"none\""]).unwrap(),
+            OffloadKind::NoOffload
+        );
+        assert_eq!(
+            offload(&["dist.offload=\"optimizer\""]).unwrap(),
+            OffloadKind::Optimizer
+        );
+        let err = |sets: &[&str]| parse_with(MINIMAL, sets).unwrap_err().to_string();
+        assert_eq!(
+            err(&["dist.offload=\"cpu\""]),
+            "--set dist.offload=\"cpu\": `dist.offload`: unknown variant `cpu`, expected `none` or `optimizer`"
+        );
     }
 
     #[test]
@@ -1559,7 +1602,7 @@ timeout_s = 60
             timeout_s in 1u64..=u64::MAX,
             rendezvous_timeout_s in prop::option::of(1u64..=u64::MAX),
             (lr_schedule, scale_lr_with_world) in (prop_oneof![Just(LrScheduleKind::Cosine), Just(LrScheduleKind::Linear), Just(LrScheduleKind::Constant)], any::<bool>()),
-            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret, zero) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), prop_oneof![Just(ZeroStage::Stage(0)), Just(ZeroStage::Stage(1)), Just(ZeroStage::Stage(2)), Just(ZeroStage::Auto)]),
+            (bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, require_secret, zero, offload) in (finite_positive(), any::<u64>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), prop_oneof![Just(ZeroStage::Stage(0)), Just(ZeroStage::Stage(1)), Just(ZeroStage::Stage(2)), Just(ZeroStage::Stage(3)), Just(ZeroStage::Auto)], prop_oneof![Just(OffloadKind::NoOffload), Just(OffloadKind::Optimizer)]),
             (every_n_steps, keep, resume, load_optimizer) in (any::<u64>(), 1u32..=100, prop_oneof![Just("auto".to_string()), Just("never".to_string()), "[a-z/]{1,12}"], any::<bool>()),
             (scorer, l2, max_text_tokens, trainable_layers) in (prop_oneof![Just(ScorerKind::Dot), Just(ScorerKind::Mlp)], prop_oneof![Just(0.0f64), 0.0f64..1.0], 1usize..=1024, prop::option::of(0u32..=48)),
             (topk, every_n_epochs, patience, batch_users, cold_items, cold_users) in (prop::collection::btree_set(1usize..=1000, 1..4), 1u32..=10, 0u32..=10, 1usize..=4096, prop_oneof![Just(0.0f64), 0.0f64..=0.5], prop_oneof![Just(0.0f64), 0.0f64..=0.5]),
@@ -1584,7 +1627,7 @@ timeout_s = 60
                 model: ModelConfig { kind, preset, embedding_dim, text_mode, gpt2_weights, scorer, l2, text_l2: 1e-2, text_proj_init: TextProjInit::Zero, max_text_tokens, freeze_gpt2: false, trainable_layers, activation_checkpointing: false, user_tower: UserTower::Id, history_dropout: 0.0, item_item: false },
                 train: TrainConfig { epochs, lr, weight_decay, warmup_steps, max_grad_norm, lr_schedule, min_lr: 0.0, scale_lr_with_world, bf16: false, tf32: true, ..Default::default() },
                 batch: BatchSpec { global, micro, grad_accum, ..Default::default() },
-                dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, zero, require_secret },
+                dist: DistConfig { backend, timeout_s, rendezvous_timeout_s, bucket_mb, check_params_every, shared_memory, sparse_embeddings, shared_tables, shard_optimizer, overlap_backward, zero, offload, require_secret },
                 checkpoint: CheckpointConfig { every_n_steps, keep, resume, load_optimizer },
                 eval: EvalConfig { topk, every_n_epochs, metric, patience, batch_users, ease_reg: 250.0 },
             }

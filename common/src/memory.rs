@@ -23,7 +23,8 @@ pub use phase::{Fault, Phase, PhaseSink, SIMULATED_OOM};
 
 use crate::batch::BatchPlan;
 use crate::config::{
-    Config, Gpt2Preset, LossKind, ModelKind, ScorerKind, SyntheticSize, TextMode, UserTower,
+    Config, Gpt2Preset, LossKind, ModelKind, OffloadKind, ScorerKind, SyntheticSize, TextMode,
+    UserTower,
 };
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -771,6 +772,51 @@ mod tests {
         let dense = ddp.term("optimizer (AdamW)") / 8;
         assert!(dense > 0);
         assert_eq!(zero.term("optimizer (AdamW)"), 2 * dense.div_ceil(4) * 4);
+    }
+
+    /// Offloaded (`dist.offload = "optimizer"`), a GPU keeps no moments and no update
+    /// temporaries, at every stage; a CPU rank counts them as before (host memory is where
+    /// they were), and the one-host shared-memory form is unchanged.
+    #[test]
+    fn an_offloaded_optimizer_leaves_the_gpu_and_stays_on_a_cpu() {
+        let mut c = Config::default();
+        c.model.kind = ModelKind::Bpr;
+        c.model.embedding_dim = 64;
+        c.dist.sparse_embeddings = false;
+        let (data, four) = (shape(6040, 3629), plan(256, 64, 1, 4));
+        let gpu = Placement::new(DeviceKind::Cuda, 4);
+        for stage in [0u8, 1, 2, 3] {
+            c.dist.zero = stage.into();
+            c.dist.offload = OffloadKind::NoOffload;
+            let kept = estimate(&c, &four, &data, gpu);
+            c.dist.offload = OffloadKind::Optimizer;
+            let off = estimate(&c, &four, &data, gpu);
+            let moments = kept.term("optimizer (AdamW)");
+            assert!(moments > 0, "stage {stage}");
+            assert_eq!(off.term("optimizer (AdamW)"), 0, "stage {stage}");
+            assert_eq!(off.term("optimizer temporaries"), 0, "stage {stage}");
+            assert_eq!(off.term("gradients"), kept.term("gradients"));
+            let temporaries = kept.term("optimizer temporaries");
+            assert!(
+                off.peak_bytes() + moments <= kept.peak_bytes(),
+                "stage {stage}"
+            );
+            assert!(off.peak_bytes() + moments + temporaries >= kept.peak_bytes());
+            let line = off.table("");
+            assert!(line.contains("in host memory (dist.offload)"), "{line}");
+        }
+        c.dist.zero = 1.into();
+        let cpu = Placement::new(DeviceKind::Cpu, 4);
+        c.dist.shard_optimizer = false;
+        let off = estimate(&c, &four, &data, cpu);
+        c.dist.offload = OffloadKind::NoOffload;
+        let kept = estimate(&c, &four, &data, cpu);
+        assert_eq!(off.peak_bytes(), kept.peak_bytes());
+        assert!(off.term("optimizer (AdamW)") > 0);
+        c.dist.shard_optimizer = true;
+        let shared = estimate(&c, &four, &data, cpu);
+        c.dist.offload = OffloadKind::Optimizer;
+        assert_eq!(estimate(&c, &four, &data, cpu), shared);
     }
 
     /// Sharded (`dist.shard_optimizer`, the default), every trainable value and its moments

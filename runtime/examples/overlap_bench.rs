@@ -117,6 +117,7 @@ fn run(b: Bench, overlap: bool) -> Vec<Times> {
             overlap_backward: overlap,
             zero: 0,
             units: Vec::new(),
+            offload: false,
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).expect("engine");
         assert_eq!(ddp.overlaps_backward(), overlap);

@@ -91,6 +91,10 @@ pub struct DdpConfig {
     /// and leaves each by this name, and the parameters in none are gathered for each whole
     /// window. Empty: buckets by size only (stage 3 then gathers everything for each window).
     pub units: Vec<String>,
+    /// ZeRO-Offload's optimizer half: AdamW's moments in host memory and the update run there
+    /// (see [`crate::optim::AdamW::offload`]), for this rank's shard under ZeRO, every dense
+    /// parameter otherwise: a GPU keeps no moments. The same numbers.
+    pub offload: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -355,6 +359,12 @@ impl Ddp {
         }
         self.zero = Some(layout);
         self.give_dense_grads()
+    }
+
+    /// Whether AdamW's moments live in host memory and its update runs there
+    /// ([`DdpConfig::offload`]): not where the shared-memory sharded step keeps them anyway.
+    pub fn offloads(&self) -> bool {
+        self.config.offload && self.shards.is_none()
     }
 
     /// Every step from now on samples `probe` and reports the ranks' largest value in

@@ -142,14 +142,43 @@ impl StepScalars {
             eps: f(self.eps),
             neg_step: f(self.neg_step),
         };
-        // lerp(m, g, w1) as PyTorch computes it, by the size of the weight (the branch outside
-        // the loop, so that the loop vectorises).
-        if k.w1 < 0.5 {
-            adamw_elements(p, g, m, v, &k, |m, g| m + k.w1 * (g - m));
-        } else {
-            adamw_elements(p, g, m, v, &k, |m, g| g - (g - m) * (1.0 - k.w1));
-        }
+        // Large tensors in chunks on the intra-op threads (libtorch's count: 1 on CPU ranks
+        // by default, all of a GPU box's cores for an offloaded update): element-wise, so the
+        // same bits in any chunking.
+        let threads = usize::try_from(tch::get_num_threads()).unwrap_or(1).max(1);
+        let chunk = match threads > 1 && n >= PARALLEL_ELEMENTS {
+            true => n.div_ceil(threads),
+            false => n,
+        };
+        std::thread::scope(|scope| {
+            let mut parts = p
+                .chunks_mut(chunk)
+                .zip(g.chunks(chunk))
+                .zip(m.chunks_mut(chunk))
+                .zip(v.chunks_mut(chunk));
+            let first = parts.next();
+            for (((p, g), m), v) in parts {
+                scope.spawn(move || k.update(p, g, m, v));
+            }
+            if let Some((((p, g), m), v)) = first {
+                k.update(p, g, m, v);
+            }
+        });
         true
+    }
+
+    /// The update of `param` (any device) with host moments: its values and gradient copied
+    /// to the host (always copies, so that a CPU run takes the path a GPU run does), updated
+    /// there, the values copied back. Returns the bytes copied.
+    fn on_host(&self, param: &Tensor, grad: &Tensor, m: &mut Tensor, v: &mut Tensor) -> u64 {
+        let host = |t: &Tensor| t.to_device_(Device::Cpu, t.kind(), false, true);
+        let (values, grad_here) = (host(param), host(grad));
+        if !self.fused(&values, &grad_here, m, v) {
+            self.with_tensor_ops(&values, &grad_here, m, v);
+        }
+        param.shallow_clone().copy_(&values);
+        let bytes = |t: &Tensor| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64;
+        2 * bytes(param) + bytes(grad)
     }
 
     /// The update of one parameter with tensor ops (any device or dtype).
@@ -171,7 +200,11 @@ impl StepScalars {
     }
 }
 
+/// Elements from which the fused update splits a tensor over the intra-op threads.
+const PARALLEL_ELEMENTS: usize = 1 << 20;
+
 /// [`StepScalars`] in f32, as the fused update uses them.
+#[derive(Clone, Copy)]
 struct FusedScalars {
     decay: f32,
     w1: f32,
@@ -180,6 +213,19 @@ struct FusedScalars {
     bc2_sqrt: f32,
     eps: f32,
     neg_step: f32,
+}
+
+impl FusedScalars {
+    /// The update of these elements. lerp(m, g, w1) as PyTorch computes it, by the size of
+    /// the weight (the branch outside the loop, so that the loop vectorises).
+    fn update(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let (k, w1) = (self, self.w1);
+        if w1 < 0.5 {
+            adamw_elements(p, g, m, v, k, |m, g| m + w1 * (g - m));
+        } else {
+            adamw_elements(p, g, m, v, k, |m, g| g - (g - m) * (1.0 - w1));
+        }
+    }
 }
 
 /// The AdamW update element by element, compiled for AVX-512 and AVX2 too and run with the
@@ -225,6 +271,10 @@ pub struct AdamW {
     elements: Vec<Option<Range<i64>>>,
     /// Every parameter's shape: what its moments have in a checkpoint, whatever is kept here.
     shapes: Vec<Vec<i64>>,
+    /// The moments live in host memory and the update runs there ([`AdamW::offload`]).
+    offload: bool,
+    /// Bytes the last step copied between the parameters' device and the host.
+    offload_bytes: u64,
 }
 
 impl AdamW {
@@ -279,7 +329,38 @@ impl AdamW {
             rows: vec![None; params.len()],
             shapes: params.iter().map(Tensor::size).collect(),
             elements,
+            offload: false,
+            offload_bytes: 0,
         }
+    }
+
+    /// ZeRO-Offload's optimizer half (`dist.offload = "optimizer"`): the moments move to host
+    /// memory, and each step copies a parameter's values (the elements kept) and gradient to
+    /// the host, updates them there with the fused loop on libtorch's intra-op threads, and
+    /// copies the values back. The same formulas: on CPU tensors the same bits as without
+    /// offload (there the copies are all it adds); on a GPU the device keeps no moments.
+    /// Parameters updated by rows in memory of their own ([`AdamW::update_rows_only`]) are
+    /// updated there as before.
+    pub fn offload(mut self) -> AdamW {
+        let _guard = tch::no_grad_guard();
+        for m in self.exp_avg.iter_mut().chain(self.exp_avg_sq.iter_mut()) {
+            if m.device() != Device::Cpu {
+                *m = m.to_device(Device::Cpu);
+            }
+        }
+        self.offload = true;
+        self
+    }
+
+    /// Whether the update runs on the host ([`AdamW::offload`]).
+    pub fn offloaded(&self) -> bool {
+        self.offload
+    }
+
+    /// Bytes the last step copied between the parameters' device and the host (values out and
+    /// back, gradients out; 0 without offload).
+    pub fn offload_bytes(&self) -> u64 {
+        self.offload_bytes
     }
 
     /// The elements of parameter `i` this optimizer keeps, when only some
@@ -344,6 +425,7 @@ impl AdamW {
         };
         // Whole parameters on a GPU go to the fused kernel together, the rest one by one.
         let mut on_gpu = multi_tensor::Batch::default();
+        self.offload_bytes = 0;
         for (i, ((((param, exp_avg), exp_avg_sq), rows), elements)) in params
             .iter()
             .zip(&self.exp_avg)
@@ -361,37 +443,23 @@ impl AdamW {
                 continue;
             }
             let whole = rows.is_none() && elements.is_none();
-            if whole && on_gpu.take(param, &grad, exp_avg, exp_avg_sq) {
+            let offloaded = self.offload && rows.is_none();
+            if whole && !offloaded && on_gpu.take(param, &grad, exp_avg, exp_avg_sq) {
                 continue;
             }
-            // The update is element-wise: a range of rows (or of elements) is updated as the
-            // whole would be.
-            let (p, g, mut m, mut v) = match (rows, elements) {
-                (_, Some(e)) if e.is_empty() => continue,
-                (_, Some(e)) => (
-                    match values.get(i).and_then(Option::as_ref) {
-                        Some(kept) => kept.shallow_clone(),
-                        None => flat_part(param, e),
-                    },
-                    match part {
-                        Some(_) => grad,
-                        None => flat_part(&grad, e),
-                    },
-                    exp_avg.shallow_clone(),
-                    exp_avg_sq.shallow_clone(),
-                ),
-                (Some(r), None) => {
-                    let part = |t: &Tensor| t.narrow(0, r.start, r.end - r.start);
-                    (part(param), part(&grad), part(exp_avg), part(exp_avg_sq))
-                }
-                (None, None) => (
-                    param.shallow_clone(),
-                    grad,
-                    exp_avg.shallow_clone(),
-                    exp_avg_sq.shallow_clone(),
-                ),
+            let value = values.get(i).and_then(Option::as_ref);
+            let Some([p, g, mut m, mut v]) = update_span(
+                [param, &grad, exp_avg, exp_avg_sq],
+                rows,
+                elements,
+                value,
+                part,
+            ) else {
+                continue;
             };
-            if !scalars.fused(&p, &g, &m, &v) {
+            if offloaded {
+                self.offload_bytes += scalars.on_host(&p, &g, &mut m, &mut v);
+            } else if !scalars.fused(&p, &g, &m, &v) {
                 scalars.with_tensor_ops(&p, &g, &mut m, &mut v);
             }
         }
@@ -628,6 +696,33 @@ impl AdamW {
             detail: format!("value is {value}"),
         })
     }
+}
+
+/// What one parameter's update touches, as views of `[param, grad, exp_avg, exp_avg_sq]`: the
+/// whole, `rows` of them, or `elements` of the values flattened (`value` in place of the
+/// parameter's where given, `part` being the gradient over those elements already); `None` when
+/// no element is kept here. The update is element-wise: a range is updated as the whole would be.
+fn update_span(
+    [param, grad, m, v]: [&Tensor; 4],
+    rows: &Option<Range<i64>>,
+    elements: &Option<Range<i64>>,
+    value: Option<&Tensor>,
+    part: Option<&Tensor>,
+) -> Option<[Tensor; 4]> {
+    Some(match (rows, elements) {
+        (_, Some(e)) if e.is_empty() => return None,
+        (_, Some(e)) => [
+            value.map_or_else(|| flat_part(param, e), Tensor::shallow_clone),
+            match part {
+                Some(_) => grad.shallow_clone(),
+                None => flat_part(grad, e),
+            },
+            m.shallow_clone(),
+            v.shallow_clone(),
+        ],
+        (Some(r), None) => [param, grad, m, v].map(|t| t.narrow(0, r.start, r.end - r.start)),
+        (None, None) => [param, grad, m, v].map(Tensor::shallow_clone),
+    })
 }
 
 /// Elements `e` of `t`'s values flattened, as a view (`t` is contiguous: a parameter or its

@@ -342,3 +342,49 @@ fn lr_schedule_edge_cases() {
     assert!(close(total_within_warmup.lr_at(10), 0.1));
     assert!(total_within_warmup.lr_at(10).is_finite());
 }
+
+/// Offloaded (moments on the host, values and gradients copied out and back; a tensor large
+/// enough to be split over three threads) the steps give the plain optimizer's bits, and
+/// either's state resumes the other.
+#[test]
+fn an_offloaded_optimizer_takes_the_same_steps_and_state() {
+    tch::manual_seed(3);
+    let big = (super::PARALLEL_ELEMENTS + 5) as i64;
+    let make = || {
+        vec![
+            (Tensor::randn([big], (Kind::Float, Device::Cpu)) * 0.1).set_requires_grad(true),
+            Tensor::randn([4, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true),
+        ]
+    };
+    let params = make();
+    let copies = clone_params(&params);
+    let mut plain = AdamW::new(&params, 0.9, 0.95, 1e-8, 0.1);
+    let mut offloaded = AdamW::new(&copies, 0.9, 0.95, 1e-8, 0.1).offload();
+    assert!(offloaded.offloaded() && !plain.offloaded());
+    // The plain one on one thread, the offloaded one in three chunks.
+    let threads = tch::get_num_threads();
+    for step in 0..3 {
+        random_grads(&params);
+        for (p, q) in params.iter().zip(&copies) {
+            set_grad(q, &Vec::<f32>::try_from(&p.grad().reshape([-1])).unwrap());
+        }
+        tch::set_num_threads(1);
+        plain.step(&params, 1e-2 / f64::from(step + 1));
+        tch::set_num_threads(3);
+        offloaded.step(&copies, 1e-2 / f64::from(step + 1));
+        assert_eq!(plain.offload_bytes(), 0);
+        assert_eq!(offloaded.offload_bytes(), 3 * 4 * (big as u64 + 12));
+        for (p, q) in params.iter().zip(&copies) {
+            assert!(p.equal(q), "step {step}");
+        }
+    }
+    tch::set_num_threads(threads);
+    let state = offloaded.state_tensors();
+    for ((n1, t1), (n2, t2)) in plain.state_tensors().iter().zip(&state) {
+        assert_eq!(n1, n2);
+        assert!(t1.equal(t2), "{n1} differs");
+    }
+    let mut resumed = AdamW::new(&clone_params(&copies), 0.9, 0.95, 1e-8, 0.1).offload();
+    resumed.load_state_tensors(&plain.state_tensors()).unwrap();
+    assert_eq!(resumed.steps_taken(), 3);
+}

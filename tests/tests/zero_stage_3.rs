@@ -1,8 +1,9 @@
 //! ZeRO stage 3 (`dist.zero = 3`) through `launch`, on dynamic GPT-2 (whose blocks are the
 //! units gathered one at a time) and on BPR (no units: every parameter gathered for each step):
 //! DDP's step records, test metrics and checkpoint bytes, with activation checkpointing and
-//! with accumulation too (stage 2 as well there); and a run saved at world 2 under stage 3 and resumed at world 3 under
-//! stage 1 continues as the one saved and resumed under DDP.
+//! with accumulation too (stage 2 as well there), and with the optimizer offloaded to the host
+//! (`dist.offload`) at stages 0 and 1 or 2; and a run saved at world 2 under stage 3, offloaded,
+//! and resumed at world 3 under stage 1 continues as the one saved and resumed under DDP.
 
 mod support;
 
@@ -24,6 +25,9 @@ const GPT2: [&str; 7] = [
     "dist.shard_optimizer=false",
     "dist.sparse_embeddings=false",
 ];
+
+/// The optimizer's moments and update on the host.
+const OFFLOAD: &str = "dist.offload=\"optimizer\"";
 
 /// `launch` with `nproc` ranks of the default config on the tiny data into `out/name`, with
 /// `sets` and `env`; its output, which must say it succeeded.
@@ -115,6 +119,35 @@ fn stage_3_gives_ddps_records_and_checkpoints_on_gpt2_and_bpr() {
                     "{at}"
                 );
             }
+            // The optimizer offloaded to the host, without ZeRO and under stage 1 (GPT-2) or
+            // 2 (BPR): the same records and checkpoints.
+            if variant == "plain" {
+                let stage = if model == "gpt2" { "1" } else { "2" };
+                for zero in ["0", stage] {
+                    let offloaded = format!("offload-{zero}");
+                    let sets = [format!("dist.zero={zero}"), OFFLOAD.to_string()];
+                    let sets: Vec<&str> = ddp
+                        .iter()
+                        .copied()
+                        .chain(sets.iter().map(|s| s.as_str()))
+                        .collect();
+                    let ran = run_ok(2, out, &name(&offloaded), &sets, &[]);
+                    ran.assert_stderr(
+                        "AdamW moments in host memory, each step's update on the host's",
+                    );
+                    let at = format!("{model}, stage {zero}, offloaded");
+                    assert_eq!(
+                        results(&out.join(name(&offloaded))),
+                        results(&out.join(name("ddp"))),
+                        "{at}"
+                    );
+                    assert!(
+                        checkpoint_bytes(&out.join(name(&offloaded)))
+                            == checkpoint_bytes(&out.join(name("ddp"))),
+                        "{at}: the checkpoint differs from DDP's"
+                    );
+                }
+            }
             let zero_3 = with(&ddp, &["dist.zero=3"]);
             let ran = run_ok(2, out, &name("zero-3"), &zero_3, &[]);
             ran.assert_stderr(format!(
@@ -140,8 +173,8 @@ fn stage_3_gives_ddps_records_and_checkpoints_on_gpt2_and_bpr() {
             );
         }
     }
-    // Saved at world 2 under stage 3 and resumed at world 3 under stage 1 (two epochs, stopped
-    // after the first): as saved and resumed under DDP.
+    // Saved at world 2 under stage 3 with the optimizer offloaded and resumed at world 3 under
+    // stage 1 without (two epochs, stopped after the first): as saved and resumed under DDP.
     // A global batch both worlds divide: micro 64 x grad_accum 3 x 2 = 64 x 2 x 3.
     let two_epochs = with(
         &GPT2,
@@ -153,7 +186,7 @@ fn stage_3_gives_ddps_records_and_checkpoints_on_gpt2_and_bpr() {
         2,
         out,
         "zero-3-then-1",
-        &with(&two_epochs, &["dist.zero=3"]),
+        &with(&two_epochs, &["dist.zero=3", OFFLOAD]),
         &stop,
     );
     run_ok(3, out, "ddp-then-3", &two_epochs, &[]).assert_stderr("resuming with world 3");

@@ -208,11 +208,19 @@ pub(super) fn parameter_terms(x: &Inputs<'_>, s: &Sizes) -> Vec<MemoryTerm> {
         terms.push(shared_term(x, shared));
     }
     terms.extend([
-        MemoryTerm {
-            name: "optimizer temporaries",
-            bytes: 3 * largest * F32,
-            held: Held::Training,
-            detail: format!("3 x the largest trainable tensor ({largest} f32)"),
+        match offloads(x, s) && x.cuda {
+            true => MemoryTerm {
+                name: "optimizer temporaries",
+                bytes: 0,
+                held: Held::Training,
+                detail: "none: the update runs in host memory (dist.offload)".into(),
+            },
+            false => MemoryTerm {
+                name: "optimizer temporaries",
+                bytes: 3 * largest * F32,
+                held: Held::Training,
+                detail: format!("3 x the largest trainable tensor ({largest} f32)"),
+            },
         },
         // Rank 0's checkpoint: snapshots of the optimizer state, then each file's bytes.
         MemoryTerm {
@@ -398,24 +406,44 @@ fn largest_trainable(x: &Inputs<'_>, s: &Sizes) -> u64 {
 }
 
 /// AdamW's two moments: per trainable value, less those kept once per host, and of the ones
-/// ZeRO stages 1 and 2 shard only this rank's share.
+/// ZeRO stages 1 and 2 shard only this rank's share; none on a GPU that offloads them.
 fn optimizer_term(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
     let (trainable, shared, sharded) = (s.trainable, s.shared, s.zero_sharded);
     let world = x.plan.world_size.max(1);
     let kept = trainable - shared - sharded + sharded.div_ceil(world);
+    let mut detail = match (shared, sharded) {
+        (0, 0) => "2 moments per trainable value".to_string(),
+        (_, 0) => "2 moments per trainable value not kept once per host".into(),
+        _ => format!(
+            "2 moments per trainable value not kept once per host, of {sharded} dense ones 1/{world} (dist.zero = {})",
+            x.config.dist.zero.stage()
+        ),
+    };
+    let offloaded = offloads(x, s);
+    if offloaded {
+        let host = mib_text(2 * kept * F32);
+        detail = match x.cuda {
+            true => format!("none: {detail}, {host}, in host memory (dist.offload)"),
+            false => format!("{detail}, in host memory as on any CPU run (dist.offload)"),
+        };
+    }
     MemoryTerm {
         name: "optimizer (AdamW)",
-        bytes: 2 * kept * F32,
-        held: Held::Always,
-        detail: match (shared, sharded) {
-            (0, 0) => "2 moments per trainable value".into(),
-            (_, 0) => "2 moments per trainable value not kept once per host".into(),
-            _ => format!(
-                "2 moments per trainable value not kept once per host, of {sharded} dense ones 1/{world} (dist.zero = {})",
-                x.config.dist.zero.stage()
-            ),
+        bytes: if offloaded && x.cuda {
+            0
+        } else {
+            2 * kept * F32
         },
+        held: Held::Always,
+        detail,
     }
+}
+
+/// Whether AdamW's moments live in host memory and its update runs there (`dist.offload`),
+/// not where the one-host shared-memory form of stage 1 keeps every value anyway.
+fn offloads(x: &Inputs<'_>, s: &Sizes) -> bool {
+    let host_sharded = s.shared > 0 && s.shared == s.trainable;
+    x.config.dist.offload == OffloadKind::Optimizer && !host_sharded
 }
 
 /// This rank's share of the parameters and moments its host keeps once in shared memory.

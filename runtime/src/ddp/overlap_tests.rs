@@ -138,6 +138,7 @@ fn train_mlp(
             overlap_backward: overlap,
             zero: 0,
             units: Vec::new(),
+            offload: false,
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).map_err(|e| e.to_string())?;
         assert_eq!(ddp.overlaps_backward(), overlap);

@@ -45,6 +45,7 @@ fn a_plain_mlp_trains_data_parallel_through_the_runtime_alone() {
             overlap_backward: false,
             zero: 0,
             units: Vec::new(),
+            offload: false,
         };
         let world = ring.world_size();
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
@@ -278,6 +279,7 @@ fn train_embeddings_on(
                 _ => 0,
             },
             units: Vec::new(),
+            offload: false,
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         let exchanged = if sparse && world > 1 { 2 } else { 0 };
@@ -564,6 +566,7 @@ fn the_check_sees_a_rank_off_the_shared_table() {
             overlap_backward: false,
             zero: 0,
             units: Vec::new(),
+            offload: false,
         };
         let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
         assert_eq!(ddp.shared_tables(), vec!["items"]);
@@ -704,6 +707,7 @@ fn linear_engine(
         overlap_backward: true,
         zero: 0,
         units: Vec::new(),
+        offload: false,
     };
     let ddp = Ddp::new(comm, &vs, config).unwrap();
     let adam = AdamW::new(ddp.params(), 0.9, 0.999, 1e-8, 0.0);

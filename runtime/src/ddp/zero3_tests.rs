@@ -109,7 +109,7 @@ fn clip_at(world: usize) -> f64 {
 /// (losses, norms, parameters, moments) of 12 steps at `zero`, rank 0's.
 type Run = (Vec<f64>, Vec<f64>, Vec<Vec<f32>>, Vec<Vec<f32>>);
 
-fn train(rank: usize, ring: TcpCollective, zero: u8) -> Run {
+fn train(rank: usize, ring: TcpCollective, zero: u8, offload: bool) -> Run {
     let world = ring.world_size();
     let vs = nn::VarStore::new(tch::Device::Cpu);
     let mut model = Tower::new(&vs);
@@ -128,6 +128,7 @@ fn train(rank: usize, ring: TcpCollective, zero: u8) -> Run {
             .map(|k| format!("layer{k}."))
             .chain(["frozen.".to_string()])
             .collect(),
+        offload,
     };
     let mut ddp = Ddp::new(Box::new(ring), &vs, config).unwrap();
     model.gate = ddp.param_gate();
@@ -150,6 +151,13 @@ fn train(rank: usize, ring: TcpCollective, zero: u8) -> Run {
                 .unwrap();
             losses.push(stats.loss);
             norms.push(stats.grad_norm);
+            // Offloaded, every step copies each kept value out and back and its gradient out
+            // (the layers' kept shards, the table whole): the path a GPU run takes.
+            assert_eq!(adam.offloaded(), offload);
+            let kept: u64 = (ddp.params().iter().enumerate())
+                .map(|(i, p)| adam.elements_kept(i).map_or(p.numel(), |e| e.count()) as u64)
+                .sum();
+            assert_eq!(adam.offload_bytes(), if offload { 3 * 4 * kept } else { 0 });
             if model.gate.is_some() {
                 // Between steps the layers keep their shards only; the table too.
                 for (name, p) in vs.variables() {
@@ -198,7 +206,9 @@ type Setup = (Option<(u32, u32)>, u32, bool);
 fn zero_stages_1_to_3_with_units_train_exactly_as_ddp_on_every_backend() {
     use crate::collective::tcp::test_ring::{with_hosts_owned, with_ring_owned_opts};
     let on = |hosts: Option<(u32, u32)>, world: u32, shared_memory: bool, zero: u8| {
-        let body = move |rank, ring| train(rank, ring, zero);
+        // Offloaded at every odd stage: the moments and the update on the host.
+        let (zero, offload) = (zero % 4, zero >= 4);
+        let body = move |rank, ring| train(rank, ring, zero, offload);
         let runs = match hosts {
             Some((hosts, per_host)) => with_hosts_owned(hosts, per_host, Default::default(), body),
             None => with_ring_owned_opts(world, TcpOptions { shared_memory }, body),
@@ -223,12 +233,15 @@ fn zero_stages_1_to_3_with_units_train_exactly_as_ddp_on_every_backend() {
             "{at}: every step clipped: {:?}",
             ddp.1
         );
-        // Every stage reduces the same buckets (one per unit): the same bits at each.
-        for zero in [1, 2, 3] {
+        // Every stage reduces the same buckets (one per unit): the same bits at each, the
+        // optimizer offloaded to the host (4 + stage) too.
+        for zero in [1, 2, 3, 4, 5, 6, 7] {
             assert_eq!(
                 bits(&on(hosts, world, shm, zero)),
                 bits(&ddp),
-                "{at}, stage {zero}"
+                "{at}, stage {} (offload {})",
+                zero % 4,
+                zero >= 4
             );
         }
     }

@@ -15,13 +15,17 @@ use crate::optim::AdamW;
 
 impl Ddp {
     /// An AdamW for this engine's parameters: under ZeRO, holding moments for this rank's
-    /// shard of the dense parameters only.
+    /// shard of the dense parameters only; with [`super::DdpConfig::offload`], in host memory.
     pub fn optimizer(&self, beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> AdamW {
         let elements = match &self.zero {
             Some(zero) => zero.elements().to_vec(),
             None => vec![None; self.params.len()],
         };
-        AdamW::with_elements(&self.params, elements, beta1, beta2, eps, weight_decay)
+        let adam = AdamW::with_elements(&self.params, elements, beta1, beta2, eps, weight_decay);
+        match self.config.offload {
+            true => adam.offload(),
+            false => adam,
+        }
     }
 
     /// The optimizer state for a checkpoint (rank 0 saves it), whole whatever the stage: the

@@ -2,7 +2,7 @@
 //! line at every tenth of an epoch with the ranks' largest peak memory (or a progress bar in a
 //! terminal), and log lines printed above that bar.
 
-use common::config::Config;
+use common::config::{Config, OffloadKind};
 use common::progress::{Phase, ProgressRecord};
 use tracing::{info, warn};
 
@@ -161,6 +161,19 @@ pub(super) fn log_sharing(ddp: &Ddp, config: &Config, grad_accum: usize) {
             }
         ),
         _ => {}
+    }
+    if ddp.offloads() {
+        let threads = match tch::get_num_threads() {
+            1 => "1 thread".to_string(),
+            n => format!("{n} threads"),
+        };
+        info!(
+            "AdamW moments in host memory, each step's update on the host's {threads}: the values this rank updates and their gradients copied there, the values back (dist.offload = \"optimizer\")"
+        );
+    } else if config.dist.offload == OffloadKind::Optimizer {
+        warn!(
+            "dist.offload = \"optimizer\" does nothing in this run: dist.shard_optimizer (one CPU host, shared memory) keeps the AdamW moments in host memory already"
+        );
     }
     if ddp.overlaps_backward() {
         let (how, why) = match ddp.zero_stage() {

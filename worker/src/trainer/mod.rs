@@ -23,7 +23,7 @@ mod trace;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::config::Config;
+use common::config::{Config, OffloadKind};
 use common::train_plan::TrainPlan;
 use tch::{nn, Device};
 use tracing::warn;
@@ -216,6 +216,7 @@ fn ddp_config(setup: &TrainSetup<'_>, task: &dyn Task, timeout: Duration) -> Ddp
         overlap_backward: config.dist.overlap_backward,
         zero: config.dist.zero.stage(),
         units: task.units(),
+        offload: config.dist.offload == OffloadKind::Optimizer,
     }
 }
 
