@@ -30,13 +30,14 @@ launch_logged() {
 # The ZeRO benchmarks' grid (zero.sh, zero3.sh): over the TCP ring alone (the path of several
 # hosts) and through shared memory, at world 2 and 4, each stage of STAGES trains one epoch of
 # configs/default.toml with dense tables and the model's SETS, as $out/TRANSPORT-wWORLD-zSTAGE
-# (read back by zero_runs.py): zero_grid "STAGES" SETS...
+# (read back by zero_runs.py; ZERO_TRANSPORTS and ZERO_WORLDS narrow the grid):
+# zero_grid "STAGES" SETS...
 zero_grid() {
   local stages=$1 transport shm world zero
   shift
-  for transport in ring shm; do
+  for transport in ${ZERO_TRANSPORTS:-ring shm}; do
     shm=false; [ "$transport" = shm ] && shm=true
-    for world in 2 4; do
+    for world in ${ZERO_WORLDS:-2 4}; do
       for zero in $stages; do
         launch_logged "$transport-w$world-z$zero" --num-processes "$world" --master-port 0 \
           configs/default.toml "${bpr_id[@]}" \

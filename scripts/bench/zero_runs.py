@@ -3,11 +3,11 @@ import json
 import os
 
 
-def runs(out, stages):
+def runs(out, stages, transports=("ring", "shm"), worlds=(2, 4)):
     """Yields (transport, world, zero, memory.json, its estimate's terms in MiB by name, the
     summary record, the last test record) of each run, in the grid's order."""
-    for transport in ("ring", "shm"):
-        for world in (2, 4):
+    for transport in transports:
+        for world in worlds:
             for zero in stages:
                 run = os.path.join(out, "%s-w%d-z%d" % (transport, world, zero))
                 mem = json.load(open(os.path.join(run, "memory.json")))
