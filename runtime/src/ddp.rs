@@ -92,7 +92,7 @@ pub struct DdpConfig {
     /// window. Empty: buckets by size only (stage 3 then gathers everything for each window).
     pub units: Vec<String>,
     /// ZeRO-Offload's optimizer half: AdamW's moments in host memory and the update run there
-    /// (see [`crate::optim::AdamW::offload`]), for this rank's shard under ZeRO, every dense
+    /// (see [`crate::optim::AdamW::on_host`]), for this rank's shard under ZeRO, every dense
     /// parameter otherwise: a GPU keeps no moments. The same numbers.
     pub offload: bool,
 }

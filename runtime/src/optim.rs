@@ -271,7 +271,7 @@ pub struct AdamW {
     elements: Vec<Option<Range<i64>>>,
     /// Every parameter's shape: what its moments have in a checkpoint, whatever is kept here.
     shapes: Vec<Vec<i64>>,
-    /// The moments live in host memory and the update runs there ([`AdamW::offload`]).
+    /// The moments live in host memory and the update runs there ([`AdamW::on_host`]).
     offload: bool,
     /// Bytes the last step copied between the parameters' device and the host.
     offload_bytes: u64,
@@ -300,12 +300,41 @@ impl AdamW {
         eps: f64,
         weight_decay: f64,
     ) -> AdamW {
+        Self::placed(params, elements, false, [beta1, beta2, eps, weight_decay])
+    }
+
+    /// ZeRO-Offload's optimizer half (`dist.offload = "optimizer"`): [`AdamW::with_elements`]
+    /// with the moments in host memory (allocated there: a device that cannot hold them never
+    /// does), and each step copying a parameter's values (the elements kept) and gradient to
+    /// the host, updating them there with the fused loop on libtorch's intra-op threads, and
+    /// copying the values back. The same formulas: on CPU tensors the same bits as without
+    /// offload (there the copies are all it adds); on a GPU the device keeps no moments.
+    /// Parameters updated by rows in memory of their own ([`AdamW::update_rows_only`]) are
+    /// updated there as before.
+    pub fn on_host(
+        params: &[Tensor],
+        elements: Vec<Option<Range<i64>>>,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    ) -> AdamW {
+        Self::placed(params, elements, true, [beta1, beta2, eps, weight_decay])
+    }
+
+    fn placed(
+        params: &[Tensor],
+        elements: Vec<Option<Range<i64>>>,
+        offload: bool,
+        [beta1, beta2, eps, weight_decay]: [f64; 4],
+    ) -> AdamW {
         assert_eq!(
             elements.len(),
             params.len(),
             "one element range per parameter"
         );
         let _guard = tch::no_grad_guard();
+        let on = |p: &Tensor| if offload { Device::Cpu } else { p.device() };
         let zeros = |(p, e): (&Tensor, &Option<Range<i64>>)| match e {
             Some(e) => {
                 assert!(
@@ -313,9 +342,10 @@ impl AdamW {
                     "{e:?} outside {:?}",
                     p.size()
                 );
-                Tensor::zeros([e.end - e.start], (p.kind(), p.device()))
+                Tensor::zeros([e.end - e.start], (p.kind(), on(p)))
             }
-            None => p.zeros_like(),
+            None if !offload => p.zeros_like(),
+            None => Tensor::zeros(p.size(), (p.kind(), Device::Cpu)),
         };
         AdamW {
             lr: 0.0,
@@ -329,30 +359,12 @@ impl AdamW {
             rows: vec![None; params.len()],
             shapes: params.iter().map(Tensor::size).collect(),
             elements,
-            offload: false,
+            offload,
             offload_bytes: 0,
         }
     }
 
-    /// ZeRO-Offload's optimizer half (`dist.offload = "optimizer"`): the moments move to host
-    /// memory, and each step copies a parameter's values (the elements kept) and gradient to
-    /// the host, updates them there with the fused loop on libtorch's intra-op threads, and
-    /// copies the values back. The same formulas: on CPU tensors the same bits as without
-    /// offload (there the copies are all it adds); on a GPU the device keeps no moments.
-    /// Parameters updated by rows in memory of their own ([`AdamW::update_rows_only`]) are
-    /// updated there as before.
-    pub fn offload(mut self) -> AdamW {
-        let _guard = tch::no_grad_guard();
-        for m in self.exp_avg.iter_mut().chain(self.exp_avg_sq.iter_mut()) {
-            if m.device() != Device::Cpu {
-                *m = m.to_device(Device::Cpu);
-            }
-        }
-        self.offload = true;
-        self
-    }
-
-    /// Whether the update runs on the host ([`AdamW::offload`]).
+    /// Whether the update runs on the host ([`AdamW::on_host`]).
     pub fn offloaded(&self) -> bool {
         self.offload
     }

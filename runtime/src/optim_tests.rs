@@ -359,7 +359,8 @@ fn an_offloaded_optimizer_takes_the_same_steps_and_state() {
     let params = make();
     let copies = clone_params(&params);
     let mut plain = AdamW::new(&params, 0.9, 0.95, 1e-8, 0.1);
-    let mut offloaded = AdamW::new(&copies, 0.9, 0.95, 1e-8, 0.1).offload();
+    let whole = vec![None; 2];
+    let mut offloaded = AdamW::on_host(&copies, whole.clone(), 0.9, 0.95, 1e-8, 0.1);
     assert!(offloaded.offloaded() && !plain.offloaded());
     // The plain one on one thread, the offloaded one in three chunks.
     let threads = tch::get_num_threads();
@@ -384,7 +385,7 @@ fn an_offloaded_optimizer_takes_the_same_steps_and_state() {
         assert_eq!(n1, n2);
         assert!(t1.equal(t2), "{n1} differs");
     }
-    let mut resumed = AdamW::new(&clone_params(&copies), 0.9, 0.95, 1e-8, 0.1).offload();
+    let mut resumed = AdamW::on_host(&clone_params(&copies), whole, 0.9, 0.95, 1e-8, 0.1);
     resumed.load_state_tensors(&plain.state_tensors()).unwrap();
     assert_eq!(resumed.steps_taken(), 3);
 }

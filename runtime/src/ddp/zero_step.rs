@@ -21,10 +21,10 @@ impl Ddp {
             Some(zero) => zero.elements().to_vec(),
             None => vec![None; self.params.len()],
         };
-        let adam = AdamW::with_elements(&self.params, elements, beta1, beta2, eps, weight_decay);
+        let (params, wd) = (&self.params, weight_decay);
         match self.config.offload {
-            true => adam.offload(),
-            false => adam,
+            true => AdamW::on_host(params, elements, beta1, beta2, eps, wd),
+            false => AdamW::with_elements(params, elements, beta1, beta2, eps, wd),
         }
     }
 
