@@ -546,7 +546,9 @@ pub struct DistConfig {
     /// step copying the values this rank updates (its shard under `zero` 1-3, all of them
     /// otherwise) and their gradients to the host and the values back, the update on the
     /// host's threads (`OMP_NUM_THREADS`): a GPU then keeps no moments, 8 bytes per value
-    /// less, for three copies per value a step. The same numbers (bit for bit on CPUs, where it
+    /// less, for three copies per value a step (row-sparse tables whole). With `zero =
+    /// "auto"` stage 1 or 2 is taken before stage 0, where every rank would keep the whole
+    /// moments in host memory. The same numbers (bit for bit on CPUs, where it
     /// adds only the copies). Row-sparse tables kept once per host (`shared_tables`,
     /// `shard_optimizer`) keep their moments there. Default: `"none"`.
     pub offload: OffloadKind,

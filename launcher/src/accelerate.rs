@@ -14,6 +14,9 @@ use common::job_shape::NumProcesses;
 
 use crate::cli::{Cli, GpuIds};
 
+mod deepspeed;
+use deepspeed::DeepSpeed;
+
 /// What accelerate's settings did to the command line: the workers' extra variables and the
 /// lines to say.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -37,7 +40,8 @@ struct Settings {
     use_cpu: bool,
     debug: bool,
     dynamo_backend: Option<String>,
-    /// Settings of the file that `launch` does not apply (`deepspeed_config`, ...).
+    deepspeed: DeepSpeed,
+    /// Settings of the file that `launch` does not apply (`fsdp_config`, ...).
     not_applied: Vec<String>,
 }
 
@@ -55,6 +59,14 @@ fn is_accelerate_line(cli: &Cli) -> bool {
         || cli.num_cpu_threads_per_process.is_some()
         || cli.dynamo_backend.is_some()
         || cli.use_deepspeed
+        || cli.zero_stage.is_some()
+        || cli.offload_optimizer_device.is_some()
+        || cli.offload_param_device.is_some()
+        || cli.gradient_accumulation_steps.is_some()
+        || cli.gradient_clipping.is_some()
+        || cli.zero3_init_flag.is_some()
+        || cli.zero3_save_16bit_model.is_some()
+        || cli.deepspeed_config_file.is_some()
         || cli.use_fsdp
         || cli.accelerate_debug
 }
@@ -87,16 +99,20 @@ pub fn apply(cli: &mut Cli, env: &common::job_shape::Env) -> Result<Applied, Str
     let settings = merge(cli, file.unwrap_or_default());
     applied.notices.extend(settings.not_applied.iter().cloned());
     applied.notices.extend(shape(cli, &settings)?);
-    worker_settings(cli, &settings, &mut applied);
+    worker_settings(cli, &settings, &mut applied)?;
     Ok(applied)
 }
 
 /// The flags over the file's settings.
-fn merge(cli: &Cli, file: Settings) -> Settings {
+fn merge(cli: &Cli, mut file: Settings) -> Settings {
     let flag_count = match cli.num_processes {
         Some(NumProcesses::Count(n)) => Some(n),
         _ => None,
     };
+    // As accelerate: a precision from the file is one of the fields it tells DeepSpeed about.
+    if cli.mixed_precision.is_none() && file.mixed_precision.is_some() && file.deepspeed.used {
+        file.deepspeed.file_keys.push("mixed_precision".into());
+    }
     Settings {
         num_processes: flag_count.or(file.num_processes),
         num_machines: cli.num_machines.or(file.num_machines),
@@ -108,6 +124,7 @@ fn merge(cli: &Cli, file: Settings) -> Settings {
         use_cpu: cli.cpu || file.use_cpu,
         debug: cli.accelerate_debug || file.debug,
         dynamo_backend: cli.dynamo_backend.clone().or(file.dynamo_backend),
+        deepspeed: DeepSpeed::merged(cli, file.deepspeed),
         not_applied: file.not_applied,
     }
 }
@@ -167,12 +184,15 @@ fn shape(cli: &mut Cli, s: &Settings) -> Result<Option<String>, String> {
     Ok(said)
 }
 
-/// What reaches the workers: accelerate's variables, our worker's bf16, and the lines for what
-/// does not apply.
-fn worker_settings(cli: &mut Cli, s: &Settings, applied: &mut Applied) {
+/// What reaches the workers: accelerate's variables, our worker's bf16 and DeepSpeed
+/// settings, and the lines for what does not apply.
+fn worker_settings(cli: &mut Cli, s: &Settings, applied: &mut Applied) -> Result<(), String> {
     let precision = s.mixed_precision.clone().unwrap_or_else(|| "no".into());
     let ours = cli.config.is_some() && cli.script.is_empty();
     if ours {
+        // Before the user's own --set, which win.
+        let sets = s.deepspeed.worker_sets(&mut applied.notices)?;
+        cli.overrides.splice(0..0, sets);
         match precision.as_str() {
             // Before the user's own --set, which wins.
             "bf16" => cli.overrides.insert(0, "train.bf16=true".into()),
@@ -202,17 +222,14 @@ fn worker_settings(cli: &mut Cli, s: &Settings, applied: &mut Applied) {
     if let Some(threads) = cli.num_cpu_threads_per_process {
         env.push(("OMP_NUM_THREADS".into(), threads.to_string()));
     }
-    for (flag, given) in [
-        ("--use_deepspeed", cli.use_deepspeed),
-        ("--use_fsdp", cli.use_fsdp),
-    ] {
-        if given {
-            applied.notices.push(format!(
-                "{flag}: not applied; launch starts data-parallel workers (our worker shards its optimizer with dist.shard_optimizer)"
-            ));
-        }
+    env.extend(s.deepspeed.env());
+    if cli.use_fsdp {
+        applied.notices.push(
+            "--use_fsdp: not applied; launch starts data-parallel workers (our worker shards with dist.zero)".into(),
+        );
     }
     applied.env = env;
+    Ok(())
 }
 
 /// accelerate's config file (YAML, or JSON for a `.json` file), as accelerate reads it.
@@ -275,6 +292,7 @@ fn apply_key(s: &mut Settings, key: &str, value: &yaml_rust2::Yaml) -> Result<()
         "gpu_ids" => s.gpu_ids = text(),
         "use_cpu" => s.use_cpu = flag(),
         "debug" => s.debug = flag(),
+        "deepspeed_config" => s.deepspeed.read_section(value)?,
         "dynamo_config" => {
             s.dynamo_backend = value["dynamo_backend"].as_str().map(str::to_string);
         }
@@ -286,7 +304,11 @@ fn apply_key(s: &mut Settings, key: &str, value: &yaml_rust2::Yaml) -> Result<()
         }
         "distributed_type" => {
             let kind = text().unwrap_or_default();
-            if !matches!(kind.as_str(), "NO" | "MULTI_GPU" | "MULTI_CPU" | "") {
+            s.deepspeed.used |= kind == "DEEPSPEED";
+            if !matches!(
+                kind.as_str(),
+                "NO" | "MULTI_GPU" | "MULTI_CPU" | "DEEPSPEED" | ""
+            ) {
                 s.not_applied.push(format!(
                     "accelerate config distributed_type {kind}: not applied; launch starts data-parallel workers (the script's own accelerate reads the rest of the file)"
                 ));
@@ -388,10 +410,9 @@ mod tests {
         assert_eq!(c.num_processes, Some(NumProcesses::Count(2)));
         assert_eq!(c.gpu_ids, Some(GpuIds::All));
         assert_eq!(c.overrides, vec!["train.bf16=true".to_string()]);
-        assert_eq!(
-            applied.notices,
-            vec!["accelerate config deepspeed_config: not applied by launch".to_string()]
-        );
+        // As accelerate: a DeepSpeed section without distributed_type DEEPSPEED is not used.
+        assert_eq!(applied.notices, Vec::<String>::new());
+        assert!(!applied.env.iter().any(|(k, _)| k.contains("DEEPSPEED")));
         // The flag wins; the default file is found through HF_HOME.
         let home = dir.path().join("hf");
         std::fs::create_dir_all(home.join("accelerate")).unwrap();
@@ -423,5 +444,111 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("nope.yaml"), "{e}");
+    }
+
+    /// accelerate's DeepSpeed settings, from its flags over its config file: our worker gets
+    /// them as its config keys (before the user's own --set), with a line for what has no
+    /// counterpart; a script gets the variables `accelerate launch` sets.
+    #[test]
+    fn deepspeed_settings_become_our_keys_or_accelerates_variables() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ds.yaml");
+        let section = "deepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n  offload_param_device: cpu\n  gradient_accumulation_steps: 4\n  gradient_clipping: 1.0\n  zero3_init_flag: true\n";
+        let file = CONFIG.replace("MULTI_GPU", "DEEPSPEED");
+        std::fs::write(&path, format!("{file}{section}")).unwrap();
+        let shown = path.display().to_string();
+        let line = ["--config_file", &shown, "--zero_stage", "2"];
+        let mut ours =
+            cli(&[&line[..], &["configs/default.toml", "--set", "dist.zero=1"]].concat());
+        let applied = apply(&mut ours, &Default::default()).unwrap();
+        assert_eq!(
+            ours.overrides,
+            [
+                "train.bf16=true",
+                "dist.zero=2",
+                "dist.offload=\"optimizer\"",
+                "batch.grad_accum=4",
+                "train.max_grad_norm=1.0",
+                "dist.zero=1",
+            ]
+        );
+        assert_eq!(
+            applied.notices,
+            [
+                "--offload_param_device cpu: not applied; our worker does not offload parameters (dist.zero = 3 shards them)",
+                "--zero3_init_flag true: not applied; our worker builds the model once and shards it as dist.zero says",
+                "accelerate DeepSpeed: --zero_stage 2 = --set dist.zero=2, --offload_optimizer_device cpu = --set dist.offload=\"optimizer\", --gradient_accumulation_steps 4 = --set batch.grad_accum=4, --gradient_clipping 1 = --set train.max_grad_norm=1.0",
+            ]
+        );
+        // A script: accelerate's variables, the flag over the file.
+        let mut script = cli(&[
+            &line[..],
+            &["--offload_optimizer_device", "nvme", "train.py"],
+        ]
+        .concat());
+        let applied = apply(&mut script, &Default::default()).unwrap();
+        let env: std::collections::BTreeMap<_, _> = applied.env.into_iter().collect();
+        let get = |k: &str| env.get(k).map(String::as_str);
+        assert_eq!(get("ACCELERATE_USE_DEEPSPEED"), Some("true"));
+        assert_eq!(get("ACCELERATE_DEEPSPEED_ZERO_STAGE"), Some("2"));
+        assert_eq!(
+            get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+            Some("nvme")
+        );
+        assert_eq!(
+            get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
+            Some("cpu")
+        );
+        assert_eq!(get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), Some("4"));
+        assert_eq!(get("ACCELERATE_GRADIENT_CLIPPING"), Some("1.0"));
+        assert_eq!(get("ACCELERATE_DEEPSPEED_ZERO3_INIT"), Some("true"));
+        assert_eq!(
+            get("ACCELERATE_CONFIG_DS_FIELDS"),
+            Some("zero_stage,offload_optimizer_device,offload_param_device,gradient_accumulation_steps,gradient_clipping,zero3_init_flag,mixed_precision")
+        );
+        assert_eq!(script.overrides, Vec::<String>::new());
+        // Flags alone, and bad values: one line naming the flag or the key.
+        let mut flags = cli(&[
+            "--use_deepspeed",
+            "--offload_optimizer_device",
+            "cpu",
+            "configs/default.toml",
+        ]);
+        apply(&mut flags, &Default::default()).unwrap();
+        assert_eq!(flags.overrides, ["dist.offload=\"optimizer\""]);
+        let parse = |args: &[&str]| {
+            crate::cli::parse_from(
+                std::iter::once("launch")
+                    .chain(args.iter().copied())
+                    .map(std::ffi::OsString::from)
+                    .collect(),
+            )
+        };
+        assert!(parse(&["--zero_stage", "4", "x.py"]).is_err());
+        assert!(parse(&["--offload_optimizer_device", "gpu", "x.py"]).is_err());
+        std::fs::write(&path, format!("{file}deepspeed_config:\n  zero_stage: 5\n")).unwrap();
+        let e = apply(
+            &mut cli(&["--config_file", &shown, "x.py"]),
+            &Default::default(),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains(&shown) && e.contains("deepspeed_config.zero_stage: expected 0, 1, 2 or 3"),
+            "{e}"
+        );
+        let e = apply(
+            &mut cli(&[
+                "--use_deepspeed",
+                "--gradient_clipping",
+                "-1",
+                "configs/default.toml",
+            ]),
+            &Default::default(),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("--gradient_clipping -1: must be a number above 0"),
+            "{e}"
+        );
     }
 }

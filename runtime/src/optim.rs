@@ -1,8 +1,10 @@
 //! The optimizer: AdamW over `tch` tensors, the learning-rate schedule, and the optimizer state
 //! a checkpoint needs to continue exactly.
 //!
-//! Owns: `torch.optim.AdamW`'s update math, warm-up + constant / linear / cosine LR schedules,
-//! and turning the moments and step counter into named tensors (and back) for
+//! Owns: `torch.optim.AdamW`'s update math (fused on the CPU, split over the intra-op threads
+//! for large tensors), where the moments live (beside the parameters, or in host memory with
+//! the update run there: ZeRO-Offload's optimizer half), warm-up + constant / linear / cosine
+//! LR schedules, and turning the moments and step counter into named tensors (and back) for
 //! `optimizer.safetensors`. Clipping is `clip`'s.
 //!
 //! Must not: know the model or parameter names, talk to other ranks (gradients arrive already
@@ -121,7 +123,7 @@ impl StepScalars {
         }
         // SAFETY: four contiguous f32 CPU buffers of n elements, alive for this call; the
         // parameter, its gradient and the two moments do not overlap (the moments come from
-        // `zeros_like` or are separate arrays of shared memory, the gradient from autograd), and
+        // `zeros`/`zeros_like` or are separate arrays of shared memory, the gradient from autograd), and
         // nothing else uses them meanwhile (the step runs on the training thread, under no_grad;
         // other ranks update other rows of a shared table).
         let (p, g, m, v) = unsafe {
@@ -142,12 +144,12 @@ impl StepScalars {
             eps: f(self.eps),
             neg_step: f(self.neg_step),
         };
-        // Large tensors in chunks on the intra-op threads (libtorch's count: 1 on CPU ranks
-        // by default, all of a GPU box's cores for an offloaded update): element-wise, so the
-        // same bits in any chunking.
+        // Large tensors in chunks on libtorch's intra-op threads (`OMP_NUM_THREADS`, which
+        // `launch` sets to the host's cores over its processes), none smaller than a spawn is
+        // worth: element-wise, so the same bits in any chunking.
         let threads = usize::try_from(tch::get_num_threads()).unwrap_or(1).max(1);
         let chunk = match threads > 1 && n >= PARALLEL_ELEMENTS {
-            true => n.div_ceil(threads),
+            true => n.div_ceil(threads).max(PARALLEL_ELEMENTS / 4),
             false => n,
         };
         std::thread::scope(|scope| {
@@ -587,7 +589,7 @@ impl AdamW {
     /// every name must be present exactly once, with the shape and dtype of its parameter's
     /// state, and nothing else. Everything is checked before anything is changed, so on error
     /// the optimizer is untouched. Tensors may live on any device; they are copied onto the
-    /// parameters' devices.
+    /// moments' (the parameters' devices, or the host when offloaded).
     pub fn load_state_tensors(&mut self, named: &[(String, Tensor)]) -> Result<(), OptimError> {
         let num_params = self.exp_avg.len();
         let mut by_name: HashMap<&str, &Tensor> = HashMap::with_capacity(named.len());

@@ -301,6 +301,82 @@ fn accelerates_config_file_and_variables() {
     out.assert_stderr_all(&[bad_arg.as_str(), "num_processes"]);
 }
 
+/// accelerate's DeepSpeed line under `launch`: a script's own accelerate (the real one) builds
+/// its DeepSpeed plugin from the variables launch set, as under `accelerate launch`; our
+/// worker takes the same flags as its config keys (ZeRO stage 1, the optimizer offloaded,
+/// accumulation, clipping) and trains so, saying what it applied.
+#[test]
+fn accelerates_deepspeed_line_reaches_the_script_and_our_worker() {
+    let work = tempfile::tempdir().unwrap();
+    let ds = [
+        "--use_deepspeed",
+        "--zero_stage",
+        "1",
+        "--offload_optimizer_device",
+        "cpu",
+        "--gradient_accumulation_steps",
+        "2",
+        "--gradient_clipping",
+        "0.5",
+        "--num_processes",
+        "2",
+    ];
+    let dir = work.path().display().to_string();
+    let mut ours: Vec<String> = ds.iter().map(|s| s.to_string()).collect();
+    ours.push("configs/default.toml".into());
+    ours.extend(tiny_bpr_sets(work.path()));
+    for set in [
+        "run.name=\"ds\"",
+        "batch.global=192",
+        "dist.shard_optimizer=false",
+    ] {
+        ours.extend(["--set".to_string(), set.to_string()]);
+    }
+    let args: Vec<&str> = ours.iter().map(String::as_str).collect();
+    let mut cmd = launch_cmd(&args);
+    cmd.env("HF_HOME", work.path().join("hf"));
+    let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(120));
+    out.assert_code(0);
+    out.assert_stderr_all(&[
+        "accelerate DeepSpeed: --zero_stage 1 = --set dist.zero=1, --offload_optimizer_device cpu = --set dist.offload=\"optimizer\", --gradient_accumulation_steps 2 = --set batch.grad_accum=2, --gradient_clipping 0.5 = --set train.max_grad_norm=0.5",
+        "micro 48 x grad_accum 2 x world 2 = global 192",
+        "ZeRO stage 1 (dist.zero = 1)",
+        "AdamW moments in host memory",
+    ]);
+    let resolved = std::fs::read_to_string(format!("{dir}/ds/config.resolved.toml")).unwrap();
+    assert!(
+        resolved.lines().any(|l| l == "max_grad_norm = 0.5"),
+        "{resolved}"
+    );
+    assert!(
+        resolved.lines().any(|l| l == "offload = \"optimizer\""),
+        "{resolved}"
+    );
+    let Some(python) = venv_with("accelerate") else {
+        return;
+    };
+    let script = work.path().join("ds.py");
+    std::fs::write(
+        &script,
+        "import os\nfrom accelerate.utils import DeepSpeedPlugin\nc = DeepSpeedPlugin().deepspeed_config\nz = c['zero_optimization']\nprint(f\"rank {os.environ['RANK']}: stage {z['stage']} offload {z['offload_optimizer']['device']} accum {c['gradient_accumulation_steps']} clip {c['gradient_clipping']}\")\n",
+    )
+    .unwrap();
+    let python = python.display().to_string();
+    let script = script.display().to_string();
+    let mut args: Vec<&str> = ds.to_vec();
+    args.extend(["--no-python", python.as_str(), script.as_str()]);
+    let mut cmd = launch_cmd(&args);
+    cmd.env("HF_HOME", work.path().join("hf"));
+    let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(120));
+    out.assert_code(0);
+    let mut lines = rank_lines(&out.stdout);
+    lines.sort();
+    let want: Vec<(u32, String)> = (0..2)
+        .map(|r| (r, format!("rank {r}: stage 1 offload cpu accum 2 clip 0.5")))
+        .collect();
+    assert_eq!(lines, want, "{}", out.all());
+}
+
 /// The guide's accelerate line (docs/guide.md, "Coming from torchrun or accelerate"), run as a
 /// dry run: 16 processes over 2 machines are 8 on this one, node rank 1, the master given, and
 /// no secret: the warning.

@@ -7,6 +7,7 @@
 //! without ZeRO. Must not: build the engine or touch the model (the trainer does, with the
 //! chosen stage).
 
+use common::config::OffloadKind;
 use common::memory::stages::{self, StageFit};
 use common::memory::{mib_text, usable};
 use common::train_plan::TrainPlan;
@@ -67,7 +68,8 @@ pub fn auto_zero(
         }
         stage
     };
-    if let Some(stage) = stages::choose(&agreed) {
+    let offloaded = config.dist.offload == OffloadKind::Optimizer && ranks > 1;
+    if let Some(stage) = stages::choose(&agreed, offloaded) {
         return Ok(said(
             stage,
             "the least traffic, then the largest micro batch, then the lower stage",

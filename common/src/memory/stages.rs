@@ -89,9 +89,14 @@ fn traffic(stage: u8) -> u32 {
 /// `dist.zero = "auto"`'s rule, on the micro batch every rank can run at each stage (the
 /// smallest over the ranks, 0 where a rank fits none): among the stages that fit, those with
 /// the least traffic; of them the one with the largest micro batch; the lower stage on a tie.
-/// `None` when no stage fits.
-pub fn choose(agreed: &[(u8, u64)]) -> Option<u8> {
-    let fitting = agreed.iter().filter(|(_, micro)| *micro > 0);
+/// With the optimizer offloaded over several ranks (`offloaded`), stage 0 only where no
+/// sharded stage with its traffic fits: there every rank would keep the whole moments in host
+/// memory, where stage 1 keeps them once across the ranks. `None` when no stage fits.
+pub fn choose(agreed: &[(u8, u64)], offloaded: bool) -> Option<u8> {
+    let sharded_fits =
+        (agreed.iter()).any(|&(s, micro)| s > 0 && micro > 0 && traffic(s) == traffic(0));
+    let skip_0 = offloaded && sharded_fits;
+    let fitting = (agreed.iter()).filter(|&&(s, micro)| micro > 0 && !(skip_0 && s == 0));
     let least = fitting.clone().map(|&(s, _)| traffic(s)).min()?;
     fitting
         .filter(|&&(s, _)| traffic(s) == least)
@@ -220,13 +225,18 @@ mod tests {
 
     #[test]
     fn the_rule_prefers_least_traffic_then_the_largest_micro_then_the_lower_stage() {
-        assert_eq!(choose(&[(0, 64), (1, 64)]), Some(0));
-        assert_eq!(choose(&[(0, 32), (1, 64)]), Some(1));
-        assert_eq!(choose(&[(0, 0), (1, 1)]), Some(1));
-        assert_eq!(choose(&[(0, 0), (1, 0)]), None);
+        assert_eq!(choose(&[(0, 64), (1, 64)], false), Some(0));
+        assert_eq!(choose(&[(0, 32), (1, 64)], false), Some(1));
+        assert_eq!(choose(&[(0, 0), (1, 1)], false), Some(1));
+        assert_eq!(choose(&[(0, 0), (1, 0)], false), None);
         // Stage 3 moves more: it is chosen only where nothing else fits.
-        assert_eq!(choose(&[(0, 0), (1, 8), (3, 64)]), Some(1));
-        assert_eq!(choose(&[(0, 0), (1, 0), (3, 1)]), Some(3));
+        assert_eq!(choose(&[(0, 0), (1, 8), (3, 64)], false), Some(1));
+        assert_eq!(choose(&[(0, 0), (1, 0), (3, 1)], false), Some(3));
+        // Offloaded, stage 1 or 2 before stage 0 (each rank would keep the whole moments on
+        // the host), not stage 3 (more traffic).
+        assert_eq!(choose(&[(0, 64), (1, 64), (2, 64)], true), Some(1));
+        assert_eq!(choose(&[(0, 64), (1, 0), (3, 8)], true), Some(0));
+        assert_eq!(choose(&[(0, 64), (1, 0), (2, 8)], true), Some(2));
     }
 
     #[test]
@@ -257,7 +267,7 @@ mod tests {
         let fits = stage_fits(&c, &[p], &data(), at, budget);
         let micro: Vec<(u8, u64)> = fits.iter().map(|f| (f.stage, f.micro())).collect();
         assert_eq!(micro, vec![(0, 0), (1, 64), (2, 0), (3, 0)]);
-        assert_eq!(choose(&micro), Some(1));
+        assert_eq!(choose(&micro, false), Some(1));
         let lines = stage_lines(&fits, budget);
         assert!(lines[0].starts_with("stage 0: parameters "), "{lines:?}");
         assert!(lines[3].contains("gathered parameters "), "{lines:?}");
@@ -325,7 +335,7 @@ mod tests {
         let lines = stage_lines(&fits, u64::MAX / 2);
         assert!(lines[1].ends_with("(every stage the same here: nothing is sharded)"));
         let micro: Vec<(u8, u64)> = fits.iter().map(|f| (f.stage, f.micro())).collect();
-        assert_eq!(choose(&micro), Some(0));
+        assert_eq!(choose(&micro, false), Some(0));
     }
 
     /// Stage 3 on dynamic GPT-2 (124M, every weight trains, dense tables) at world 4: the

@@ -6,7 +6,7 @@
 //! Must not: measure anything on a device (the workers do) or start anything.
 
 use super::*;
-use common::config::ZeroStage;
+use common::config::{OffloadKind, ZeroStage};
 
 impl Plan {
     /// The memory estimate of one worker next to what each local rank's device has (NVML's
@@ -253,7 +253,9 @@ impl Estimating {
             .iter()
             .map(|&b| fits_in(b).iter().map(|f| (f.stage, f.micro())).collect())
             .collect();
-        let (chosen, line) = match stages::choose(&stages::agree(&per_rank)) {
+        let offloaded =
+            self.config.dist.offload == OffloadKind::Optimizer && configured.world_size > 1;
+        let (chosen, line) = match stages::choose(&stages::agree(&per_rank), offloaded) {
             Some(s) => (Some(s), format!(
                 "dist.zero \"auto\": by the estimate, stage {s} (the least traffic, then the largest micro batch, then the lower stage; each worker checks its own budget at start)"
             )),

@@ -206,7 +206,7 @@ type Setup = (Option<(u32, u32)>, u32, bool);
 fn zero_stages_1_to_3_with_units_train_exactly_as_ddp_on_every_backend() {
     use crate::collective::tcp::test_ring::{with_hosts_owned, with_ring_owned_opts};
     let on = |hosts: Option<(u32, u32)>, world: u32, shared_memory: bool, zero: u8| {
-        // Offloaded at every odd stage: the moments and the update on the host.
+        // 4 + stage: that stage with the optimizer offloaded (moments and update on the host).
         let (zero, offload) = (zero % 4, zero >= 4);
         let body = move |rank, ring| train(rank, ring, zero, offload);
         let runs = match hosts {

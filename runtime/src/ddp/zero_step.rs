@@ -22,7 +22,7 @@ impl Ddp {
             None => vec![None; self.params.len()],
         };
         let (params, wd) = (&self.params, weight_decay);
-        match self.config.offload {
+        match self.offloads() {
             true => AdamW::on_host(params, elements, beta1, beta2, eps, wd),
             false => AdamW::with_elements(params, elements, beta1, beta2, eps, wd),
         }

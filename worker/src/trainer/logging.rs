@@ -170,6 +170,11 @@ pub(super) fn log_sharing(ddp: &Ddp, config: &Config, grad_accum: usize) {
         info!(
             "AdamW moments in host memory, each step's update on the host's {threads}: the values this rank updates and their gradients copied there, the values back (dist.offload = \"optimizer\")"
         );
+        if ddp.zero_stage() == 0 && world > 1 {
+            warn!(
+                "dist.offload = \"optimizer\" with dist.zero = 0: each of the {world} ranks keeps the whole AdamW moments in host memory; dist.zero = 1 keeps them once across the ranks, for the same traffic"
+            );
+        }
     } else if config.dist.offload == OffloadKind::Optimizer {
         warn!(
             "dist.offload = \"optimizer\" does nothing in this run: dist.shard_optimizer (one CPU host, shared memory) keeps the AdamW moments in host memory already"
