@@ -59,14 +59,7 @@ fn is_accelerate_line(cli: &Cli) -> bool {
         || cli.num_cpu_threads_per_process.is_some()
         || cli.dynamo_backend.is_some()
         || cli.use_deepspeed
-        || cli.zero_stage.is_some()
-        || cli.offload_optimizer_device.is_some()
-        || cli.offload_param_device.is_some()
-        || cli.gradient_accumulation_steps.is_some()
-        || cli.gradient_clipping.is_some()
-        || cli.zero3_init_flag.is_some()
-        || cli.zero3_save_16bit_model.is_some()
-        || cli.deepspeed_config_file.is_some()
+        || cli.deepspeed != crate::cli::DeepSpeedFlags::default()
         || cli.use_fsdp
         || cli.accelerate_debug
 }

@@ -33,22 +33,20 @@ pub(super) struct DeepSpeed {
 impl DeepSpeed {
     /// The command line's settings over `file`'s.
     pub(super) fn merged(cli: &Cli, file: DeepSpeed) -> DeepSpeed {
+        let f = &cli.deepspeed;
         DeepSpeed {
             used: cli.use_deepspeed || file.used,
-            zero_stage: cli.zero_stage.or(file.zero_stage),
-            offload_optimizer_device: (cli.offload_optimizer_device.clone())
+            zero_stage: f.zero_stage.or(file.zero_stage),
+            offload_optimizer_device: (f.offload_optimizer_device.clone())
                 .or(file.offload_optimizer_device),
-            offload_param_device: cli
-                .offload_param_device
-                .clone()
-                .or(file.offload_param_device),
-            gradient_accumulation_steps: (cli.gradient_accumulation_steps)
+            offload_param_device: f.offload_param_device.clone().or(file.offload_param_device),
+            gradient_accumulation_steps: (f.gradient_accumulation_steps)
                 .or(file.gradient_accumulation_steps),
-            gradient_clipping: cli.gradient_clipping.or(file.gradient_clipping),
-            zero3_init_flag: cli.zero3_init_flag.clone().or(file.zero3_init_flag),
-            zero3_save_16bit_model: (cli.zero3_save_16bit_model.clone())
+            gradient_clipping: f.gradient_clipping.or(file.gradient_clipping),
+            zero3_init_flag: f.zero3_init_flag.clone().or(file.zero3_init_flag),
+            zero3_save_16bit_model: (f.zero3_save_16bit_model.clone())
                 .or(file.zero3_save_16bit_model),
-            config_file: cli.deepspeed_config_file.clone().or(file.config_file),
+            config_file: f.deepspeed_config_file.clone().or(file.config_file),
             file_keys: file.file_keys,
         }
     }

@@ -1,0 +1,52 @@
+//! accelerate's DeepSpeed flags on `launch`'s command line, as `accelerate launch` takes them.
+//! Owns their parsing and their checks (a stage 0-3, a device among accelerate's); what they
+//! do is `accelerate::deepspeed`'s.
+
+/// The DeepSpeed flags of an accelerate line (with `--use_deepspeed`, or the config file's
+/// `distributed_type: DEEPSPEED`).
+#[derive(Debug, Default, Clone, PartialEq, clap::Args)]
+pub struct DeepSpeedFlags {
+    /// accelerate's `--zero_stage` (with `--use_deepspeed`): `dist.zero` of our worker.
+    #[arg(long = "zero_stage", alias = "zero-stage", value_name = "N", value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub zero_stage: Option<u8>,
+
+    /// accelerate's `--offload_optimizer_device` (`none`, `cpu`, `nvme`): `cpu` is our
+    /// worker's `dist.offload = "optimizer"`.
+    #[arg(long = "offload_optimizer_device", alias = "offload-optimizer-device", value_name = "DEVICE", value_parser = ["none", "cpu", "nvme"])]
+    pub offload_optimizer_device: Option<String>,
+
+    /// accelerate's `--offload_param_device` (`none`, `cpu`, `nvme`): for a script; our
+    /// worker does not offload parameters (a line says so).
+    #[arg(long = "offload_param_device", alias = "offload-param-device", value_name = "DEVICE", value_parser = ["none", "cpu", "nvme"])]
+    pub offload_param_device: Option<String>,
+
+    /// accelerate's `--gradient_accumulation_steps` (DeepSpeed's): `batch.grad_accum` of our
+    /// worker.
+    #[arg(long = "gradient_accumulation_steps", alias = "gradient-accumulation-steps", value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub gradient_accumulation_steps: Option<u64>,
+
+    /// accelerate's `--gradient_clipping` (DeepSpeed's): `train.max_grad_norm` of our worker.
+    #[arg(
+        long = "gradient_clipping",
+        alias = "gradient-clipping",
+        value_name = "NORM"
+    )]
+    pub gradient_clipping: Option<f64>,
+
+    /// accelerate's `--zero3_init_flag` (`true`, `false`): for a script.
+    #[arg(long = "zero3_init_flag", alias = "zero3-init-flag", value_name = "BOOL", value_parser = ["true", "false", "True", "False"])]
+    pub zero3_init_flag: Option<String>,
+
+    /// accelerate's `--zero3_save_16bit_model` (`true`, `false`): for a script.
+    #[arg(long = "zero3_save_16bit_model", alias = "zero3-save-16bit-model", value_name = "BOOL", value_parser = ["true", "false", "True", "False"])]
+    pub zero3_save_16bit_model: Option<String>,
+
+    /// accelerate's `--deepspeed_config_file`: `ACCELERATE_DEEPSPEED_CONFIG_FILE` for a
+    /// script; our worker does not read it (a line says so).
+    #[arg(
+        long = "deepspeed_config_file",
+        alias = "deepspeed-config-file",
+        value_name = "PATH"
+    )]
+    pub deepspeed_config_file: Option<String>,
+}
