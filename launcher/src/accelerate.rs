@@ -15,7 +15,9 @@ use common::job_shape::NumProcesses;
 use crate::cli::{Cli, GpuIds};
 
 mod deepspeed;
+mod fsdp;
 use deepspeed::DeepSpeed;
+use fsdp::Fsdp;
 
 /// What accelerate's settings did to the command line: the workers' extra variables and the
 /// lines to say.
@@ -41,7 +43,8 @@ struct Settings {
     debug: bool,
     dynamo_backend: Option<String>,
     deepspeed: DeepSpeed,
-    /// Settings of the file that `launch` does not apply (`fsdp_config`, ...).
+    fsdp: Fsdp,
+    /// Settings of the file that `launch` does not apply (`megatron_lm_config`, ...).
     not_applied: Vec<String>,
 }
 
@@ -58,9 +61,8 @@ fn is_accelerate_line(cli: &Cli) -> bool {
         || cli.cpu
         || cli.num_cpu_threads_per_process.is_some()
         || cli.dynamo_backend.is_some()
-        || cli.use_deepspeed
         || cli.deepspeed != crate::cli::DeepSpeedFlags::default()
-        || cli.use_fsdp
+        || cli.fsdp != crate::cli::FsdpFlags::default()
         || cli.accelerate_debug
 }
 
@@ -118,6 +120,7 @@ fn merge(cli: &Cli, mut file: Settings) -> Settings {
         debug: cli.accelerate_debug || file.debug,
         dynamo_backend: cli.dynamo_backend.clone().or(file.dynamo_backend),
         deepspeed: DeepSpeed::merged(cli, file.deepspeed),
+        fsdp: Fsdp::merged(cli, file.fsdp),
         not_applied: file.not_applied,
     }
 }
@@ -184,7 +187,8 @@ fn worker_settings(cli: &mut Cli, s: &Settings, applied: &mut Applied) -> Result
     let ours = cli.config.is_some() && cli.script.is_empty();
     if ours {
         // Before the user's own --set, which win.
-        let sets = s.deepspeed.worker_sets(&mut applied.notices)?;
+        let mut sets = s.deepspeed.worker_sets(&mut applied.notices)?;
+        sets.extend(s.fsdp.worker_sets(&mut applied.notices)?);
         cli.overrides.splice(0..0, sets);
         match precision.as_str() {
             // Before the user's own --set, which wins.
@@ -216,11 +220,7 @@ fn worker_settings(cli: &mut Cli, s: &Settings, applied: &mut Applied) -> Result
         env.push(("OMP_NUM_THREADS".into(), threads.to_string()));
     }
     env.extend(s.deepspeed.env());
-    if cli.use_fsdp {
-        applied.notices.push(
-            "--use_fsdp: not applied; launch starts data-parallel workers (our worker shards with dist.zero)".into(),
-        );
-    }
+    env.extend(s.fsdp.env());
     applied.env = env;
     Ok(())
 }
@@ -244,6 +244,19 @@ fn read_config(path: &Path) -> Result<Settings, String> {
             .map_err(|e| format!("accelerate config {shown}: {key}: {e}"))?;
     }
     Ok(s)
+}
+
+/// A section of the config file (`deepspeed_config`, `fsdp_config`): its settings with text
+/// keys, none for an empty one.
+fn section_entries(section: &yaml_rust2::Yaml) -> Result<Vec<(&str, &yaml_rust2::Yaml)>, String> {
+    match section {
+        yaml_rust2::Yaml::Hash(map) => Ok(map
+            .iter()
+            .filter_map(|(k, v)| k.as_str().map(|k| (k, v)))
+            .collect()),
+        yaml_rust2::Yaml::Null => Ok(Vec::new()),
+        _ => Err("expected `key: value` settings".into()),
+    }
 }
 
 /// One setting of the config file.
@@ -286,6 +299,7 @@ fn apply_key(s: &mut Settings, key: &str, value: &yaml_rust2::Yaml) -> Result<()
         "use_cpu" => s.use_cpu = flag(),
         "debug" => s.debug = flag(),
         "deepspeed_config" => s.deepspeed.read_section(value)?,
+        "fsdp_config" => s.fsdp.read_section(value)?,
         "dynamo_config" => {
             s.dynamo_backend = value["dynamo_backend"].as_str().map(str::to_string);
         }
@@ -298,9 +312,10 @@ fn apply_key(s: &mut Settings, key: &str, value: &yaml_rust2::Yaml) -> Result<()
         "distributed_type" => {
             let kind = text().unwrap_or_default();
             s.deepspeed.used |= kind == "DEEPSPEED";
+            s.fsdp.used |= kind == "FSDP";
             if !matches!(
                 kind.as_str(),
-                "NO" | "MULTI_GPU" | "MULTI_CPU" | "DEEPSPEED" | ""
+                "NO" | "MULTI_GPU" | "MULTI_CPU" | "DEEPSPEED" | "FSDP" | ""
             ) {
                 s.not_applied.push(format!(
                     "accelerate config distributed_type {kind}: not applied; launch starts data-parallel workers (the script's own accelerate reads the rest of the file)"
@@ -543,5 +558,120 @@ mod tests {
             e.contains("--gradient_clipping -1: must be a number above 0"),
             "{e}"
         );
+    }
+
+    /// accelerate's FSDP settings: our worker gets the stage that shards as the strategy says
+    /// (FSDP 1's strategy, FSDP 2's resharding), the optimizer's half of parameter offload and
+    /// activation checkpointing, with lines for the rest; a script gets the variables
+    /// `accelerate launch` sets, its defaults included.
+    #[test]
+    fn fsdp_settings_become_our_stage_or_accelerates_variables() {
+        let line = [
+            "--use_fsdp",
+            "--fsdp_sharding_strategy",
+            "SHARD_GRAD_OP",
+            "--fsdp_offload_params",
+            "true",
+            "--fsdp_backward_prefetch",
+            "BACKWARD_PRE",
+        ];
+        let mut ours = cli(&[&line[..], &["configs/default.toml"]].concat());
+        let applied = apply(&mut ours, &Default::default()).unwrap();
+        assert_eq!(
+            ours.overrides,
+            ["dist.zero=2", "dist.offload=\"optimizer\""]
+        );
+        assert_eq!(
+            applied.notices,
+            [
+                "--fsdp_backward_prefetch: not applied to our worker (its units are GPT-2's blocks, its checkpoints whole at any stage)",
+                "accelerate FSDP: --fsdp_sharding_strategy SHARD_GRAD_OP = --set dist.zero=2, --fsdp_offload_params true = --set dist.offload=\"optimizer\" (the optimizer's half: the parameters stay on the device)",
+            ]
+        );
+        let mut script = cli(&[&line[..], &["train.py"]].concat());
+        let applied = apply(&mut script, &Default::default()).unwrap();
+        let env: Vec<(&str, &str)> = (applied.env.iter())
+            .filter(|(k, _)| k.contains("FSDP"))
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(
+            env,
+            [
+                ("ACCELERATE_USE_FSDP", "true"),
+                ("FSDP_VERSION", "1"),
+                ("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"),
+                ("FSDP_RESHARD_AFTER_FORWARD", "true"),
+                ("FSDP_OFFLOAD_PARAMS", "true"),
+                ("FSDP_MIN_NUM_PARAMS", "100000000"),
+                ("FSDP_BACKWARD_PREFETCH", "BACKWARD_PRE"),
+                ("FSDP_FORWARD_PREFETCH", "false"),
+                ("FSDP_USE_ORIG_PARAMS", "true"),
+                ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true"),
+                ("FSDP_SYNC_MODULE_STATES", "true"),
+                ("FSDP_ACTIVATION_CHECKPOINTING", "false"),
+                ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "false"),
+            ]
+        );
+        // The file: FSDP 2 without resharding is stage 2; keys without their fsdp_.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fsdp.yaml");
+        let section = "fsdp_config:\n  fsdp_version: 2\n  reshard_after_forward: false\n  activation_checkpointing: true\n  transformer_layer_cls_to_wrap: [GPT2Block]\n";
+        std::fs::write(
+            &path,
+            format!("{}{section}", CONFIG.replace("MULTI_GPU", "FSDP")),
+        )
+        .unwrap();
+        let shown = path.display().to_string();
+        let mut c = cli(&["--config_file", &shown, "configs/default.toml"]);
+        let applied = apply(&mut c, &Default::default()).unwrap();
+        assert_eq!(
+            c.overrides,
+            [
+                "train.bf16=true",
+                "dist.zero=2",
+                "model.activation_checkpointing=true"
+            ]
+        );
+        assert!(
+            applied
+                .notices
+                .iter()
+                .any(|n| n.starts_with("--fsdp_transformer_layer_cls_to_wrap: not applied")),
+            "{:?}",
+            applied.notices
+        );
+        // Hybrid sharding has no counterpart; an unknown strategy or a bad boolean is refused.
+        let mut c = cli(&[
+            "--use_fsdp",
+            "--fsdp_sharding_strategy",
+            "HYBRID_SHARD",
+            "configs/default.toml",
+        ]);
+        let applied = apply(&mut c, &Default::default()).unwrap();
+        assert!(c.overrides.is_empty(), "{:?}", c.overrides);
+        assert!(
+            applied.notices[0].contains("HYBRID_SHARD: not applied"),
+            "{:?}",
+            applied.notices
+        );
+        for (flag, value, says) in [
+            (
+                "--fsdp_sharding_strategy",
+                "HALF",
+                "expected FULL_SHARD, SHARD_GRAD_OP",
+            ),
+            (
+                "--fsdp_offload_params",
+                "yes",
+                "--fsdp_offload_params yes: expected true or false",
+            ),
+        ] {
+            let e = apply(
+                &mut cli(&["--use_fsdp", flag, value, "configs/default.toml"]),
+                &Default::default(),
+            )
+            .unwrap_err();
+            assert!(e.contains(says), "{e}");
+        }
     }
 }

@@ -8,7 +8,9 @@ use std::time::Duration;
 use clap::Parser;
 
 mod deepspeed_flags;
+mod fsdp_flags;
 pub use deepspeed_flags::DeepSpeedFlags;
+pub use fsdp_flags::FsdpFlags;
 
 /// Start one worker per GPU (or CPU slot) with torchrun's environment, supervise them, and tear
 /// the group down as one when any of them fails.
@@ -401,19 +403,13 @@ pub struct Cli {
     )]
     pub main_training_function: Option<String>,
 
-    /// accelerate's `--use_deepspeed`: for a script, `ACCELERATE_USE_DEEPSPEED=true` and the
-    /// DeepSpeed flags below as accelerate's variables; for our worker, those flags as its
-    /// config keys (`dist.zero`, `dist.offload`, `batch.grad_accum`, `train.max_grad_norm`).
-    #[arg(long = "use_deepspeed", alias = "use-deepspeed")]
-    pub use_deepspeed: bool,
-
     /// accelerate's DeepSpeed flags (`--zero_stage`, `--offload_optimizer_device`, ...).
     #[command(flatten)]
     pub deepspeed: DeepSpeedFlags,
 
-    /// accelerate's `--use_fsdp`: accepted, not applied (a line says so).
-    #[arg(long = "use_fsdp", alias = "use-fsdp")]
-    pub use_fsdp: bool,
+    /// accelerate's FSDP flags (`--fsdp_sharding_strategy`, ...).
+    #[command(flatten)]
+    pub fsdp: FsdpFlags,
 
     /// What accelerate's flags and config file set for the workers (`ACCELERATE_*`).
     #[arg(skip)]

@@ -51,7 +51,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
-        child.wait().unwrap();
+        // Another test of this process may reap it first (adopted.rs waits for any child):
+        // either way it is gone once its /proc entry is.
+        let _ = child.wait();
+        let gone = std::path::Path::new("/proc").join(dead.to_string());
+        for _ in 0..500 {
+            if !gone.exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         let live = std::process::id();
         let names = [
             format!("gptrec-{dead}-0a1b"),

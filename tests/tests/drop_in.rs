@@ -272,7 +272,7 @@ fn accelerates_config_file_and_variables() {
     std::fs::create_dir_all(hf.join("accelerate")).unwrap();
     std::fs::write(
         hf.join("accelerate/default_config.yaml"),
-        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_machines: 1\nnum_processes: 3\nuse_cpu: true\nfsdp_config:\n  fsdp_version: 2\n",
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_machines: 1\nnum_processes: 3\nuse_cpu: true\nmegatron_lm_config:\n  megatron_lm_tp_degree: 2\n",
     )
     .unwrap();
     let script =
@@ -288,7 +288,7 @@ fn accelerates_config_file_and_variables() {
         .map(|r| (r, format!("rank={r} of 3 mp=bf16 cpu=True")))
         .collect();
     assert_eq!(lines, want, "{}", out.all());
-    out.assert_stderr("accelerate config fsdp_config: not applied by launch");
+    out.assert_stderr("accelerate config megatron_lm_config: not applied by launch");
     // A bad file: one line naming it and the key, exit 2.
     let bad = work.path().join("bad.yaml");
     std::fs::write(&bad, "num_processes: many\n").unwrap();
@@ -375,6 +375,83 @@ fn accelerates_deepspeed_line_reaches_the_script_and_our_worker() {
         .map(|r| (r, format!("rank {r}: stage 1 offload cpu accum 2 clip 0.5")))
         .collect();
     assert_eq!(lines, want, "{}", out.all());
+}
+
+/// The DeepSpeed and FSDP variables a script gets under `launch` are the ones accelerate's own
+/// launcher (its `prepare_deepspeed_cmd_env` and `prepare_multi_gpu_env`, run on the same
+/// line) makes, defaults included.
+#[test]
+fn the_deepspeed_and_fsdp_variables_are_accelerates_own() {
+    let Some(python) = venv_with("accelerate") else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let hf = work.path().join("hf");
+    let picked = |k: &str| k.contains("DEEPSPEED") || k.contains("FSDP") || k.contains("GRADIENT_");
+    let theirs = |line: &[&str], deepspeed: bool| -> Vec<String> {
+        let program = format!(
+            "import json, sys\nfrom accelerate.commands.launch import launch_command_parser, _validate_launch_command\nfrom accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env\nargs, _, _ = _validate_launch_command(launch_command_parser().parse_args(json.loads(sys.argv[1])))\nif {deepspeed}:\n    args.deepspeed_fields_from_accelerate_config = ''\n    env = prepare_deepspeed_cmd_env(args)[1]\nelse:\n    env = prepare_multi_gpu_env(args)\nfor k, v in env.items():\n    print(f'{{k}}={{v}}')\n",
+            deepspeed = if deepspeed { "True" } else { "False" },
+        );
+        let mut args: Vec<&str> = line.to_vec();
+        args.extend(["--num_processes", "1", "train.py"]);
+        let out = std::process::Command::new(&python)
+            .args(["-c", &program, &serde_json::to_string(&args).unwrap()])
+            .env("HF_HOME", &hf)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut vars: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| picked(l.split('=').next().unwrap_or("")))
+            .map(str::to_string)
+            .collect();
+        vars.sort();
+        vars
+    };
+    let ours = |line: &[&str]| -> Vec<String> {
+        let mut args: Vec<&str> = line.to_vec();
+        args.extend(["--num_processes", "1", "--no-python", "env"]);
+        let mut cmd = launch_cmd(&args);
+        cmd.env("HF_HOME", &hf);
+        let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(60));
+        out.assert_code(0);
+        let mut vars: Vec<String> = (rank_lines(&out.stdout).into_iter())
+            .map(|(_, l)| l)
+            .filter(|l| picked(l.split('=').next().unwrap_or("")))
+            .collect();
+        vars.sort();
+        vars
+    };
+    let deepspeed = [
+        "--use_deepspeed",
+        "--zero_stage",
+        "2",
+        "--offload_optimizer_device",
+        "cpu",
+        "--gradient_accumulation_steps",
+        "4",
+        "--gradient_clipping",
+        "1.0",
+    ];
+    let fsdp = [
+        "--use_fsdp",
+        "--fsdp_sharding_strategy",
+        "SHARD_GRAD_OP",
+        "--fsdp_offload_params",
+        "true",
+        "--fsdp_backward_prefetch",
+        "BACKWARD_PRE",
+    ];
+    for (line, is_deepspeed) in [(&deepspeed[..], true), (&fsdp[..], false)] {
+        let want = theirs(line, is_deepspeed);
+        assert!(want.len() >= 5, "{want:?}");
+        assert_eq!(ours(line), want, "{line:?}");
+    }
 }
 
 /// The guide's accelerate line (docs/guide.md, "Coming from torchrun or accelerate"), run as a

@@ -35,7 +35,7 @@ impl DeepSpeed {
     pub(super) fn merged(cli: &Cli, file: DeepSpeed) -> DeepSpeed {
         let f = &cli.deepspeed;
         DeepSpeed {
-            used: cli.use_deepspeed || file.used,
+            used: cli.deepspeed.use_deepspeed || file.used,
             zero_stage: f.zero_stage.or(file.zero_stage),
             offload_optimizer_device: (f.offload_optimizer_device.clone())
                 .or(file.offload_optimizer_device),
@@ -53,14 +53,7 @@ impl DeepSpeed {
 
     /// The file's `deepspeed_config` section; an error names the key.
     pub(super) fn read_section(&mut self, section: &Yaml) -> Result<(), String> {
-        let Yaml::Hash(map) = section else {
-            return match section {
-                Yaml::Null => Ok(()),
-                _ => Err("expected `key: value` settings".into()),
-            };
-        };
-        for (key, value) in map {
-            let Some(key) = key.as_str() else { continue };
+        for (key, value) in super::section_entries(section)? {
             self.file_keys.push(key.to_string());
             self.read_key(key, value)
                 .map_err(|e| format!("deepspeed_config.{key}: {e}"))?;

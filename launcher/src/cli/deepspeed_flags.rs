@@ -6,6 +6,12 @@
 /// `distributed_type: DEEPSPEED`).
 #[derive(Debug, Default, Clone, PartialEq, clap::Args)]
 pub struct DeepSpeedFlags {
+    /// accelerate's `--use_deepspeed`: for a script, `ACCELERATE_USE_DEEPSPEED=true` and the
+    /// DeepSpeed flags below as accelerate's variables; for our worker, those flags as its
+    /// config keys (`dist.zero`, `dist.offload`, `batch.grad_accum`, `train.max_grad_norm`).
+    #[arg(long = "use_deepspeed", alias = "use-deepspeed")]
+    pub use_deepspeed: bool,
+
     /// accelerate's `--zero_stage` (with `--use_deepspeed`): `dist.zero` of our worker.
     #[arg(long = "zero_stage", alias = "zero-stage", value_name = "N", value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero_stage: Option<u8>,
