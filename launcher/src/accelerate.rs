@@ -91,24 +91,41 @@ pub fn apply(cli: &mut Cli, env: &common::job_shape::Env) -> Result<Applied, Str
             None => None,
         },
     };
-    let settings = merge(cli, file.unwrap_or_default());
+    let settings = merge(cli, file.unwrap_or_default())?;
     applied.notices.extend(settings.not_applied.iter().cloned());
     applied.notices.extend(shape(cli, &settings)?);
     worker_settings(cli, &settings, &mut applied)?;
     Ok(applied)
 }
 
-/// The flags over the file's settings.
-fn merge(cli: &Cli, mut file: Settings) -> Settings {
+/// The flags over the file's settings. As accelerate: one of `--cpu`, `--multi_gpu`,
+/// `--use_deepspeed`, `--use_fsdp` at most; a line that names one sets aside the file's
+/// `distributed_type`; on the CPU neither DeepSpeed nor FSDP is used.
+fn merge(cli: &Cli, mut file: Settings) -> Result<Settings, String> {
+    let named: Vec<&str> = [
+        ("--cpu", cli.cpu),
+        ("--multi_gpu", cli.multi_gpu),
+        ("--use_deepspeed", cli.deepspeed.use_deepspeed),
+        ("--use_fsdp", cli.fsdp.use_fsdp),
+    ]
+    .into_iter()
+    .filter_map(|(flag, on)| on.then_some(flag))
+    .collect();
+    if named.len() > 1 {
+        return Err(format!(
+            "{}: accelerate takes only one of --cpu, --multi_gpu, --use_deepspeed, --use_fsdp",
+            named.join(" and ")
+        ));
+    }
+    if !named.is_empty() {
+        (file.deepspeed.used, file.fsdp.used) = (false, false);
+    }
     let flag_count = match cli.num_processes {
         Some(NumProcesses::Count(n)) => Some(n),
         _ => None,
     };
-    // As accelerate: a precision from the file is one of the fields it tells DeepSpeed about.
-    if cli.mixed_precision.is_none() && file.mixed_precision.is_some() && file.deepspeed.used {
-        file.deepspeed.file_keys.push("mixed_precision".into());
-    }
-    Settings {
+    let precision_from_file = cli.mixed_precision.is_none() && file.mixed_precision.is_some();
+    let mut s = Settings {
         num_processes: flag_count.or(file.num_processes),
         num_machines: cli.num_machines.or(file.num_machines),
         machine_rank: cli.machine_rank.or(file.machine_rank),
@@ -122,7 +139,15 @@ fn merge(cli: &Cli, mut file: Settings) -> Settings {
         deepspeed: DeepSpeed::merged(cli, file.deepspeed),
         fsdp: Fsdp::merged(cli, file.fsdp),
         not_applied: file.not_applied,
+    };
+    if s.use_cpu {
+        (s.deepspeed.used, s.fsdp.used) = (false, false);
     }
+    // A precision from the file is one of the fields accelerate tells DeepSpeed about.
+    if precision_from_file && s.deepspeed.used {
+        s.deepspeed.file_keys.push("mixed_precision".into());
+    }
+    Ok(s)
 }
 
 /// The job shape: machines are nodes, and with several of them `num_processes` is the total;
@@ -523,7 +548,48 @@ mod tests {
             "configs/default.toml",
         ]);
         apply(&mut flags, &Default::default()).unwrap();
-        assert_eq!(flags.overrides, ["dist.offload=\"optimizer\""]);
+        // No --zero_stage: DeepSpeed's default, 2.
+        assert_eq!(
+            flags.overrides,
+            ["dist.zero=2", "dist.offload=\"optimizer\""]
+        );
+        // One of --cpu, --multi_gpu, --use_deepspeed, --use_fsdp, as accelerate; a line that
+        // names one sets the file's DEEPSPEED aside; a precision from the file is a DeepSpeed
+        // field when the line asks for DeepSpeed.
+        let e = apply(
+            &mut cli(&["--use_deepspeed", "--use_fsdp", "x.py"]),
+            &Default::default(),
+        )
+        .unwrap_err();
+        assert!(
+            e.starts_with("--use_deepspeed and --use_fsdp: accelerate takes only one"),
+            "{e}"
+        );
+        std::fs::write(&path, format!("{file}{section}")).unwrap();
+        let applied = apply(
+            &mut cli(&["--config_file", &shown, "--multi_gpu", "x.py"]),
+            &Default::default(),
+        )
+        .unwrap();
+        assert!(
+            !applied.env.iter().any(|(k, _)| k.contains("DEEPSPEED")),
+            "{:?}",
+            applied.env
+        );
+        std::fs::write(&path, CONFIG).unwrap();
+        let applied = apply(
+            &mut cli(&["--config_file", &shown, "--use_deepspeed", "x.py"]),
+            &Default::default(),
+        )
+        .unwrap();
+        assert!(
+            applied.env.contains(&(
+                "ACCELERATE_CONFIG_DS_FIELDS".into(),
+                "mixed_precision".into()
+            )),
+            "{:?}",
+            applied.env
+        );
         let parse = |args: &[&str]| {
             crate::cli::parse_from(
                 std::iter::once("launch")
@@ -541,7 +607,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            e.contains(&shown) && e.contains("deepspeed_config.zero_stage: expected 0, 1, 2 or 3"),
+            e.contains(&shown)
+                && e.contains("deepspeed_config: zero_stage: expected 0, 1, 2 or 3, got 5"),
             "{e}"
         );
         let e = apply(
@@ -584,7 +651,7 @@ mod tests {
         assert_eq!(
             applied.notices,
             [
-                "--fsdp_backward_prefetch: not applied to our worker (its units are GPT-2's blocks, its checkpoints whole at any stage)",
+                "--fsdp_backward_prefetch BACKWARD_PRE: not applied to our worker; our worker's units are GPT-2's blocks",
                 "accelerate FSDP: --fsdp_sharding_strategy SHARD_GRAD_OP = --set dist.zero=2, --fsdp_offload_params true = --set dist.offload=\"optimizer\" (the optimizer's half: the parameters stay on the device)",
             ]
         );
@@ -624,21 +691,14 @@ mod tests {
         let shown = path.display().to_string();
         let mut c = cli(&["--config_file", &shown, "configs/default.toml"]);
         let applied = apply(&mut c, &Default::default()).unwrap();
+        assert_eq!(c.overrides, ["train.bf16=true", "dist.zero=2"]);
         assert_eq!(
-            c.overrides,
+            applied.notices,
             [
-                "train.bf16=true",
-                "dist.zero=2",
-                "model.activation_checkpointing=true"
+                "--fsdp_activation_checkpointing true: not applied to our worker; set model.activation_checkpointing (GPT-2's blocks, in dynamic text mode)",
+                "--fsdp_transformer_layer_cls_to_wrap GPT2Block: not applied to our worker; our worker's units are GPT-2's blocks",
+                "accelerate FSDP: --fsdp_version 2 --fsdp_reshard_after_forward false = --set dist.zero=2",
             ]
-        );
-        assert!(
-            applied
-                .notices
-                .iter()
-                .any(|n| n.starts_with("--fsdp_transformer_layer_cls_to_wrap: not applied")),
-            "{:?}",
-            applied.notices
         );
         // Hybrid sharding has no counterpart; an unknown strategy or a bad boolean is refused.
         let mut c = cli(&[
@@ -649,10 +709,9 @@ mod tests {
         ]);
         let applied = apply(&mut c, &Default::default()).unwrap();
         assert!(c.overrides.is_empty(), "{:?}", c.overrides);
-        assert!(
-            applied.notices[0].contains("HYBRID_SHARD: not applied"),
-            "{:?}",
-            applied.notices
+        assert_eq!(
+            applied.notices,
+            ["--fsdp_sharding_strategy HYBRID_SHARD: not applied; our worker's stages shard across every rank (set dist.zero)"]
         );
         for (flag, value, says) in [
             (
@@ -662,8 +721,8 @@ mod tests {
             ),
             (
                 "--fsdp_offload_params",
-                "yes",
-                "--fsdp_offload_params yes: expected true or false",
+                "maybe",
+                "--fsdp_offload_params maybe: expected true or false",
             ),
         ] {
             let e = apply(

@@ -387,22 +387,25 @@ fn the_deepspeed_and_fsdp_variables_are_accelerates_own() {
     };
     let work = tempfile::tempdir().unwrap();
     let hf = work.path().join("hf");
-    let picked = |k: &str| k.contains("DEEPSPEED") || k.contains("FSDP") || k.contains("GRADIENT_");
-    let theirs = |line: &[&str], deepspeed: bool| -> Vec<String> {
-        let program = format!(
-            "import json, sys\nfrom accelerate.commands.launch import launch_command_parser, _validate_launch_command\nfrom accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env\nargs, _, _ = _validate_launch_command(launch_command_parser().parse_args(json.loads(sys.argv[1])))\nif {deepspeed}:\n    args.deepspeed_fields_from_accelerate_config = ''\n    env = prepare_deepspeed_cmd_env(args)[1]\nelse:\n    env = prepare_multi_gpu_env(args)\nfor k, v in env.items():\n    print(f'{{k}}={{v}}')\n",
-            deepspeed = if deepspeed { "True" } else { "False" },
-        );
+    let picked = |k: &str| {
+        k.contains("DEEPSPEED")
+            || k.contains("FSDP")
+            || k.contains("GRADIENT_")
+            || k.contains("DS_FIELDS")
+    };
+    // accelerate's `launch_command` on the same line: its checks, then its launcher's variables.
+    let program = "import json, sys\nfrom accelerate.commands.launch import launch_command_parser, _validate_launch_command\nfrom accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env\nargs, defaults, mp = _validate_launch_command(launch_command_parser().parse_args(json.loads(sys.argv[1])))\nif args.use_deepspeed and not args.cpu:\n    fields = list(defaults.deepspeed_config.keys()) if defaults else []\n    if mp:\n        fields.append('mixed_precision')\n    args.deepspeed_fields_from_accelerate_config = ','.join(fields)\n    env = prepare_deepspeed_cmd_env(args)[1]\nelse:\n    env = prepare_multi_gpu_env(args)\nfor k, v in env.items():\n    print(f'{k}={v}')\n";
+    let theirs = |line: &[&str]| -> Vec<String> {
         let mut args: Vec<&str> = line.to_vec();
         args.extend(["--num_processes", "1", "train.py"]);
         let out = std::process::Command::new(&python)
-            .args(["-c", &program, &serde_json::to_string(&args).unwrap()])
+            .args(["-c", program, &serde_json::to_string(&args).unwrap()])
             .env("HF_HOME", &hf)
             .output()
             .unwrap();
         assert!(
             out.status.success(),
-            "{}",
+            "{line:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
         let mut vars: Vec<String> = String::from_utf8_lossy(&out.stdout)
@@ -427,29 +430,46 @@ fn the_deepspeed_and_fsdp_variables_are_accelerates_own() {
         vars.sort();
         vars
     };
-    let deepspeed = [
-        "--use_deepspeed",
-        "--zero_stage",
-        "2",
-        "--offload_optimizer_device",
-        "cpu",
-        "--gradient_accumulation_steps",
-        "4",
-        "--gradient_clipping",
-        "1.0",
+    let file = |name: &str, text: &str| {
+        let path = work.path().join(name);
+        std::fs::write(&path, format!("compute_environment: LOCAL_MACHINE\nmachine_rank: 0\nnum_machines: 1\nnum_processes: 1\n{text}")).unwrap();
+        path.display().to_string()
+    };
+    let fsdp2 = file("fsdp2.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  reshard_after_forward: false\n  activation_checkpointing: true\n  auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  transformer_layer_cls_to_wrap: GPT2Block\n");
+    let ds = file("ds.yaml", "distributed_type: DEEPSPEED\nmixed_precision: bf16\ndeepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n  gradient_clipping: 1.0\n");
+    let multi = file(
+        "multi.yaml",
+        "distributed_type: MULTI_GPU\nmixed_precision: bf16\n",
+    );
+    let lines: Vec<Vec<&str>> = vec![
+        vec![
+            "--use_deepspeed",
+            "--zero_stage",
+            "2",
+            "--offload_optimizer_device",
+            "cpu",
+            "--gradient_accumulation_steps",
+            "4",
+            "--gradient_clipping",
+            "1.0",
+        ],
+        vec![
+            "--use_fsdp",
+            "--fsdp_sharding_strategy",
+            "SHARD_GRAD_OP",
+            "--fsdp_offload_params",
+            "true",
+            "--fsdp_backward_prefetch",
+            "BACKWARD_PRE",
+        ],
+        vec!["--config_file", &fsdp2],
+        vec!["--config_file", &ds],
+        vec!["--config_file", &ds, "--use_fsdp"],
+        vec!["--config_file", &multi, "--use_deepspeed"],
     ];
-    let fsdp = [
-        "--use_fsdp",
-        "--fsdp_sharding_strategy",
-        "SHARD_GRAD_OP",
-        "--fsdp_offload_params",
-        "true",
-        "--fsdp_backward_prefetch",
-        "BACKWARD_PRE",
-    ];
-    for (line, is_deepspeed) in [(&deepspeed[..], true), (&fsdp[..], false)] {
-        let want = theirs(line, is_deepspeed);
-        assert!(want.len() >= 5, "{want:?}");
+    for line in &lines {
+        let want = theirs(line);
+        assert!(want.len() >= 2, "{line:?}: {want:?}");
         assert_eq!(ours(line), want, "{line:?}");
     }
 }

@@ -25,6 +25,9 @@ pub(super) struct DeepSpeed {
     pub zero3_init_flag: Option<String>,
     pub zero3_save_16bit_model: Option<String>,
     pub config_file: Option<String>,
+    pub moe_layer_cls_names: Option<String>,
+    /// The launcher-side flags given (not applied: `launch` starts the workers itself).
+    pub launcher_side: Vec<(String, String)>,
     /// The keys of the file's `deepspeed_config` (accelerate passes them on, so that a
     /// DeepSpeed config file's values are checked against them).
     pub file_keys: Vec<String>,
@@ -47,6 +50,11 @@ impl DeepSpeed {
             zero3_save_16bit_model: (f.zero3_save_16bit_model.clone())
                 .or(file.zero3_save_16bit_model),
             config_file: f.deepspeed_config_file.clone().or(file.config_file),
+            moe_layer_cls_names: (f.deepspeed_moe_layer_cls_names.clone())
+                .or(file.moe_layer_cls_names),
+            launcher_side: (f.launcher_side.given().into_iter())
+                .map(|(flag, v)| (flag.to_string(), v.to_string()))
+                .collect(),
             file_keys: file.file_keys,
         }
     }
@@ -56,7 +64,7 @@ impl DeepSpeed {
         for (key, value) in super::section_entries(section)? {
             self.file_keys.push(key.to_string());
             self.read_key(key, value)
-                .map_err(|e| format!("deepspeed_config.{key}: {e}"))?;
+                .map_err(|e| format!("{key}: {e}"))?;
         }
         Ok(())
     }
@@ -68,36 +76,38 @@ impl DeepSpeed {
             Yaml::Boolean(v) => Some(v.to_string()),
             _ => None,
         };
-        let device = || match text().as_deref() {
+        let device = || match text().map(|t| t.to_ascii_lowercase()).as_deref() {
             None => Ok(None),
             Some(d @ ("none" | "cpu" | "nvme")) => Ok(Some(d.to_string())),
             Some(other) => Err(format!("{other:?}: expected none, cpu or nvme")),
         };
+        let shown = || text().unwrap_or_else(|| format!("{value:?}"));
         match key {
             "zero_stage" => match value {
                 Yaml::Integer(n @ 0..=3) => self.zero_stage = Some(*n as u8),
                 Yaml::Null => {}
-                _ => return Err(format!("expected 0, 1, 2 or 3, got {value:?}")),
+                _ => return Err(format!("expected 0, 1, 2 or 3, got {}", shown())),
             },
             "offload_optimizer_device" => self.offload_optimizer_device = device()?,
             "offload_param_device" => self.offload_param_device = device()?,
             "gradient_accumulation_steps" => match value {
                 Yaml::Integer(n) if *n >= 1 => self.gradient_accumulation_steps = Some(*n as u64),
                 Yaml::Null => {}
-                _ => return Err(format!("expected a number >= 1, got {value:?}")),
+                _ => return Err(format!("expected a number >= 1, got {}", shown())),
             },
             "gradient_clipping" => {
                 self.gradient_clipping = match text().map(|t| t.parse::<f64>()) {
                     None => None,
                     Some(Ok(norm)) => Some(norm),
-                    Some(Err(_)) => return Err(format!("expected a number, got {value:?}")),
+                    Some(Err(_)) => return Err(format!("expected a number, got {}", shown())),
                 }
             }
             "zero3_init_flag" => self.zero3_init_flag = text(),
             "zero3_save_16bit_model" => self.zero3_save_16bit_model = text(),
             "deepspeed_config_file" => self.config_file = text().filter(|t| !t.is_empty()),
-            // accelerate's own (its launcher across machines, MoE layers, ...): the script's
-            // accelerate reads them from the file.
+            "deepspeed_moe_layer_cls_names" => self.moe_layer_cls_names = text(),
+            // accelerate's launcher's own (across machines, NVMe paths for its generated
+            // config, ...): nothing a worker reads.
             _ => {}
         }
         Ok(())
@@ -148,6 +158,10 @@ impl DeepSpeed {
             self.zero3_save_16bit_model.as_deref().map(lower),
         );
         put("ACCELERATE_DEEPSPEED_CONFIG_FILE", self.config_file.clone());
+        put(
+            "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
+            self.moe_layer_cls_names.clone(),
+        );
         env.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
     }
 
@@ -162,13 +176,21 @@ impl DeepSpeed {
             said.push(format!("{flag} = --set {key}"));
             sets.push(key);
         };
-        if let Some(stage) = self.zero_stage {
-            set(
+        // DeepSpeed's own default stage is 2 (accelerate's plugin), unless a DeepSpeed file
+        // (which our worker does not read) says otherwise.
+        match (self.zero_stage, &self.config_file) {
+            (Some(stage), _) => set(
                 format!("--zero_stage {stage}"),
                 format!("dist.zero={stage}"),
-            );
+            ),
+            (None, None) => set(
+                "no --zero_stage (DeepSpeed's default, 2)".into(),
+                "dist.zero=2".into(),
+            ),
+            (None, Some(_)) => {}
         }
-        match self.offload_optimizer_device.as_deref() {
+        let device = (self.offload_optimizer_device.as_deref()).map(str::to_ascii_lowercase);
+        match device.as_deref() {
             Some(d @ ("none" | "cpu")) => {
                 let ours = if d == "cpu" { "optimizer" } else { "none" };
                 set(
@@ -227,13 +249,14 @@ impl DeepSpeed {
                 notices.push(format!("{flag} {v}: not applied; {why}"));
             }
         }
-        notices.push(match said.is_empty() {
-            true => {
-                "--use_deepspeed: nothing to apply to our worker (see dist.zero and dist.offload)"
-                    .into()
-            }
-            false => format!("accelerate DeepSpeed: {}", said.join(", ")),
-        });
+        for (flag, value) in &self.launcher_side {
+            notices.push(format!(
+                "{flag} {value}: not applied; launch starts the workers itself (its --hostfile, --include and --exclude)"
+            ));
+        }
+        if !said.is_empty() {
+            notices.push(format!("accelerate DeepSpeed: {}", said.join(", ")));
+        }
         Ok(sets)
     }
 }

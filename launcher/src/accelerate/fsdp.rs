@@ -1,9 +1,9 @@
 //! accelerate's FSDP settings (`--use_fsdp`, `--fsdp_*` and the config file's
 //! `distributed_type: FSDP` and `fsdp_config`): for a script, the `FSDP_*` variables
 //! `accelerate launch` 1.15 sets for it (its `Accelerator` builds its FSDP plugin from them);
-//! for our worker, the ZeRO stage that shards as the strategy says (`dist.zero`), the
-//! optimizer's half of parameter offload (`dist.offload`) and activation checkpointing, and one
-//! line for the settings without a counterpart.
+//! for our worker, the ZeRO stage that shards as the strategy says (`dist.zero`) and the
+//! optimizer's half of parameter offload (`dist.offload`), and one line for each setting
+//! without a counterpart.
 //!
 //! Owns the settings and their mapping; must not parse the command line (`cli`'s) or read the
 //! file (the parent's reader hands its `fsdp_config` section here).
@@ -16,7 +16,7 @@ use crate::cli::Cli;
 
 /// accelerate's variables: (argument, variable, value when not given: `None` sets it only when
 /// given), in its order.
-const VARIABLES: [(&str, &str, Option<&str>); 15] = [
+const VARIABLES: [(&str, &str, Option<&str>); 16] = [
     ("fsdp_version", "FSDP_VERSION", Some("1")),
     (
         "fsdp_sharding_strategy",
@@ -68,6 +68,7 @@ const VARIABLES: [(&str, &str, Option<&str>); 15] = [
         "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
         Some("false"),
     ),
+    ("fsdp_ignored_modules", "FSDP_IGNORED_MODULES", None),
 ];
 
 /// The arguments accelerate passes lower-cased (`str(x).lower()`: its booleans).
@@ -82,14 +83,8 @@ const LOWERED: [&str; 8] = [
     "fsdp_activation_checkpointing_offload",
 ];
 
-/// The arguments our worker applies.
-const MAPPED: [&str; 5] = [
-    "fsdp_version",
-    "fsdp_sharding_strategy",
-    "fsdp_reshard_after_forward",
-    "fsdp_offload_params",
-    "fsdp_activation_checkpointing",
-];
+/// The arguments our worker applies (the strategy or the resharding, by the version).
+const MAPPED: [&str; 2] = ["fsdp_version", "fsdp_offload_params"];
 
 /// The FSDP settings of a line and its config file.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -164,13 +159,14 @@ impl Fsdp {
     }
 
     /// Our worker's config keys for these settings (before the user's own `--set`, which win),
-    /// with a line saying what was applied and one naming what was not.
+    /// with a line saying what was applied and one for each setting that was not.
     pub(super) fn worker_sets(&self, notices: &mut Vec<String>) -> Result<Vec<String>, String> {
         if !self.used {
             return Ok(Vec::new());
         }
         let (mut sets, mut said) = (Vec::new(), Vec::new());
-        match self.stage()? {
+        let (stage, strategy_key) = self.stage()?;
+        match stage {
             Ok((flag, stage)) => {
                 said.push(format!("{flag} = --set dist.zero={stage}"));
                 sets.push(format!("dist.zero={stage}"));
@@ -181,39 +177,44 @@ impl Fsdp {
             said.push("--fsdp_offload_params true = --set dist.offload=\"optimizer\" (the optimizer's half: the parameters stay on the device)".into());
             sets.push("dist.offload=\"optimizer\"".into());
         }
-        if self.flag("fsdp_activation_checkpointing")? {
-            said.push(
-                "--fsdp_activation_checkpointing true = --set model.activation_checkpointing=true"
-                    .into(),
-            );
-            sets.push("model.activation_checkpointing=true".into());
+        for (key, value) in &self.values {
+            if MAPPED.contains(&key.as_str()) || key == strategy_key {
+                continue;
+            }
+            let why = match key.as_str() {
+                "fsdp_sharding_strategy" => "FSDP 2 shards as fsdp_reshard_after_forward says",
+                "fsdp_reshard_after_forward" => {
+                    "FSDP 1 shards as fsdp_sharding_strategy says (FULL_SHARD when not given)"
+                }
+                "fsdp_activation_checkpointing" => {
+                    "set model.activation_checkpointing (GPT-2's blocks, in dynamic text mode)"
+                }
+                "fsdp_state_dict_type" => "our checkpoints hold the whole model at any stage",
+                _ => "our worker's units are GPT-2's blocks",
+            };
+            notices.push(format!("--{key} {value}: not applied to our worker; {why}"));
         }
-        let unused: Vec<String> = (self.values.keys())
-            .filter(|k| !MAPPED.contains(&k.as_str()))
-            .map(|k| format!("--{k}"))
-            .collect();
-        if !unused.is_empty() {
-            notices.push(format!(
-                "{}: not applied to our worker (its units are GPT-2's blocks, its checkpoints whole at any stage)",
-                unused.join(", ")
-            ));
+        if !said.is_empty() {
+            notices.push(format!("accelerate FSDP: {}", said.join(", ")));
         }
-        notices.push(format!("accelerate FSDP: {}", said.join(", ")));
         Ok(sets)
     }
 
     /// The stage that shards as FSDP's strategy says, with the flag that says it (FSDP 2:
-    /// resharding after forward; FSDP 1: the strategy, `FULL_SHARD` by default); the line
-    /// to say where none does (hybrid sharding).
-    fn stage(&self) -> Result<Result<(String, u8), String>, String> {
+    /// resharding after forward; FSDP 1: the strategy, `FULL_SHARD` by default), or the line
+    /// to say where none does (hybrid sharding); and the setting it read.
+    #[allow(clippy::type_complexity)]
+    fn stage(&self) -> Result<(Result<(String, u8), String>, &'static str), String> {
         if self.value("fsdp_version") == Some("2") {
-            let reshard = self.flag_or("fsdp_reshard_after_forward", true)?;
+            let key = "fsdp_reshard_after_forward";
+            let reshard = self.flag_or(key, true)?;
             let flag = format!("--fsdp_version 2 --fsdp_reshard_after_forward {reshard}");
-            return Ok(Ok((flag, if reshard { 3 } else { 2 })));
+            return Ok((Ok((flag, if reshard { 3 } else { 2 })), key));
         }
-        let strategy = self.value("fsdp_sharding_strategy").unwrap_or("FULL_SHARD");
+        let key = "fsdp_sharding_strategy";
+        let strategy = self.value(key).unwrap_or("FULL_SHARD");
         let flag = format!("--fsdp_sharding_strategy {strategy}");
-        Ok(match strategy.to_ascii_uppercase().as_str() {
+        let stage = match strategy.to_ascii_uppercase().as_str() {
             "FULL_SHARD" | "1" => Ok((flag, 3)),
             "SHARD_GRAD_OP" | "2" => Ok((flag, 2)),
             "NO_SHARD" | "3" => Ok((flag, 0)),
@@ -223,7 +224,8 @@ impl Fsdp {
             _ => return Err(format!(
                 "{flag}: expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2"
             )),
-        })
+        };
+        Ok((stage, key))
     }
 
     fn flag(&self, key: &str) -> Result<bool, String> {
@@ -231,10 +233,11 @@ impl Fsdp {
     }
 
     fn flag_or(&self, key: &str, default: bool) -> Result<bool, String> {
+        // As accelerate's `str_to_bool`.
         match self.value(key).map(str::to_ascii_lowercase).as_deref() {
             None => Ok(default),
-            Some("true") => Ok(true),
-            Some("false") => Ok(false),
+            Some("y" | "yes" | "t" | "true" | "on" | "1") => Ok(true),
+            Some("n" | "no" | "f" | "false" | "off" | "0") => Ok(false),
             Some(other) => Err(format!("--{key} {other}: expected true or false")),
         }
     }

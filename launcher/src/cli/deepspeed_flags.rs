@@ -18,12 +18,12 @@ pub struct DeepSpeedFlags {
 
     /// accelerate's `--offload_optimizer_device` (`none`, `cpu`, `nvme`): `cpu` is our
     /// worker's `dist.offload = "optimizer"`.
-    #[arg(long = "offload_optimizer_device", alias = "offload-optimizer-device", value_name = "DEVICE", value_parser = ["none", "cpu", "nvme"])]
+    #[arg(long = "offload_optimizer_device", alias = "offload-optimizer-device", value_name = "DEVICE", value_parser = ["none", "cpu", "nvme"], ignore_case = true)]
     pub offload_optimizer_device: Option<String>,
 
     /// accelerate's `--offload_param_device` (`none`, `cpu`, `nvme`): for a script; our
     /// worker does not offload parameters (a line says so).
-    #[arg(long = "offload_param_device", alias = "offload-param-device", value_name = "DEVICE", value_parser = ["none", "cpu", "nvme"])]
+    #[arg(long = "offload_param_device", alias = "offload-param-device", value_name = "DEVICE", value_parser = ["none", "cpu", "nvme"], ignore_case = true)]
     pub offload_param_device: Option<String>,
 
     /// accelerate's `--gradient_accumulation_steps` (DeepSpeed's): `batch.grad_accum` of our
@@ -40,11 +40,19 @@ pub struct DeepSpeedFlags {
     pub gradient_clipping: Option<f64>,
 
     /// accelerate's `--zero3_init_flag` (`true`, `false`): for a script.
-    #[arg(long = "zero3_init_flag", alias = "zero3-init-flag", value_name = "BOOL", value_parser = ["true", "false", "True", "False"])]
+    #[arg(
+        long = "zero3_init_flag",
+        alias = "zero3-init-flag",
+        value_name = "BOOL"
+    )]
     pub zero3_init_flag: Option<String>,
 
     /// accelerate's `--zero3_save_16bit_model` (`true`, `false`): for a script.
-    #[arg(long = "zero3_save_16bit_model", alias = "zero3-save-16bit-model", value_name = "BOOL", value_parser = ["true", "false", "True", "False"])]
+    #[arg(
+        long = "zero3_save_16bit_model",
+        alias = "zero3-save-16bit-model",
+        value_name = "BOOL"
+    )]
     pub zero3_save_16bit_model: Option<String>,
 
     /// accelerate's `--deepspeed_config_file`: `ACCELERATE_DEEPSPEED_CONFIG_FILE` for a
@@ -55,4 +63,97 @@ pub struct DeepSpeedFlags {
         value_name = "PATH"
     )]
     pub deepspeed_config_file: Option<String>,
+
+    /// accelerate's `--deepspeed_moe_layer_cls_names`: `ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES`
+    /// for a script.
+    #[arg(
+        long = "deepspeed_moe_layer_cls_names",
+        alias = "deepspeed-moe-layer-cls-names",
+        value_name = "NAMES"
+    )]
+    pub deepspeed_moe_layer_cls_names: Option<String>,
+
+    /// accelerate's launcher-side DeepSpeed flags (`--offload_optimizer_nvme_path`,
+    /// `--offload_param_nvme_path`, `--deepspeed_multinode_launcher`, `--deepspeed_hostfile`,
+    /// `--deepspeed_inclusion_filter`, `--deepspeed_exclusion_filter`): accepted, a line says
+    /// they are not applied (launch starts the workers itself: `--hostfile`, `--include`,
+    /// `--exclude`).
+    #[command(flatten)]
+    pub launcher_side: LauncherSide,
+}
+
+/// accelerate's DeepSpeed flags for its own launcher or config generation, by name.
+#[derive(Debug, Default, Clone, PartialEq, clap::Args)]
+pub struct LauncherSide {
+    /// accelerate's `--offload_optimizer_nvme_path`: not applied (a line says so).
+    #[arg(
+        long = "offload_optimizer_nvme_path",
+        alias = "offload-optimizer-nvme-path",
+        value_name = "PATH"
+    )]
+    pub offload_optimizer_nvme_path: Option<String>,
+    /// accelerate's `--offload_param_nvme_path`: not applied (a line says so).
+    #[arg(
+        long = "offload_param_nvme_path",
+        alias = "offload-param-nvme-path",
+        value_name = "PATH"
+    )]
+    pub offload_param_nvme_path: Option<String>,
+    /// accelerate's `--deepspeed_multinode_launcher`: not applied (launch is the launcher).
+    #[arg(
+        long = "deepspeed_multinode_launcher",
+        alias = "deepspeed-multinode-launcher",
+        value_name = "NAME"
+    )]
+    pub deepspeed_multinode_launcher: Option<String>,
+    /// accelerate's `--deepspeed_hostfile`: not applied (launch's `--hostfile`).
+    #[arg(
+        long = "deepspeed_hostfile",
+        alias = "deepspeed-hostfile",
+        value_name = "PATH"
+    )]
+    pub deepspeed_hostfile: Option<String>,
+    /// accelerate's `--deepspeed_inclusion_filter`: not applied (launch's `--include`).
+    #[arg(
+        long = "deepspeed_inclusion_filter",
+        alias = "deepspeed-inclusion-filter",
+        value_name = "FILTER"
+    )]
+    pub deepspeed_inclusion_filter: Option<String>,
+    /// accelerate's `--deepspeed_exclusion_filter`: not applied (launch's `--exclude`).
+    #[arg(
+        long = "deepspeed_exclusion_filter",
+        alias = "deepspeed-exclusion-filter",
+        value_name = "FILTER"
+    )]
+    pub deepspeed_exclusion_filter: Option<String>,
+}
+
+impl LauncherSide {
+    /// The flags given, by name, with their values.
+    pub fn given(&self) -> Vec<(&'static str, &str)> {
+        [
+            (
+                "--offload_optimizer_nvme_path",
+                &self.offload_optimizer_nvme_path,
+            ),
+            ("--offload_param_nvme_path", &self.offload_param_nvme_path),
+            (
+                "--deepspeed_multinode_launcher",
+                &self.deepspeed_multinode_launcher,
+            ),
+            ("--deepspeed_hostfile", &self.deepspeed_hostfile),
+            (
+                "--deepspeed_inclusion_filter",
+                &self.deepspeed_inclusion_filter,
+            ),
+            (
+                "--deepspeed_exclusion_filter",
+                &self.deepspeed_exclusion_filter,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(flag, v)| v.as_deref().map(|v| (flag, v)))
+        .collect()
+    }
 }

@@ -14,55 +14,111 @@ pub struct FsdpFlags {
 
     /// accelerate's `--fsdp_version` (`1`, `2`): `FSDP_VERSION`; with `2`,
     /// `--fsdp_reshard_after_forward` says our worker's stage.
-    #[arg(long = "fsdp_version", value_name = "1|2", value_parser = ["1", "2"])]
+    #[arg(long = "fsdp_version", alias = "fsdp-version", value_name = "1|2", value_parser = ["1", "2"])]
     pub fsdp_version: Option<String>,
     /// accelerate's `--fsdp_sharding_strategy` (FSDP 1): `FULL_SHARD` is our worker's
     /// `dist.zero = 3`, `SHARD_GRAD_OP` 2, `NO_SHARD` 0.
-    #[arg(long = "fsdp_sharding_strategy", value_name = "STRATEGY")]
+    #[arg(
+        long = "fsdp_sharding_strategy",
+        alias = "fsdp-sharding-strategy",
+        value_name = "STRATEGY"
+    )]
     pub fsdp_sharding_strategy: Option<String>,
     /// accelerate's `--fsdp_reshard_after_forward` (FSDP 2): `true` is our worker's
     /// `dist.zero = 3`, `false` 2.
-    #[arg(long = "fsdp_reshard_after_forward", value_name = "BOOL")]
+    #[arg(
+        long = "fsdp_reshard_after_forward",
+        alias = "fsdp-reshard-after-forward",
+        value_name = "BOOL"
+    )]
     pub fsdp_reshard_after_forward: Option<String>,
     /// accelerate's `--fsdp_offload_params`: `true` is our worker's `dist.offload =
     /// "optimizer"` (the optimizer's half: the parameters stay on the device).
-    #[arg(long = "fsdp_offload_params", value_name = "BOOL")]
+    #[arg(
+        long = "fsdp_offload_params",
+        alias = "fsdp-offload-params",
+        value_name = "BOOL"
+    )]
     pub fsdp_offload_params: Option<String>,
-    /// accelerate's `--fsdp_activation_checkpointing`: our worker's
-    /// `model.activation_checkpointing`.
-    #[arg(long = "fsdp_activation_checkpointing", value_name = "BOOL")]
+    /// accelerate's `--fsdp_activation_checkpointing`, for a script (our worker: a line says
+    /// to set `model.activation_checkpointing`).
+    #[arg(
+        long = "fsdp_activation_checkpointing",
+        alias = "fsdp-activation-checkpointing",
+        value_name = "BOOL"
+    )]
     pub fsdp_activation_checkpointing: Option<String>,
     /// accelerate's `--fsdp_min_num_params`, for a script.
-    #[arg(long = "fsdp_min_num_params", value_name = "N")]
+    #[arg(
+        long = "fsdp_min_num_params",
+        alias = "fsdp-min-num-params",
+        value_name = "N"
+    )]
     pub fsdp_min_num_params: Option<String>,
     /// accelerate's `--fsdp_auto_wrap_policy`, for a script (our worker's units are GPT-2's
     /// blocks).
-    #[arg(long = "fsdp_auto_wrap_policy", value_name = "POLICY")]
+    #[arg(
+        long = "fsdp_auto_wrap_policy",
+        alias = "fsdp-auto-wrap-policy",
+        value_name = "POLICY"
+    )]
     pub fsdp_auto_wrap_policy: Option<String>,
     /// accelerate's `--fsdp_transformer_layer_cls_to_wrap`, for a script.
-    #[arg(long = "fsdp_transformer_layer_cls_to_wrap", value_name = "NAMES")]
+    #[arg(
+        long = "fsdp_transformer_layer_cls_to_wrap",
+        alias = "fsdp-transformer-layer-cls-to-wrap",
+        value_name = "NAMES"
+    )]
     pub fsdp_transformer_layer_cls_to_wrap: Option<String>,
     /// accelerate's `--fsdp_backward_prefetch`, for a script.
-    #[arg(long = "fsdp_backward_prefetch", value_name = "MODE")]
+    #[arg(
+        long = "fsdp_backward_prefetch",
+        alias = "fsdp-backward-prefetch",
+        value_name = "MODE"
+    )]
     pub fsdp_backward_prefetch: Option<String>,
     /// accelerate's `--fsdp_state_dict_type`, for a script (our checkpoints are whole at any
     /// stage).
-    #[arg(long = "fsdp_state_dict_type", value_name = "TYPE")]
+    #[arg(
+        long = "fsdp_state_dict_type",
+        alias = "fsdp-state-dict-type",
+        value_name = "TYPE"
+    )]
     pub fsdp_state_dict_type: Option<String>,
     /// accelerate's `--fsdp_forward_prefetch`, for a script.
-    #[arg(long = "fsdp_forward_prefetch", value_name = "BOOL")]
+    #[arg(
+        long = "fsdp_forward_prefetch",
+        alias = "fsdp-forward-prefetch",
+        value_name = "BOOL"
+    )]
     pub fsdp_forward_prefetch: Option<String>,
     /// accelerate's `--fsdp_use_orig_params`, for a script.
-    #[arg(long = "fsdp_use_orig_params", value_name = "BOOL")]
+    #[arg(
+        long = "fsdp_use_orig_params",
+        alias = "fsdp-use-orig-params",
+        value_name = "BOOL"
+    )]
     pub fsdp_use_orig_params: Option<String>,
     /// accelerate's `--fsdp_cpu_ram_efficient_loading`, for a script.
-    #[arg(long = "fsdp_cpu_ram_efficient_loading", value_name = "BOOL")]
+    #[arg(
+        long = "fsdp_cpu_ram_efficient_loading",
+        alias = "fsdp-cpu-ram-efficient-loading",
+        value_name = "BOOL"
+    )]
     pub fsdp_cpu_ram_efficient_loading: Option<String>,
     /// accelerate's `--fsdp_sync_module_states`, for a script.
-    #[arg(long = "fsdp_sync_module_states", value_name = "BOOL")]
+    #[arg(
+        long = "fsdp_sync_module_states",
+        alias = "fsdp-sync-module-states",
+        value_name = "BOOL"
+    )]
     pub fsdp_sync_module_states: Option<String>,
     /// accelerate's `--fsdp_activation_checkpointing_offload`, for a script.
-    #[arg(long = "fsdp_activation_checkpointing_offload", value_name = "BOOL")]
+    #[arg(
+        long = "fsdp_activation_checkpointing_offload",
+        alias = "fsdp-activation-checkpointing-offload",
+        value_name = "BOOL"
+    )]
     pub fsdp_activation_checkpointing_offload: Option<String>,
 }
 
