@@ -603,7 +603,7 @@ impl Recommender {
         train: bool,
     ) -> Tensor {
         let b = pos.size()[0];
-        let batch = self.batch(users, &Tensor::cat(&[pos, neg], 0), train);
+        let batch = self.batch(users, pos, &Tensor::cat(&[pos, neg], 0), train);
         let (u, items) = (&batch.users, &batch.items);
         let (p, n) = (items.narrow(0, 0, b), items.narrow(0, b, b));
         let diff = self.score_pairs(u, &p) - self.score_pairs(u, &n);
@@ -639,8 +639,11 @@ impl Recommender {
         l2: f64,
         train: bool,
     ) -> Tensor {
+        if let Some(n) = every_item(pos, negatives, log_expected) {
+            return self.full_softmax_loss(users, pos, n, l2, train);
+        }
         let b = pos.size()[0];
-        let batch = self.batch(users, &Tensor::cat(&[pos, negatives], 0), train);
+        let batch = self.batch(users, pos, &Tensor::cat(&[pos, negatives], 0), train);
         let (u, items) = (&batch.users, &batch.items);
         let n = items.size()[0] - b;
         let (p, negs) = (items.narrow(0, 0, b), items.narrow(0, b, n));
@@ -678,16 +681,46 @@ impl Recommender {
         self.penalised(ce, (u_id, &i_id.narrow(0, 0, b)), (u_text, &p_text), l2, b)
     }
 
+    /// [`Recommender::softmax_loss`] against every item `0..n` (no correction): the logits are
+    /// the users' scores of every item at once, each item's representation computed once for
+    /// the batch (its positives' columns included) instead of once as a positive and again as
+    /// a negative. The same loss, in fewer passes over the [b, n] logits.
+    fn full_softmax_loss(
+        &self,
+        users: &Tensor,
+        pos: &Tensor,
+        n: i64,
+        l2: f64,
+        train: bool,
+    ) -> Tensor {
+        let b = pos.size()[0];
+        let all = Tensor::arange(n, (Kind::Int64, tch::Device::Cpu));
+        let batch = self.batch(users, pos, &all, train);
+        let logits = self
+            .score_tables(&batch.users, &batch.items)
+            .to_kind(Kind::Float);
+        let logits = match &batch.item_scores {
+            Some(s) => logits + s.narrow(1, 0, n),
+            None => logits,
+        };
+        let pos_d = runtime::host_read::to_device(pos, logits.device());
+        let ce = -pick(&logits.log_softmax(1, Kind::Float), &pos_d).mean(Kind::Float);
+        let (u_id, u_text) = &batch.user_parts;
+        let (i_id, i_text) = &batch.item_parts;
+        let p_text = i_text.as_ref().map(|t| t.index_select(0, &pos_d));
+        let p_id = i_id.index_select(0, &pos_d);
+        self.penalised(ce, (u_id, &p_id), (u_text, &p_text), l2, b)
+    }
+
     /// The representations of a training batch's `users` and `items` (ids on the host or the
-    /// device) with their parts. The items go through GPT-2 together: one forward pass.
-    fn batch(&self, users: &Tensor, items: &Tensor, train: bool) -> Batch {
+    /// device) with their parts, `positives[k]` left out of user `k`'s pools. The items go
+    /// through GPT-2 together: one forward pass.
+    fn batch(&self, users: &Tensor, positives: &Tensor, items: &Tensor, train: bool) -> Batch {
         // A sample's own positive is not in its user's pool: else the pool learns to point
         // at what the user has already seen.
-        let b = users.size()[0];
-        let user_parts =
-            self.parts_leaving_out(Side::User, users, Some(&items.narrow(0, 0, b)), train);
+        let user_parts = self.parts_leaving_out(Side::User, users, Some(positives), train);
         let item_parts = self.parts(Side::Item, items, train);
-        let item_scores = self.item_scores(users, Some(&items.narrow(0, 0, b)));
+        let item_scores = self.item_scores(users, Some(positives));
         let (users, items) = match (&user_parts, &item_parts) {
             ((u_id, Some(ut)), (i_id, Some(it))) => (u_id + ut, i_id + it),
             ((u_id, _), (i_id, _)) => (u_id.shallow_clone(), i_id.shallow_clone()),
@@ -725,6 +758,20 @@ impl Recommender {
         }
         penalties.into_iter().fold(loss, |loss, p| loss + p)
     }
+}
+
+/// `Some(n)` when `negatives` are every item `0..n` in order, each positive among them, and
+/// nothing corrects the logits: the full softmax (ids read on the host; a device tensor is
+/// copied, a few thousand ids once a micro-batch).
+fn every_item(pos: &Tensor, negatives: &Tensor, log_expected: Option<&Tensor>) -> Option<i64> {
+    if log_expected.is_some() {
+        return None;
+    }
+    let host = |t: &Tensor| Vec::<i64>::try_from(t.to_device(tch::Device::Cpu)).ok();
+    let (negatives, pos) = (host(negatives)?, host(pos)?);
+    let n = negatives.len() as i64;
+    let in_order = negatives.iter().zip(0..).all(|(&id, k)| id == k);
+    (n > 0 && in_order && pos.iter().all(|&p| (0..n).contains(&p))).then_some(n)
 }
 
 /// Row `k`'s entry at column `ids[k]` of `scores` [b, n] → [b].

@@ -533,6 +533,42 @@ fn the_item_item_scores_of_a_training_sample_leave_its_positive_out() {
     assert!((bpr - expected).abs() < 1e-5, "{bpr} vs {expected}");
 }
 
+/// The full softmax's own path (negatives `0..n` in order) and the general one (the same items
+/// in another order) give the same loss and the same gradients, the item-item matrix and the
+/// penalties included.
+#[test]
+fn the_full_softmax_path_equals_the_general_one() {
+    let (vs, m) = item_item_model();
+    let params = vs.trainable_variables();
+    runtime::ddp::give_dense_grads(&params).unwrap();
+    let (u, p) = (ids(&[0, 2, 1, 0]), ids(&[2, 3, 1, 5]));
+    let run = |negatives: &Tensor| {
+        params.iter().for_each(|t| t.shallow_clone().zero_grad());
+        let loss = m.softmax_loss(&u, &p, negatives, None, 0.3, true);
+        loss.backward();
+        let grads: Vec<Tensor> = params.iter().map(|t| t.grad().copy()).collect();
+        (loss.double_value(&[]), grads)
+    };
+    let in_order = Tensor::arange(6, (Kind::Int64, tch::Device::Cpu));
+    assert_eq!(every_item(&p, &in_order, None), Some(6));
+    let reversed = ids(&[5, 4, 3, 2, 1, 0]);
+    assert_eq!(every_item(&p, &reversed, None), None);
+    let (full, full_grads) = run(&in_order);
+    let (general, general_grads) = run(&reversed);
+    assert!((full - general).abs() < 1e-5, "{full} vs {general}");
+    for (a, b) in full_grads.iter().zip(&general_grads) {
+        let gap = (a - b).abs().max().double_value(&[]);
+        assert!(gap < 1e-5, "gradients differ by {gap}");
+    }
+    let flat = Tensor::zeros([6], (Kind::Float, tch::Device::Cpu));
+    assert_eq!(every_item(&p, &in_order, Some(&flat)), None, "a correction");
+    assert_eq!(
+        every_item(&ids(&[6]), &in_order, None),
+        None,
+        "a positive outside"
+    );
+}
+
 /// Summing each distinct user's rows once (training without dropout) gives each sample's pool
 /// as pooling it alone does, users repeated and a positive outside the history included.
 #[test]
