@@ -377,9 +377,10 @@ pub struct TrainConfig {
     pub min_lr: f64,
     /// Multiply `lr` by the world size (the "linear scaling rule"). Default: `false`.
     pub scale_lr_with_world: bool,
-    /// Run forward passes under bf16 autocast on CUDA (matmuls in bf16, weights and optimizer
-    /// state stay f32): less activation memory and faster steps. Ignored on the CPU.
-    /// Default: `false`.
+    /// Run forward passes under bf16 autocast (matmuls in bf16, weights and optimizer state
+    /// stay f32): less activation memory and faster steps on CUDA; on the CPU (PyTorch's
+    /// `torch.autocast("cpu")`) faster matmuls where the CPU has native bf16 (AVX512-BF16,
+    /// AMX), and a warning where it has not. Default: `false`.
     pub bf16: bool,
     /// Let f32 matmuls on CUDA use TF32 tensor cores (10 bits of mantissa in the products,
     /// f32 accumulation; `torch.backends.cuda.matmul.allow_tf32`, as Lightning and the Hugging

@@ -408,7 +408,7 @@ pub fn estimate(
         data,
         device,
         cuda,
-        bf16: cuda && config.train.bf16,
+        bf16: config.train.bf16,
         text: (m.kind == ModelKind::Gpt2rec).then_some(m.text_mode),
         gpt2,
         d: gpt2.n_embd,
@@ -965,7 +965,16 @@ mod tests {
             estimate(&c, &plan(192, 16, 12, 1), &data, DeviceKind::Cuda).term("bf16 weight copies")
                 > 0
         );
+        // On the CPU autocast keeps the same copies; the activations keep the f32 count (an
+        // upper bound there: not measured in bf16).
+        let cpu = |c: &Config| estimate(c, &plan(192, 16, 12, 1), &data, DeviceKind::Cpu);
+        let cpu_bf16 = cpu(&c);
+        assert_eq!(cpu_bf16.term("bf16 weight copies"), g.params() * 2);
         c.train.bf16 = false;
+        assert_eq!(
+            cpu_bf16.term("activations (GPT-2)"),
+            cpu(&c).term("activations (GPT-2)")
+        );
         c.model.activation_checkpointing = true;
         // Checkpointing on CUDA: each trained block's input, two gradients, one block's copies.
         assert_eq!(

@@ -39,7 +39,7 @@ pub struct RecTask {
     ks: Vec<usize>,
     batch_users: usize,
     hash: String,
-    /// Forward passes under bf16 autocast (`train.bf16` on CUDA).
+    /// Forward passes under bf16 autocast (`train.bf16`, on CUDA or the CPU).
     bf16: bool,
     /// Time spent assembling micro-batches since [`RecTask::take_data_time`] last asked.
     data_time: std::time::Duration,
@@ -193,8 +193,8 @@ impl RecTask {
         if config.model.user_tower != UserTower::Id {
             model.set_history(History::new(&ds.train));
         }
-        if config.train.bf16 && device.is_cuda() {
-            crate::model::autocast::use_bf16_autocast();
+        if config.train.bf16 {
+            crate::model::autocast::use_bf16_autocast_on(device);
         }
         let pairs = ds
             .train
@@ -213,7 +213,7 @@ impl RecTask {
             ks: config.eval.topk.clone(),
             batch_users: config.eval.batch_users,
             hash: model_hash(config, data),
-            bf16: config.train.bf16 && device.is_cuda(),
+            bf16: config.train.bf16,
             data_time: std::time::Duration::ZERO,
             last_rows: None,
             held: HeldTables::Off,
@@ -401,9 +401,11 @@ impl RecTask {
         self.data_time += started.elapsed();
         let (model, l2) = (&self.model, self.l2);
         let log_expected = softmax.log_expected.as_ref();
-        Ok(crate::model::autocast::autocast(self.bf16, || {
-            model.softmax_loss(&users_t, &pos_t, &negatives_t, log_expected, l2, true)
-        }))
+        Ok(crate::model::autocast::autocast_on(
+            self.device,
+            self.bf16,
+            || model.softmax_loss(&users_t, &pos_t, &negatives_t, log_expected, l2, true),
+        ))
     }
 
     /// The BPR loss of `indices`, each with a negative of its own.
@@ -439,9 +441,11 @@ impl RecTask {
         self.last_rows = Some((users, pos));
         let (users, pos, neg) = (users_t, pos_t, neg_t);
         self.data_time += started.elapsed();
-        Ok(crate::model::autocast::autocast(self.bf16, || {
-            self.model.bpr_loss(&users, &pos, &neg, self.l2, true)
-        }))
+        Ok(crate::model::autocast::autocast_on(
+            self.device,
+            self.bf16,
+            || self.model.bpr_loss(&users, &pos, &neg, self.l2, true),
+        ))
     }
 
     /// The loss of one micro-batch — users, positives and negatives as dense ids — with dropout
@@ -451,7 +455,7 @@ impl RecTask {
         let _guard = tch::no_grad_guard();
         let t = |v: &[i64]| Tensor::from_slice(v).to_device(self.device);
         let (users, pos, neg) = (t(users), t(pos), t(neg));
-        crate::model::autocast::autocast(self.bf16, || {
+        crate::model::autocast::autocast_on(self.device, self.bf16, || {
             self.model.bpr_loss(&users, &pos, &neg, self.l2, false)
         })
         .f_double_value(&[])
@@ -478,7 +482,7 @@ impl RecTask {
     /// Completes the backward pass (activation checkpointing recomputes its blocks here).
     pub fn finish_backward(&mut self) -> Result<(), tch::TchError> {
         // The recompute runs under the forward's autocast setting.
-        crate::model::autocast::autocast(self.bf16, || self.model.finish_backward())
+        crate::model::autocast::autocast_on(self.device, self.bf16, || self.model.finish_backward())
     }
 
     /// Representations of every user and every item ([n_users, dim], [n_items, dim]; cold ones

@@ -13,7 +13,7 @@
 #   PEER_DEVICE  cpu (default; OMP_NUM_THREADS=1 unless set) or cuda (both sides on the GPUs)
 #   PRESET       GPT-2: tiny (default) or gpt2 (124M)
 #   PRECISION    f32, tf32, bf16 (autocast), or several ("bf16 tf32 f32"); default f32. On the
-#                CPU only f32: ours computes in f32 there.
+#                CPU f32 or bf16 (both sides under the CPU's autocast; TF32 is CUDA's).
 #   MICRO        micro batch(es), e.g. "192 384" (default 16)
 #   GLOBAL       global batch (default MICRO x PROCS: no accumulation)
 #   PROCS        processes (default 1)
@@ -58,8 +58,8 @@ case $preset in tiny | gpt2) ;; *) die "PRESET=$preset: expected tiny or gpt2" ;
 case $size in tiny | small | full) ;; *) die "SIZE=$size: expected tiny, small or full" ;; esac
 for p in $precisions; do
   case $p in f32 | tf32 | bf16) ;; *) die "PRECISION=$p: expected f32, tf32 or bf16" ;; esac
-  [ "$device" = cuda ] || [ "$p" = f32 ] \
-    || die "PRECISION=$p needs PEER_DEVICE=cuda: on the CPU our trainer computes in f32 (train.bf16 and train.tf32 apply to CUDA only)"
+  [ "$device" = cuda ] || [ "$p" != tf32 ] \
+    || die "PRECISION=tf32 needs PEER_DEVICE=cuda: TF32 is a CUDA matmul mode (train.tf32 applies to CUDA only)"
 done
 [ -n "$precisions" ] || die "PRECISION is empty: expected f32, tf32 or bf16"
 [ -n "$micros" ] || die "MICRO is empty"

@@ -267,6 +267,18 @@ fn softmax_run(
     micro: &str,
     item_item: bool,
 ) -> Vec<(u64, f64)> {
+    softmax_run_with(out_dir, name, nproc, micro, item_item, &[]).0
+}
+
+/// [`softmax_run`] with `extra` settings; also gives rank 0's log.
+fn softmax_run_with(
+    out_dir: &Path,
+    name: &str,
+    nproc: &str,
+    micro: &str,
+    item_item: bool,
+    extra: &[&str],
+) -> (Vec<(u64, f64)>, String) {
     let mut sets = vec![
         format!("run.output_dir={:?}", out_dir.display().to_string()),
         format!("run.name={name:?}"),
@@ -289,6 +301,7 @@ fn softmax_run(
         .map(String::from)
         .to_vec()
     });
+    sets.extend(extra.iter().map(|s| s.to_string()));
     let mut args = vec![
         "--num-processes",
         nproc,
@@ -310,10 +323,49 @@ fn softmax_run(
         out.stdout,
         out.stderr
     );
-    of_kind(&records(&out_dir.join(name)), "step")
+    let steps = of_kind(&records(&out_dir.join(name)), "step")
         .iter()
         .map(|r| (r["step"].as_u64().unwrap(), r["loss"].as_f64().unwrap()))
-        .collect()
+        .collect();
+    (steps, out.stderr)
+}
+
+/// `train.bf16` on the CPU trains under the CPU's bf16 autocast: rank 0 says so (natively, or
+/// emulated with a warning), every step's loss differs from f32's by bf16's rounding only, and
+/// one process with two micro-batches a step trains as two processes with one each.
+#[test]
+fn bf16_on_the_cpu_trains_under_autocast_the_same_at_any_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let bf16 = ["train.bf16=true"];
+    let (f32_steps, _) = softmax_run_with(dir.path(), "f32", "1", "96", true, &[]);
+    let (one, log) = softmax_run_with(dir.path(), "w1", "1", "96", true, &bf16);
+    let (two, _) = softmax_run_with(dir.path(), "w2", "2", "96", true, &bf16);
+    assert!(
+        log.contains("train.bf16: bf16 autocast on the CPU")
+            || log.contains("train.bf16: this CPU has no native bf16"),
+        "{log}"
+    );
+    assert_eq!(one.len(), f32_steps.len());
+    assert!(one.len() >= 10, "{one:?}");
+    let mut differ = false;
+    for ((s, l16), (_, l32)) in one.iter().zip(&f32_steps) {
+        assert!(
+            (l16 - l32).abs() <= 2e-2 * l32.abs(),
+            "step {s}: bf16 {l16}, f32 {l32}"
+        );
+        differ |= l16 != l32;
+    }
+    assert!(
+        differ,
+        "every bf16 loss equals f32's: autocast did not apply"
+    );
+    for ((s1, l1), (s2, l2)) in one.iter().zip(&two) {
+        assert_eq!(s1, s2);
+        assert!(
+            (l1 - l2).abs() <= 1e-4 * l1.abs().max(1.0),
+            "step {s1}: loss {l1} at world 1, {l2} at world 2"
+        );
+    }
 }
 
 /// The softmax's negatives are drawn once a step from the seed and the step, shared by every

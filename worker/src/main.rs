@@ -386,7 +386,7 @@ fn start(cli: &Cli, tracker: &PhaseTracker) -> Result<Start, Failure> {
         runtime::tf32::set_tf32_matmuls(config.train.tf32);
     }
     if config.train.bf16 && !device.is_cuda() && env.rank == 0 {
-        tracing::warn!("train.bf16 applies to CUDA only; this run is on the CPU and stays in f32");
+        note_cpu_bf16();
     }
     tracker.record(RunFacts {
         plan: plan.clone(),
@@ -723,6 +723,17 @@ fn log_plan(
 }
 
 /// The GPU of this rank when CUDA is usable ([`gpu_index`]), otherwise the CPU.
+/// Says how `train.bf16` runs on this CPU: natively, or emulated (and likely slower).
+fn note_cpu_bf16() {
+    if recommender::model::autocast::cpu_has_native_bf16() {
+        tracing::info!("train.bf16: bf16 autocast on the CPU (native bf16: AVX512-BF16/AMX)");
+    } else {
+        tracing::warn!(
+            "train.bf16: this CPU has no native bf16 (AVX512-BF16, AMX or Arm BF16); autocast emulates it and is likely slower than f32 (train.bf16 = false)"
+        );
+    }
+}
+
 fn pick_device(env: &WorkerEnv) -> Result<tch::Device> {
     if !tch::Cuda::is_available() {
         return Ok(tch::Device::Cpu);

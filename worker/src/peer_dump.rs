@@ -307,8 +307,8 @@ fn meta(
         "train": {
             "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
             "betas": ADAMW_BETAS, "eps": ADAMW_EPS,
-            // As the run applies them: on CUDA only.
-            "bf16": t.bf16 && cuda, "tf32": t.tf32 && cuda,
+            // As the run applies them: bf16 on either device, TF32 on CUDA only.
+            "bf16": t.bf16, "tf32": t.tf32 && cuda,
         },
         "batch": {"global": b.global, "micro": b.micro, "grad_accum": b.grad_accum, "world": b.world_size},
         "device": if cuda { "cuda" } else { "cpu" },

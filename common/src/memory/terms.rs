@@ -618,7 +618,8 @@ pub(super) fn gpt2_activations(x: &Inputs<'_>, s: &Sizes) -> MemoryTerm {
     } else {
         0
     };
-    let in_bf16 = if x.bf16 { " in bf16" } else { "" };
+    // On the CPU the f32 count stands for bf16 too (not measured there: an upper bound).
+    let in_bf16 = if x.cuda && x.bf16 { " in bf16" } else { "" };
     let (bytes, detail) = if x.config.model.activation_checkpointing && trained_blocks > 0 {
         // Each trained block keeps its f32 input; backward recomputes one block at a time
         // and passes the gradient at its input and output on. Never more than without.

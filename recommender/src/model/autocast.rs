@@ -1,4 +1,4 @@
-//! Mixed precision on CUDA: bf16 autocast entered through a guard that restores libtorch's
+//! Mixed precision (`train.bf16`) on CUDA and on the CPU: bf16 autocast entered through a guard that restores libtorch's
 //! autocast state however the scope ends. `tch::autocast` restores it only on a normal return:
 //! a panic inside (a caught out-of-memory, as the `micro = "auto"` probe catches) would leave
 //! autocast on, its nesting above 0 and its cache of bf16 weight copies alive, so later forwards
@@ -30,6 +30,43 @@ const SCALAR_TYPE_BFLOAT16: i8 = 15;
 pub fn use_bf16_autocast() {
     // SAFETY: plain setters of libtorch's global autocast state, with valid enum values.
     unsafe { at_autocast_set_dtype(DEVICE_TYPE_CUDA, SCALAR_TYPE_BFLOAT16) }
+}
+
+/// Makes autocast on `device`'s type compute in bf16 for this process (the CPU's default
+/// already, set all the same so that nothing else in the process can have changed it).
+pub fn use_bf16_autocast_on(device: tch::Device) {
+    let device_type = device_type(device);
+    // SAFETY: plain setters of libtorch's global autocast state, with valid enum values.
+    unsafe { at_autocast_set_dtype(device_type, SCALAR_TYPE_BFLOAT16) }
+}
+
+/// Whether this machine's CPU computes bf16 natively (x86's AVX512-BF16 or AMX-BF16, Arm's
+/// BF16), as `/proc/cpuinfo` lists its features: where it does not, oneDNN emulates bf16 and
+/// CPU autocast is usually slower than f32. `false` where the file cannot be read.
+pub fn cpu_has_native_bf16() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| lists_native_bf16(&info))
+}
+
+/// [`cpu_has_native_bf16`] on the text of `/proc/cpuinfo` (its first `flags` or `Features` line).
+fn lists_native_bf16(cpuinfo: &str) -> bool {
+    cpuinfo
+        .lines()
+        .find(|l| l.starts_with("flags") || l.starts_with("Features"))
+        .and_then(|l| l.split_once(':'))
+        .is_some_and(|(_, features)| {
+            features
+                .split_whitespace()
+                .any(|f| matches!(f, "avx512_bf16" | "amx_bf16" | "bf16"))
+        })
+}
+
+/// c10's device type of `device` (autocast knows the CPU and CUDA).
+fn device_type(device: tch::Device) -> i8 {
+    if device.is_cuda() {
+        DEVICE_TYPE_CUDA
+    } else {
+        DEVICE_TYPE_CPU
+    }
 }
 
 /// Whether CUDA autocast computes in bf16 (see [`use_bf16_autocast`]).
@@ -105,9 +142,15 @@ impl Drop for AutocastGuard {
     }
 }
 
-/// Runs `f` with autocast set to `enabled` (the guarded replacement for `tch::autocast`).
+/// Runs `f` with CUDA autocast set to `enabled` (the guarded replacement for `tch::autocast`).
 pub fn autocast<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
     let _scope = AutocastGuard::enter(enabled);
+    f()
+}
+
+/// Runs `f` with the autocast of `device`'s type (CUDA's or the CPU's) set to `enabled`.
+pub fn autocast_on<T>(device: tch::Device, enabled: bool, f: impl FnOnce() -> T) -> T {
+    let _scope = AutocastGuard::enter_on(device_type(device), enabled);
     f()
 }
 
@@ -159,6 +202,36 @@ mod tests {
         assert!(caught.is_err());
         assert!(!is_enabled(), "autocast stayed on after the caught panic");
         assert_eq!(nesting(), 0, "the nesting counter did not return to 0");
+    }
+
+    #[test]
+    fn a_cpu_scope_sets_and_restores_the_cpu_s_state_alone() {
+        let cpu_enabled = || unsafe { at_is_autocast_enabled(DEVICE_TYPE_CPU) };
+        use_bf16_autocast_on(tch::Device::Cpu);
+        assert!(!cpu_enabled());
+        let inner = autocast_on(tch::Device::Cpu, true, || {
+            let x = tch::Tensor::ones([2, 2], (tch::Kind::Float, tch::Device::Cpu));
+            (cpu_enabled(), is_enabled(), x.matmul(&x).kind())
+        });
+        assert_eq!(
+            inner,
+            (true, false, tch::Kind::BFloat16),
+            "a CPU matmul in bf16"
+        );
+        assert!(!cpu_enabled());
+        assert_eq!(nesting(), 0);
+        autocast_on(tch::Device::Cpu, false, || assert!(!cpu_enabled()));
+    }
+
+    #[test]
+    fn native_bf16_is_read_off_the_cpu_s_feature_list() {
+        let x86 = |flags: &str| format!("processor\t: 0\nflags\t\t: fpu {flags} sse2\n");
+        assert!(lists_native_bf16(&x86("avx512f amx_bf16 amx_tile")));
+        assert!(lists_native_bf16(&x86("avx512_bf16")));
+        assert!(!lists_native_bf16(&x86("avx2 fma avx512f avx512bw")));
+        assert!(lists_native_bf16("Features\t: fp asimd bf16 i8mm\n"));
+        assert!(!lists_native_bf16("Features\t: fp asimd\n"));
+        assert!(!lists_native_bf16(""));
     }
 
     #[test]

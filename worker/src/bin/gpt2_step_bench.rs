@@ -9,7 +9,10 @@
 //! per step (after the first), and the memory estimate's terms for the same shape (GPT-2's
 //! gradients and activations), so the two can be compared.
 //!
-//! Usage: gpt2-step-bench [--preset gpt2|tiny] [--micro N] [--tokens T] [--steps S] [--checkpointing]
+//! `--bf16` runs the passes under the CPU's bf16 autocast (`train.bf16`), as
+//! `scripts/bench/cpu_bf16.sh` compares with f32 and with PyTorch's.
+//!
+//! Usage: gpt2-step-bench [--preset gpt2|tiny] [--micro N] [--tokens T] [--steps S] [--checkpointing] [--bf16]
 
 use std::time::Instant;
 
@@ -17,6 +20,7 @@ use anyhow::{bail, Result};
 use clap::Parser;
 use common::config::{Config, Gpt2Preset, TextMode};
 use common::memory::{estimate, DataShape, DeviceKind, Gpt2Dims};
+use recommender::model::autocast::{autocast_on, use_bf16_autocast_on};
 use recommender::model::gpt2::Gpt2;
 use tch::{nn, Device, Kind, Tensor};
 use worker::memory::{peak_rss_bytes, rss_bytes};
@@ -39,6 +43,9 @@ struct Cli {
     /// Turn activation checkpointing on.
     #[arg(long)]
     checkpointing: bool,
+    /// Run the passes under bf16 autocast on the CPU (`train.bf16`).
+    #[arg(long)]
+    bf16: bool,
 }
 
 fn main() -> Result<()> {
@@ -61,6 +68,7 @@ fn main() -> Result<()> {
     }
 
     tch::manual_seed(0);
+    use_bf16_autocast_on(Device::Cpu);
     let vs = nn::VarStore::new(Device::Cpu);
     let mut gpt2 = Gpt2::new(&vs.root(), &gpt2_config);
     gpt2.set_activation_checkpointing(cli.checkpointing);
@@ -77,14 +85,16 @@ fn main() -> Result<()> {
     let mut seconds = Vec::new();
     for _ in 0..cli.steps {
         let t0 = Instant::now();
-        let u = Gpt2::mean_pool(&gpt2.forward(&users, &user_mask, true), &user_mask);
-        let i = Gpt2::mean_pool(&gpt2.forward(&items, &item_mask, true), &item_mask);
-        let (p, n) = (i.narrow(0, 0, micro), i.narrow(0, micro, micro));
-        let diff = (&u * p).sum_dim_intlist(-1, false, Kind::Float)
-            - (&u * n).sum_dim_intlist(-1, false, Kind::Float);
-        let loss = -(diff.sigmoid() + 1e-10).log().mean(Kind::Float);
+        let loss = autocast_on(Device::Cpu, cli.bf16, || {
+            let u = Gpt2::mean_pool(&gpt2.forward(&users, &user_mask, true), &user_mask);
+            let i = Gpt2::mean_pool(&gpt2.forward(&items, &item_mask, true), &item_mask);
+            let (p, n) = (i.narrow(0, 0, micro), i.narrow(0, micro, micro));
+            let diff = (&u * p).sum_dim_intlist(-1, false, Kind::Float)
+                - (&u * n).sum_dim_intlist(-1, false, Kind::Float);
+            -(diff.sigmoid() + 1e-10).log().mean(Kind::Float)
+        });
         loss.f_backward()?;
-        gpt2.finish_backward()?;
+        autocast_on(Device::Cpu, cli.bf16, || gpt2.finish_backward())?;
         for mut v in vs.trainable_variables() {
             v.zero_grad();
         }
@@ -96,6 +106,7 @@ fn main() -> Result<()> {
     config.model.preset = preset;
     config.model.text_mode = TextMode::Dynamic;
     config.model.activation_checkpointing = cli.checkpointing;
+    config.train.bf16 = cli.bf16;
     let plan = common::batch::BatchPlan::new(cli.micro, cli.micro, 1, 1);
     let shape = DataShape {
         users: 1,
@@ -113,6 +124,7 @@ fn main() -> Result<()> {
         serde_json::json!({
             "preset": cli.preset,
             "checkpointing": cli.checkpointing,
+            "bf16": cli.bf16,
             "micro": cli.micro,
             "tokens": cli.tokens,
             "rss_after_build_mib": mib(after_build),
@@ -121,6 +133,7 @@ fn main() -> Result<()> {
             "seconds_per_step": timed.iter().sum::<f64>() / timed.len() as f64,
             "estimate_gradients_mib": mib(Gpt2Dims::of(preset).params() * 4),
             "estimate_activations_mib": mib(e.term("activations (GPT-2)")),
+            "estimate_bf16_copies_mib": mib(e.term("bf16 weight copies")),
         })
     );
     Ok(())
