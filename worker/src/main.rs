@@ -722,11 +722,10 @@ fn log_plan(
     }
 }
 
-/// The GPU of this rank when CUDA is usable ([`gpu_index`]), otherwise the CPU.
 /// Says how `train.bf16` runs on this CPU: natively, or emulated (and likely slower).
 fn note_cpu_bf16() {
     if recommender::model::autocast::cpu_has_native_bf16() {
-        tracing::info!("train.bf16: bf16 autocast on the CPU (native bf16: AVX512-BF16/AMX)");
+        tracing::info!("train.bf16: bf16 autocast on the CPU (which computes bf16 natively)");
     } else {
         tracing::warn!(
             "train.bf16: this CPU has no native bf16 (AVX512-BF16, AMX or Arm BF16); autocast emulates it and is likely slower than f32 (train.bf16 = false)"
@@ -734,6 +733,7 @@ fn note_cpu_bf16() {
     }
 }
 
+/// The GPU of this rank when CUDA is usable ([`gpu_index`]), otherwise the CPU.
 fn pick_device(env: &WorkerEnv) -> Result<tch::Device> {
     if !tch::Cuda::is_available() {
         return Ok(tch::Device::Cpu);

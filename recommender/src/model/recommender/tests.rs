@@ -32,12 +32,19 @@ fn config(users: i64, items: i64, warm_users: i64, user_tower: UserTower) -> Rec
 }
 
 fn model(scorer: Scorer, text: bool) -> (nn::VarStore, Recommender) {
+    model_with(
+        RecConfig {
+            scorer,
+            ..config(5, 7, 5, UserTower::Id)
+        },
+        text,
+    )
+}
+
+/// [`model`] with a config of its own (5 users, 7 items).
+fn model_with(config: RecConfig, text: bool) -> (nn::VarStore, Recommender) {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(tch::Device::Cpu);
-    let config = RecConfig {
-        scorer,
-        ..config(5, 7, 5, UserTower::Id)
-    };
     let text = if text {
         Text::Cached(TextFeatures {
             users: Tensor::randn([5, 12], (Kind::Float, tch::Device::Cpu)),
@@ -539,9 +546,26 @@ fn the_item_item_scores_of_a_training_sample_leave_its_positive_out() {
 #[test]
 fn the_full_softmax_path_equals_the_general_one() {
     let (vs, m) = item_item_model();
+    full_and_general_agree(&vs, &m, &ids(&[0, 2, 1, 0]), &ids(&[2, 3, 1, 5]), 6);
+    // Every scorer, with and without text (its penalty too), 2 of 7 items cold.
+    for (scorer, text) in SCORERS_AND_TEXT {
+        let config = RecConfig {
+            scorer,
+            n_warm_items: 5,
+            text_l2: 0.5,
+            ..config(5, 7, 5, UserTower::Id)
+        };
+        let (vs, m) = model_with(config, text);
+        full_and_general_agree(&vs, &m, &ids(&[0, 4, 1, 3]), &ids(&[2, 0, 4, 2]), 5);
+    }
+}
+
+/// The loss and gradients of users `u` with positives `p` against every warm item `0..n`,
+/// through the full softmax's own path and through the general one (the same items reversed).
+fn full_and_general_agree(vs: &nn::VarStore, m: &Recommender, u: &Tensor, p: &Tensor, n: i64) {
     let params = vs.trainable_variables();
     runtime::ddp::give_dense_grads(&params).unwrap();
-    let (u, p) = (ids(&[0, 2, 1, 0]), ids(&[2, 3, 1, 5]));
+    let (u, p) = (u.shallow_clone(), p.shallow_clone());
     let run = |negatives: &Tensor| {
         params.iter().for_each(|t| t.shallow_clone().zero_grad());
         let loss = m.softmax_loss(&u, &p, negatives, None, 0.3, true);
@@ -549,9 +573,9 @@ fn the_full_softmax_path_equals_the_general_one() {
         let grads: Vec<Tensor> = params.iter().map(|t| t.grad().copy()).collect();
         (loss.double_value(&[]), grads)
     };
-    let in_order = Tensor::arange(6, (Kind::Int64, tch::Device::Cpu));
-    assert_eq!(every_item(&p, &in_order, None), Some(6));
-    let reversed = ids(&[5, 4, 3, 2, 1, 0]);
+    let in_order = Tensor::arange(n, (Kind::Int64, tch::Device::Cpu));
+    assert_eq!(every_item(&p, &in_order, None), Some(n));
+    let reversed = in_order.flip([0i64].as_slice());
     assert_eq!(every_item(&p, &reversed, None), None);
     let (full, full_grads) = run(&in_order);
     let (general, general_grads) = run(&reversed);
@@ -560,10 +584,10 @@ fn the_full_softmax_path_equals_the_general_one() {
         let gap = (a - b).abs().max().double_value(&[]);
         assert!(gap < 1e-5, "gradients differ by {gap}");
     }
-    let flat = Tensor::zeros([6], (Kind::Float, tch::Device::Cpu));
+    let flat = Tensor::zeros([n], (Kind::Float, tch::Device::Cpu));
     assert_eq!(every_item(&p, &in_order, Some(&flat)), None, "a correction");
     assert_eq!(
-        every_item(&ids(&[6]), &in_order, None),
+        every_item(&ids(&[n]), &in_order, None),
         None,
         "a positive outside"
     );
