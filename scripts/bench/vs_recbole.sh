@@ -18,6 +18,8 @@
 #                 RecBole's "ease", "multivae", "itemknn"; ours-bpr's run also gives our popularity
 #                 and EASE baselines; the table shows what $BENCH_OUT/results holds from this run)
 #   SKIP_BUILD    1: use the binaries in target/release as they are (no cargo build)
+#   OURS_SETS     space-separated KEY=VALUE settings added to our runs' (after cold start off and
+#                 our bpr's own; e.g. OURS_SETS='train.bf16=true'; strings quoted as in --set)
 #
 # Steps: (a) ML-100k via scripts/data/ml100k.sh; (b) our split exported with `export-split` as
 # RecBole atomic files NAME.{train,valid,test}.inter (cold start off: RecBole has none); (c)
@@ -141,9 +143,10 @@ recbole() { # TAG MODEL SEED [HELPER ARGS...]
 bpr_sets=(--set train.loss=\"bpr\" --set model.user_tower=\"id\" --set model.item_item=false --set model.embedding_dim=64
   --set train.lr=1e-3 --set model.l2=0 --set train.weight_decay=0.0 --set train.epochs=300)
 ours() { # KIND SEED
-  local kind=$1 seed=$2 run="ours-$1-s$2" start end sets=()
+  local kind=$1 seed=$2 run="ours-$1-s$2" start end sets=() kv
   echo "vs_recbole: ours $kind, seed $seed"
   [ "$kind" = bpr ] && sets=("${bpr_sets[@]}")
+  for kv in ${OURS_SETS:-}; do sets+=(--set "$kv"); done
   start=$(date +%s.%N)
   if ! target/release/launch --num-processes 2 --master-port 0 "$config" "${no_cold[@]}" "${sets[@]}" \
     --set model.kind=\""$kind"\" --set run.output_dir=\""$out"\" --set run.name=\""$run"\" \
