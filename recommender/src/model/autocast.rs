@@ -26,12 +26,6 @@ const DEVICE_TYPE_CPU: i8 = 0;
 const DEVICE_TYPE_CUDA: i8 = 1;
 const SCALAR_TYPE_BFLOAT16: i8 = 15;
 
-/// Makes CUDA autocast compute in bf16 for this process.
-pub fn use_bf16_autocast() {
-    // SAFETY: plain setters of libtorch's global autocast state, with valid enum values.
-    unsafe { at_autocast_set_dtype(DEVICE_TYPE_CUDA, SCALAR_TYPE_BFLOAT16) }
-}
-
 /// Makes autocast on `device`'s type compute in bf16 for this process (the CPU's default
 /// already, set all the same so that nothing else in the process can have changed it).
 pub fn use_bf16_autocast_on(device: tch::Device) {
@@ -69,16 +63,16 @@ fn device_type(device: tch::Device) -> i8 {
     }
 }
 
-/// Whether CUDA autocast computes in bf16 (see [`use_bf16_autocast`]).
-pub fn bf16_autocast_is_set() -> bool {
+/// Whether autocast on `device`'s type computes in bf16 (see [`use_bf16_autocast_on`]).
+pub fn bf16_autocast_is_set(device: tch::Device) -> bool {
     // SAFETY: a plain getter of libtorch's global autocast state.
-    unsafe { at_autocast_get_dtype(DEVICE_TYPE_CUDA) == SCALAR_TYPE_BFLOAT16 }
+    unsafe { at_autocast_get_dtype(device_type(device)) == SCALAR_TYPE_BFLOAT16 }
 }
 
-/// Whether CUDA autocast is on in this thread.
-pub fn is_enabled() -> bool {
+/// Whether the autocast of `device`'s type is on in this thread.
+pub fn is_enabled(device: tch::Device) -> bool {
     // SAFETY: a plain getter of libtorch's thread-local autocast state.
-    unsafe { at_is_autocast_enabled(DEVICE_TYPE_CUDA) }
+    unsafe { at_is_autocast_enabled(device_type(device)) }
 }
 
 /// An autocast scope: entered by [`AutocastGuard::enter`], left when dropped — also while a
@@ -93,19 +87,10 @@ pub struct AutocastGuard {
 }
 
 impl AutocastGuard {
-    /// Sets CUDA autocast to `enabled` for the scope. Entering a disabled scope while autocast
-    /// is off is a no-op (every CPU run).
-    pub fn enter(enabled: bool) -> AutocastGuard {
-        Self::enter_on(DEVICE_TYPE_CUDA, enabled)
-    }
-
-    /// [`AutocastGuard::enter`] for CPU autocast (bf16 by default in libtorch): what lets a
-    /// machine without a GPU check the mixed-precision code paths.
-    pub fn enter_cpu(enabled: bool) -> AutocastGuard {
-        Self::enter_on(DEVICE_TYPE_CPU, enabled)
-    }
-
-    fn enter_on(device_type: i8, enabled: bool) -> AutocastGuard {
+    /// Sets the autocast of `device`'s type (CUDA's or the CPU's) to `enabled` for the scope.
+    /// Entering a disabled scope while autocast is off is a no-op (every f32 run).
+    pub fn enter(device: tch::Device, enabled: bool) -> AutocastGuard {
+        let device_type = device_type(device);
         // SAFETY: a plain getter of libtorch's thread-local autocast state.
         if !enabled && !unsafe { at_is_autocast_enabled(device_type) } {
             return AutocastGuard {
@@ -142,21 +127,27 @@ impl Drop for AutocastGuard {
     }
 }
 
-/// Runs `f` with CUDA autocast set to `enabled` (the guarded replacement for `tch::autocast`).
-pub fn autocast<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
-    let _scope = AutocastGuard::enter(enabled);
-    f()
-}
-
-/// Runs `f` with the autocast of `device`'s type (CUDA's or the CPU's) set to `enabled`.
+/// Runs `f` with the autocast of `device`'s type (CUDA's or the CPU's) set to `enabled` (the
+/// guarded replacement for `tch::autocast`).
 pub fn autocast_on<T>(device: tch::Device, enabled: bool, f: impl FnOnce() -> T) -> T {
-    let _scope = AutocastGuard::enter_on(device_type(device), enabled);
+    let _scope = AutocastGuard::enter(device, enabled);
     f()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// CUDA's autocast state, which libtorch keeps without a GPU too.
+    const CUDA: tch::Device = tch::Device::Cuda(0);
+
+    fn autocast<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
+        autocast_on(CUDA, enabled, f)
+    }
+
+    fn is_cuda_enabled() -> bool {
+        is_enabled(CUDA)
+    }
 
     /// The nesting depth, read by a balanced increment and decrement.
     fn nesting() -> i32 {
@@ -171,47 +162,50 @@ mod tests {
     #[test]
     fn the_autocast_type_can_be_set_to_bf16() {
         // The call reaches libtorch on any machine; the type only matters on CUDA.
-        use_bf16_autocast();
-        assert!(bf16_autocast_is_set());
+        use_bf16_autocast_on(CUDA);
+        assert!(bf16_autocast_is_set(CUDA));
     }
 
     #[test]
     fn a_scope_sets_and_restores_the_state() {
-        assert!(!is_enabled());
-        let inner = autocast(true, || (is_enabled(), nesting()));
+        assert!(!is_cuda_enabled());
+        let inner = autocast(true, || (is_cuda_enabled(), nesting()));
         assert_eq!(inner, (true, 1));
-        assert!(!is_enabled());
+        assert!(!is_cuda_enabled());
         assert_eq!(nesting(), 0);
         // Nested scopes: a disabled one inside an enabled one, then back.
         autocast(true, || {
-            autocast(false, || assert!(!is_enabled()));
-            assert!(is_enabled());
+            autocast(false, || assert!(!is_cuda_enabled()));
+            assert!(is_cuda_enabled());
             assert_eq!(nesting(), 1);
         });
-        assert_eq!((is_enabled(), nesting()), (false, 0));
+        assert_eq!((is_cuda_enabled(), nesting()), (false, 0));
     }
 
     #[test]
     fn a_panic_inside_the_scope_leaves_autocast_as_it_was() {
         let caught = std::panic::catch_unwind(|| {
             autocast(true, || -> () {
-                assert!(is_enabled());
+                assert!(is_cuda_enabled());
                 panic!("CUDA out of memory. Tried to allocate 2.00 GiB");
             })
         });
         assert!(caught.is_err());
-        assert!(!is_enabled(), "autocast stayed on after the caught panic");
+        assert!(
+            !is_cuda_enabled(),
+            "autocast stayed on after the caught panic"
+        );
         assert_eq!(nesting(), 0, "the nesting counter did not return to 0");
     }
 
     #[test]
     fn a_cpu_scope_sets_and_restores_the_cpu_s_state_alone() {
-        let cpu_enabled = || unsafe { at_is_autocast_enabled(DEVICE_TYPE_CPU) };
+        let cpu_enabled = || is_enabled(tch::Device::Cpu);
         use_bf16_autocast_on(tch::Device::Cpu);
         assert!(!cpu_enabled());
         let inner = autocast_on(tch::Device::Cpu, true, || {
             let x = tch::Tensor::ones([2, 2], (tch::Kind::Float, tch::Device::Cpu));
-            (cpu_enabled(), is_enabled(), x.matmul(&x).kind())
+            (cpu_enabled(), is_cuda_enabled(), x.matmul(&x).kind())
         });
         assert_eq!(
             inner,
@@ -236,8 +230,8 @@ mod tests {
 
     #[test]
     fn a_disabled_scope_changes_nothing() {
-        let _scope = AutocastGuard::enter(false);
-        assert!(!is_enabled());
+        let _scope = AutocastGuard::enter(CUDA, false);
+        assert!(!is_cuda_enabled());
         assert_eq!(nesting(), 0);
     }
 }

@@ -448,7 +448,7 @@ fn bf16_autocast_keeps_the_blocks_activations_in_bf16() {
     let input = ids(&[10, 20, 30, 40, 50]).repeat([2, 1]);
     let mask = Tensor::ones([2, 5], (Kind::Float, Device::Cpu));
     let want = m.forward(&input, &mask, false);
-    let _scope = AutocastGuard::enter_cpu(true);
+    let _scope = AutocastGuard::enter(Device::Cpu, true);
     let block = &m.h[0];
     let kind = |t: Tensor| t.kind();
     // As PyTorch's autocast does them: layer norms in f32, every matmul's output (with its
