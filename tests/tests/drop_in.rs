@@ -441,6 +441,17 @@ fn the_deepspeed_and_fsdp_variables_are_accelerates_own() {
         "multi.yaml",
         "distributed_type: MULTI_GPU\nmixed_precision: bf16\n",
     );
+    // The clipping as PyYAML reads it (`1` an int, `1e-5` text to YAML 1.1).
+    let ds_int = file(
+        "ds_int.yaml",
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_clipping: 1\n",
+    );
+    let ds_text = file(
+        "ds_text.yaml",
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_clipping: 1e-5\n",
+    );
+    let unsynced = "distributed_type: FSDP\nfsdp_config:\n  sync_module_states: false\n";
+    let fsdp_light = file("light.yaml", &format!("{unsynced}  cpu_ram_efficient_loading: false\n  transformer_layer_cls_to_wrap: GPT2Block,Linear\n"));
     let lines: Vec<Vec<&str>> = vec![
         vec![
             "--use_deepspeed",
@@ -466,12 +477,40 @@ fn the_deepspeed_and_fsdp_variables_are_accelerates_own() {
         vec!["--config_file", &ds],
         vec!["--config_file", &ds, "--use_fsdp"],
         vec!["--config_file", &multi, "--use_deepspeed"],
+        vec!["--config_file", &ds_int],
+        vec!["--config_file", &ds_text],
+        vec!["--use_deepspeed", "--gradient_clipping", "1e-5"],
+        vec!["--config_file", &fsdp_light],
+        // A flag's text `false` is true to accelerate's check: not refused.
+        vec!["--use_fsdp", "--fsdp_sync_module_states", "false"],
     ];
     for line in &lines {
         let want = theirs(line);
         assert!(want.len() >= 2, "{line:?}: {want:?}");
         assert_eq!(ours(line), want, "{line:?}");
     }
+    // The file's `false` with the low-memory loading on (its default): both refuse it.
+    let refused = file("unsynced.yaml", unsynced);
+    let line = ["--config_file", refused.as_str(), "--num_processes", "1"];
+    let out = std::process::Command::new(&python)
+        .args([
+            "-c",
+            program,
+            &serde_json::to_string(&[&line[..], &["train.py"]].concat()).unwrap(),
+        ])
+        .env("HF_HOME", &hf)
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("set `--fsdp_sync_module_states` to `True`"),
+        "accelerate: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut cmd = launch_cmd(&[&line[..], &["--no-python", "env"]].concat());
+    cmd.env("HF_HOME", &hf);
+    let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(60));
+    out.assert_code(2);
+    out.assert_stderr("fsdp_config.sync_module_states false with --fsdp_cpu_ram_efficient_loading true (its default): accelerate refuses this");
 }
 
 /// The guide's accelerate line (docs/guide.md, "Coming from torchrun or accelerate"), run as a

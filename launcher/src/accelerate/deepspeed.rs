@@ -22,6 +22,10 @@ pub(super) struct DeepSpeed {
     pub offload_param_device: Option<String>,
     pub gradient_accumulation_steps: Option<u64>,
     pub gradient_clipping: Option<f64>,
+    /// The file's `gradient_clipping` as accelerate passes it on: PyYAML's reading of it
+    /// written back by Python (`1` stays `1`, `1e-5` is text to YAML 1.1); `None` when the
+    /// line gave it (a float, written as Python writes floats).
+    pub gradient_clipping_text: Option<String>,
     pub zero3_init_flag: Option<String>,
     pub zero3_save_16bit_model: Option<String>,
     pub config_file: Option<String>,
@@ -46,6 +50,10 @@ impl DeepSpeed {
             gradient_accumulation_steps: (f.gradient_accumulation_steps)
                 .or(file.gradient_accumulation_steps),
             gradient_clipping: f.gradient_clipping.or(file.gradient_clipping),
+            gradient_clipping_text: match f.gradient_clipping {
+                Some(_) => None,
+                None => file.gradient_clipping_text,
+            },
             zero3_init_flag: f.zero3_init_flag.clone().or(file.zero3_init_flag),
             zero3_save_16bit_model: (f.zero3_save_16bit_model.clone())
                 .or(file.zero3_save_16bit_model),
@@ -98,9 +106,11 @@ impl DeepSpeed {
             "gradient_clipping" => {
                 self.gradient_clipping = match text().map(|t| t.parse::<f64>()) {
                     None => None,
-                    Some(Ok(norm)) => Some(norm),
+                    Some(Ok(norm)) if norm.is_finite() && norm > 0.0 => Some(norm),
+                    Some(Ok(_)) => return Err(format!("{}: must be a number above 0", shown())),
                     Some(Err(_)) => return Err(format!("expected a number, got {}", shown())),
-                }
+                };
+                self.gradient_clipping_text = self.gradient_clipping.map(|_| python_str(value));
             }
             "zero3_init_flag" => self.zero3_init_flag = text(),
             "zero3_save_16bit_model" => self.zero3_save_16bit_model = text(),
@@ -139,7 +149,9 @@ impl DeepSpeed {
         );
         put(
             "ACCELERATE_GRADIENT_CLIPPING",
-            self.gradient_clipping.map(python_float),
+            (self.gradient_clipping_text.clone())
+                .or(self.gradient_clipping.map(python_float))
+                .map(|t| t.to_ascii_lowercase()),
         );
         put(
             "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
@@ -210,13 +222,14 @@ impl DeepSpeed {
             );
         }
         if let Some(norm) = self.gradient_clipping {
+            let shown = (self.gradient_clipping_text.clone()).unwrap_or_else(|| python_float(norm));
             if !(norm.is_finite() && norm > 0.0) {
                 return Err(format!(
-                    "--gradient_clipping {norm}: must be a number above 0"
+                    "--gradient_clipping {shown}: must be a number above 0"
                 ));
             }
             set(
-                format!("--gradient_clipping {norm}"),
+                format!("--gradient_clipping {shown}"),
                 format!("train.max_grad_norm={}", python_float(norm)),
             );
         }
@@ -261,13 +274,71 @@ impl DeepSpeed {
     }
 }
 
-/// A float as Python's `str` writes it (`1.0`, not `1`), as accelerate passes it on.
+/// A float as Python's `str` writes it, as accelerate passes it on: the shortest digits that
+/// read back the same, `1.0` rather than `1`, and an exponent of two digits or more outside
+/// 1e-4 to 1e16 (`1e-05`, `1e+16`).
 fn python_float(x: f64) -> String {
-    let text = x.to_string();
-    match text.contains(['.', 'e', 'i', 'N']) {
-        true => text,
-        false => format!("{text}.0"),
+    if !x.is_finite() {
+        return match (x.is_nan(), x > 0.0) {
+            (true, _) => "nan",
+            (false, true) => "inf",
+            (false, false) => "-inf",
+        }
+        .into();
     }
+    let scientific = format!("{x:e}");
+    let Some((digits, exponent)) = scientific.split_once('e') else {
+        return scientific;
+    };
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    if (-4..16).contains(&exponent) {
+        let text = x.to_string();
+        return match text.contains('.') {
+            true => text,
+            false => format!("{text}.0"),
+        };
+    }
+    let sign = if exponent < 0 { '-' } else { '+' };
+    format!("{digits}e{sign}{:02}", exponent.unsigned_abs())
+}
+
+/// A config file's scalar as Python's `str` writes what PyYAML (YAML 1.1) reads: integers as
+/// written, reals that YAML 1.1 calls floats (a dot, a signed exponent) as floats, any other
+/// text as text (`1e-5` has no dot: a string to PyYAML).
+fn python_str(value: &Yaml) -> String {
+    match value {
+        Yaml::Integer(n) => n.to_string(),
+        Yaml::Real(text) => match (is_yaml11_float(text), text.replace('_', "").parse::<f64>()) {
+            (true, Ok(x)) => python_float(x),
+            _ => text.clone(),
+        },
+        Yaml::Boolean(b) => if *b { "True" } else { "False" }.into(),
+        Yaml::String(text) => text.clone(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// YAML 1.1's float (PyYAML's resolver): digits, a dot, digits, and an optional exponent with
+/// its sign (`1.0`, `.5`, `-2.5e-3`; not `1e-5` nor `1.0e5`).
+fn is_yaml11_float(text: &str) -> bool {
+    let (mantissa, exponent) = match text.find(['e', 'E']) {
+        Some(i) => (&text[..i], Some(&text[i + 1..])),
+        None => (text, None),
+    };
+    let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit() || b == b'_');
+    let exponent_ok = exponent.is_none_or(|e| {
+        e.len() > 1 && e.starts_with(['+', '-']) && e[1..].bytes().all(|b| b.is_ascii_digit())
+    });
+    let unsigned = mantissa.strip_prefix(['+', '-']).unwrap_or(mantissa);
+    let Some((whole, fraction)) = unsigned.split_once('.') else {
+        return false;
+    };
+    let mantissa_ok = match whole.bytes().next() {
+        // `.5` is a float to YAML 1.1 only without a sign.
+        None => !fraction.is_empty() && unsigned.len() == mantissa.len(),
+        Some(first) => first.is_ascii_digit(),
+    };
+    exponent_ok && mantissa_ok && digits(whole) && digits(fraction)
 }
 
 #[cfg(test)]
@@ -278,5 +349,31 @@ mod tests {
     fn floats_are_written_as_python_writes_them() {
         assert_eq!(python_float(1.0), "1.0");
         assert_eq!(python_float(0.5), "0.5");
+        assert_eq!(python_float(1e-4), "0.0001");
+        assert_eq!(python_float(1e-5), "1e-05");
+        assert_eq!(python_float(1.5e-7), "1.5e-07");
+        assert_eq!(python_float(1e15), "1000000000000000.0");
+        assert_eq!(python_float(1e16), "1e+16");
+        assert_eq!(python_float(-2.5e300), "-2.5e+300");
+        assert_eq!(python_float(0.0), "0.0");
+        assert_eq!(python_float(f64::INFINITY), "inf");
+    }
+
+    #[test]
+    fn file_values_are_written_as_python_writes_what_pyyaml_reads() {
+        let read = |text: &str| {
+            let doc = yaml_rust2::YamlLoader::load_from_str(&format!("v: {text}")).unwrap();
+            python_str(&doc[0]["v"])
+        };
+        // PyYAML: `1` an int, `1.0` and `1.0e-5` floats, `1e-5` and `1.0e5` strings.
+        assert_eq!(read("1"), "1");
+        assert_eq!(read("1.0"), "1.0");
+        assert_eq!(read("0.50"), "0.5");
+        assert_eq!(read(".5"), "0.5");
+        assert_eq!(read("1.0e-5"), "1e-05");
+        assert_eq!(read("1e-5"), "1e-5");
+        assert_eq!(read("1.0e5"), "1.0e5");
+        assert_eq!(read("\"2.0\""), "2.0");
+        assert!(!is_yaml11_float("+.5") && !is_yaml11_float("1.0e") && !is_yaml11_float("a.b"));
     }
 }

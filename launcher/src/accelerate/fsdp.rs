@@ -8,7 +8,7 @@
 //! Owns the settings and their mapping; must not parse the command line (`cli`'s) or read the
 //! file (the parent's reader hands its `fsdp_config` section here).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use yaml_rust2::Yaml;
 
@@ -93,12 +93,23 @@ pub(super) struct Fsdp {
     pub used: bool,
     /// Given values by accelerate's argument name.
     values: BTreeMap<String, String>,
+    /// The values that came from the file, with their key as written there (with or without
+    /// its `fsdp_`): a line names those as the file's, not as flags.
+    from_file: BTreeMap<String, String>,
+    /// The values Python reads as false (the file's `false` or `0`, an empty text):
+    /// accelerate's own check tests their truth, not their text.
+    falsy: BTreeSet<String>,
 }
 
 impl Fsdp {
     /// The command line's settings over `file`'s.
     pub(super) fn merged(cli: &Cli, mut file: Fsdp) -> Fsdp {
         for (key, value) in cli.fsdp.given() {
+            file.from_file.remove(key);
+            match value.is_empty() {
+                true => file.falsy.insert(key.to_string()),
+                false => file.falsy.remove(key),
+            };
             file.values.insert(key.to_string(), value);
         }
         file.used |= cli.fsdp.use_fsdp;
@@ -118,20 +129,75 @@ impl Fsdp {
                 Yaml::String(v) | Yaml::Real(v) => v.clone(),
                 Yaml::Integer(v) => v.to_string(),
                 Yaml::Boolean(v) => v.to_string(),
+                // accelerate would pass Python's text of the list (`['GPT2Block']`), which its
+                // own plugin cannot split; the names joined as its flag takes them can.
                 Yaml::Array(items) => (items.iter())
                     .map(|i| i.as_str().map(str::to_string))
                     .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| format!("fsdp_config.{key}: expected names"))?
+                    .ok_or_else(|| format!("{key}: expected names"))?
                     .join(","),
-                _ => {
-                    return Err(format!(
-                        "fsdp_config.{key}: expected a value, got {value:?}"
-                    ))
-                }
+                _ => return Err(format!("{key}: expected a value, got {value:?}")),
             };
-            self.values.insert(name, text);
+            let falsy = match value {
+                Yaml::Boolean(v) => !v,
+                Yaml::Integer(v) => *v == 0,
+                Yaml::Real(v) => v.parse::<f64>().is_ok_and(|x| x == 0.0),
+                _ => text.is_empty(),
+            };
+            if falsy {
+                self.falsy.insert(name.clone());
+            }
+            self.from_file.insert(name.clone(), key.to_string());
+            self.values.insert(name.clone(), text.clone());
+            self.check(&name)
+                .map_err(|e| format!("{key} {text}: {e}"))?;
         }
         Ok(())
+    }
+
+    /// What is wrong with one value's form, as accelerate would refuse it.
+    fn check(&self, key: &str) -> Result<(), String> {
+        let value = self.value(key).unwrap_or_default();
+        match key {
+            "fsdp_version" if !matches!(value, "1" | "2") => Err("expected 1 or 2".into()),
+            "fsdp_sharding_strategy" if strategy_stage(value).is_none() => Err(
+                "expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2"
+                    .into(),
+            ),
+            _ if LOWERED.contains(&key) && truth(value).is_none() => {
+                Err("expected true or false".into())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// accelerate's own refusal (`launch`'s check, before any process starts): loading with
+    /// little CPU memory needs the module states synchronised. Like accelerate, it tests the
+    /// values' truth: the file's `false`, not a flag's text `false`.
+    pub(super) fn refusal(&self) -> Result<(), String> {
+        let (loading, sync) = ("fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states");
+        // Both are `true` unless given.
+        let loading_on = !self.falsy.contains(loading);
+        if !(self.used && loading_on && self.falsy.contains(sync)) {
+            return Ok(());
+        }
+        let loading_said = match self.value(loading) {
+            Some(v) => format!("{} {v}", self.named(loading)),
+            None => format!("--{loading} true (its default)"),
+        };
+        Err(format!(
+            "{} {} with {loading_said}: accelerate refuses this (loading with little CPU memory needs the module states synchronised); set it to true",
+            self.named(sync),
+            self.value(sync).unwrap_or_default(),
+        ))
+    }
+
+    /// A setting as the user gave it: accelerate's flag, or the file's key.
+    fn named(&self, key: &str) -> String {
+        match self.from_file.get(key) {
+            Some(written) => format!("fsdp_config.{written}"),
+            None => format!("--{key}"),
+        }
     }
 
     fn value(&self, key: &str) -> Option<&str> {
@@ -192,7 +258,8 @@ impl Fsdp {
                 "fsdp_state_dict_type" => "our checkpoints hold the whole model at any stage",
                 _ => "our worker's units are GPT-2's blocks",
             };
-            notices.push(format!("--{key} {value}: not applied to our worker; {why}"));
+            let named = self.named(key);
+            notices.push(format!("{named} {value}: not applied to our worker; {why}"));
         }
         if !said.is_empty() {
             notices.push(format!("accelerate FSDP: {}", said.join(", ")));
@@ -208,20 +275,22 @@ impl Fsdp {
         if self.value("fsdp_version") == Some("2") {
             let key = "fsdp_reshard_after_forward";
             let reshard = self.flag_or(key, true)?;
-            let flag = format!("--fsdp_version 2 --fsdp_reshard_after_forward {reshard}");
+            let flag = format!(
+                "{} 2 {} {reshard}",
+                self.named("fsdp_version"),
+                self.named(key)
+            );
             return Ok((Ok((flag, if reshard { 3 } else { 2 })), key));
         }
         let key = "fsdp_sharding_strategy";
         let strategy = self.value(key).unwrap_or("FULL_SHARD");
-        let flag = format!("--fsdp_sharding_strategy {strategy}");
-        let stage = match strategy.to_ascii_uppercase().as_str() {
-            "FULL_SHARD" | "1" => Ok((flag, 3)),
-            "SHARD_GRAD_OP" | "2" => Ok((flag, 2)),
-            "NO_SHARD" | "3" => Ok((flag, 0)),
-            "HYBRID_SHARD" | "HYBRID_SHARD_ZERO2" | "4" | "5" => Err(format!(
+        let flag = format!("{} {strategy}", self.named(key));
+        let stage = match strategy_stage(strategy) {
+            Some(Some(stage)) => Ok((flag, stage)),
+            Some(None) => Err(format!(
                 "{flag}: not applied; our worker's stages shard across every rank (set dist.zero)"
             )),
-            _ => return Err(format!(
+            None => return Err(format!(
                 "{flag}: expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2"
             )),
         };
@@ -233,12 +302,31 @@ impl Fsdp {
     }
 
     fn flag_or(&self, key: &str, default: bool) -> Result<bool, String> {
-        // As accelerate's `str_to_bool`.
-        match self.value(key).map(str::to_ascii_lowercase).as_deref() {
+        match self.value(key) {
             None => Ok(default),
-            Some("y" | "yes" | "t" | "true" | "on" | "1") => Ok(true),
-            Some("n" | "no" | "f" | "false" | "off" | "0") => Ok(false),
-            Some(other) => Err(format!("--{key} {other}: expected true or false")),
+            Some(text) => truth(text)
+                .ok_or_else(|| format!("{} {text}: expected true or false", self.named(key))),
         }
+    }
+}
+
+/// A boolean's text as accelerate's `str_to_bool` reads it.
+fn truth(text: &str) -> Option<bool> {
+    match text.to_ascii_lowercase().as_str() {
+        "y" | "yes" | "t" | "true" | "on" | "1" => Some(true),
+        "n" | "no" | "f" | "false" | "off" | "0" => Some(false),
+        _ => None,
+    }
+}
+
+/// FSDP 1's strategy as our worker's stage (`Some(None)`: hybrid sharding, which has none);
+/// `None` for a strategy accelerate does not know.
+fn strategy_stage(strategy: &str) -> Option<Option<u8>> {
+    match strategy.to_ascii_uppercase().as_str() {
+        "FULL_SHARD" | "1" => Some(Some(3)),
+        "SHARD_GRAD_OP" | "2" => Some(Some(2)),
+        "NO_SHARD" | "3" => Some(Some(0)),
+        "HYBRID_SHARD" | "HYBRID_SHARD_ZERO2" | "4" | "5" => Some(None),
+        _ => None,
     }
 }
