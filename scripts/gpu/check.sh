@@ -9,7 +9,11 @@
 #   SIZES        data sizes of the vs_peer step (default: small full)
 #   CHECK_BACKEND, PEER_DEVICE   nccl and cuda (defaults); tcp and cpu try the script on a CPU
 #   STEPS        which steps to run (default: all, in this order): env dry default dynamic
-#                precision oom probe auto two nccl_two offload vs_peer_gpt2 vs_peer
+#                precision oom probe auto two nccl_two zero offload ml100k vs_peer_gpt2 vs_peer
+#   ZERO_STAGES  the stages of the zero step (default: 0 1 2 3; 0 is DDP, the reference)
+#   ML100K       MovieLens-100k's directory (u.data, u.item, u.user) for the ml100k step
+#                (default: ~/.cache/gptrec/data/ml-100k, where scripts/data/ml100k.sh puts it;
+#                on a lent machine, a copy carried with the checkout); skipped without it
 #   GPT2_MICROS  micro batches of the vs_peer_gpt2 step (default "192 1536": 192 and the
 #                largest of these that fits both sides on an 80 GB card)
 #
@@ -26,7 +30,7 @@ fi
 out=${CHECK_OUT:-${OUT:+$OUT/gpu-check}}
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
-steps=${STEPS:-env dry default dynamic precision oom probe auto two nccl_two offload vs_peer_gpt2 vs_peer}
+steps=${STEPS:-env dry default dynamic precision oom probe auto two nccl_two zero offload ml100k vs_peer_gpt2 vs_peer}
 python=${PYTHON:-python3}
 launch="$bin/launch"
 . scripts/bench/summary.sh
@@ -88,6 +92,27 @@ shipped=("$repo/configs/default.toml" --set dist.backend=\"$backend\")
 gpt2=(--set model.preset=\"gpt2\" --set model.trainable_layers=12 --set data.synthetic=\"tiny\" --set train.epochs=2 --set eval.patience=0)
 gpt2auto=("${gpt2[@]}" --set batch.max_micro=192)
 
+# Several NCCL ranks on one GPU: two launches as two nodes, each its own NCCL_HOSTID (so NCCL's
+# duplicate-GPU check passes), over loopback.
+two_nodes() { # NAME LIMIT EXTRA_ENV... -- LAUNCH_ARGS...: both nodes' logs NAME-n0/n1.log
+  local name=$1 limit=$2 port id envs=() node
+  shift 2
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
+  port=$((29000 + RANDOM % 2000)); id=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
+  for node in 0 1; do
+    env "${envs[@]}" CUDA_VISIBLE_DEVICES=0 NCCL_HOSTID="gptrec-check-$node" NCCL_SOCKET_IFNAME=lo \
+      NCCL_IB_DISABLE=1 LAUNCH_RUN_ID="$id" timeout -k 5 "$limit" "$launch" --nnodes 2 --node-rank $node \
+      --num-processes 1 --master-addr 127.0.0.1 --master-port $port "$@" \
+      --set run.output_dir=\""$out/runs-n$node"\" --set run.name=\""$name"\" --set checkpoint.resume=\"never\" \
+      >"$out/$name-n$node.log" 2>&1 &
+  done
+  wait
+  echo "== $name: node 0 $(tail -1 "$out/$name-n0.log" | cut -c1-150)"
+  echo "   node 1 $(tail -1 "$out/$name-n1.log" | cut -c1-150)"
+}
+small=(--set data.synthetic=\"tiny\" --set train.epochs=2 --set eval.patience=0)
+
 for s in $steps; do
   case $s in
   env)
@@ -147,24 +172,6 @@ for s in $steps; do
     # same GPU (the same computation, another transport: losses equal within 1e-5, relative).
     # Then a killed rank and a stopped rank, as on the CPU (the stopped rank's node is ended
     # by the time limit, as a scheduler would end it).
-    two_nodes() { # NAME LIMIT EXTRA_ENV... -- LAUNCH_ARGS...: both nodes' logs NAME-n0/n1.log
-      local name=$1 limit=$2 port id envs=() node
-      shift 2
-      while [ "$1" != -- ]; do envs+=("$1"); shift; done
-      shift
-      port=$((29000 + RANDOM % 2000)); id=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
-      for node in 0 1; do
-        env "${envs[@]}" CUDA_VISIBLE_DEVICES=0 NCCL_HOSTID="gptrec-check-$node" NCCL_SOCKET_IFNAME=lo \
-          NCCL_IB_DISABLE=1 LAUNCH_RUN_ID="$id" timeout -k 5 "$limit" "$launch" --nnodes 2 --node-rank $node \
-          --num-processes 1 --master-addr 127.0.0.1 --master-port $port "$@" \
-          --set run.output_dir=\""$out/runs-n$node"\" --set run.name=\""$name"\" --set checkpoint.resume=\"never\" \
-          >"$out/$name-n$node.log" 2>&1 &
-      done
-      wait
-      echo "== $name: node 0 $(tail -1 "$out/$name-n0.log" | cut -c1-150)"
-      echo "   node 1 $(tail -1 "$out/$name-n1.log" | cut -c1-150)"
-    }
-    small=(--set data.synthetic=\"tiny\" --set train.epochs=2 --set eval.patience=0)
     two_nodes tcp-two 180 -- "${base[@]}" "${small[@]}" --set dist.backend=\"tcp\"
     two_nodes nccl-two 180 -- "${base[@]}" "${small[@]}"
     digest nccl-two-n0 20
@@ -218,6 +225,69 @@ peaks = [(s.get("peak_device_mib") or [None])[0] for s in summ]
 if None not in peaks:
     # GPT-2 small's 124M values: 8 bytes each of moments, about 950 MiB, and the update's temporaries.
     print(f"   device peak {peaks[0] - peaks[1]:.0f} MiB lower offloaded", "ok" if peaks[0] - peaks[1] >= 700 else "NOT LOWER")
+PY
+    ;;
+  zero)
+    # Issue 55 on NCCL: ZeRO stages 1-3 against DDP (stage 0), two ranks sharing the GPU as
+    # two nodes, BPR with GPT-2 tiny training (dynamic text), gradient accumulation and
+    # clipping: every step's loss equal to DDP's bit for bit, the device peak per rank and the
+    # MiB each rank sends a step.
+    for z in ${ZERO_STAGES:-0 1 2 3}; do
+      two_nodes zero-$z 240 -- "${base[@]}" "${small[@]}" --set model.text_mode=\"dynamic\" \
+        --set dist.zero=$z --set batch.grad_accum=2 --set train.max_grad_norm=0.5
+    done
+    "$python" - "$out/runs-n0" ${ZERO_STAGES:-0 1 2 3} <<'PY'
+import json, os, sys
+def records(stage):
+    path = os.path.join(sys.argv[1], f"zero-{stage}", "metrics.jsonl")
+    return list(map(json.loads, open(path))) if os.path.exists(path) else []
+stages = sys.argv[2:]
+base = [r["loss"] for r in records(stages[0]) if r.get("kind") == "step"]
+for z in stages:
+    recs = records(z)
+    losses = [r["loss"] for r in recs if r.get("kind") == "step"]
+    summary = next((r for r in recs if r.get("kind") == "summary"), {})
+    same = "equal" if losses and losses == base else f"DIFFERENT ({len(losses)} steps)"
+    print(f"   stage {z}: {len(losses)} steps, losses {same} to stage {stages[0]}'s; device peak "
+          f"{summary.get('peak_device_mib')} MiB; sent {summary.get('sent_mib_per_step')} MiB a step")
+PY
+    ;;
+  ml100k)
+    # Issue 54's time on a GPU: configs/ml-100k.toml as it ships (the full softmax, the history
+    # tower, the item-item matrix) on the split of seed 42 without cold shares, one process, in
+    # f32 (TF32) and bf16; then the gpt2rec of before the softmax (BPR, ID users, 64 wide,
+    # scripts/bench/ablation.sh's) for the same 20 epochs: the time of the same epochs, now
+    # against then (the issue allows 2x).
+    d=${ML100K:-$HOME/.cache/gptrec/data/ml-100k}
+    if [ ! -f "$d/u.data" ]; then
+      echo "== ml100k: skipped: no MovieLens-100k in $d (set ML100K)"
+      continue
+    fi
+    ml=("$repo/configs/ml-100k.toml" --set dist.backend=\"$backend\" --set data.dir=\"$d\"
+      --set data.cold_items=0 --set data.cold_users=0 --set data.split_seed=42)
+    before=(--set train.loss=\"bpr\" --set model.user_tower=\"id\" --set model.item_item=false
+      --set model.embedding_dim=64 --set train.lr=1e-3 --set model.l2=0 --set train.weight_decay=0.0
+      --set model.text_l2=1e-2)
+    run ml100k-f32 300 --num-processes 1 "${ml[@]}" | grep -a -E '^== |ndcg@10:'
+    run ml100k-bf16 300 --num-processes 1 "${ml[@]}" --set train.bf16=true | grep -a -E '^== |ndcg@10:'
+    run ml100k-before 300 --num-processes 1 "${ml[@]}" "${before[@]}" | grep -a -E '^== |ndcg@10:'
+    "$python" - "$out/runs" <<'PY'
+import json, os, sys
+rows = {}
+for name in ["ml100k-f32", "ml100k-bf16", "ml100k-before"]:
+    path = os.path.join(sys.argv[1], name, "metrics.jsonl")
+    if not os.path.exists(path):
+        print(f"   {name}: no metrics"); continue
+    recs = list(map(json.loads, open(path)))
+    s = next((r for r in recs if r.get("kind") == "summary"), {})
+    test = next((r for r in recs if r.get("kind") == "eval" and r.get("split") == "test"), {})
+    rows[name] = (s.get("seconds") or {}).get("total")
+    step = sum((s.get("steady_time_per_step_ms") or {}).values())
+    print(f"   {name}: {s.get('epochs')} epochs in {rows[name]:.1f} s, {step:.1f} ms a step, "
+          f"test NDCG@10 {test.get('ndcg@10')}, Recall@10 {test.get('recall@10')}")
+if rows.get("ml100k-f32") and rows.get("ml100k-before"):
+    print(f"   the shipped config's run over the one of before, the same 20 epochs: "
+          f"{rows['ml100k-f32'] / rows['ml100k-before']:.2f}x (the issue allows 2x)")
 PY
     ;;
   vs_peer_gpt2)
