@@ -133,6 +133,14 @@ impl RecTask {
         phases: &dyn PhaseSink,
     ) -> Result<RecTask, RecError> {
         let ds = &data.dataset;
+        // Before the text features: refused at once, not after GPT-2 has read every text.
+        if config.model.item_item && ds.n_items as usize > crate::ease::MAX_ITEMS {
+            return Err(RecError::Invalid(format!(
+                "model.item_item: {} items would make a {0} x {0} matrix; at most {} items (set model.item_item = false)",
+                ds.n_items,
+                crate::ease::MAX_ITEMS
+            )));
+        }
         let text = match (config.model.kind, config.model.text_mode) {
             (ModelKind::Pop, _) => {
                 return Err(RecError::Invalid(
@@ -166,13 +174,6 @@ impl RecTask {
                 }
             }
         };
-        if config.model.item_item && ds.n_items as usize > crate::ease::MAX_ITEMS {
-            return Err(RecError::Invalid(format!(
-                "model.item_item: {} items would make a {0} x {0} matrix; at most {} items (set model.item_item = false)",
-                ds.n_items,
-                crate::ease::MAX_ITEMS
-            )));
-        }
         tch::manual_seed(config.run.seed as i64 + 1);
         let rec_config = RecConfig {
             n_users: i64::from(ds.n_users),
@@ -687,6 +688,31 @@ mod tests {
             before,
             "training did not release the held tables"
         );
+    }
+
+    /// Too many items for the item-item matrix: refused before GPT-2 reads any text (no phase
+    /// entered), naming the key.
+    #[test]
+    fn an_item_item_matrix_too_large_is_refused_before_the_texts() {
+        struct Entered(std::cell::Cell<bool>);
+        impl common::memory::PhaseSink for Entered {
+            fn enter(&self, _phase: common::memory::Phase) {
+                self.0.set(true);
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = tiny_data(&dir.path().join("d"));
+        d.dataset.n_items = crate::ease::MAX_ITEMS as u32 + 1;
+        let mut config = Config::default();
+        config.model.item_item = true;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut comm = with_single();
+        let entered = Entered(std::cell::Cell::new(false));
+        let e = RecTask::new(&config, &d, &vs, Device::Cpu, comm.as_mut(), CTX, &entered)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("model.item_item: 8193 items"), "{e}");
+        assert!(!entered.0.get(), "a phase began before the refusal");
     }
 
     #[test]
