@@ -101,7 +101,7 @@ two_nodes() { # NAME LIMIT EXTRA_ENV... -- LAUNCH_ARGS...: both nodes' logs NAME
   shift
   port=$((29000 + RANDOM % 2000)); id=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
   for node in 0 1; do
-    env "${envs[@]}" CUDA_VISIBLE_DEVICES=0 NCCL_HOSTID="gptrec-check-$node" NCCL_SOCKET_IFNAME=lo \
+    env ${envs[@]+"${envs[@]}"} CUDA_VISIBLE_DEVICES=0 NCCL_HOSTID="gptrec-check-$node" NCCL_SOCKET_IFNAME=lo \
       NCCL_IB_DISABLE=1 LAUNCH_RUN_ID="$id" timeout -k 5 "$limit" "$launch" --nnodes 2 --node-rank $node \
       --num-processes 1 --master-addr 127.0.0.1 --master-port $port "$@" \
       --set run.output_dir=\""$out/runs-n$node"\" --set run.name=\""$name"\" --set checkpoint.resume=\"never\" \
@@ -241,8 +241,10 @@ import json, os, sys
 def records(stage):
     path = os.path.join(sys.argv[1], f"zero-{stage}", "metrics.jsonl")
     return list(map(json.loads, open(path))) if os.path.exists(path) else []
-stages = sys.argv[2:]
+stages = sys.argv[2:] or ["0"]
 base = [r["loss"] for r in records(stages[0]) if r.get("kind") == "step"]
+if not base:
+    print(f"   stage {stages[0]}: no steps recorded; nothing to compare with")
 for z in stages:
     recs = records(z)
     losses = [r["loss"] for r in recs if r.get("kind") == "step"]
@@ -282,8 +284,9 @@ for name in ["ml100k-f32", "ml100k-bf16", "ml100k-before"]:
     s = next((r for r in recs if r.get("kind") == "summary"), {})
     test = next((r for r in recs if r.get("kind") == "eval" and r.get("split") == "test"), {})
     rows[name] = (s.get("seconds") or {}).get("total")
-    step = sum((s.get("steady_time_per_step_ms") or {}).values())
-    print(f"   {name}: {s.get('epochs')} epochs in {rows[name]:.1f} s, {step:.1f} ms a step, "
+    step = sum(v or 0 for v in (s.get("steady_time_per_step_ms") or {}).values())
+    took = f"{rows[name]:.1f}" if rows[name] is not None else "?"
+    print(f"   {name}: {s.get('epochs')} epochs in {took} s, {step:.1f} ms a step, "
           f"test NDCG@10 {test.get('ndcg@10')}, Recall@10 {test.get('recall@10')}")
 if rows.get("ml100k-f32") and rows.get("ml100k-before"):
     print(f"   the shipped config's run over the one of before, the same 20 epochs: "

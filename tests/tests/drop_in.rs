@@ -451,6 +451,9 @@ fn the_deepspeed_and_fsdp_variables_are_accelerates_own() {
         "distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_clipping: 1e-5\n",
     );
     let unsynced = "distributed_type: FSDP\nfsdp_config:\n  sync_module_states: false\n";
+    // An FSDP 1 file as `accelerate config` writes it (a strategy in reshard_after_forward),
+    // and YAML 1.1's yes.
+    let fsdp1 = file("fsdp1.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n  fsdp_reshard_after_forward: FULL_SHARD\n  fsdp_offload_params: yes\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n");
     let fsdp_light = file("light.yaml", &format!("{unsynced}  cpu_ram_efficient_loading: false\n  transformer_layer_cls_to_wrap: GPT2Block,Linear\n"));
     let lines: Vec<Vec<&str>> = vec![
         vec![
@@ -481,6 +484,7 @@ fn the_deepspeed_and_fsdp_variables_are_accelerates_own() {
         vec!["--config_file", &ds_text],
         vec!["--use_deepspeed", "--gradient_clipping", "1e-5"],
         vec!["--config_file", &fsdp_light],
+        vec!["--config_file", &fsdp1],
         // A flag's text `false` is true to accelerate's check: not refused.
         vec!["--use_fsdp", "--fsdp_sync_module_states", "false"],
     ];
@@ -510,7 +514,10 @@ fn the_deepspeed_and_fsdp_variables_are_accelerates_own() {
     cmd.env("HF_HOME", &hf);
     let out = wait_output(cmd.spawn().unwrap(), Duration::from_secs(60));
     out.assert_code(2);
-    out.assert_stderr("fsdp_config.sync_module_states false with --fsdp_cpu_ram_efficient_loading true (its default): accelerate refuses this");
+    out.assert_stderr_all(&[
+        refused.as_str(),
+        "fsdp_config.sync_module_states False with --fsdp_cpu_ram_efficient_loading true (its default): accelerate refuses this",
+    ]);
 }
 
 /// The guide's accelerate line (docs/guide.md, "Coming from torchrun or accelerate"), run as a

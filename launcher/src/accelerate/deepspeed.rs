@@ -276,7 +276,8 @@ impl DeepSpeed {
 
 /// A float as Python's `str` writes it, as accelerate passes it on: the shortest digits that
 /// read back the same, `1.0` rather than `1`, and an exponent of two digits or more outside
-/// 1e-4 to 1e16 (`1e-05`, `1e+16`).
+/// 1e-4 to 1e16 (`1e-05`, `1e+16`). (Where two shortest forms tie, Python rounds to even and
+/// Rust up: only for values above 1e10 with a fraction, never a clipping norm.)
 fn python_float(x: f64) -> String {
     if !x.is_finite() {
         return match (x.is_nan(), x > 0.0) {
@@ -335,7 +336,9 @@ fn is_yaml11_float(text: &str) -> bool {
     };
     let mantissa_ok = match whole.bytes().next() {
         // `.5` is a float to YAML 1.1 only without a sign.
-        None => !fraction.is_empty() && unsigned.len() == mantissa.len(),
+        None => {
+            fraction.starts_with(|c: char| c.is_ascii_digit()) && unsigned.len() == mantissa.len()
+        }
         Some(first) => first.is_ascii_digit(),
     };
     exponent_ok && mantissa_ok && digits(whole) && digits(fraction)
@@ -374,6 +377,8 @@ mod tests {
         assert_eq!(read("1e-5"), "1e-5");
         assert_eq!(read("1.0e5"), "1.0e5");
         assert_eq!(read("\"2.0\""), "2.0");
-        assert!(!is_yaml11_float("+.5") && !is_yaml11_float("1.0e") && !is_yaml11_float("a.b"));
+        for not_float in ["+.5", "._5", "1.0e", "a.b", "1e-5", "1.0e5"] {
+            assert!(!is_yaml11_float(not_float), "{not_float}");
+        }
     }
 }

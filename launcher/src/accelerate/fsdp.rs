@@ -96,9 +96,11 @@ pub(super) struct Fsdp {
     /// The values that came from the file, with their key as written there (with or without
     /// its `fsdp_`): a line names those as the file's, not as flags.
     from_file: BTreeMap<String, String>,
-    /// The values Python reads as false (the file's `false` or `0`, an empty text):
+    /// The values Python reads as false (the file's `false`, `0` or `null`, an empty text):
     /// accelerate's own check tests their truth, not their text.
     falsy: BTreeSet<String>,
+    /// The config file read, for the errors about its values.
+    pub file: Option<String>,
 }
 
 impl Fsdp {
@@ -117,7 +119,9 @@ impl Fsdp {
     }
 
     /// The file's `fsdp_config` section (keys with or without their `fsdp_`, as accelerate
-    /// reads them); an error names the key.
+    /// reads them, the last of a key winning); an error names the key. The values are checked
+    /// when FSDP is used, as accelerate checks them (an FSDP 1 file's
+    /// `fsdp_reshard_after_forward` holds a strategy, not a boolean).
     pub(super) fn read_section(&mut self, section: &Yaml) -> Result<(), String> {
         for (key, value) in super::section_entries(section)? {
             let name = match key.starts_with("fsdp") {
@@ -125,10 +129,21 @@ impl Fsdp {
                 false => format!("fsdp_{key}"),
             };
             let text = match value {
-                Yaml::Null => continue,
+                // accelerate sets `None`: false, written `none` where it has a default, not
+                // written where it sets the variable only when given.
+                Yaml::Null => match VARIABLES.iter().any(|(k, _, d)| *k == name && d.is_some()) {
+                    true => "None".to_string(),
+                    false => {
+                        self.values.remove(&name);
+                        self.from_file.remove(&name);
+                        self.falsy.remove(&name);
+                        continue;
+                    }
+                },
                 Yaml::String(v) | Yaml::Real(v) => v.clone(),
                 Yaml::Integer(v) => v.to_string(),
-                Yaml::Boolean(v) => v.to_string(),
+                // Python's `str(True)`; the variables of booleans are lower-cased.
+                Yaml::Boolean(v) => if *v { "True" } else { "False" }.to_string(),
                 // accelerate would pass Python's text of the list (`['GPT2Block']`), which its
                 // own plugin cannot split; the names joined as its flag takes them can.
                 Yaml::Array(items) => (items.iter())
@@ -139,36 +154,20 @@ impl Fsdp {
                 _ => return Err(format!("{key}: expected a value, got {value:?}")),
             };
             let falsy = match value {
+                Yaml::Null => true,
                 Yaml::Boolean(v) => !v,
                 Yaml::Integer(v) => *v == 0,
                 Yaml::Real(v) => v.parse::<f64>().is_ok_and(|x| x == 0.0),
                 _ => text.is_empty(),
             };
-            if falsy {
-                self.falsy.insert(name.clone());
-            }
+            match falsy {
+                true => self.falsy.insert(name.clone()),
+                false => self.falsy.remove(&name),
+            };
             self.from_file.insert(name.clone(), key.to_string());
-            self.values.insert(name.clone(), text.clone());
-            self.check(&name)
-                .map_err(|e| format!("{key} {text}: {e}"))?;
+            self.values.insert(name, text);
         }
         Ok(())
-    }
-
-    /// What is wrong with one value's form, as accelerate would refuse it.
-    fn check(&self, key: &str) -> Result<(), String> {
-        let value = self.value(key).unwrap_or_default();
-        match key {
-            "fsdp_version" if !matches!(value, "1" | "2") => Err("expected 1 or 2".into()),
-            "fsdp_sharding_strategy" if strategy_stage(value).is_none() => Err(
-                "expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2"
-                    .into(),
-            ),
-            _ if LOWERED.contains(&key) && truth(value).is_none() => {
-                Err("expected true or false".into())
-            }
-            _ => Ok(()),
-        }
     }
 
     /// accelerate's own refusal (`launch`'s check, before any process starts): loading with
@@ -182,13 +181,14 @@ impl Fsdp {
             return Ok(());
         }
         let loading_said = match self.value(loading) {
-            Some(v) => format!("{} {v}", self.named(loading)),
+            Some(v) => format!("{} {}", self.named(loading), shown(v)),
             None => format!("--{loading} true (its default)"),
         };
         Err(format!(
-            "{} {} with {loading_said}: accelerate refuses this (loading with little CPU memory needs the module states synchronised); set it to true",
+            "{}{} {} with {loading_said}: accelerate refuses this (loading with little CPU memory needs the module states synchronised); set it to true",
+            self.source(sync),
             self.named(sync),
-            self.value(sync).unwrap_or_default(),
+            shown(self.value(sync).unwrap_or_default()),
         ))
     }
 
@@ -197,6 +197,14 @@ impl Fsdp {
         match self.from_file.get(key) {
             Some(written) => format!("fsdp_config.{written}"),
             None => format!("--{key}"),
+        }
+    }
+
+    /// Where a value came from, for an error: the file's path, or nothing for a flag.
+    fn source(&self, key: &str) -> String {
+        match (self.from_file.contains_key(key), &self.file) {
+            (true, Some(file)) => format!("accelerate config {file}: "),
+            _ => String::new(),
         }
     }
 
@@ -259,6 +267,10 @@ impl Fsdp {
                 _ => "our worker's units are GPT-2's blocks",
             };
             let named = self.named(key);
+            let value = match LOWERED.contains(&key.as_str()) {
+                true => value.to_ascii_lowercase(),
+                false => value.clone(),
+            };
             notices.push(format!("{named} {value}: not applied to our worker; {why}"));
         }
         if !said.is_empty() {
@@ -272,7 +284,17 @@ impl Fsdp {
     /// to say where none does (hybrid sharding); and the setting it read.
     #[allow(clippy::type_complexity)]
     fn stage(&self) -> Result<(Result<(String, u8), String>, &'static str), String> {
-        if self.value("fsdp_version") == Some("2") {
+        let version = self.value("fsdp_version").unwrap_or("1");
+        if !matches!(version, "1" | "2") {
+            let key = "fsdp_version";
+            return Err(format!(
+                "{}{} {}: expected 1 or 2",
+                self.source(key),
+                self.named(key),
+                shown(version)
+            ));
+        }
+        if version == "2" {
             let key = "fsdp_reshard_after_forward";
             let reshard = self.flag_or(key, true)?;
             let flag = format!(
@@ -284,14 +306,15 @@ impl Fsdp {
         }
         let key = "fsdp_sharding_strategy";
         let strategy = self.value(key).unwrap_or("FULL_SHARD");
-        let flag = format!("{} {strategy}", self.named(key));
+        let flag = format!("{} {}", self.named(key), shown(strategy));
         let stage = match strategy_stage(strategy) {
             Some(Some(stage)) => Ok((flag, stage)),
             Some(None) => Err(format!(
                 "{flag}: not applied; our worker's stages shard across every rank (set dist.zero)"
             )),
             None => return Err(format!(
-                "{flag}: expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2"
+                "{}{flag}: expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2",
+                self.source(key)
             )),
         };
         Ok((stage, key))
@@ -304,9 +327,23 @@ impl Fsdp {
     fn flag_or(&self, key: &str, default: bool) -> Result<bool, String> {
         match self.value(key) {
             None => Ok(default),
-            Some(text) => truth(text)
-                .ok_or_else(|| format!("{} {text}: expected true or false", self.named(key))),
+            Some(text) => truth(text).ok_or_else(|| {
+                format!(
+                    "{}{} {}: expected true or false",
+                    self.source(key),
+                    self.named(key),
+                    shown(text)
+                )
+            }),
         }
+    }
+}
+
+/// A value in a line: an empty one quoted.
+fn shown(value: &str) -> &str {
+    match value.is_empty() {
+        true => "\"\"",
+        false => value,
     }
 }
 

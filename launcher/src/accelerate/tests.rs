@@ -354,37 +354,70 @@ fn fsdp_settings_become_our_stage_or_accelerates_variables() {
             "accelerate FSDP: fsdp_config.fsdp_version 2 fsdp_config.reshard_after_forward false = --set dist.zero=2",
         ]
     );
-    // A bad value in the file is refused naming the file and its key; accelerate's own
-    // refusal of loading without synchronised states, on the file's `false` (a flag's text
-    // `false` is true to accelerate's check, as there).
-    for (written, says) in [
+    // For our worker, a bad value in the file is refused naming the file and its key;
+    // accelerate's own refusal of loading without synchronised states, on the file's `false`,
+    // `no` or `null` (a flag's text `false` is true to accelerate's check, as there), for a
+    // script too. The last of a key wins.
+    let fsdp_file = |section: &str| {
+        let config = CONFIG.replace("MULTI_GPU", "FSDP");
+        std::fs::write(&path, format!("{config}fsdp_config:\n{section}")).unwrap();
+    };
+    let refused = "fsdp_config.sync_module_states False with --fsdp_cpu_ram_efficient_loading true (its default): accelerate refuses this";
+    for (section, target, says) in [
         (
             "  offload_params: maybe\n",
-            "fsdp_config: offload_params maybe: expected true or false",
+            "configs/default.toml",
+            "fsdp_config.offload_params maybe: expected true or false",
         ),
         (
             "  fsdp_sharding_strategy: HALF\n",
-            "fsdp_config: fsdp_sharding_strategy HALF: expected FULL_SHARD",
+            "configs/default.toml",
+            "fsdp_config.fsdp_sharding_strategy HALF: expected FULL_SHARD",
         ),
+        ("  sync_module_states: false\n", "x.py", refused),
+        ("  sync_module_states: no\n", "x.py", refused),
         (
-            "  sync_module_states: false\n",
-            "fsdp_config.sync_module_states false with --fsdp_cpu_ram_efficient_loading true (its default): accelerate refuses this",
+            "  fsdp_sync_module_states: true\n  sync_module_states: null\n",
+            "x.py",
+            "fsdp_config.sync_module_states None with",
         ),
     ] {
-        let config = CONFIG.replace("MULTI_GPU", "FSDP");
-        std::fs::write(&path, format!("{config}fsdp_config:\n{written}")).unwrap();
-        let e = apply(&mut cli(&["--config_file", &shown, "x.py"]), &Default::default())
-            .unwrap_err();
-        assert!(e.contains(says), "{e}");
+        fsdp_file(section);
+        let e = apply(
+            &mut cli(&["--config_file", &shown, target]),
+            &Default::default(),
+        )
+        .unwrap_err();
+        assert!(e.contains(&shown) && e.contains(says), "{section}: {e}");
     }
-    let config = CONFIG.replace("MULTI_GPU", "FSDP");
-    let off = "fsdp_config:\n  sync_module_states: false\n  cpu_ram_efficient_loading: false\n";
-    std::fs::write(&path, format!("{config}{off}")).unwrap();
-    apply(
+    for accepted in [
+        "  sync_module_states: false\n  cpu_ram_efficient_loading: false\n",
+        "  sync_module_states: false\n  fsdp_sync_module_states: true\n",
+        // An FSDP 1 file as `accelerate config` writes it: a strategy in
+        // reshard_after_forward, which FSDP 1 does not read.
+        "  fsdp_version: 1\n  fsdp_reshard_after_forward: FULL_SHARD\n  fsdp_offload_params: yes\n",
+    ] {
+        fsdp_file(accepted);
+        for target in ["x.py", "configs/default.toml"] {
+            let applied = apply(
+                &mut cli(&["--config_file", &shown, target]),
+                &Default::default(),
+            );
+            assert!(applied.is_ok(), "{accepted} {target}: {applied:?}");
+        }
+    }
+    let applied = apply(
         &mut cli(&["--config_file", &shown, "x.py"]),
         &Default::default(),
     )
     .unwrap();
+    assert!(
+        applied
+            .env
+            .contains(&("FSDP_OFFLOAD_PARAMS".into(), "true".into())),
+        "YAML 1.1's yes: {:?}",
+        applied.env
+    );
     let flags = ["--use_fsdp", "--fsdp_sync_module_states", "false", "x.py"];
     let applied = apply(&mut cli(&flags), &Default::default()).unwrap();
     assert!(applied
