@@ -134,7 +134,8 @@ impl RecTask {
     ) -> Result<RecTask, RecError> {
         let ds = &data.dataset;
         // Before the text features: refused at once, not after GPT-2 has read every text.
-        if config.model.item_item && ds.n_items as usize > crate::ease::MAX_ITEMS {
+        let trained = config.model.kind != ModelKind::Pop;
+        if trained && config.model.item_item && ds.n_items as usize > crate::ease::MAX_ITEMS {
             return Err(RecError::Invalid(format!(
                 "model.item_item: {} items would make a {0} x {0} matrix; at most {} items (set model.item_item = false)",
                 ds.n_items,
