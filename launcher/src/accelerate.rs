@@ -16,6 +16,7 @@ use crate::cli::{Cli, GpuIds};
 
 mod deepspeed;
 mod fsdp;
+mod python_text;
 use deepspeed::DeepSpeed;
 use fsdp::Fsdp;
 
@@ -258,7 +259,8 @@ fn read_config(path: &Path) -> Result<Settings, String> {
         std::fs::read_to_string(path).map_err(|e| format!("accelerate config {shown}: {e}"))?;
     let docs = yaml_rust2::YamlLoader::load_from_str(&text)
         .map_err(|e| format!("accelerate config {shown}: not YAML or JSON: {e}"))?;
-    let Some(yaml_rust2::Yaml::Hash(map)) = docs.into_iter().next().map(as_pyyaml) else {
+    let Some(yaml_rust2::Yaml::Hash(map)) = docs.into_iter().next().map(python_text::as_pyyaml)
+    else {
         return Err(format!(
             "accelerate config {shown}: expected `key: value` settings (as `accelerate config` writes)"
         ));
@@ -271,23 +273,6 @@ fn read_config(path: &Path) -> Result<Settings, String> {
             .map_err(|e| format!("accelerate config {shown}: {key}: {e}"))?;
     }
     Ok(s)
-}
-
-/// A config value as PyYAML (YAML 1.1: accelerate's loader) types it where YAML 1.2
-/// (yaml_rust2's) differs: `yes`, `no`, `on` and `off` (lower, title or upper case) are
-/// booleans. (A quoted `"yes"` stays text to PyYAML; yaml_rust2 does not tell them apart.)
-fn as_pyyaml(value: yaml_rust2::Yaml) -> yaml_rust2::Yaml {
-    use yaml_rust2::Yaml;
-    match value {
-        Yaml::String(text) => match text.as_str() {
-            "yes" | "Yes" | "YES" | "on" | "On" | "ON" => Yaml::Boolean(true),
-            "no" | "No" | "NO" | "off" | "Off" | "OFF" => Yaml::Boolean(false),
-            _ => Yaml::String(text),
-        },
-        Yaml::Hash(map) => Yaml::Hash(map.into_iter().map(|(k, v)| (k, as_pyyaml(v))).collect()),
-        Yaml::Array(items) => Yaml::Array(items.into_iter().map(as_pyyaml).collect()),
-        other => other,
-    }
 }
 
 /// A section of the config file (`deepspeed_config`, `fsdp_config`): its settings with text

@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use yaml_rust2::Yaml;
 
+use super::python_text::python_str;
 use crate::cli::Cli;
 
 /// accelerate's variables: (argument, variable, value when not given: `None` sets it only when
@@ -140,10 +141,10 @@ impl Fsdp {
                         continue;
                     }
                 },
-                Yaml::String(v) | Yaml::Real(v) => v.clone(),
-                Yaml::Integer(v) => v.to_string(),
-                // Python's `str(True)`; the variables of booleans are lower-cased.
-                Yaml::Boolean(v) => if *v { "True" } else { "False" }.to_string(),
+                // Python's `str` of it (`True`; the variables of booleans are lower-cased).
+                Yaml::String(_) | Yaml::Real(_) | Yaml::Integer(_) | Yaml::Boolean(_) => {
+                    python_str(value)
+                }
                 // accelerate would pass Python's text of the list (`['GPT2Block']`), which its
                 // own plugin cannot split; the names joined as its flag takes them can.
                 Yaml::Array(items) => (items.iter())

@@ -164,30 +164,6 @@ fn deepspeed_settings_become_our_keys_or_accelerates_variables() {
     );
     assert_eq!(get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), Some("4"));
     assert_eq!(get("ACCELERATE_GRADIENT_CLIPPING"), Some("1.0"));
-    // The clipping as accelerate writes it: the file's value as PyYAML reads it, a flag's
-    // as a Python float.
-    for (file_value, flag, env) in [
-        ("1", None, "1"),
-        ("1e-5", None, "1e-5"),
-        ("1.0e-5", None, "1e-05"),
-        ("1", Some("1e-5"), "1e-05"),
-    ] {
-        let ds = format!("{file}deepspeed_config:\n  gradient_clipping: {file_value}\n");
-        std::fs::write(&path, ds).unwrap();
-        let mut args = vec!["--config_file", &shown];
-        args.extend(
-            flag.map(|f| ["--gradient_clipping", f])
-                .into_iter()
-                .flatten(),
-        );
-        args.push("x.py");
-        let applied = apply(&mut cli(&args), &Default::default()).unwrap();
-        assert!(
-            (applied.env.iter()).any(|(k, v)| k == "ACCELERATE_GRADIENT_CLIPPING" && v == env),
-            "{file_value} {flag:?}: {:?}",
-            applied.env
-        );
-    }
     assert_eq!(get("ACCELERATE_DEEPSPEED_ZERO3_INIT"), Some("true"));
     assert_eq!(
         get("ACCELERATE_CONFIG_DS_FIELDS"),
@@ -354,6 +330,79 @@ fn fsdp_settings_become_our_stage_or_accelerates_variables() {
             "accelerate FSDP: fsdp_config.fsdp_version 2 fsdp_config.reshard_after_forward false = --set dist.zero=2",
         ]
     );
+    // Hybrid sharding has no counterpart; an unknown strategy or a bad boolean is refused.
+    let mut c = cli(&[
+        "--use_fsdp",
+        "--fsdp_sharding_strategy",
+        "HYBRID_SHARD",
+        "configs/default.toml",
+    ]);
+    let applied = apply(&mut c, &Default::default()).unwrap();
+    assert!(c.overrides.is_empty(), "{:?}", c.overrides);
+    assert_eq!(
+        applied.notices,
+        ["--fsdp_sharding_strategy HYBRID_SHARD: not applied; our worker's stages shard across every rank (set dist.zero)"]
+    );
+    for (flag, value, says) in [
+        (
+            "--fsdp_sharding_strategy",
+            "HALF",
+            "expected FULL_SHARD, SHARD_GRAD_OP",
+        ),
+        (
+            "--fsdp_offload_params",
+            "maybe",
+            "--fsdp_offload_params maybe: expected true or false",
+        ),
+    ] {
+        let e = apply(
+            &mut cli(&["--use_fsdp", flag, value, "configs/default.toml"]),
+            &Default::default(),
+        )
+        .unwrap_err();
+        assert!(e.contains(says), "{e}");
+    }
+}
+
+/// `ACCELERATE_GRADIENT_CLIPPING` as accelerate writes it: the file's value as PyYAML reads it,
+/// a flag's as a Python float.
+#[test]
+fn gradient_clipping_is_written_as_accelerate_writes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ds.yaml");
+    let shown = path.display().to_string();
+    let file = CONFIG.replace("MULTI_GPU", "DEEPSPEED");
+    for (file_value, flag, env) in [
+        ("1", None, "1"),
+        ("1e-5", None, "1e-5"),
+        ("1.0e-5", None, "1e-05"),
+        ("1", Some("1e-5"), "1e-05"),
+    ] {
+        let ds = format!("{file}deepspeed_config:\n  gradient_clipping: {file_value}\n");
+        std::fs::write(&path, ds).unwrap();
+        let mut args = vec!["--config_file", &shown];
+        args.extend(
+            flag.map(|f| ["--gradient_clipping", f])
+                .into_iter()
+                .flatten(),
+        );
+        args.push("x.py");
+        let applied = apply(&mut cli(&args), &Default::default()).unwrap();
+        assert!(
+            (applied.env.iter()).any(|(k, v)| k == "ACCELERATE_GRADIENT_CLIPPING" && v == env),
+            "{file_value} {flag:?}: {:?}",
+            applied.env
+        );
+    }
+}
+
+/// accelerate's FSDP values from the file, read as it reads them (YAML 1.1, the last of a key
+/// winning, `null` false) and checked when FSDP is used.
+#[test]
+fn fsdp_file_values_are_read_and_refused_as_accelerate_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fsdp.yaml");
+    let shown = path.display().to_string();
     // For our worker, a bad value in the file is refused naming the file and its key;
     // accelerate's own refusal of loading without synchronised states, on the file's `false`,
     // `no` or `null` (a flag's text `false` is true to accelerate's check, as there), for a
@@ -423,36 +472,4 @@ fn fsdp_settings_become_our_stage_or_accelerates_variables() {
     assert!(applied
         .env
         .contains(&("FSDP_SYNC_MODULE_STATES".into(), "false".into())));
-    // Hybrid sharding has no counterpart; an unknown strategy or a bad boolean is refused.
-    let mut c = cli(&[
-        "--use_fsdp",
-        "--fsdp_sharding_strategy",
-        "HYBRID_SHARD",
-        "configs/default.toml",
-    ]);
-    let applied = apply(&mut c, &Default::default()).unwrap();
-    assert!(c.overrides.is_empty(), "{:?}", c.overrides);
-    assert_eq!(
-        applied.notices,
-        ["--fsdp_sharding_strategy HYBRID_SHARD: not applied; our worker's stages shard across every rank (set dist.zero)"]
-    );
-    for (flag, value, says) in [
-        (
-            "--fsdp_sharding_strategy",
-            "HALF",
-            "expected FULL_SHARD, SHARD_GRAD_OP",
-        ),
-        (
-            "--fsdp_offload_params",
-            "maybe",
-            "--fsdp_offload_params maybe: expected true or false",
-        ),
-    ] {
-        let e = apply(
-            &mut cli(&["--use_fsdp", flag, value, "configs/default.toml"]),
-            &Default::default(),
-        )
-        .unwrap_err();
-        assert!(e.contains(says), "{e}");
-    }
 }
