@@ -82,17 +82,32 @@ pub fn interrupted(signal: i32) -> i32 {
     128 + signal
 }
 
-/// The root cause among `records`: a rank found stopped (SIGSTOP, a debugger) when the teardown
-/// began that the first to fail (`earliest`) names in its last words (`no answer from rank(s)
-/// [1]`): it failed because that rank stopped answering, however soon it said so. Else
+/// The root cause among `records`: a rank that the first to fail (`earliest`) names in its last
+/// words (`no answer from rank(s) [1]`, `rank 3 ... ended before the job finished`) and that
+/// either was found stopped (SIGSTOP, a debugger) when the teardown began, or failed on its own
+/// without naming `earliest` back: the first rank failed because that one went away, however
+/// soon it said so (two exits in the same millisecond are reaped in either order). Else
 /// `earliest` (a stopped rank it does not name is only said to be stopped).
 pub fn root_cause(records: &[WorkerRecord], earliest: usize) -> usize {
     let first = &records[earliest];
     let named = named_peers(&first.stderr_tail, first.rank);
-    records
+    if let Some(stopped) = records
         .iter()
         .position(|r| r.was_stopped && named.contains(&r.rank))
-        .unwrap_or(earliest)
+    {
+        return stopped;
+    }
+    records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| {
+            named.contains(&r.rank)
+                && r.sent_by_launcher.is_none()
+                && !r.ending.is_success()
+                && !named_peers(&r.stderr_tail, r.rank).contains(&first.rank)
+        })
+        .min_by_key(|(_, r)| r.after)
+        .map_or(earliest, |(i, _)| i)
 }
 
 /// The launcher's exit code after a failure: the root cause's, unless launch itself ended it (a
@@ -351,6 +366,38 @@ mod tests {
         // Not 137: launch killed it; the job failed with the others' code.
         assert_eq!(exit_code(&records, root), 1);
         assert!(text.ends_with("launch exits with 1"), "{text}");
+    }
+
+    #[test]
+    fn a_rank_that_failed_on_its_own_is_the_root_cause_though_its_peer_was_reaped_first() {
+        // Rank 3 ran out of memory; rank 2 saw it go and exited in the same millisecond, and
+        // its exit was the first the launcher reaped.
+        let mut records = vec![
+            record(0, Ending::Code(1), None),
+            record(1, Ending::Code(3), None),
+        ];
+        records[0].stderr_tail = vec![
+            "worker: error: stopping: rank 1 (host vm, node 0, pid 101) ended before the job finished".into(),
+        ];
+        records[1].stderr_tail =
+            vec!["worker: error: out of memory on rank 1 (cpu) during the forward pass".into()];
+        assert_eq!(root_cause(&records, 0), 1);
+        let text = failure_summary(&records, 1, 1, 0..2, &[]);
+        assert!(
+            text.contains("  root cause: rank 1 (local_rank 1, pid 101): exit code 3"),
+            "{text}"
+        );
+        assert!(text.ends_with("launch exits with 3"), "{text}");
+        // Killed by launch in the teardown: a consequence, not a cause.
+        records[1].sent_by_launcher = Some(Signal::SIGTERM);
+        assert_eq!(root_cause(&records, 0), 0);
+        // Two ranks that each name the other (both timed out): the first stays the root cause.
+        records[1].sent_by_launcher = None;
+        records[1].stderr_tail = vec!["no answer from rank(s) [0]".into()];
+        assert_eq!(root_cause(&records, 0), 0);
+        // Not named by the first: the first stays the root cause.
+        records[0].stderr_tail = vec!["ValueError: boom".into()];
+        assert_eq!(root_cause(&records, 0), 0);
     }
 
     #[test]
