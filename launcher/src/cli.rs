@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 
+pub mod abbrev;
 mod deepspeed_flags;
 mod fsdp_flags;
 pub use deepspeed_flags::DeepSpeedFlags;
@@ -20,6 +21,8 @@ pub use fsdp_flags::FsdpFlags;
     version,
     about,
     args_override_self = true,
+    // torchrun's argparse takes unambiguous prefixes (`--nproc-per 2`): see `abbrev`.
+    infer_long_args = true,
     // `--num-processes -1` is a bad value of that flag, not an unknown flag `-1`.
     allow_negative_numbers = true,
     after_help = "Examples:\n  launch --num-processes 2 configs/default.toml\n  launch --num-processes auto configs/train.toml\n  launch --dry-run --num-processes 8 configs/train.toml\n  launch --num-processes 2 -- python my_script.py"
@@ -475,11 +478,8 @@ pub fn parse_from(args: Vec<OsString>) -> Result<Cli, clap::Error> {
 /// options are never read as `launch`'s. Nothing is split before `--` or without such a word.
 fn split_script(command: &clap::Command, args: Vec<OsString>) -> (Vec<OsString>, Vec<OsString>) {
     let takes_value = |word: &str| -> bool {
-        let found = if let Some(long) = word.strip_prefix("--") {
-            (command.get_arguments()).find(|a| {
-                a.get_long() == Some(long)
-                    || a.get_all_aliases().is_some_and(|al| al.contains(&long))
-            })
+        let found = if word.starts_with("--") {
+            abbrev::long_flag(command, word)
         } else {
             let short = word.chars().nth(1);
             (command.get_arguments()).find(|a| word.len() == 2 && a.get_short() == short)

@@ -1,7 +1,8 @@
 //! `launch` as a drop-in for torchrun with what its users' scripts do: progress bars redrawn
 //! with `\r` (real tqdm) move as they are drawn, and a line written in pieces is shown once it
-//! has waited, not held until its end. The Python tests need the venv `scripts/setup.sh` makes
-//! (with tqdm); without it they say so and pass as skipped.
+//! has waited, not held until its end; torchrun's and accelerate's command lines (abbreviated
+//! flags included) do what the real tools do with them. The Python tests need the venv
+//! `scripts/setup.sh` makes (with tqdm); without it they say so and pass as skipped.
 
 mod support;
 
@@ -186,6 +187,53 @@ fn torchruns_environment_and_flags() {
         );
     }
     assert!(!out.stderr.contains("error"), "{}", out.stderr);
+}
+
+/// A torchrun line with abbreviated flags, as torchrun's argparse takes them (`--nproc-per 2
+/// --max-r 0 --no-py`), runs under `launch` unchanged, the script's own flags after it
+/// untouched; where the venv has PyTorch, torchrun's own parser reads the same line the same way.
+#[test]
+fn torchruns_abbreviated_flags() {
+    let script = "echo rank=$RANK world=$WORLD_SIZE args=$*";
+    let args = [
+        "--nproc-per",
+        "2",
+        "--max-r",
+        "0",
+        "--no-py",
+        "sh",
+        "-c",
+        script,
+        "s",
+        "--nnode",
+        "9",
+    ];
+    let out = wait_output(launch_cmd(&args).spawn().unwrap(), Duration::from_secs(60));
+    out.assert_code(0);
+    let mut lines = rank_lines(&out.stdout);
+    lines.sort();
+    let want: Vec<String> = (0..2)
+        .map(|r| format!("rank={r} world=2 args=--nnode 9"))
+        .collect();
+    let got: Vec<&str> = lines.iter().map(|(_, l)| l.trim()).collect();
+    assert_eq!(got, want, "{}", out.all());
+    let Some(python) = venv_with("torch") else {
+        return;
+    };
+    let read = "import sys; from torch.distributed.run import get_args_parser; \
+                a = get_args_parser().parse_args(sys.argv[1:]); \
+                print(a.nproc_per_node, a.max_restarts, a.no_python, a.training_script, \
+                a.training_script_args)";
+    let torchrun = std::process::Command::new(python)
+        .args(["-c", read])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(torchrun.status.success(), "{torchrun:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&torchrun.stdout).trim(),
+        format!("2 0 True sh ['-c', '{script}', 's', '--nnode', '9']")
+    );
 }
 
 /// accelerate's own test script (`accelerate test` runs it) under `launch`, with an accelerate

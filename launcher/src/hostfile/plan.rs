@@ -269,15 +269,6 @@ fn valid_name(name: &str) -> bool {
 pub fn forwarded_args(args: &[OsString], script_len: usize) -> Vec<OsString> {
     use clap::CommandFactory;
     let command = Cli::command();
-    // (name, takes a value) of every spelling of the flags not passed on.
-    let names: Vec<(String, bool)> = (command.get_arguments())
-        .filter(|a| NOT_FORWARDED.contains(&a.get_id().as_str()))
-        .flat_map(|a| {
-            let aliases = a.get_all_aliases().unwrap_or_default();
-            let value = a.get_action().takes_values();
-            (a.get_long().into_iter().chain(aliases)).map(move |n| (n.to_string(), value))
-        })
-        .collect();
     let options_end = args.len().saturating_sub(script_len);
     let mut out = Vec::new();
     let mut i = 1;
@@ -287,12 +278,11 @@ pub fn forwarded_args(args: &[OsString], script_len: usize) -> Vec<OsString> {
             out.extend(args[i..].iter().cloned());
             break;
         }
-        let long = word
-            .strip_prefix("--")
-            .map(|w| w.split('=').next().unwrap_or(w));
-        let found = long.and_then(|l| names.iter().find(|(n, _)| n == l));
-        match found {
-            Some((_, true)) if !word.contains('=') => i += 2,
+        // Read as clap reads it, an abbreviation included (`--run-i SECRET` is `--run-id`).
+        let kept_back = crate::cli::abbrev::long_flag(&command, &word)
+            .filter(|a| NOT_FORWARDED.contains(&a.get_id().as_str()));
+        match kept_back.map(|a| a.get_action().takes_values()) {
+            Some(true) if !word.contains('=') => i += 2,
             Some(_) => i += 1,
             None => {
                 out.push(args[i].clone());
@@ -352,6 +342,18 @@ mod tests {
             forwarded_args(&args, 0),
             os(&["--set", "a=1", "--grace-period", "2", "c.toml"])
         );
+        // Abbreviated as torchrun allows: read as clap reads them.
+        let args = os(&[
+            "launch",
+            "--hostf",
+            "hf",
+            "--master-p",
+            "7",
+            "--grace",
+            "2",
+            "c.toml",
+        ]);
+        assert_eq!(forwarded_args(&args, 0), os(&["--grace", "2", "c.toml"]));
         let args = os(&["launch", "--hostfile=hf", "--", "sh", "--hostfile", "x"]);
         assert_eq!(
             forwarded_args(&args, 0),
