@@ -462,9 +462,9 @@ pub fn parse() -> Cli {
 
 /// The command line `args` (program name first), a script given torchrun's way included.
 pub fn parse_from(args: Vec<OsString>) -> Result<Cli, clap::Error> {
-    use clap::{CommandFactory, FromArgMatches};
+    use clap::FromArgMatches;
     // Built once, for the split and the parse: it is most of the parsing's time.
-    let mut command = Cli::command();
+    let mut command = abbrev::built_command();
     let (options, script) = split_script(&command, args);
     let mut matches = command.try_get_matches_from_mut(options)?;
     let mut cli = Cli::from_arg_matches_mut(&mut matches).map_err(|e| e.format(&mut command))?;
@@ -478,13 +478,8 @@ pub fn parse_from(args: Vec<OsString>) -> Result<Cli, clap::Error> {
 /// options are never read as `launch`'s. Nothing is split before `--` or without such a word.
 fn split_script(command: &clap::Command, args: Vec<OsString>) -> (Vec<OsString>, Vec<OsString>) {
     let takes_value = |word: &str| -> bool {
-        let found = if word.starts_with("--") {
-            abbrev::long_flag(command, word)
-        } else {
-            let short = word.chars().nth(1);
-            (command.get_arguments()).find(|a| word.len() == 2 && a.get_short() == short)
-        };
-        found.is_some_and(|a| a.get_action().takes_values())
+        abbrev::flag(command, word)
+            .is_some_and(|f| f.arg.get_action().takes_values() && !f.value_inline)
     };
     let mut i = 1;
     while let Some(word) = args.get(i).and_then(|w| w.to_str()) {
@@ -492,11 +487,7 @@ fn split_script(command: &clap::Command, args: Vec<OsString>) -> (Vec<OsString>,
             break;
         }
         if word.starts_with('-') && word.len() > 1 {
-            i += if !word.contains('=') && takes_value(word) {
-                2
-            } else {
-                1
-            };
+            i += if takes_value(word) { 2 } else { 1 };
             continue;
         }
         let toml = Path::new(word)

@@ -24,12 +24,25 @@ pub fn command_line(pid: u32) -> String {
 /// Whether `pid` is stopped (state `T`, by SIGSTOP or a job-control signal; `t`, by a debugger),
 /// as `/proc/<pid>/stat` says; false when it cannot be read.
 pub fn is_stopped(pid: i32) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    matches!(state(pid), Some('T' | 't'))
+}
+
+/// Whether `pid` has exited: a zombie not yet reaped (state `Z` or `X`), or gone. A signal to
+/// its process group still succeeds then, but it did not end it.
+pub fn has_exited(pid: i32) -> bool {
+    match state(pid) {
+        Some(state) => matches!(state, 'Z' | 'X'),
+        // Gone, where /proc can be read at all.
+        None => std::path::Path::new("/proc/self/stat").exists(),
+    }
+}
+
+/// The state letter in `/proc/<pid>/stat`, or `None` when it cannot be read.
+fn state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The state follows the command name, which is in parentheses and may hold any character.
-    let state = stat
-        .rsplit_once(')')
-        .and_then(|(_, rest)| rest.trim_start().chars().next());
-    matches!(state, Some('T' | 't'))
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next())
 }
 
 fn full_command_line(pid: u32) -> String {
@@ -115,5 +128,27 @@ mod tests {
         let _ = child.wait();
         assert!(stopped);
         assert!(!is_stopped(i32::MAX));
+    }
+
+    #[test]
+    fn an_exited_process_not_yet_reaped_is_seen_as_exited() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("0.2")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let running = has_exited(pid);
+        let started = std::time::Instant::now();
+        while !has_exited(pid) && started.elapsed().as_secs() < 5 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        // A zombie until it is reaped: a signal to it still succeeds.
+        let zombie = (has_exited(pid), state(pid));
+        let signalled = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok();
+        let _ = child.wait();
+        assert!(!running);
+        assert_eq!(zombie, (true, Some('Z')));
+        assert!(signalled);
+        assert!(has_exited(pid));
     }
 }

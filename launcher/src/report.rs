@@ -82,24 +82,30 @@ pub fn interrupted(signal: i32) -> i32 {
     128 + signal
 }
 
-/// The root cause among `records`: a rank that the first to fail (`earliest`) names in its last
-/// words (`no answer from rank(s) [1]`, `rank 3 ... ended before the job finished`) and that
-/// either was found stopped (SIGSTOP, a debugger) when the teardown began, or failed on its own
-/// without naming `earliest` back: the first rank failed because that one went away, however
-/// soon it said so (two exits in the same millisecond are reaped in either order). Else
-/// `earliest` (a stopped rank it does not name is only said to be stopped).
+/// The root cause among `records`: the first to fail (`earliest`), or a rank it names in its
+/// last words (`no answer from rank(s) [1]`, `rank 3 ... ended before the job finished`) that
+/// was found stopped (SIGSTOP, a debugger) when the teardown began or failed on its own without
+/// naming it back, and so on down the chain: a rank that failed because another went away did
+/// so however soon it said so (two exits in the same millisecond are reaped in either order).
+/// A stopped rank that nobody names is only said to be stopped.
 pub fn root_cause(records: &[WorkerRecord], earliest: usize) -> usize {
-    let first = &records[earliest];
-    let named = named_peers(&first.stderr_tail, first.rank);
-    if let Some(stopped) = records
-        .iter()
-        .position(|r| r.was_stopped && named.contains(&r.rank))
-    {
-        return stopped;
+    let mut root = earliest;
+    let mut seen = vec![earliest];
+    while let Some(next) = named_cause(records, root).filter(|n| !seen.contains(n)) {
+        seen.push(next);
+        root = next;
     }
-    records
-        .iter()
-        .enumerate()
+    root
+}
+
+/// The rank that `records[by]` names as gone and that went on its own (see [`root_cause`]).
+fn named_cause(records: &[WorkerRecord], by: usize) -> Option<usize> {
+    let first = &records[by];
+    let named = named_peers(&first.stderr_tail, first.rank);
+    if let Some(stopped) = (records.iter()).position(|r| r.was_stopped && named.contains(&r.rank)) {
+        return Some(stopped);
+    }
+    (records.iter().enumerate())
         .filter(|(_, r)| {
             named.contains(&r.rank)
                 && r.sent_by_launcher.is_none()
@@ -107,7 +113,7 @@ pub fn root_cause(records: &[WorkerRecord], earliest: usize) -> usize {
                 && !named_peers(&r.stderr_tail, r.rank).contains(&first.rank)
         })
         .min_by_key(|(_, r)| r.after)
-        .map_or(earliest, |(i, _)| i)
+        .map(|(i, _)| i)
 }
 
 /// The launcher's exit code after a failure: the root cause's, unless launch itself ended it (a
@@ -284,7 +290,9 @@ fn named_peers(tail: &[String], own: u32) -> Vec<u32> {
 /// A `tracing` line below warning level (`  INFO epoch 1/2 ...`): a report, never a failure.
 fn is_progress_log(line: &str) -> bool {
     let first = line.split_whitespace().next().unwrap_or("");
-    matches!(first, "INFO" | "DEBUG" | "TRACE")
+    // `INFO epoch ...` (ours), `INFO:root:...` (Python's logging without a format).
+    let level = first.split(':').next().unwrap_or("");
+    matches!(level, "INFO" | "DEBUG" | "TRACE")
 }
 
 #[cfg(test)]
@@ -370,17 +378,18 @@ mod tests {
 
     #[test]
     fn a_rank_that_failed_on_its_own_is_the_root_cause_though_its_peer_was_reaped_first() {
-        // Rank 3 ran out of memory; rank 2 saw it go and exited in the same millisecond, and
+        // Rank 1 ran out of memory; rank 0 saw it go and exited in the same millisecond, and
         // its exit was the first the launcher reaped.
+        let oom = "worker: error: out of memory on rank 1 (cpu) during the forward pass";
         let mut records = vec![
             record(0, Ending::Code(1), None),
             record(1, Ending::Code(3), None),
         ];
         records[0].stderr_tail = vec![
+            " INFO epoch 1/1 step 2/19 peak mem 369 MiB (rank 2) ETA 0s".into(),
             "worker: error: stopping: rank 1 (host vm, node 0, pid 101) ended before the job finished".into(),
         ];
-        records[1].stderr_tail =
-            vec!["worker: error: out of memory on rank 1 (cpu) during the forward pass".into()];
+        records[1].stderr_tail = vec![oom.into()];
         assert_eq!(root_cause(&records, 0), 1);
         let text = failure_summary(&records, 1, 1, 0..2, &[]);
         assert!(
@@ -395,9 +404,38 @@ mod tests {
         records[1].sent_by_launcher = None;
         records[1].stderr_tail = vec!["no answer from rank(s) [0]".into()];
         assert_eq!(root_cause(&records, 0), 0);
-        // Not named by the first: the first stays the root cause.
-        records[0].stderr_tail = vec!["ValueError: boom".into()];
-        assert_eq!(root_cause(&records, 0), 0);
+        records[1].stderr_tail = vec![oom.into()];
+        assert_eq!(root_cause(&records, 0), 1);
+        // Named only by a progress line (ours, or Python's logging): not a lost peer.
+        for progress in [
+            " INFO epoch 1/1 step 2/19 peak mem 369 MiB (rank 1) ETA 0s",
+            "INFO:root:rank 1 is at step 2",
+        ] {
+            records[0].stderr_tail = vec![progress.into(), "ValueError: boom".into()];
+            assert_eq!(root_cause(&records, 0), 0, "{progress}");
+        }
+    }
+
+    #[test]
+    fn the_root_cause_is_followed_down_a_chain_of_lost_peers() {
+        // Rank 0 lost rank 1, which lost rank 2, which failed on its own; rank 3 also failed
+        // on its own, later, and nobody names it.
+        let mut records: Vec<WorkerRecord> = (0..4)
+            .map(|r| record(r, Ending::Code(if r == 2 { 3 } else { 1 }), None))
+            .collect();
+        records[0].stderr_tail = vec!["connection to rank 1 failed".into()];
+        records[1].stderr_tail = vec!["no answer from rank(s) [2, 3]".into()];
+        records[2].stderr_tail = vec!["CUDA error: an illegal memory access".into()];
+        records[3].stderr_tail = vec!["ValueError: boom".into()];
+        records[3].after = Duration::from_millis(1600);
+        assert_eq!(root_cause(&records, 0), 2);
+        // Of two named ranks that failed on their own, the first to end.
+        records[3].after = Duration::from_millis(1400);
+        assert_eq!(root_cause(&records, 0), 3);
+        // A cycle (0 -> 1 -> 2 -> 0) ends before a rank comes round again.
+        records[2].stderr_tail = vec!["connection to rank 0 failed".into()];
+        records[3].stderr_tail = vec!["connection to rank 1 failed".into()];
+        assert_eq!(root_cause(&records, 0), 2);
     }
 
     #[test]

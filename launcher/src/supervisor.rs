@@ -539,7 +539,11 @@ impl Group<'_> {
     /// SIGKILL to every group now (workers and whatever is left of their children).
     fn kill_now(&mut self) {
         for w in &mut self.workers {
-            if killpg(Pid::from_raw(w.pid), Signal::SIGKILL).is_ok() && w.ending.is_none() {
+            let exited = crate::process::has_exited(w.pid);
+            if killpg(Pid::from_raw(w.pid), Signal::SIGKILL).is_ok()
+                && w.ending.is_none()
+                && !exited
+            {
                 w.sent = Some(Signal::SIGKILL);
             }
         }
@@ -553,7 +557,10 @@ impl Group<'_> {
             if w.sent.is_none() {
                 w.stopped = crate::process::is_stopped(w.pid);
             }
-            if killpg(Pid::from_raw(w.pid), signal).is_ok() {
+            // A worker that exited on its own, not yet reaped, is not ended by this signal
+            // (its group may still hold children): the summary must not say launch ended it.
+            let exited = crate::process::has_exited(w.pid);
+            if killpg(Pid::from_raw(w.pid), signal).is_ok() && !exited {
                 w.sent = Some(signal);
             }
         }

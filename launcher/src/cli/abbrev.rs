@@ -6,6 +6,37 @@
 
 use clap::{Arg, Command};
 
+/// A word of the command line read as a flag.
+pub struct Flag<'a> {
+    pub arg: &'a Arg,
+    /// The word holds the value too (`--flag=V`, `-HV`, `-H=V`).
+    pub value_inline: bool,
+}
+
+/// The flag that `word` names (`--NAME`, `--NAME=V`, a prefix of either as [`long_flag`]
+/// resolves it; `-X`, `-XV`), in `command` as built (`Command::build`: with `--help` and
+/// `--version`, which clap's prefixes count). `None` for any other word.
+pub fn flag<'a>(command: &'a Command, word: &str) -> Option<Flag<'a>> {
+    if word.starts_with("--") {
+        let arg = long_flag(command, word)?;
+        return Some(Flag {
+            arg,
+            value_inline: word.contains('='),
+        });
+    }
+    let mut chars = word.strip_prefix('-')?.chars();
+    let short = chars.next()?;
+    let arg = command.get_arguments().find(|a| {
+        a.get_short() == Some(short)
+            || a.get_all_short_aliases()
+                .is_some_and(|s| s.contains(&short))
+    })?;
+    Some(Flag {
+        arg,
+        value_inline: chars.next().is_some(),
+    })
+}
+
 /// The argument that `word` (`--NAME` or `--NAME=VALUE`) names: the one whose long name or
 /// alias is NAME, else the only one with a long name or alias that starts with NAME, as clap's
 /// `infer_long_args` resolves it. `None` for any other word, an ambiguous prefix included.
@@ -30,11 +61,22 @@ pub fn long_flag<'a>(command: &'a Command, word: &str) -> Option<&'a Arg> {
     }
 }
 
+/// `Cli`'s command as clap parses with it (built: `--help` and `--version` added).
+pub fn built_command() -> Command {
+    use clap::CommandFactory;
+    let mut command = super::Cli::command();
+    command.build();
+    command
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cli::{parse_from, Cli, NumProcesses};
-    use clap::CommandFactory;
+    use clap::error::ErrorKind;
+    use clap::parser::ValueSource;
+    use clap::ArgAction;
+    use std::collections::BTreeSet;
     use std::ffi::OsString;
 
     /// torchrun's long flags (PyTorch 2.11's `torch.distributed.run.get_args_parser()`).
@@ -97,7 +139,10 @@ mod tests {
     /// Prefixes torchrun takes that are ambiguous here, because `launch` has flags torchrun
     /// has not (`--no-pin`, `--require-secret`, `--run-id`, `--run-id-file`, `--term-timeout`):
     /// refused with clap's error, as an ambiguous prefix is; one more letter resolves each.
-    const SHADOWED: &[&str] = &["--t", "--te", "--re", "--no-", "--no-p", "--run-", "--run_"];
+    /// `--h` is torchrun's `--help`; here `--hostfile` shares it.
+    const SHADOWED: &[&str] = &[
+        "--h", "--t", "--te", "--re", "--no-", "--no-p", "--run-", "--run_",
+    ];
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         let args = std::iter::once("launch").chain(args.iter().copied());
@@ -106,7 +151,7 @@ mod tests {
 
     #[test]
     fn every_prefix_torchrun_takes_names_the_same_flag_here() {
-        let command = Cli::command();
+        let command = built_command();
         let mut checked = 0;
         for full in TORCHRUN {
             let Some(ours) = long_flag(&command, full) else {
@@ -150,9 +195,63 @@ mod tests {
         assert!(cli.standalone);
         // Two flags start with `--master`: refused, as torchrun refuses it.
         assert!(parse(&["--master", "h", "train.py"]).is_err());
-        let command = Cli::command();
+        let command = built_command();
         assert!(long_flag(&command, "--master").is_none());
         assert!(long_flag(&command, "--").is_none());
         assert!(long_flag(&command, "-n").is_none());
+    }
+
+    /// What clap's own parser makes of `word` with launch's flags' names alone (each a switch,
+    /// so no value is needed): the id of the flag it sets, `help`, `version`, or `None`.
+    fn clap_reads(names_only: &mut Command, word: &str) -> Option<String> {
+        match names_only.try_get_matches_from_mut(["launch", word]) {
+            Ok(m) => (m.ids())
+                .find(|id| m.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+                .map(|id| id.to_string()),
+            Err(e) if e.kind() == ErrorKind::DisplayHelp => Some("help".into()),
+            Err(e) if e.kind() == ErrorKind::DisplayVersion => Some("version".into()),
+            Err(_) => None,
+        }
+    }
+
+    #[test]
+    fn every_prefix_of_every_flag_resolves_as_clap_resolves_it() {
+        let command = built_command();
+        let mut names_only = Command::new("launch").version("0").infer_long_args(true);
+        for a in command.get_arguments().filter(|a| a.get_long().is_some()) {
+            if matches!(a.get_action(), ArgAction::Help | ArgAction::Version) {
+                continue; // clap adds its own
+            }
+            // clap takes `&'static str` names (without its `string` feature): a test may leak.
+            let leak = |name: &str| -> &'static str { Box::leak(name.into()) };
+            let mut switch = Arg::new(a.get_id().clone()).action(ArgAction::SetTrue);
+            switch = switch.long(leak(a.get_long().unwrap_or_default()));
+            for alias in a.get_all_aliases().unwrap_or_default() {
+                switch = switch.alias(leak(alias));
+            }
+            names_only = names_only.arg(switch);
+        }
+        let mut words = BTreeSet::new();
+        for a in command.get_arguments() {
+            let names = (a.get_long().into_iter()).chain(a.get_all_aliases().unwrap_or_default());
+            for name in names {
+                words.extend((1..=name.len()).map(|end| format!("--{}", &name[..end])));
+            }
+        }
+        assert!(words.len() > 1000, "{} words", words.len());
+        for word in &words {
+            let ours = long_flag(&command, word).map(|a| a.get_id().to_string());
+            assert_eq!(ours, clap_reads(&mut names_only, word), "{word}");
+        }
+        // The value stays with the flag it names.
+        let hostfile =
+            flag(&command, "--hostf=hf").map(|f| (f.arg.get_id().to_string(), f.value_inline));
+        assert_eq!(hostfile, Some(("hostfile".into(), true)));
+        let short =
+            |w: &str| flag(&command, w).map(|f| (f.arg.get_id().to_string(), f.value_inline));
+        assert_eq!(short("-H"), Some(("hostfile".into(), false)));
+        assert_eq!(short("-Hhf"), Some(("hostfile".into(), true)));
+        assert_eq!(short("-H=hf"), Some(("hostfile".into(), true)));
+        assert_eq!(short("-"), None);
     }
 }

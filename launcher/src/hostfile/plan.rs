@@ -267,8 +267,7 @@ fn valid_name(name: &str) -> bool {
 /// `args` (program name first) less the program name and the flags in [`NOT_FORWARDED`] (with
 /// their values), up to `--` or the script (the last `script_len` words), which pass as they are.
 pub fn forwarded_args(args: &[OsString], script_len: usize) -> Vec<OsString> {
-    use clap::CommandFactory;
-    let command = Cli::command();
+    let command = crate::cli::abbrev::built_command();
     let options_end = args.len().saturating_sub(script_len);
     let mut out = Vec::new();
     let mut i = 1;
@@ -278,11 +277,11 @@ pub fn forwarded_args(args: &[OsString], script_len: usize) -> Vec<OsString> {
             out.extend(args[i..].iter().cloned());
             break;
         }
-        // Read as clap reads it, an abbreviation included (`--run-i SECRET` is `--run-id`).
-        let kept_back = crate::cli::abbrev::long_flag(&command, &word)
-            .filter(|a| NOT_FORWARDED.contains(&a.get_id().as_str()));
-        match kept_back.map(|a| a.get_action().takes_values()) {
-            Some(true) if !word.contains('=') => i += 2,
+        // Read as clap reads it: an abbreviation (`--master-p 7`) or a short flag (`-H FILE`).
+        let kept_back = crate::cli::abbrev::flag(&command, &word)
+            .filter(|f| NOT_FORWARDED.contains(&f.arg.get_id().as_str()));
+        match kept_back.map(|f| f.arg.get_action().takes_values() && !f.value_inline) {
+            Some(true) => i += 2,
             Some(_) => i += 1,
             None => {
                 out.push(args[i].clone());
@@ -342,7 +341,7 @@ mod tests {
             forwarded_args(&args, 0),
             os(&["--set", "a=1", "--grace-period", "2", "c.toml"])
         );
-        // Abbreviated as torchrun allows: read as clap reads them.
+        // Abbreviated as torchrun allows, or short: read as clap reads them.
         let args = os(&[
             "launch",
             "--hostf",
@@ -354,6 +353,10 @@ mod tests {
             "c.toml",
         ]);
         assert_eq!(forwarded_args(&args, 0), os(&["--grace", "2", "c.toml"]));
+        let args = os(&["launch", "-H", "hf", "--run_id=s3cret", "--q", "c.toml"]);
+        assert_eq!(forwarded_args(&args, 0), os(&["--q", "c.toml"]));
+        let args = os(&["launch", "-Hhf", "--run-id", "s3cret", "c.toml"]);
+        assert_eq!(forwarded_args(&args, 0), os(&["c.toml"]));
         let args = os(&["launch", "--hostfile=hf", "--", "sh", "--hostfile", "x"]);
         assert_eq!(
             forwarded_args(&args, 0),
