@@ -427,3 +427,39 @@ fn ipv6_hosts_are_named_in_include_and_the_master_is_bracketed() {
         out.stdout
     );
 }
+
+#[test]
+fn a_short_or_abbreviated_hostfile_line_keeps_its_own_flags_from_the_hosts() {
+    // `-H FILE` and `--master-p PORT` (torchrun's abbreviation) are this side's: each host's
+    // command line gets the per-host flags instead, and the user's others as typed. Before,
+    // `-H FILE` went on, and every host refused `--hostfile` with `--nnodes`. A dry run.
+    let dir = tempfile::tempdir().unwrap();
+    let hostfile = dir.path().join("hosts");
+    std::fs::write(&hostfile, "ha slots=1\nhb slots=1\n").unwrap();
+    let hostfile = hostfile.display().to_string();
+    let args = [
+        "-H",
+        &hostfile,
+        "--dry-run",
+        "--master-p",
+        "29511",
+        "--max-r",
+        "1",
+        "--",
+        "true",
+    ];
+    let out = wait_output(launch_cmd(&args).spawn().expect("start launch"), T);
+    out.assert_code(0);
+    let lines: Vec<&str> = (out.stdout.lines())
+        .filter(|l| l.contains("ssh "))
+        .collect();
+    assert_eq!(lines.len(), 2, "{}", out.stdout);
+    for (node, line) in lines.iter().enumerate() {
+        let want = format!(
+            "--nnodes 2 --node-rank {node} --master-addr ha --master-port 29511 \
+             --num-processes 1 --max-r 1 -- true'"
+        );
+        assert!(line.ends_with(&want), "{line}");
+        assert!(!line.contains(&hostfile) && !line.contains("-H "), "{line}");
+    }
+}
