@@ -61,6 +61,30 @@ pub fn long_flag<'a>(command: &'a Command, word: &str) -> Option<&'a Arg> {
     }
 }
 
+/// The flags that `word`, a prefix, could be when it is ambiguous (two or more), each by the
+/// name it shares the prefix with; empty otherwise.
+pub fn ambiguous(command: &Command, word: &str) -> Vec<String> {
+    let name = word.strip_prefix("--").unwrap_or_default();
+    if name.is_empty() || name.contains('=') || long_flag(command, word).is_some() {
+        return Vec::new();
+    }
+    // Each flag once, by the first of its names that starts so (`--term-timeout`, an alias).
+    let mut could: Vec<String> = (command.get_arguments())
+        .filter_map(|a| {
+            let aliases = a.get_all_aliases().unwrap_or_default();
+            let mut names = a.get_long().into_iter().chain(aliases);
+            names
+                .find(|n| n.starts_with(name))
+                .map(|n| format!("--{n}"))
+        })
+        .collect();
+    could.sort();
+    if could.len() < 2 {
+        could.clear();
+    }
+    could
+}
+
 /// `Cli`'s command as clap parses with it (built: `--help` and `--version` added).
 pub fn built_command() -> Command {
     use clap::CommandFactory;
@@ -138,7 +162,7 @@ mod tests {
 
     /// Prefixes torchrun takes that are ambiguous here, because `launch` has flags torchrun
     /// has not (`--no-pin`, `--require-secret`, `--run-id`, `--run-id-file`, `--term-timeout`):
-    /// refused with clap's error, as an ambiguous prefix is; one more letter resolves each.
+    /// refused as ambiguous, naming the flags they could match; one more letter resolves each.
     /// `--h` is torchrun's `--help`; here `--hostfile` shares it.
     const SHADOWED: &[&str] = &[
         "--h", "--t", "--te", "--re", "--no-", "--no-p", "--run-", "--run_",
@@ -193,8 +217,23 @@ mod tests {
         let cli = parse(&["--nproc_per=2", "--stand", "c.toml"]).unwrap();
         assert_eq!(cli.num_processes, Some(NumProcesses::Count(2)));
         assert!(cli.standalone);
-        // Two flags start with `--master`: refused, as torchrun refuses it.
-        assert!(parse(&["--master", "h", "train.py"]).is_err());
+        // Two flags start with `--master`: refused, as torchrun refuses it, naming both.
+        let error = parse(&["--master", "h", "train.py"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("ambiguous option: --master could match --master-addr, --master-port"),
+            "{error}"
+        );
+        let error = parse(&["--max-restarts", "1", "--te", "c.toml"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("could match --tee, --term-timeout"),
+            "{error}"
+        );
+        let error = parse(&["--tea", "c.toml"]).unwrap_err().to_string();
+        assert!(!error.contains("ambiguous"), "{error}");
         let command = built_command();
         assert!(long_flag(&command, "--master").is_none());
         assert!(long_flag(&command, "--").is_none());
