@@ -468,26 +468,10 @@ pub fn parse_from(args: Vec<OsString>) -> Result<Cli, clap::Error> {
     let (options, script) = split_script(&command, args);
     let mut matches = command
         .try_get_matches_from_mut(options)
-        .map_err(|e| name_ambiguity(&mut command, e))?;
+        .map_err(|e| abbrev::name_ambiguity(&mut command, e))?;
     let mut cli = Cli::from_arg_matches_mut(&mut matches).map_err(|e| e.format(&mut command))?;
     cli.script = script;
     Ok(cli)
-}
-
-/// An unknown flag that is a prefix of several: said as torchrun's argparse says it
-/// (`ambiguous option: --master could match --master-addr, --master-port`), not as unknown.
-fn name_ambiguity(command: &mut clap::Command, error: clap::Error) -> clap::Error {
-    use clap::error::{ContextKind, ContextValue, ErrorKind};
-    let word = match error.get(ContextKind::InvalidArg) {
-        Some(ContextValue::String(word)) if error.kind() == ErrorKind::UnknownArgument => word,
-        _ => return error,
-    };
-    let could = abbrev::ambiguous(command, word);
-    if could.is_empty() {
-        return error;
-    }
-    let message = format!("ambiguous option: {word} could match {}", could.join(", "));
-    command.error(ErrorKind::UnknownArgument, message)
 }
 
 /// Splits `args` at the script given torchrun's way (`launch --nproc-per-node 2 train.py --lr

@@ -85,6 +85,22 @@ pub fn ambiguous(command: &Command, word: &str) -> Vec<String> {
     could
 }
 
+/// An unknown flag that is a prefix of several: said as torchrun's argparse says it
+/// (`ambiguous option: --master could match --master-addr, --master-port`), not as unknown.
+pub fn name_ambiguity(command: &mut Command, error: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let word = match error.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(word)) if error.kind() == ErrorKind::UnknownArgument => word,
+        _ => return error,
+    };
+    let could = ambiguous(command, word);
+    if could.is_empty() {
+        return error;
+    }
+    let message = format!("ambiguous option: {word} could match {}", could.join(", "));
+    command.error(ErrorKind::UnknownArgument, message)
+}
+
 /// `Cli`'s command as clap parses with it (built: `--help` and `--version` added).
 pub fn built_command() -> Command {
     use clap::CommandFactory;
