@@ -479,10 +479,8 @@ pub fn parse_from(args: Vec<OsString>) -> Result<Cli, clap::Error> {
 /// It and every word after it are the script's (torchrun's `training_script_args`), so its own
 /// options are never read as `launch`'s. Nothing is split before `--` or without such a word.
 fn split_script(command: &clap::Command, args: Vec<OsString>) -> (Vec<OsString>, Vec<OsString>) {
-    let takes_value = |word: &str| -> bool {
-        abbrev::flag(command, word)
-            .is_some_and(|f| f.arg.get_action().takes_values() && !f.value_inline)
-    };
+    let takes_value =
+        |word: &str| -> bool { abbrev::flag(command, word).is_some_and(|f| f.value_follows()) };
     let mut i = 1;
     while let Some(word) = args.get(i).and_then(|w| w.to_str()) {
         if word == "--" {

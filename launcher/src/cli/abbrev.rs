@@ -13,6 +13,25 @@ pub struct Flag<'a> {
     pub value_inline: bool,
 }
 
+impl Flag<'_> {
+    /// Whether the next word is this flag's value.
+    pub fn value_follows(&self) -> bool {
+        self.arg.get_action().takes_values() && !self.value_inline
+    }
+}
+
+/// Every long name of `a`: its long flag, then its aliases.
+fn names(a: &Arg) -> impl Iterator<Item = &str> {
+    (a.get_long().into_iter()).chain(a.get_all_aliases().unwrap_or_default())
+}
+
+/// Each argument with a name that starts with `prefix`, and the first such name.
+fn starting_with<'a>(command: &'a Command, prefix: &str) -> Vec<(&'a Arg, &'a str)> {
+    (command.get_arguments())
+        .filter_map(|a| names(a).find(|n| n.starts_with(prefix)).map(|n| (a, n)))
+        .collect()
+}
+
 /// The flag that `word` names (`--NAME`, `--NAME=V`, a prefix of either as [`long_flag`]
 /// resolves it; `-X`, `-XV`), in `command` as built (`Command::build`: with `--help` and
 /// `--version`, which clap's prefixes count). `None` for any other word.
@@ -46,17 +65,11 @@ pub fn long_flag<'a>(command: &'a Command, word: &str) -> Option<&'a Arg> {
     if name.is_empty() {
         return None;
     }
-    let names =
-        |a: &'a Arg| (a.get_long().into_iter()).chain(a.get_all_aliases().unwrap_or_default());
-    if let Some(exact) = command
-        .get_arguments()
-        .find(|a| names(a).any(|n| n == name))
-    {
+    if let Some(exact) = (command.get_arguments()).find(|a| names(a).any(|n| n == name)) {
         return Some(exact);
     }
-    let mut found = (command.get_arguments()).filter(|a| names(a).any(|n| n.starts_with(name)));
-    match (found.next(), found.next()) {
-        (Some(only), None) => Some(only),
+    match starting_with(command, name)[..] {
+        [(only, _)] => Some(only),
         _ => None,
     }
 }
@@ -69,14 +82,8 @@ pub fn ambiguous(command: &Command, word: &str) -> Vec<String> {
         return Vec::new();
     }
     // Each flag once, by the first of its names that starts so (`--term-timeout`, an alias).
-    let mut could: Vec<String> = (command.get_arguments())
-        .filter_map(|a| {
-            let aliases = a.get_all_aliases().unwrap_or_default();
-            let mut names = a.get_long().into_iter().chain(aliases);
-            names
-                .find(|n| n.starts_with(name))
-                .map(|n| format!("--{n}"))
-        })
+    let mut could: Vec<String> = (starting_with(command, name).into_iter())
+        .map(|(_, n)| format!("--{n}"))
         .collect();
     could.sort();
     if could.len() < 2 {
@@ -288,8 +295,7 @@ mod tests {
         }
         let mut words = BTreeSet::new();
         for a in command.get_arguments() {
-            let names = (a.get_long().into_iter()).chain(a.get_all_aliases().unwrap_or_default());
-            for name in names {
+            for name in names(a) {
                 words.extend((1..=name.len()).map(|end| format!("--{}", &name[..end])));
             }
         }

@@ -280,7 +280,7 @@ pub fn forwarded_args(args: &[OsString], script_len: usize) -> Vec<OsString> {
         // Read as clap reads it: an abbreviation (`--master-p 7`) or a short flag (`-H FILE`).
         let kept_back = crate::cli::abbrev::flag(&command, &word)
             .filter(|f| NOT_FORWARDED.contains(&f.arg.get_id().as_str()));
-        match kept_back.map(|f| f.arg.get_action().takes_values() && !f.value_inline) {
+        match kept_back.map(|f| f.value_follows()) {
             Some(true) => i += 2,
             Some(_) => i += 1,
             None => {
