@@ -3,7 +3,8 @@
 //! Owns: ranking one user's scores over all items with excluded items removed (ties broken in
 //! a fixed pseudo-random order of the items, deterministically), the per-user Recall/NDCG/MRR/Hit/Precision@K formulas
 //! of REFERENCE.md ("Recommendation protocol"), the additive per-rank sums ([`MetricSums`]) with
-//! a flat `f64` layout for an all-reduce, and the final means ([`Metrics`]).
+//! a flat `f64` layout for an all-reduce, the final means ([`Metrics`]), and each user's own
+//! row of them ([`UserMetrics`], what a paired comparison reads).
 //!
 //! Must not: know the model, libtorch, the data set files or other ranks. Callers hand in plain
 //! `f32` scores and item-id lists; reducing [`MetricSums`] across ranks (adding [`MetricSums::to_vec`])
@@ -12,6 +13,7 @@
 
 use std::cmp::Ordering;
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -33,7 +35,7 @@ pub enum EvalError {
 /// The five metrics at each cut-off of `ks` (index `j` of a series is cut-off `ks[j]`) over
 /// `users` evaluated users. `What` says whether the values are sums ([`MetricSums`]) or per-user
 /// means ([`Metrics`]); the two share the layout and differ in what they can do.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(bound = "")]
 pub struct MetricTable<What> {
     pub ks: Vec<usize>,
@@ -43,8 +45,19 @@ pub struct MetricTable<What> {
     pub mrr: Vec<f64>,
     pub hit: Vec<f64>,
     pub precision: Vec<f64>,
+    /// Each user's metrics, where the evaluation kept them (the sharded evaluation does): what
+    /// a paired comparison with a baseline needs ([`crate::per_user::paired`]). Not saved, and
+    /// not part of equality: the table is its means.
+    #[serde(skip)]
+    pub per_user: Option<Arc<UserMetrics>>,
     #[serde(skip)]
     what: PhantomData<What>,
+}
+
+impl<What> PartialEq for MetricTable<What> {
+    fn eq(&self, other: &Self) -> bool {
+        (self.ks == other.ks && self.users == other.users) && self.columns() == other.columns()
+    }
 }
 
 /// Marker: a [`MetricTable`] of sums over users.
@@ -76,6 +89,7 @@ impl<What> MetricTable<What> {
             mrr,
             hit,
             precision,
+            per_user: None,
             what: PhantomData,
         }
     }
@@ -192,6 +206,48 @@ impl Metrics {
     }
 }
 
+/// One evaluation's metrics per user, by user id (a row is [`MetricSums::to_vec`]'s layout
+/// without the user count): `NaN` rows for users not evaluated (no positive in the split).
+#[derive(Debug, Clone)]
+pub struct UserMetrics {
+    ks: Vec<usize>,
+    /// `rows[u * width ..][..width]`: user `u`'s five metrics at each cut-off.
+    rows: Vec<f64>,
+}
+
+impl UserMetrics {
+    /// A user's row: the five metrics (in [`MetricTable::NAMES`] order) at each cut-off of `ks`.
+    pub fn width(ks: &[usize]) -> usize {
+        5 * ks.len()
+    }
+
+    /// The table of `rows` (`users x width(ks)` values, `NaN` where a user was not evaluated).
+    pub fn new(ks: &[usize], rows: Vec<f64>) -> UserMetrics {
+        UserMetrics {
+            ks: ks.to_vec(),
+            rows,
+        }
+    }
+
+    /// Each user's value of `name` (`"ndcg@10"`; as [`MetricTable::get`] reads it), `None` for
+    /// users not evaluated; `None` altogether for a metric not evaluated.
+    pub fn column(&self, name: &str) -> Option<Vec<Option<f64>>> {
+        let (metric, k) = name.split_once('@')?;
+        let k: usize = k.trim().parse().ok()?;
+        let at_k = self.ks.iter().position(|&x| x == k)?;
+        let metric = metric.trim().to_ascii_lowercase();
+        let series = MetricTable::<()>::NAMES.iter().position(|n| *n == metric)?;
+        let width = Self::width(&self.ks);
+        let at = series * self.ks.len() + at_k;
+        Some(
+            self.rows
+                .chunks_exact(width.max(1))
+                .map(|row| Some(row[at]).filter(|v| !v.is_nan()))
+                .collect(),
+        )
+    }
+}
+
 /// Sort key of a score: NaN ranks below everything, -0.0 equals 0.0.
 fn key(s: f32) -> f32 {
     if s.is_nan() {
@@ -249,7 +305,13 @@ pub fn top_k(scores: &[f32], exclude: &[u32], k: usize) -> Vec<u32> {
 /// Adds one user's contribution: `scores` over all items (mutated: excluded items set to -inf),
 /// `exclude` = item ids not to rank (train items; for test also valid items), `positives` = the
 /// held-out items (duplicates counted once). Users with no positive are skipped (`users` unchanged).
-pub fn add_user(sums: &mut MetricSums, scores: &mut [f32], exclude: &[u32], positives: &[u32]) {
+/// Returns the user's own row ([`UserMetrics`]' layout), `None` for a user skipped.
+pub fn add_user(
+    sums: &mut MetricSums,
+    scores: &mut [f32],
+    exclude: &[u32],
+    positives: &[u32],
+) -> Option<Vec<f64>> {
     for &e in exclude {
         if let Some(s) = scores.get_mut(e as usize) {
             *s = f32::NEG_INFINITY;
@@ -259,7 +321,7 @@ pub fn add_user(sums: &mut MetricSums, scores: &mut [f32], exclude: &[u32], posi
     pos.sort_unstable();
     pos.dedup();
     if pos.is_empty() {
-        return;
+        return None;
     }
     let n_pos = pos.len();
     let max_k = sums.ks.iter().copied().max().unwrap_or(0);
@@ -267,7 +329,7 @@ pub fn add_user(sums: &mut MetricSums, scores: &mut [f32], exclude: &[u32], posi
     // hit_flags[i] = whether the item at rank i+1 is a positive.
     let hit_flags: Vec<bool> = top.iter().map(|i| pos.binary_search(i).is_ok()).collect();
 
-    sums.users += 1;
+    let mut row = MetricSums::new(&sums.ks);
     for (j, &k) in sums.ks.iter().enumerate() {
         if k == 0 {
             continue;
@@ -285,12 +347,19 @@ pub fn add_user(sums: &mut MetricSums, scores: &mut [f32], exclude: &[u32], posi
         let idcg: f64 = (0..n_pos.min(k))
             .map(|i| 1.0 / ((i + 2) as f64).log2())
             .sum();
-        sums.recall[j] += hits as f64 / n_pos as f64;
-        sums.ndcg[j] += dcg / idcg;
-        sums.mrr[j] += first.map_or(0.0, |r| 1.0 / r as f64);
-        sums.hit[j] += if hits > 0 { 1.0 } else { 0.0 };
-        sums.precision[j] += hits as f64 / k as f64;
+        row.recall[j] = hits as f64 / n_pos as f64;
+        row.ndcg[j] = dcg / idcg;
+        row.mrr[j] = first.map_or(0.0, |r| 1.0 / r as f64);
+        row.hit[j] = if hits > 0 { 1.0 } else { 0.0 };
+        row.precision[j] = hits as f64 / k as f64;
     }
+    sums.users += 1;
+    for (total, mine) in sums.columns_mut().into_iter().zip(row.columns()) {
+        for (t, m) in total.iter_mut().zip(mine) {
+            *t += *m;
+        }
+    }
+    Some(row.to_vec().split_off(1))
 }
 
 /// Evaluates `users` (e.g. this rank's shard), in order. `exclude` and `positives` are indexed

@@ -23,6 +23,7 @@ pub mod eval;
 pub mod input;
 pub mod model;
 pub mod negatives;
+pub mod per_user;
 pub mod serve;
 pub mod sharded_eval;
 pub mod task;

@@ -4,13 +4,14 @@
 //! the same path.
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Duration;
 
 use runtime::collective::{Collective, OpContext};
 use tch::{Device, Kind, Tensor};
 
 use crate::data::Dataset;
-use crate::eval::{add_user, MetricSums, Metrics};
+use crate::eval::{add_user, MetricSums, Metrics, UserMetrics};
 use crate::input::RecData;
 use crate::model::recommender::{popularity_scores, TextChunks};
 use crate::{RecError, Split};
@@ -123,6 +124,11 @@ pub fn evaluate_sharded(
     let range = &lists.candidates;
     let (from, len) = (range.start as usize, range.len());
     let mut sums = MetricSums::new(ks);
+    // Each user's row at slot `u / world` of this rank's part (users go to ranks by `u % world`),
+    // NaN for users not evaluated: one gather gives every rank every user's row.
+    let width = UserMetrics::width(ks);
+    let slots = positives.len().div_ceil(world);
+    let mut rows = vec![f64::NAN; slots * width];
     for chunk in users.chunks(batch_users.max(1)) {
         let scores = score_batch(chunk)?
             .f_to_device(Device::Cpu)?
@@ -148,22 +154,34 @@ pub fn evaluate_sharded(
         for (row, &u) in chunk.iter().enumerate() {
             let mut s = flat[row * n + from..row * n + from + len].to_vec();
             let ex = lists.exclude.get(u).map_or(&[][..], Vec::as_slice);
-            add_user(
-                &mut sums,
-                &mut s,
-                &within(ex, range),
-                &within(&positives[u], range),
-            );
+            let (ex, pos) = (within(ex, range), within(&positives[u], range));
+            if let Some(row) = add_user(&mut sums, &mut s, &ex, &pos) {
+                rows[u / world * width..][..width].copy_from_slice(&row);
+            }
         }
     }
-    let mine = Tensor::from_slice(&sums.to_vec());
-    let gathered = comm.all_gather(&mine, ctx)?;
+    let mut mine = sums.to_vec();
+    let n_sums = mine.len();
+    mine.extend_from_slice(&rows);
+    let gathered = comm.all_gather(&Tensor::from_slice(&mine), ctx)?;
     let mut total = MetricSums::new(ks);
+    let mut parts = Vec::with_capacity(world);
     for part in gathered {
-        let v = Vec::<f64>::try_from(part.f_to_device(Device::Cpu)?)?;
+        let mut v = Vec::<f64>::try_from(part.f_to_device(Device::Cpu)?)?;
+        let part_rows = v.split_off(n_sums.min(v.len()));
         total.merge(&MetricSums::from_vec(ks, &v)?)?;
+        parts.push(part_rows);
     }
-    Ok(total.means())
+    let mut by_user = vec![f64::NAN; positives.len() * width];
+    for (u, row) in by_user.chunks_exact_mut(width.max(1)).enumerate() {
+        let part = &parts[u % world];
+        if let Some(theirs) = part.get(u / world * width..(u / world + 1) * width) {
+            row.copy_from_slice(theirs);
+        }
+    }
+    let mut means = total.means();
+    means.per_user = Some(Arc::new(UserMetrics::new(ks, by_user)));
+    Ok(means)
 }
 
 /// Every chunk of a table's text parts
@@ -312,6 +330,20 @@ mod tests {
             )
             .means();
             assert!(direct.users > 10);
+            // Each user alone, as the per-user table must hold them (`None`: no positive).
+            let alone: Vec<Option<Metrics>> = users
+                .iter()
+                .map(|&u| {
+                    let m = evaluate_all(
+                        |u| range.clone().map(|i| score_of(u, i as usize)).collect(),
+                        &[u],
+                        &shifted(&exclude),
+                        &shifted(&positives),
+                        &ks,
+                    );
+                    (m.users == 1).then(|| m.means())
+                })
+                .collect();
             for world in [1u32, 2, 3] {
                 let (ex, pos, k) = (exclude.clone(), positives.clone(), ks.clone());
                 let candidates = range.clone();
@@ -335,6 +367,12 @@ mod tests {
                     for name in ["recall@5", "ndcg@10", "mrr@1", "hit@5", "precision@10"] {
                         let (a, b) = (m.get(name).unwrap(), direct.get(name).unwrap());
                         assert!((a - b).abs() < 1e-12, "world {world} {name}: {a} vs {b}");
+                        let column = m.per_user.as_ref().unwrap().column(name).unwrap();
+                        assert_eq!(column.len(), n_users, "world {world}");
+                        for (u, (got, want)) in column.iter().zip(&alone).enumerate() {
+                            let want = want.as_ref().map(|w| w.get(name).unwrap());
+                            assert_eq!(*got, want, "world {world} user {u} {name}");
+                        }
                     }
                 }
             }

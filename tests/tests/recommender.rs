@@ -104,17 +104,50 @@ fn default_config_trains_and_beats_popularity() {
     assert_eq!(summary.len(), 1);
     assert_eq!(summary[0]["peak_rss_mib"].as_array().unwrap().len(), 2);
     let lines = rank_lines(&out.stdout);
-    assert!(
-        lines
-            .iter()
-            .any(|(r, t)| *r == 0 && t.starts_with("  test ndcg@10:")),
-        "{}",
-        out.stdout
-    );
+    let headline = lines
+        .iter()
+        .find(|(r, t)| *r == 0 && t.starts_with("  test ndcg@10:"))
+        .unwrap_or_else(|| panic!("no test line in {}", out.stdout));
+    ease_is_beside_ours_with_the_paired_interval(&headline.1);
     // Only rank 0 reports.
     assert!(!lines
         .iter()
         .any(|(r, t)| *r == 1 && t.starts_with("summary")));
+}
+
+/// `  test ndcg@10: 0.2913 vs popularity 0.1313 (+121.9%), EASE 0.2935 (-0.7%, 95% CI -3.5% to
+/// +1.9%)`: both models ranked the same users, so the paired difference's mean is the
+/// difference of the two means, and it lies inside its interval.
+fn ease_is_beside_ours_with_the_paired_interval(line: &str) {
+    let number = |s: &str| -> f64 {
+        let s = s.trim_matches(['(', ')', ',', '%', '+']);
+        s.parse().unwrap_or_else(|_| panic!("{s:?} in {line:?}"))
+    };
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let at = |word: &str| words.iter().position(|w| *w == word);
+    let (Some(score), Some(e)) = (at("ndcg@10:"), at("EASE")) else {
+        panic!("no score or EASE in {line:?}");
+    };
+    assert!(words.len() > e + 7, "{line}");
+    assert_eq!(
+        (words[e + 3], words[e + 4], words[e + 6]),
+        ("95%", "CI", "to"),
+        "{line}"
+    );
+    let (ours, ease) = (number(words[score + 1]), number(words[e + 1]));
+    let (change, low, high) = (
+        number(words[e + 2]),
+        number(words[e + 5]),
+        number(words[e + 7]),
+    );
+    // The printed means are rounded to 4 places: the change agrees to within that rounding.
+    let expected = (ours / ease - 1.0) * 100.0;
+    assert!(
+        (change - expected).abs() < 0.2,
+        "{change} vs {expected}: {line}"
+    );
+    assert!(low < change && change < high, "{line}");
+    assert!(high - low < 100.0, "{line}");
 }
 
 /// The default holds out 10% of the items and of the users: both are tested after training

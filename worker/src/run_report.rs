@@ -304,12 +304,14 @@ impl RunSummary<'_> {
         )
     }
 
-    /// `test ndcg@10: 0.1054 vs popularity 0.0889 (+18.7%), EASE 0.1203`, and so for a
+    /// `test ndcg@10: 0.1054 vs popularity 0.0889 (+18.7%), EASE 0.1203 (-12.4%, 95% CI -20.1% to
+    /// -4.7%)` (paired over the users both ranked), and so for a
     /// cold-start split (`cold items ndcg@10: ...`; EASE scores warm items only).
-    fn print_comparison(&self, split: Split, ours: &Metrics) {
+    fn print_comparison(&self, split: Split, tested: &Metrics) {
         let metric = self.plan.config.eval.metric.trim().to_ascii_lowercase();
         let pop = self.pop_tests.iter().find(|(s, _)| *s == split);
-        if let (Some(ours), Some(pop)) = (ours.get(&metric), pop.and_then(|(_, m)| m.get(&metric)))
+        if let (Some(ours), Some(pop)) =
+            (tested.get(&metric), pop.and_then(|(_, m)| m.get(&metric)))
         {
             let change = if pop > 0.0 {
                 format!("{:+.1}%", (ours / pop - 1.0) * 100.0)
@@ -318,11 +320,24 @@ impl RunSummary<'_> {
             };
             let name = split.label();
             let ease = (self.ease_tests.iter().find(|(s, _)| *s == split))
-                .and_then(|(_, m)| m.get(&metric))
-                .map_or(String::new(), |e| format!(", EASE {e:.4}"));
+                .and_then(|(_, m)| Some((m.get(&metric)?, m)))
+                .map_or(String::new(), |(e, m)| {
+                    let versus = ours_vs(tested, m, &metric);
+                    format!(", EASE {e:.4}{versus}")
+                });
             println!("  {name} {metric}: {ours:.4} vs popularity {pop:.4} ({change}){ease}");
         }
     }
+}
+
+/// ` (-0.7%, 95% CI -3.4% to +2.0%)`: how far `ours` is from `base` on `metric`, paired over the
+/// users both evaluated; empty where either lacks its users' metrics (read back from a file).
+fn ours_vs(ours: &Metrics, base: &Metrics, metric: &str) -> String {
+    let (Some(a), Some(b)) = (&ours.per_user, &base.per_user) else {
+        return String::new();
+    };
+    recommender::per_user::paired(a, b, metric)
+        .map_or(String::new(), |p| format!(" ({})", p.relative_line()))
 }
 
 /// `model.kind = "pop"`: the baseline's results are the run's (an earlier run's files are moved
