@@ -208,11 +208,19 @@ impl Metrics {
 
 /// One evaluation's metrics per user, by user id (a row is [`MetricSums::to_vec`]'s layout
 /// without the user count): `NaN` rows for users not evaluated (no positive in the split).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct UserMetrics {
     ks: Vec<usize>,
     /// `rows[u * width ..][..width]`: user `u`'s five metrics at each cut-off.
     rows: Vec<f64>,
+}
+
+/// Its size, not its rows: a [`Metrics`] in an error or a log stays one line.
+impl std::fmt::Debug for UserMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let users = self.rows.len() / Self::width(&self.ks).max(1);
+        write!(f, "UserMetrics {{ users: {users}, ks: {:?} }}", self.ks)
+    }
 }
 
 impl UserMetrics {

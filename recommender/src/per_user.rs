@@ -12,58 +12,70 @@ use crate::eval::UserMetrics;
 /// The normal distribution's two-sided 95% quantile.
 const Z95: f64 = 1.959_963_984_540_054;
 
-/// The mean difference of a metric between two evaluations of the same users, and its 95%
-/// confidence interval (the normal approximation: hundreds of users make it a fair one).
+/// Fewer users shared than this and no interval is given: the normal approximation needs a
+/// sample of some size (Student's t at 29 degrees of freedom is within 4% of it).
+pub const MIN_USERS: usize = 30;
+
+/// How far one evaluation's mean of a metric is from another's over the same users, relative
+/// to the other's, with its 95% confidence interval.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Paired {
     /// Users evaluated by both.
     pub users: u64,
-    /// Mean of `ours - base` over them.
-    pub mean: f64,
-    /// Half the interval's width: `mean ± half_width`.
+    /// `mean(ours) / mean(base) - 1` over them.
+    pub change: f64,
+    /// Half the interval's width: `change ± half_width`. Both means are estimated from the same
+    /// users, so it is the ratio's (the delta method: the spread of `ours - R x base` per user,
+    /// `R` the ratio of the means, over the base's mean), not the difference's over a fixed base.
     pub half_width: f64,
-    /// The base's mean over the same users (what a relative difference is of).
-    pub base_mean: f64,
 }
 
 impl Paired {
-    /// `-0.7%, 95% CI -3.4% to +2.0%`: relative to the base's mean.
+    /// `-0.7%, 95% CI -3.5% to +2.0%`.
     pub fn relative_line(&self) -> String {
-        let rel = |v: f64| (v / self.base_mean) * 100.0;
+        let pct = |v: f64| v * 100.0;
         format!(
             "{:+.1}%, 95% CI {:+.1}% to {:+.1}%",
-            rel(self.mean),
-            rel(self.mean - self.half_width),
-            rel(self.mean + self.half_width)
+            pct(self.change),
+            pct(self.change - self.half_width),
+            pct(self.change + self.half_width)
         )
     }
 }
 
-/// `ours - base` on `metric` over the users both evaluated; `None` when either lacks the
-/// metric, fewer than two users are shared, or the base's mean is not positive.
+/// `ours` against `base` on `metric` over the users both evaluated; `None` when either lacks
+/// the metric, the tables are of different users, fewer than [`MIN_USERS`] are shared, or the
+/// base's mean is not positive.
 pub fn paired(ours: &UserMetrics, base: &UserMetrics, metric: &str) -> Option<Paired> {
     let (a, b) = (ours.column(metric)?, base.column(metric)?);
+    if a.len() != b.len() {
+        return None;
+    }
     let pairs: Vec<(f64, f64)> = a
         .iter()
         .zip(&b)
         .filter_map(|(x, y)| Some(((*x)?, (*y)?)))
         .collect();
-    let n = pairs.len() as f64;
-    if pairs.len() < 2 {
+    if pairs.len() < MIN_USERS {
         return None;
     }
-    let base_mean = pairs.iter().map(|p| p.1).sum::<f64>() / n;
-    let mean = pairs.iter().map(|p| p.0 - p.1).sum::<f64>() / n;
+    let n = pairs.len() as f64;
+    let mean = |f: &dyn Fn(&(f64, f64)) -> f64| pairs.iter().map(f).sum::<f64>() / n;
+    let (ours_mean, base_mean) = (mean(&|p| p.0), mean(&|p| p.1));
+    if base_mean <= 0.0 {
+        return None;
+    }
+    let ratio = ours_mean / base_mean;
+    // `ours - ratio x base` has mean 0 by construction.
     let var = pairs
         .iter()
-        .map(|p| (p.0 - p.1 - mean).powi(2))
+        .map(|p| (p.0 - ratio * p.1).powi(2))
         .sum::<f64>()
         / (n - 1.0);
-    (base_mean > 0.0).then(|| Paired {
+    Some(Paired {
         users: pairs.len() as u64,
-        mean,
-        half_width: Z95 * (var / n).sqrt(),
-        base_mean,
+        change: ratio - 1.0,
+        half_width: Z95 * (var / n).sqrt() / base_mean,
     })
 }
 
@@ -94,29 +106,46 @@ mod tests {
     }
 
     #[test]
-    fn the_interval_is_the_mean_difference_give_or_take_1_96_standard_errors() {
-        // Differences 0.1, 0.3, 0.2, 0.2 over users both evaluated (user 2 is not in ours).
-        let ours = table(&[0.5, 0.6, f64::NAN, 0.4, 0.3]);
-        let base = table(&[0.4, 0.3, 0.9, 0.2, 0.1]);
-        let p = paired(&ours, &base, "ndcg@10").unwrap();
-        assert_eq!(p.users, 4);
-        assert!((p.mean - 0.2).abs() < 1e-12, "{p:?}");
-        assert!((p.base_mean - 0.25).abs() < 1e-12, "{p:?}");
-        // Sample variance of (0.1, 0.3, 0.2, 0.2): 0.02 / 3; standard error sqrt(that / 4).
-        let se = (0.02f64 / 3.0 / 4.0).sqrt();
+    fn the_interval_is_the_change_give_or_take_1_96_standard_errors_of_the_ratio() {
+        // 40 users at 0.5 for the base, ours 0.6 and 0.4 in turn, one more user only in ours:
+        // no change, and each user 0.1 off it.
+        let mut ours: Vec<f64> = (0..40).map(|u| [0.6, 0.4][u % 2]).collect();
+        let mut base = vec![0.5; 40];
+        ours.push(0.9);
+        base.push(f64::NAN);
+        let p = paired(&table(&ours), &table(&base), "ndcg@10").unwrap();
+        assert_eq!(p.users, 40);
+        assert!(p.change.abs() < 1e-12, "{p:?}");
+        // Variance 0.01 x 40 / 39, standard error sqrt(that / 40), over the base's 0.5.
+        let se = (0.01f64 / 39.0).sqrt() / 0.5;
         assert!(
             (p.half_width - 1.959_963_984_540_054 * se).abs() < 1e-12,
             "{p:?}"
         );
-        assert_eq!(p.relative_line(), "+80.0%, 95% CI +48.0% to +112.0%");
+        assert_eq!(p.relative_line(), "+0.0%, 95% CI -6.3% to +6.3%");
     }
 
     #[test]
-    fn too_few_shared_users_or_no_base_is_no_comparison() {
-        let one = table(&[0.5, f64::NAN]);
-        assert_eq!(paired(&one, &table(&[0.4, 0.3]), "ndcg@10"), None);
-        let zero = table(&[0.0, 0.0]);
-        assert_eq!(paired(&table(&[0.4, 0.3]), &zero, "ndcg@10"), None);
-        assert_eq!(paired(&zero, &zero, "mrr@5"), None);
+    fn ours_exactly_twice_the_base_for_every_user_is_plus_100_percent_with_no_doubt() {
+        // Each user's difference varies (a difference over a fixed base would have a width);
+        // the ratio does not.
+        let base: Vec<f64> = (0..50).map(|u| 0.1 + 0.01 * u as f64).collect();
+        let ours: Vec<f64> = base.iter().map(|b| 2.0 * b).collect();
+        let p = paired(&table(&ours), &table(&base), "ndcg@10").unwrap();
+        assert!((p.change - 1.0).abs() < 1e-12, "{p:?}");
+        assert!(p.half_width < 1e-9, "{p:?}");
+        assert_eq!(p.relative_line(), "+100.0%, 95% CI +100.0% to +100.0%");
+    }
+
+    #[test]
+    fn too_few_shared_users_other_users_or_no_base_is_no_comparison() {
+        let some = |n: usize, v: f64| table(&vec![v; n]);
+        assert!(paired(&some(30, 0.4), &some(30, 0.3), "ndcg@10").is_some());
+        let mut one_short = vec![0.4; 30];
+        one_short[7] = f64::NAN;
+        assert_eq!(paired(&table(&one_short), &some(30, 0.3), "ndcg@10"), None);
+        assert_eq!(paired(&some(31, 0.4), &some(30, 0.3), "ndcg@10"), None);
+        assert_eq!(paired(&some(30, 0.4), &some(30, 0.0), "ndcg@10"), None);
+        assert_eq!(paired(&some(30, 0.4), &some(30, 0.3), "mrr@5"), None);
     }
 }
