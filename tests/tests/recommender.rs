@@ -116,8 +116,8 @@ fn default_config_trains_and_beats_popularity() {
 }
 
 /// `  test ndcg@10: 0.2913 vs popularity 0.1313 (+121.9%), EASE 0.2935 (-0.7%, 95% CI -3.5% to
-/// +1.9%)`: both models ranked the same users, so the paired difference's mean is the
-/// difference of the two means, and it lies inside its interval.
+/// +2.0%)`: both models ranked the same users, so the change is the ratio of the two printed
+/// means, inside its interval.
 fn ease_is_beside_ours_with_the_paired_interval(line: &str) {
     let number = |s: &str| -> f64 {
         let s = s.trim_matches(['(', ')', ',', '%', '+']);
