@@ -184,11 +184,7 @@ impl Metrics {
     /// A metric by name, e.g. `"recall@10"`, `"NDCG@20"` (names: recall, ndcg, mrr, hit,
     /// precision; case-insensitive). `None` for an unknown name or a cut-off not evaluated.
     pub fn get(&self, name: &str) -> Option<f64> {
-        let (metric, k) = name.split_once('@')?;
-        let k: usize = k.trim().parse().ok()?;
-        let idx = self.ks.iter().position(|&x| x == k)?;
-        let metric = metric.trim().to_ascii_lowercase();
-        let column = Self::NAMES.iter().position(|n| *n == metric)?;
+        let (column, idx) = locate(&self.ks, name)?;
         self.columns()[column].get(idx).copied()
     }
 
@@ -240,11 +236,7 @@ impl UserMetrics {
     /// Each user's value of `name` (`"ndcg@10"`; as [`MetricTable::get`] reads it), `None` for
     /// users not evaluated; `None` altogether for a metric not evaluated.
     pub fn column(&self, name: &str) -> Option<Vec<Option<f64>>> {
-        let (metric, k) = name.split_once('@')?;
-        let k: usize = k.trim().parse().ok()?;
-        let at_k = self.ks.iter().position(|&x| x == k)?;
-        let metric = metric.trim().to_ascii_lowercase();
-        let series = MetricTable::<()>::NAMES.iter().position(|n| *n == metric)?;
+        let (series, at_k) = locate(&self.ks, name)?;
         let width = Self::width(&self.ks);
         let at = series * self.ks.len() + at_k;
         Some(
@@ -254,6 +246,18 @@ impl UserMetrics {
                 .collect(),
         )
     }
+}
+
+/// Where `name` (`"ndcg@10"`, case-insensitive) is among the cut-offs `ks`: its series (in
+/// [`MetricTable::NAMES`] order) and its cut-off's index; `None` for an unknown name or a
+/// cut-off not evaluated.
+fn locate(ks: &[usize], name: &str) -> Option<(usize, usize)> {
+    let (metric, k) = name.split_once('@')?;
+    let k: usize = k.trim().parse().ok()?;
+    let at_k = ks.iter().position(|&x| x == k)?;
+    let metric = metric.trim().to_ascii_lowercase();
+    let series = MetricTable::<()>::NAMES.iter().position(|n| *n == metric)?;
+    Some((series, at_k))
 }
 
 /// Sort key of a score: NaN ranks below everything, -0.0 equals 0.0.
